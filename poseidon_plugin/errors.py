@@ -1,0 +1,35 @@
+"""Errors a user can cause. Anything else that escapes is a bug."""
+
+from __future__ import annotations
+
+
+class PoseidonError(Exception):
+    """A user mistake or an impossible request; the CLI prints it on one line and exits 2."""
+
+
+class SpecError(PoseidonError):
+    """A cluster, model or plan specification is malformed.
+
+    The message names the source (file), the field path and what was expected, e.g.
+    ``examples/clusters/x.yaml: device_types.A100.memory_gib: expected a number > 0, got -3``.
+    """
+
+    def __init__(self, source: str, field: str, expected: str, got: object = None) -> None:
+        self.source = source
+        self.field = field
+        self.expected = expected
+        self.got = got
+        got_part = "" if got is None else f", got {got!r}"
+        super().__init__(f"{source}: {field}: expected {expected}{got_part}")
+
+
+class ProfileDBError(PoseidonError):
+    """The on-disk profile database is corrupt, of an old version, or unwritable."""
+
+
+class InfeasibleError(PoseidonError):
+    """No plan satisfies the constraints (batch divisibility, memory, device counts)."""
+
+
+class DistributedError(PoseidonError):
+    """A collective timed out or a rank failed during bootstrap, discovery or profiling."""

@@ -1,0 +1,53 @@
+"""Build script: the Cython hot paths are compiled from poseidon_plugin/*.pyx."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import numpy as np
+from Cython.Build import cythonize
+from setuptools import Extension, find_packages, setup
+
+# POSEIDON_CHECKS=1 builds with bounds and wrap-around checks on (used by the test suite's
+# checked build); the default build turns them off once the tests pass with them on.
+_checks = os.environ.get("POSEIDON_CHECKS", "0") == "1"
+
+extensions = [
+    Extension(
+        "poseidon_plugin." + os.path.splitext(os.path.basename(path))[0],
+        [path],
+        include_dirs=[np.get_include()],
+        extra_compile_args=["-O3"],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    )
+    for path in sorted(glob.glob("poseidon_plugin/*.pyx"))
+]
+
+setup(
+    name="poseidon_plugin",
+    version="0.1.0",
+    description="Automatic parallel-plan search for LLM pre-training on heterogeneous clusters "
+    "(Megatron-LM / MindSpeed-LLM plugin)",
+    python_requires=">=3.12",
+    packages=find_packages(include=["poseidon_plugin", "poseidon_plugin.*"]),
+    package_data={"poseidon_plugin": ["*.pxd", "*.pyx"]},
+    ext_modules=cythonize(
+        extensions,
+        language_level=3,
+        compiler_directives={
+            "boundscheck": _checks,
+            "wraparound": _checks,
+            "initializedcheck": _checks,
+            "cdivision": True,
+        },
+    ),
+    install_requires=["numpy>=1.26", "pyyaml>=6", "tqdm>=4.60"],
+    extras_require={
+        "megatron": ["torch", "megatron-core==0.19.2"],
+        "plot": ["matplotlib>=3.7"],
+        "test": ["pytest>=8", "hypothesis>=6.100"],
+    },
+    entry_points={"console_scripts": ["poseidon=poseidon_plugin.cli:main"]},
+    zip_safe=False,
+)
