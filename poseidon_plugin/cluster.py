@@ -1,27 +1,39 @@
 """Cluster specification: device types, nodes and links; loading and validation.
 
-INTERFACE STUB — bodies to be filled in; signatures and field names are the contract other
-modules (profiles, memory, search, integration) code against. Keep them.
+YAML shape (units in names; a value may also be a string with a unit, see ``units.py``)::
 
-YAML shape (units in names):
-
-    name: paper-setting1
-    device_types:
+    name: paper-setting1                 # optional; defaults to the file's stem
+    device_types:                        # a catalogue; types no node uses are allowed
       A2-2: {memory_gib: 64, peak_tflops: 376, efficiency: 0.45, intra_node_gbps: 1400}
-      A2-3: {memory_gib: 64, peak_tflops: 313, intra_node_gbps: 1400}
-    nodes:
-      - {device_type: A2-2, devices_per_node: 8, count: 1}
+      A2-3: {memory_gib: "64 GiB", peak_tflops: "313 TFLOPs", intra_node_gbps: "1400 Gbps"}
+    nodes:                               # groups of identical nodes, expanded in file order
+      - {device_type: A2-2, devices_per_node: 8, count: 1}   # count defaults to 1
       - {device_type: A2-3, devices_per_node: 8, count: 1}
     links:
-      inter_node_gbps: {A2-2: 200, A2-3: 200}   # between nodes of the same type
+      inter_node_gbps: {A2-2: 200, A2-3: 200}   # between nodes of the same type (one number = all)
       cross_type_gbps: 75                        # between nodes of different types
-      latency_ms: 0.01                           # per message, added to every transfer
+      latency_ms: 0.01                           # optional, per message, added to every transfer
+
+Fields per device type: ``memory_gib`` (> 0), ``peak_tflops`` (dense bf16, > 0),
+``intra_node_gbps`` (> 0), optional ``efficiency`` (fraction of peak a transformer layer reaches,
+0 < e <= 1; default ``DEFAULT_EFFICIENCY``). ``inter_node_gbps`` must name every device type that
+nodes use; ``latency_ms`` >= 0. Unknown keys anywhere are errors (they are usually typos).
+
+Every mistake raises ``SpecError(source, field_path, expected, got)``, e.g.
+``clusters/x.yaml: device_types.A100.memory_gib: expected a number > 0, got -3``.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Mapping
+
+import yaml
+
+from .errors import SpecError
+from .units import BYTES_PER_GIB, parse_quantity, positive_quantity, transfer_ms
 
 DEFAULT_EFFICIENCY = 0.5  # fraction of peak dense bf16 TFLOP/s a transformer layer reaches
 
@@ -35,10 +47,14 @@ class DeviceType:
     efficiency: float | None = None  # measured fraction of peak; None -> DEFAULT_EFFICIENCY
 
     @property
-    def memory_bytes(self) -> int: ...
+    def memory_bytes(self) -> int:
+        return int(self.memory_gib * BYTES_PER_GIB)
 
     @property
-    def effective_tflops(self) -> float: ...
+    def effective_tflops(self) -> float:
+        """TFLOP/s a transformer layer reaches: peak x efficiency."""
+        eff = DEFAULT_EFFICIENCY if self.efficiency is None else self.efficiency
+        return self.peak_tflops * eff
 
 
 @dataclass(frozen=True)
@@ -54,6 +70,10 @@ class Links:
     cross_type_gbps: float                 # between nodes of different device types
     latency_ms: float = 0.0
 
+    def __hash__(self) -> int:
+        return hash((tuple(sorted(self.inter_node_gbps.items())), self.cross_type_gbps,
+                     self.latency_ms))
+
 
 @dataclass(frozen=True)
 class Cluster:
@@ -63,21 +83,218 @@ class Cluster:
     links: Links
     source: str = "<memory>"
 
-    def devices_of_type(self, device_type: str) -> int: ...
-    def nodes_of_type(self, device_type: str) -> tuple[Node, ...]: ...
+    def __hash__(self) -> int:
+        return hash((self.name, tuple(sorted(self.device_types.items())), self.nodes, self.links))
+
+    def devices_of_type(self, device_type: str) -> int:
+        """Number of devices of ``device_type`` over all nodes (0 if none)."""
+        return sum(n.num_devices for n in self.nodes if n.device_type == device_type)
+
+    def nodes_of_type(self, device_type: str) -> tuple[Node, ...]:
+        return tuple(n for n in self.nodes if n.device_type == device_type)
+
     @property
-    def type_names(self) -> tuple[str, ...]: ...   # in order of first appearance in `nodes`
+    def type_names(self) -> tuple[str, ...]:
+        """Device types used by nodes, in order of first appearance in ``nodes``."""
+        return tuple(dict.fromkeys(n.device_type for n in self.nodes))
+
     @property
-    def total_devices(self) -> int: ...
+    def total_devices(self) -> int:
+        return sum(n.num_devices for n in self.nodes)
+
+    def device_type_of_node(self, node: int) -> DeviceType:
+        return self.device_types[self.nodes[node].device_type]
 
     def link_gbps(self, node_a: int, node_b: int) -> float:
         """Bandwidth between a device on node_a and one on node_b (intra if equal)."""
-        ...
+        a = self.nodes[node_a]
+        b = self.nodes[node_b]
+        if node_a == node_b:
+            return self.device_types[a.device_type].intra_node_gbps
+        if a.device_type == b.device_type:
+            return self.links.inter_node_gbps[a.device_type]
+        return self.links.cross_type_gbps
+
+    def transfer_ms(self, num_bytes: float, node_a: int, node_b: int) -> float:
+        """Point-to-point time for ``num_bytes`` from node_a to node_b, latency included."""
+        return transfer_ms(num_bytes, self.link_gbps(node_a, node_b), self.links.latency_ms)
+
+    def max_intra_node_devices(self, device_type: str) -> int:
+        """Largest number of devices of one node of ``device_type`` (0 if the type has none)."""
+        return max((n.num_devices for n in self.nodes_of_type(device_type)), default=0)
+
+
+# --------------------------------------------------------------------------- loading
+
+_TOP_KEYS = {"name", "device_types", "nodes", "links"}
+_DEVICE_KEYS = {"memory_gib", "peak_tflops", "intra_node_gbps", "efficiency"}
+_DEVICE_REQUIRED = ("memory_gib", "peak_tflops", "intra_node_gbps")
+_NODE_KEYS = {"device_type", "devices_per_node", "count"}
+_LINK_KEYS = {"inter_node_gbps", "cross_type_gbps", "latency_ms"}
+
+
+def _check_mapping(value: object, source: str, field: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise SpecError(source, field, "a mapping", type(value).__name__)
+    return value
+
+
+def _check_keys(data: Mapping[str, Any], allowed: set[str], required: tuple[str, ...],
+                source: str, prefix: str) -> None:
+    for key in data:
+        if key not in allowed:
+            raise SpecError(source, f"{prefix}{key}",
+                            f"a known key (one of: {', '.join(sorted(allowed))})", "unknown key")
+    for key in required:
+        if key not in data:
+            raise SpecError(source, f"{prefix}{key}", "a value", "missing")
+
+
+def _positive_int(value: object, source: str, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise SpecError(source, field, "an integer > 0", value)
+    return value
+
+
+def _device_type(name: str, data: object, source: str) -> DeviceType:
+    path = f"device_types.{name}"
+    data = _check_mapping(data, source, path)
+    _check_keys(data, _DEVICE_KEYS, _DEVICE_REQUIRED, source, path + ".")
+    efficiency = None
+    if data.get("efficiency") is not None:
+        field = path + ".efficiency"
+        value = data["efficiency"]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise SpecError(source, field, "a fraction 0 < efficiency <= 1", value)
+        efficiency = float(value)
+    return DeviceType(
+        name=name,
+        memory_gib=positive_quantity(data["memory_gib"], "memory", source=source,
+                                     field=path + ".memory_gib"),
+        peak_tflops=positive_quantity(data["peak_tflops"], "compute", source=source,
+                                      field=path + ".peak_tflops"),
+        intra_node_gbps=positive_quantity(data["intra_node_gbps"], "bandwidth", source=source,
+                                          field=path + ".intra_node_gbps"),
+        efficiency=efficiency,
+    )
+
+
+def cluster_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Cluster:
+    """Validate a parsed cluster spec; raises SpecError naming ``source`` and the field path."""
+    data = _check_mapping(data, source, "<top level>")
+    _check_keys(data, _TOP_KEYS, ("device_types", "nodes", "links"), source, "")
+
+    name = data.get("name")
+    if name is None:
+        name = os.path.splitext(os.path.basename(source))[0] if source[:1] != "<" else "cluster"
+    elif not isinstance(name, str) or not name:
+        raise SpecError(source, "name", "a non-empty string", name)
+
+    raw_types = _check_mapping(data["device_types"], source, "device_types")
+    if not raw_types:
+        raise SpecError(source, "device_types", "at least one device type", "an empty mapping")
+    device_types: dict[str, DeviceType] = {}
+    for type_name, spec in raw_types.items():
+        if not isinstance(type_name, str) or not type_name:
+            raise SpecError(source, f"device_types.{type_name}", "a device type name (string)",
+                            type_name)
+        device_types[type_name] = _device_type(type_name, spec, source)
+
+    raw_nodes = data["nodes"]
+    if not isinstance(raw_nodes, list) or not raw_nodes:
+        raise SpecError(source, "nodes", "a non-empty list of node groups",
+                        raw_nodes if not isinstance(raw_nodes, list) else "an empty list")
+    nodes: list[Node] = []
+    for i, group in enumerate(raw_nodes):
+        path = f"nodes[{i}]"
+        group = _check_mapping(group, source, path)
+        _check_keys(group, _NODE_KEYS, ("device_type", "devices_per_node"), source, path + ".")
+        dtype = group["device_type"]
+        if not isinstance(dtype, str) or dtype not in device_types:
+            raise SpecError(source, path + ".device_type",
+                            f"a type declared in device_types ({', '.join(device_types)})", dtype)
+        per_node = _positive_int(group["devices_per_node"], source, path + ".devices_per_node")
+        count = _positive_int(group.get("count", 1), source, path + ".count")
+        for _ in range(count):
+            nodes.append(Node(index=len(nodes), device_type=dtype, num_devices=per_node))
+    used_types = tuple(dict.fromkeys(n.device_type for n in nodes))
+
+    raw_links = _check_mapping(data["links"], source, "links")
+    _check_keys(raw_links, _LINK_KEYS, ("inter_node_gbps", "cross_type_gbps"), source, "links.")
+    raw_inter = raw_links["inter_node_gbps"]
+    inter: dict[str, float] = {}
+    if isinstance(raw_inter, Mapping):
+        for type_name, value in raw_inter.items():
+            field = f"links.inter_node_gbps.{type_name}"
+            if type_name not in device_types:
+                raise SpecError(source, field,
+                                f"a type declared in device_types ({', '.join(device_types)})",
+                                "unknown device type")
+            inter[type_name] = positive_quantity(value, "bandwidth", source=source, field=field)
+        for type_name in used_types:
+            if type_name not in inter:
+                raise SpecError(source, f"links.inter_node_gbps.{type_name}",
+                                "a bandwidth for every device type used by nodes", "missing")
+    else:
+        bandwidth = positive_quantity(raw_inter, "bandwidth", source=source,
+                                      field="links.inter_node_gbps")
+        inter = {t: bandwidth for t in device_types}
+    cross = positive_quantity(raw_links["cross_type_gbps"], "bandwidth", source=source,
+                              field="links.cross_type_gbps")
+    latency = parse_quantity(raw_links.get("latency_ms", 0.0), "time", source=source,
+                             field="links.latency_ms")
+    if latency < 0:
+        raise SpecError(source, "links.latency_ms", "a number >= 0", raw_links["latency_ms"])
+
+    return Cluster(
+        name=name,
+        device_types=MappingProxyType(device_types),
+        nodes=tuple(nodes),
+        links=Links(inter_node_gbps=MappingProxyType(inter), cross_type_gbps=cross,
+                    latency_ms=latency),
+        source=source,
+    )
 
 
 def load_cluster(path: str) -> Cluster:
     """Load and validate a YAML cluster file; raises SpecError naming file and field path."""
-    ...
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = yaml.safe_load(handle)
+    except OSError as exc:
+        raise SpecError(path, "<file>", "a readable cluster YAML file", exc.strerror) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark is not None else "<file>"
+        raise SpecError(path, where, "valid YAML", getattr(exc, "problem", str(exc))) from None
+    if data is None:
+        raise SpecError(path, "<top level>", "a cluster mapping", "an empty file")
+    return cluster_from_dict(data, source=path)
 
 
-def cluster_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Cluster: ...
+def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
+    """The inverse of ``cluster_from_dict`` (bare numbers in canonical units; groups unexpanded)."""
+    groups: list[dict[str, Any]] = []
+    for node in cluster.nodes:
+        last = groups[-1] if groups else None
+        if last and last["device_type"] == node.device_type \
+                and last["devices_per_node"] == node.num_devices:
+            last["count"] += 1
+        else:
+            groups.append({"device_type": node.device_type, "devices_per_node": node.num_devices,
+                           "count": 1})
+    types: dict[str, Any] = {}
+    for name, dt in cluster.device_types.items():
+        entry: dict[str, Any] = {"memory_gib": dt.memory_gib, "peak_tflops": dt.peak_tflops,
+                                 "intra_node_gbps": dt.intra_node_gbps}
+        if dt.efficiency is not None:
+            entry["efficiency"] = dt.efficiency
+        types[name] = entry
+    return {
+        "name": cluster.name,
+        "device_types": types,
+        "nodes": groups,
+        "links": {"inter_node_gbps": dict(cluster.links.inter_node_gbps),
+                  "cross_type_gbps": cluster.links.cross_type_gbps,
+                  "latency_ms": cluster.links.latency_ms},
+    }

@@ -1,11 +1,53 @@
 """Per-pipeline-stage memory model (weights, gradients, optimizer state, activations).
 
-INTERFACE STUB — the contract other modules code against.
+Megatron-core's ``theoretical_memory_usage`` (see notes §6) generalised to uneven, heterogeneous
+stages. All figures are bytes on ONE device of the stage.
+
+Weights, gradients, optimizer (mixed-precision Adam, as megatron-core assumes)
+    18 bytes/parameter without the distributed optimizer:
+        weights 2 (bf16) | gradients 4 (fp32 main grads) | optimizer 12 (fp32 master 4 + Adam 8);
+    6 + 12/dp with it: weights 2 | gradients 4 | optimizer 12/dp (master + Adam sharded over DP).
+    Parameters per device: decoder layers' TP-sharded and expert weights / tp, norms + router
+    replicated (experts: expert-TP = tp, expert-parallel 1, so expert-DP = dp); word (+ position)
+    embedding on stage 0; final norm + output layer on the last stage. With tied embeddings and
+    more than one stage the last stage holds its own copy of the embedding for the output layer
+    (as Megatron does); with one stage it is held once.
+
+Activations kept for backward, per layer and micro-batch (Korthikanti et al. 2022, Table 2,
+generalised to GQA, SwiGLU and MoE), with b = micro-batch, s = sequence, t = TP:
+    replicated part (divided by t only with sequence parallelism): ``s*b*10h`` — norm inputs 2x2h,
+        attention and MLP inputs 2x2h, two dropout masks 2x1h;
+    TP-sharded part, divided by t: ``s*b*(4*a*d + 4*g*d + 2*f*(3 if SwiGLU else 2))`` — Q, K, V and
+        the output-projection input in bf16, and the MLP's fc1 output(s) and fc2 input;
+        MoE: the MLP term x top-k plus the k dispatched copies of the input (2*k*h);
+    attention scores: NOT counted. We assume flash attention / selective recompute of the core
+        attention, which is what megatron-core's own estimate assumes (its ``_without_sp`` formula
+        ``s*b*h*(10 + 24/t)`` is exactly ours for MHA, GeLU, f = 4h; with SP its ``s*b*h*(18+4f/h)/t``
+        is ours for MHA, GeLU). The 5*a*s^2*b/t bytes of non-flash attention are left out.
+    Full recompute (``recompute=True``): per layer only its input, ``2*s*b*h`` (/t with SP), is
+        kept per in-flight micro-batch, plus ONE layer's full activations for the recomputation.
+    Stage 0 adds the embedding terms per in-flight micro-batch: token ids 8*s*b and the embedding
+        dropout mask s*b*h (both /t with SP, as megatron-core does).
+    The last stage adds per in-flight micro-batch the output layer's input 2*s*b*h (/t with SP) and
+        the fp32 logits kept for the loss, 4*s*b*V/t.
+    Total activations = per-micro-batch stage activations x ``microbatches_in_flight``.
+
+Deliberate differences from megatron-core (both shown in ``tests/test_memory.py``): no 5% overhead
+factor on activations (the planner applies its own head-room), fp32 logits (4 bytes, not 2) on the
+last stage, the final norm counted on the last stage (megatron spreads it as final_norm/pp).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from .errors import PoseidonError
+
+SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "interleaved-1f1b")
+
+BYTES_BF16 = 2
+BYTES_FP32 = 4
 
 
 @dataclass(frozen=True)
@@ -17,16 +59,163 @@ class StageMemory:
     total_bytes: int
 
 
-def microbatches_in_flight(schedule: str, stage: int, num_stages: int, num_microbatches: int,
-                           virtual_stages: int = 1) -> float:
-    """Peak number of micro-batches (in units of a whole stage's activations) held by `stage`."""
-    ...
+# --------------------------------------------------------------------------- in-flight count
 
+def microbatches_in_flight(schedule: str, stage: int, num_stages: int, num_microbatches: int,
+                           virtual_stages: int = 1, microbatch_group_size: int | None = None
+                           ) -> float:
+    """Peak number of micro-batches (in units of a whole stage's activations) held by `stage`.
+
+    0-based ``stage`` of ``num_stages`` (N), ``num_microbatches`` (M):
+
+    * ``gpipe``: M (all forwards before any backward);
+    * ``1f1b``: min(N - s, M) (N-1-s warm-up forwards, then one more forward before the first
+      backward);
+    * ``eager-1f1b``: min(2(N - s) - 1, M) (2(N-1-s)+1 warm-up forwards, then backward first);
+    * ``interleaved-1f1b`` with V = ``virtual_stages`` chunks per device: megatron-core 0.19's
+      warm-up count in model chunks, w = 2(N-1-s) + (V-1)G with G = ``microbatch_group_size``
+      (megatron's ``microbatch_group_size_per_vp_stage``, default N), capped at M*V; the steady state
+      adds one more chunk forward before the first backward, so the peak is min(w + 1, M*V) chunks,
+      each holding 1/V of the stage's layers: returned as min(w + 1, M*V) / V. For stage 0 with
+      G = N this is N(1 + (N-1)/(N V)), megatron's interleaving memory penalty times N.
+      With N = 1 or V = 1 megatron does not interleave: as ``1f1b``.
+    """
+    if schedule not in SCHEDULES:
+        raise PoseidonError(f"unknown schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
+    if num_stages < 1 or not 0 <= stage < num_stages:
+        raise PoseidonError(f"stage {stage} is not in 0..{num_stages - 1}")
+    if num_microbatches < 1:
+        raise PoseidonError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    n, m, s = num_stages, num_microbatches, stage
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(n - s, m))
+    if schedule == "eager-1f1b":
+        return float(min(2 * (n - s) - 1, m))
+    v = virtual_stages
+    if v < 1:
+        raise PoseidonError(f"virtual_stages must be >= 1, got {v}")
+    if n == 1 or v == 1:  # megatron runs the non-interleaved schedule then
+        return float(min(n - s, m))
+    group = n if microbatch_group_size is None else microbatch_group_size
+    warmup = 2 * (n - 1 - s) + (v - 1) * group
+    return min(warmup + 1, m * v) / v
+
+
+# --------------------------------------------------------------------------- activations
+
+def layer_activation_bytes(model, *, micro_batch_size: int, seq_length: int, tp: int,
+                           sequence_parallel: bool = False) -> float:
+    """Bytes one decoder layer keeps for backward for one micro-batch on one TP rank
+    (flash / selective-recompute assumption, see the module docstring)."""
+    sb = float(seq_length * micro_batch_size)
+    h, a, g, d = model.hidden_size, model.num_attention_heads, model.num_query_groups, model.head_dim
+    gemms = 3 if model.swiglu else 2
+    replicated = 10.0 * h
+    attention = 4.0 * a * d + 4.0 * g * d
+    if model.is_moe:
+        k = model.moe_top_k
+        mlp = k * 2.0 * model.expert_ffn_hidden_size * gemms + 2.0 * k * h
+    else:
+        mlp = 2.0 * model.ffn_hidden_size * gemms
+    sharded = attention + mlp
+    if sequence_parallel:
+        return sb * (replicated + sharded) / tp
+    return sb * (replicated + sharded / tp)
+
+
+def layer_input_bytes(model, *, micro_batch_size: int, seq_length: int, tp: int,
+                      sequence_parallel: bool = False) -> float:
+    """The bf16 layer input full recomputation keeps (2*s*b*h; /t with SP)."""
+    value = float(BYTES_BF16 * seq_length * micro_batch_size * model.hidden_size)
+    return value / tp if sequence_parallel else value
+
+
+def embedding_activation_bytes(model, *, micro_batch_size: int, seq_length: int, tp: int,
+                               sequence_parallel: bool = False) -> float:
+    """Token ids (int64, 8*s*b) and the embedding dropout mask (s*b*h); /t with SP."""
+    sb = float(seq_length * micro_batch_size)
+    value = 8.0 * sb + sb * model.hidden_size
+    return value / tp if sequence_parallel else value
+
+
+def output_activation_bytes(model, *, micro_batch_size: int, seq_length: int, tp: int,
+                            sequence_parallel: bool = False) -> float:
+    """Output-layer input (2*s*b*h, /t with SP) and the fp32 logits for the loss (4*s*b*V/t)."""
+    sb = float(seq_length * micro_batch_size)
+    layer_input = BYTES_BF16 * sb * model.hidden_size
+    if sequence_parallel:
+        layer_input /= tp
+    return layer_input + BYTES_FP32 * sb * model.vocab_size / tp
+
+
+# --------------------------------------------------------------------------- parameters
+
+def stage_params(model, *, layers: int, stage: int, num_stages: int, tp: int) -> float:
+    """Parameters held by one device of ``stage`` (embedding on stage 0, output on the last)."""
+    params = layers * model.layer_param_split().per_device(tp)
+    word_embedding = model.hidden_size * model.vocab_size
+    if stage == 0:
+        params += word_embedding / tp + (model.embedding_params() - word_embedding)
+    if stage == num_stages - 1:
+        params += model.norm_params
+        if model.untie_embeddings or num_stages > 1:
+            params += word_embedding / tp
+    return params
+
+
+def bytes_per_param(dp: int, distributed_optimizer: bool) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per parameter: (2, 4, 12) or (2, 4, 12/dp)."""
+    optimizer = 12.0 / dp if distributed_optimizer else 12.0
+    return float(BYTES_BF16), float(BYTES_FP32), optimizer
+
+
+# --------------------------------------------------------------------------- stage
 
 def stage_memory(model, *, layers: int, stage: int, num_stages: int, tp: int, dp: int,
                  micro_batch_size: int, seq_length: int, num_microbatches: int,
                  schedule: str = "1f1b", virtual_stages: int = 1,
                  distributed_optimizer: bool = False, recompute: bool = False,
-                 sequence_parallel: bool = False) -> StageMemory:
-    """Memory of one device of `stage` (embedding on stage 0, output layer + logits on the last)."""
-    ...
+                 sequence_parallel: bool = False,
+                 layer_activation_bytes_override: int | None = None) -> StageMemory:
+    """Memory of one device of `stage` (embedding on stage 0, output layer + logits on the last).
+
+    ``layers`` is the number of decoder layers the device holds (all its chunks for interleaving).
+    ``layer_activation_bytes_override``: a measured per-layer, per-micro-batch activation size
+    (e.g. ``LayerProfile.activation_bytes``) to use instead of the analytic one.
+    """
+    if layers < 0:
+        raise PoseidonError(f"layers must be >= 0, got {layers}")
+    if tp < 1 or dp < 1 or micro_batch_size < 1 or seq_length < 1:
+        raise PoseidonError("tp, dp, micro_batch_size and seq_length must be >= 1")
+    in_flight = microbatches_in_flight(schedule, stage, num_stages, num_microbatches,
+                                       virtual_stages)
+
+    params = stage_params(model, layers=layers, stage=stage, num_stages=num_stages, tp=tp)
+    w_b, g_b, o_b = bytes_per_param(dp, distributed_optimizer)
+
+    shape = dict(micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
+                 sequence_parallel=sequence_parallel)
+    full_layer = (float(layer_activation_bytes_override)
+                  if layer_activation_bytes_override is not None
+                  else layer_activation_bytes(model, **shape))
+    if recompute:
+        per_microbatch = layers * layer_input_bytes(model, **shape)
+        recompute_buffer = full_layer if layers > 0 else 0.0
+    else:
+        per_microbatch = layers * full_layer
+        recompute_buffer = 0.0
+    if stage == 0:
+        per_microbatch += embedding_activation_bytes(model, **shape)
+    if stage == num_stages - 1:
+        per_microbatch += output_activation_bytes(model, **shape)
+    activations = per_microbatch * in_flight + recompute_buffer
+
+    weights = math.ceil(params * w_b)
+    gradients = math.ceil(params * g_b)
+    optimizer = math.ceil(params * o_b)
+    activations_bytes = math.ceil(activations)
+    return StageMemory(weights_bytes=weights, gradients_bytes=gradients,
+                       optimizer_bytes=optimizer, activations_bytes=activations_bytes,
+                       total_bytes=weights + gradients + optimizer + activations_bytes)

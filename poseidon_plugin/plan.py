@@ -1,12 +1,32 @@
 """The Plan value: stable JSON, readable table, flags for Megatron-LM and MindSpeed-LLM, rank order.
 
-INTERFACE STUB (owned by the search work) — fields below are the contract with the integration.
+JSON form (``Plan.to_json``; ``PLAN_FORMAT_VERSION`` = 1): one object, keys sorted, 2-space
+indent, floats rounded to 6 decimals, trailing newline, so equal plans give equal bytes::
+
+    {"format_version": 1, "model_name", "cluster_name", "predicted_iteration_time_ms",
+     "predicted_tokens_per_s", "model_tflops_per_device", "mfu", "lower_bound_ms", "gap",
+     "schedule", "virtual_stages", "dp", "tp" (null when per-stage), "pp", "micro_batch_size",
+     "num_microbatches", "global_batch_size", "seq_length", "num_layers",
+     "stages": [{"index", "device_type", "tp", "dp", "layers", "forward_ms", "backward_ms",
+                 "send_forward_ms", "send_backward_ms", "allreduce_ms", "memory_bytes",
+                 "memory_capacity_bytes", "devices": [[{"node", "local_device"}, ...tp], ...dp]}],
+     "unused_devices": [{"node", "local_device"}], "megatron_args": [...] (null if per-stage TP),
+     "mindspeed_llm_args": [...] (null if per-stage TP), "rank_order": [{"rank", "node",
+     "local_device"}], "search": {...statistics...}}
+
+Rank order: Megatron's default order tp-cp-ep-dp-pp (cp = ep = 1):
+``rank = stage * (tp * dp) + dp_rank * tp + tp_rank`` (uniform TP).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from .errors import PoseidonError
+
+PLAN_FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -33,6 +53,10 @@ class StagePlan:
     devices: tuple[tuple[DeviceSlot, ...], ...] = ()
 
 
+def _r(x: float) -> float:
+    return round(float(x), 6)
+
+
 @dataclass(frozen=True)
 class Plan:
     schedule: str
@@ -48,20 +72,214 @@ class Plan:
     cluster_name: str = ""
     unused_devices: tuple[DeviceSlot, ...] = ()
     search: dict[str, Any] = field(default_factory=dict)
+    predicted_tokens_per_s: float = 0.0
+    model_tflops_per_device: float = 0.0
+    mfu: float = 0.0
+    lower_bound_ms: float = 0.0
+    gap: float = 0.0
+    num_layers: int = 0
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def uniform_tp(self) -> bool:
+        return len({s.tp for s in self.stages}) == 1
 
     @property
-    def tp(self) -> int: ...                      # uniform TP (error if per-stage differs)
-    @property
-    def pp(self) -> int: ...
-    @property
-    def layers_per_stage(self) -> tuple[int, ...]: ...
+    def tp(self) -> int:
+        """The TP degree of every stage; PoseidonError for a per-stage-TP plan."""
+        tps = {s.tp for s in self.stages}
+        if len(tps) != 1:
+            raise PoseidonError(f"plan uses per-stage TP degrees {sorted(tps)}; stock Megatron "
+                                "needs one --tensor-model-parallel-size")
+        return tps.pop()
 
-    def megatron_args(self) -> list[str]: ...     # argv tokens
-    def mindspeed_llm_args(self) -> list[str]: ...
+    @property
+    def pp(self) -> int:
+        return len(self.stages)
+
+    @property
+    def layers_per_stage(self) -> tuple[int, ...]:
+        return tuple(s.layers for s in self.stages)
+
+    def layout_segments(self) -> list[int]:
+        """Decoder layers of each virtual pipeline stage, model order (chunk-major: c*N + s)."""
+        v = self.virtual_stages
+        seg = []
+        for c in range(v):
+            for s in self.stages:
+                seg.append(s.layers // v + (1 if c < s.layers % v else 0))
+        return seg
+
+    def pipeline_layout(self) -> str:
+        """Megatron's ``--pipeline-model-parallel-layout``, e.g. ``Et*3|t*5|t*2L``."""
+        segs = self.layout_segments()
+        parts = []
+        for i, n in enumerate(segs):
+            body = "" if n == 0 else ("t" if n == 1 else f"t*{n}")
+            if i == 0:
+                body = "E" + body
+            if i == len(segs) - 1:
+                body = body + "L"
+            parts.append(body)
+        return "|".join(parts)
+
+    # ------------------------------------------------------------------ flags
+    def megatron_args(self) -> list[str]:
+        """argv tokens for megatron-core 0.19's ``pretrain_gpt.py``.
+
+        Interleaving is expressed by the layout's N*V segments alone: megatron 0.19 rejects
+        ``--num-virtual-stages-per-pipeline-rank`` together with a layout (it derives V from it).
+        """
+        args = ["--tensor-model-parallel-size", str(self.tp),
+                "--pipeline-model-parallel-size", str(self.pp)]
+        if self.pp > 1 or self.virtual_stages > 1:
+            args += ["--pipeline-model-parallel-layout", self.pipeline_layout()]
+        args += ["--micro-batch-size", str(self.micro_batch_size),
+                 "--global-batch-size", str(self.global_batch_size)]
+        return args
+
+    def mindspeed_llm_args(self) -> list[str]:
+        args = ["--tensor-model-parallel-size", str(self.tp),
+                "--pipeline-model-parallel-size", str(self.pp)]
+        if self.pp > 1:
+            args += ["--num-layer-list", ",".join(str(n) for n in self.layers_per_stage)]
+        if self.virtual_stages > 1:
+            args += ["--num-layers-per-virtual-pipeline-stage",
+                     str(max(1, min(s.layers for s in self.stages) // self.virtual_stages))]
+        args += ["--micro-batch-size", str(self.micro_batch_size),
+                 "--global-batch-size", str(self.global_batch_size)]
+        return args
+
     def rank_order(self) -> list[DeviceSlot]:
         """new_rank -> physical slot, Megatron's default order tp-cp-ep-dp-pp."""
-        ...
-    def to_json(self) -> str: ...                 # deterministic
+        tp = self.tp
+        out: list[DeviceSlot] = []
+        for st in self.stages:
+            for dp_rank in range(self.dp):
+                for tp_rank in range(tp):
+                    out.append(st.devices[dp_rank][tp_rank])
+        return out
+
+    @property
+    def world_size(self) -> int:
+        return sum(s.tp * s.dp for s in self.stages)
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        uniform = self.uniform_tp
+        stages = [{
+            "index": s.index, "device_type": s.device_type, "tp": s.tp, "dp": s.dp,
+            "layers": s.layers, "forward_ms": _r(s.forward_ms), "backward_ms": _r(s.backward_ms),
+            "send_forward_ms": _r(s.send_forward_ms), "send_backward_ms": _r(s.send_backward_ms),
+            "allreduce_ms": _r(s.allreduce_ms), "memory_bytes": int(s.memory_bytes),
+            "memory_capacity_bytes": int(s.memory_capacity_bytes),
+            "devices": [[{"node": d.node, "local_device": d.local_device} for d in grp]
+                        for grp in s.devices],
+        } for s in self.stages]
+        return {
+            "format_version": PLAN_FORMAT_VERSION,
+            "model_name": self.model_name, "cluster_name": self.cluster_name,
+            "predicted_iteration_time_ms": _r(self.predicted_iteration_time_ms),
+            "predicted_tokens_per_s": _r(self.predicted_tokens_per_s),
+            "model_tflops_per_device": _r(self.model_tflops_per_device),
+            "mfu": _r(self.mfu), "lower_bound_ms": _r(self.lower_bound_ms), "gap": _r(self.gap),
+            "schedule": self.schedule, "virtual_stages": self.virtual_stages, "dp": self.dp,
+            "tp": self.tp if uniform else None, "pp": self.pp,
+            "micro_batch_size": self.micro_batch_size,
+            "num_microbatches": self.num_microbatches,
+            "global_batch_size": self.global_batch_size, "seq_length": self.seq_length,
+            "num_layers": self.num_layers or sum(self.layers_per_stage),
+            "stages": stages,
+            "unused_devices": [{"node": d.node, "local_device": d.local_device}
+                               for d in self.unused_devices],
+            "megatron_args": self.megatron_args() if uniform else None,
+            "mindspeed_llm_args": self.mindspeed_llm_args() if uniform else None,
+            "rank_order": ([{"rank": i, "node": d.node, "local_device": d.local_device}
+                            for i, d in enumerate(self.rank_order())] if uniform else None),
+            "search": _jsonable(self.search),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, indent=2) + "\n"
+
     @classmethod
-    def from_json(cls, text: str) -> "Plan": ...
-    def table(self) -> str: ...                   # human-readable
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            d = json.loads(text)
+            stages = tuple(StagePlan(
+                index=s["index"], device_type=s["device_type"], tp=s["tp"], dp=s["dp"],
+                layers=s["layers"], forward_ms=s["forward_ms"], backward_ms=s["backward_ms"],
+                send_forward_ms=s["send_forward_ms"], send_backward_ms=s["send_backward_ms"],
+                allreduce_ms=s["allreduce_ms"], memory_bytes=s["memory_bytes"],
+                memory_capacity_bytes=s["memory_capacity_bytes"],
+                devices=tuple(tuple(DeviceSlot(x["node"], x["local_device"]) for x in grp)
+                              for grp in s["devices"])) for s in d["stages"])
+            return cls(
+                schedule=d["schedule"], virtual_stages=d["virtual_stages"], dp=d["dp"],
+                micro_batch_size=d["micro_batch_size"], num_microbatches=d["num_microbatches"],
+                global_batch_size=d["global_batch_size"], seq_length=d["seq_length"],
+                stages=stages, predicted_iteration_time_ms=d["predicted_iteration_time_ms"],
+                model_name=d.get("model_name", ""), cluster_name=d.get("cluster_name", ""),
+                unused_devices=tuple(DeviceSlot(x["node"], x["local_device"])
+                                     for x in d.get("unused_devices", [])),
+                search=d.get("search", {}),
+                predicted_tokens_per_s=d.get("predicted_tokens_per_s", 0.0),
+                model_tflops_per_device=d.get("model_tflops_per_device", 0.0),
+                mfu=d.get("mfu", 0.0), lower_bound_ms=d.get("lower_bound_ms", 0.0),
+                gap=d.get("gap", 0.0), num_layers=d.get("num_layers", 0))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise PoseidonError(f"plan JSON: malformed ({type(exc).__name__}: {exc})") from None
+
+    # ------------------------------------------------------------------ table
+    def table(self) -> str:
+        gib = 1024 ** 3
+        tp = str(self.tp) if self.uniform_tp else "per-stage"
+        head = (f"Plan for {self.model_name or 'model'} on {self.cluster_name or 'cluster'}: "
+                f"{self.schedule}" + (f" (V={self.virtual_stages})" if self.virtual_stages > 1
+                                      else "")
+                + f", pp={self.pp}, dp={self.dp}, tp={tp}, micro-batch {self.micro_batch_size}"
+                f" x {self.num_microbatches} (global {self.global_batch_size}, seq "
+                f"{self.seq_length})")
+        lines = [head,
+                 f"predicted iteration {self.predicted_iteration_time_ms:.2f} ms, "
+                 f"{self.predicted_tokens_per_s:,.0f} tokens/s, "
+                 f"{self.model_tflops_per_device:.1f} model TFLOP/s per device, "
+                 f"MFU {100 * self.mfu:.1f}%",
+                 "",
+                 f"{'stage':>5} {'type':<10} {'tp':>3} {'dp':>3} {'layers':>6} {'fwd ms':>9} "
+                 f"{'bwd ms':>9} {'send ms':>8} {'allred ms':>9} {'memory GiB':>15}  nodes"]
+        for s in self.stages:
+            nodes = sorted({d.node for grp in s.devices for d in grp})
+            lines.append(
+                f"{s.index:>5} {s.device_type:<10} {s.tp:>3} {s.dp:>3} {s.layers:>6} "
+                f"{s.forward_ms:>9.2f} {s.backward_ms:>9.2f} {s.send_forward_ms:>8.2f} "
+                f"{s.allreduce_ms:>9.2f} {s.memory_bytes / gib:>6.1f} / {s.memory_capacity_bytes / gib:>6.1f}"
+                f"  {','.join(map(str, nodes))}")
+        used = self.world_size
+        lines.append("")
+        lines.append(f"devices used: {used}, unused: {len(self.unused_devices)}")
+        if self.uniform_tp:
+            lines.append("megatron:   " + " ".join(self.megatron_args()))
+            lines.append("mindspeed:  " + " ".join(self.mindspeed_llm_args()))
+        s = self.search
+        if s:
+            lines.append(
+                f"search: {s.get('plans_simulated', 0)} plans simulated, "
+                f"cut by bound {s.get('cut_bound', 0)}, memory {s.get('cut_memory', 0)}, "
+                f"ridge {s.get('cut_ridge', 0)}, configs cut at root "
+                f"{s.get('configs_cut_root', 0)}/{s.get('configs', 0)}, "
+                f"{s.get('seconds', 0)} s, exhaustive: {'yes' if s.get('exhaustive') else 'no'}"
+                f", lower bound {self.lower_bound_ms:.2f} ms (gap {100 * self.gap:.2f}%)")
+        return "\n".join(lines) + "\n"
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float):
+        return _r(x)
+    if isinstance(x, (str, int, bool)) or x is None:
+        return x
+    return str(x)

@@ -1,0 +1,97 @@
+"""Microseconds per pipeline simulation: `_core` (C sweep and Python fast path) vs the reference.
+
+Run: ``.venv/bin/python benchmarks/bench_simulator.py`` (about a minute). Prints a Markdown table.
+
+Columns: ``core C`` = one ``PipelineDAG.iteration_time`` call (the C API the search cimports),
+timed over a nogil loop; ``core py`` = ``simulator.iteration_time_ms`` (validation + cached DAG
+lookup + sweep); ``build`` = building the cached structure once per (schedule, N, M, V);
+``reference`` = ``simulator_reference.iteration_time_ms`` (literal DAG + longest path, pure
+Python, sampled fewer times at large sizes); ``ns/op`` = core C time per compute op.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+import numpy as np
+
+from poseidon_plugin import _core
+from poseidon_plugin import simulator_reference as ref
+from poseidon_plugin.simulator import SCHEDULES, iteration_time_ms, normalize_inputs
+
+SIZES = [(4, 16), (8, 32), (16, 64), (32, 128)]
+VIRTUAL = 2  # for interleaved-1f1b
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def per_call_s(fn, budget_s: float, min_calls: int = 1) -> float:
+    """Seconds per call of ``fn``, calling it for about ``budget_s`` (at least ``min_calls``)."""
+    fn()  # warm
+    calls, start = 0, time.perf_counter()
+    while True:
+        fn()
+        calls += 1
+        elapsed = time.perf_counter() - start
+        if calls >= min_calls and elapsed >= budget_s:
+            return elapsed / calls
+
+
+def problem(schedule: str, n: int, m: int, rng: np.random.Generator) -> dict:
+    v = VIRTUAL if schedule == "interleaved-1f1b" else 1
+    links = n if schedule == "interleaved-1f1b" else n - 1
+    return dict(forward_ms=rng.uniform(1, 3, n), backward_ms=rng.uniform(2, 6, n),
+                send_forward_ms=rng.uniform(0, 0.5, links),
+                send_backward_ms=rng.uniform(0, 0.5, links), allreduce_ms=rng.uniform(0, 5, n),
+                num_microbatches=m, schedule=schedule, virtual_stages=v)
+
+
+def main() -> None:
+    rng = np.random.default_rng(0)
+    print(f"machine: {cpu_model()}, {os.cpu_count()} logical cores; Python "
+          f"{platform.python_version()}, one thread")
+    print()
+    print("| schedule | N | M | ops | core C (µs) | ns/op | core py (µs) | build (ms) "
+          "| reference (µs) | ref/core C |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    per_op: list[float] = []
+    for schedule in SCHEDULES:
+        for n, m in SIZES:
+            p = problem(schedule, n, m, rng)
+            x = normalize_inputs(**p)
+            args = (x.forward_ms, x.backward_ms, x.send_forward_ms, x.send_backward_ms,
+                    x.allreduce_ms)
+            t0 = time.perf_counter()
+            dag = _core.PipelineDAG(schedule, n, m, x.virtual_stages)
+            build_s = time.perf_counter() - t0
+            reps = max(1000, 2_000_000 // dag.num_ops)
+            c_s = per_call_s(lambda: dag.time_ms_repeated(*args, reps), 0.2) / reps
+            py_s = per_call_s(lambda: iteration_time_ms(**p), 0.1)
+            ref_s = per_call_s(lambda: ref.iteration_time_ms(**p), 0.3 if n < 32 else 0.0)
+            expect = ref.iteration_time_ms(**p)
+            got = dag.time_ms(*args)
+            assert abs(got - expect) <= 1e-9 * max(1.0, expect), (schedule, n, m, got, expect)
+            per_op.append(c_s / dag.num_ops)
+            print(f"| {schedule}{' (V=2)' if x.virtual_stages > 1 else ''} | {n} | {m} "
+                  f"| {dag.num_ops} | {c_s * 1e6:.2f} | {c_s / dag.num_ops * 1e9:.2f} "
+                  f"| {py_s * 1e6:.1f} | {build_s * 1e3:.1f} | {ref_s * 1e6:,.0f} "
+                  f"| {ref_s / c_s:,.0f}x |")
+    print()
+    print(f"cost growth: core C is linear in the op count 2·N·M·V; "
+          f"{min(per_op) * 1e9:.2f}-{max(per_op) * 1e9:.2f} ns per op "
+          f"({min(per_op) * 1e6:.4f}-{max(per_op) * 1e6:.4f} µs/op) over all rows.")
+
+
+if __name__ == "__main__":
+    main()

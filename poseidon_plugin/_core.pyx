@@ -1,0 +1,374 @@
+# cython: language_level=3
+"""Hot path of the simulator: the pipeline DAG's longest path as one ``nogil`` sweep.
+
+The DAG (``../shared/DESIGN.md``, "The simulator's semantics"): compute ops F/B of every
+(device s, chunk c, micro-batch m); op weight = its compute time. Cross-device edges follow the
+*virtual stage* v = c*N + s: F(v-1, m) -> F(v, m) weighted Pf[(v-1) mod N]; B(v+1, m) -> B(v, m)
+weighted Pb[v mod N]; F(last v, m) -> B(last v, m) weighted 0. Consecutive ops of one device's
+order (from ``poseidon_plugin.schedules``) are chained with weight 0; the device's last op feeds
+R(s) (weight = all-reduce time) and every R(s) feeds the end node.
+
+Because every op has at most two predecessors (previous op on its device, one cross-device
+dependency), the longest path is list scheduling with fixed orders:
+``start(op) = max(finish(prev), finish(dep) + edge)``, ``finish = start + weight``.
+
+``PipelineDAG`` precomputes, once per (schedule, N, M, V), a topological order of the ops sorted
+by DAG level (so consecutive ops are independent and the CPU overlaps them) and, per op, four
+int indices (``OpLink``). Evaluation is then a branch-light sweep over a contiguous array.
+See ``_core.pxd`` for the C API.
+"""
+
+from functools import lru_cache
+
+import numpy as np
+
+from libc.stdlib cimport malloc, free
+from libc.string cimport memcpy
+
+from poseidon_plugin.errors import PoseidonError
+from poseidon_plugin import schedules as _schedules
+
+
+cdef class PipelineDAG:
+    """Precomputed DAG structure of one (schedule, N, M, V); evaluate it for many weights."""
+
+    def __cinit__(self):
+        self._links = NULL
+        self._last = NULL
+        self._w = NULL
+        self._fin = NULL
+
+    def __dealloc__(self):
+        free(self._links)
+        free(self._last)
+        free(self._w)
+        free(self._fin)
+
+    def __init__(self, str schedule, int num_stages, int num_microbatches, int virtual_stages=1):
+        n, m, v = _schedules.validate_schedule(schedule, num_stages, num_microbatches,
+                                               virtual_stages)
+        self.schedule = schedule
+        self.num_stages = n
+        self.num_microbatches = m
+        self.virtual_stages = v
+        self.num_links = n if schedule == "interleaved-1f1b" else n - 1
+        orders = _schedules.op_orders(schedule, n, m, v)
+        self._build(orders)
+
+    def _build(self, list orders):
+        cdef int n = self.num_stages, m = self.num_microbatches, v = self.virtual_stages
+        cdef int nv = n * v, L = self.num_links
+        cdef int total = 2 * n * m * v
+        # --- Kahn-style sweep over the devices' fixed orders -> some topological order ---------
+        # key of an op: (is_backward, virtual stage, micro-batch)
+        placed = {}          # key -> index in `topo`
+        topo = []            # (device, position, key)
+        ptr = [0] * n
+        waiting = {}         # key -> devices blocked on it
+        work = list(range(n - 1, -1, -1))
+        while work:
+            s = work.pop()
+            order = orders[s]
+            while ptr[s] < len(order):
+                op = order[ptr[s]]
+                vs = op.chunk * n + s
+                key = (op.is_backward, vs, op.microbatch)
+                dep = _dependency_key(key, nv)
+                if dep is not None and dep not in placed:
+                    waiting.setdefault(dep, []).append(s)
+                    break
+                placed[key] = len(topo)
+                topo.append((s, ptr[s], key))
+                ptr[s] += 1
+                woken = waiting.pop(key, None)
+                if woken:
+                    work.extend(woken)
+        if len(topo) != total:
+            raise PoseidonError(
+                f"internal: schedule {self.schedule!r} (N={n}, M={m}, V={v}) deadlocks: "
+                f"{len(topo)} of {total} ops can run")
+        # --- levels (hops from the start), then a stable sort by level --------------------------
+        prev_of = {}
+        for s in range(n):
+            order = orders[s]
+            for pos in range(1, len(order)):
+                a, b = order[pos - 1], order[pos]
+                prev_of[(b.is_backward, b.chunk * n + s, b.microbatch)] = (
+                    a.is_backward, a.chunk * n + s, a.microbatch)
+        level = {}
+        for s, pos, key in topo:
+            lv = 0
+            p = prev_of.get(key)
+            if p is not None:
+                lv = level[p] + 1
+            d = _dependency_key(key, nv)
+            if d is not None and level[d] + 1 > lv:
+                lv = level[d] + 1
+            level[key] = lv
+        topo.sort(key=lambda item: level[item[2]])  # stable: keeps a valid order within levels
+        slot = {item[2]: i + 1 for i, item in enumerate(topo)}   # finish-slot, 0 = start
+        # --- flatten ------------------------------------------------------------------------
+        self._wlen = 1 + 2 * nv + 2 * L
+        self._links = <OpLink*> malloc(total * sizeof(OpLink))
+        self._last = <int*> malloc(n * sizeof(int))
+        self._w = <double*> malloc(self._wlen * sizeof(double))
+        self._fin = <double*> malloc((total + 1) * sizeof(double))
+        if not self._links or not self._last or not self._w or not self._fin:
+            raise MemoryError()
+        self._w[0] = 0.0
+        self._fin[0] = 0.0
+        self.num_ops = total
+        st = np.empty(total, dtype=np.int64)
+        ch = np.empty(total, dtype=np.int64)
+        mb = np.empty(total, dtype=np.int64)
+        bw = np.empty(total, dtype=bool)
+        ps = np.empty(total, dtype=np.int64)
+        cdef int i, vs_i, link
+        for i, (s, pos, key) in enumerate(topo):
+            is_b, vs_i, mbi = key
+            st[i] = s
+            ch[i] = vs_i // n
+            mb[i] = mbi
+            bw[i] = is_b
+            ps[i] = pos
+            p = prev_of.get(key)
+            self._links[i].prev = slot[p] if p is not None else 0
+            d = _dependency_key(key, nv)
+            self._links[i].dep = slot[d] if d is not None else 0
+            # weight buffer: [0]=0, F at 1 + vs', B at 1 + nv + vs', Pf at 1 + 2nv + link,
+            # Pb at 1 + 2nv + L + link, where vs' = chunk*N + device = the virtual stage.
+            self._links[i].node_w = 1 + (nv if is_b else 0) + vs_i
+            if d is None or d[0] != is_b:      # no dependency, or the F -> B turnaround
+                self._links[i].edge_w = 0
+            elif not is_b:                     # F(vs-1) -> F(vs) over link (vs-1) mod N
+                link = (vs_i - 1) % n
+                self._links[i].edge_w = 1 + 2 * nv + link
+            else:                              # B(vs+1) -> B(vs) over link vs mod N
+                link = vs_i % n
+                self._links[i].edge_w = 1 + 2 * nv + L + link
+        for s in range(n):
+            order = orders[s]
+            a = order[len(order) - 1]
+            self._last[s] = slot[(a.is_backward, a.chunk * n + s, a.microbatch)]
+        for arr in (st, ch, mb, bw, ps):
+            arr.setflags(write=False)
+        self.op_stage, self.op_chunk, self.op_microbatch = st, ch, mb
+        self.op_is_backward, self.op_position = bw, ps
+        perm = np.lexsort((ps, st)).astype(np.int64)
+        perm.setflags(write=False)
+        self.stage_major = perm
+
+    def __repr__(self):
+        return (f"PipelineDAG(schedule={self.schedule!r}, num_stages={self.num_stages}, "
+                f"num_microbatches={self.num_microbatches}, "
+                f"virtual_stages={self.virtual_stages})")
+
+    def copy(self):
+        """An independent instance (own workspace) of the same structure."""
+        cdef PipelineDAG other = PipelineDAG.__new__(PipelineDAG)
+        cdef int total = self.num_ops
+        other.schedule = self.schedule
+        other.num_stages = self.num_stages
+        other.num_microbatches = self.num_microbatches
+        other.virtual_stages = self.virtual_stages
+        other.num_links = self.num_links
+        other.num_ops = total
+        other._wlen = self._wlen
+        other._links = <OpLink*> malloc(total * sizeof(OpLink))
+        other._last = <int*> malloc(self.num_stages * sizeof(int))
+        other._w = <double*> malloc(self._wlen * sizeof(double))
+        other._fin = <double*> malloc((total + 1) * sizeof(double))
+        if not other._links or not other._last or not other._w or not other._fin:
+            raise MemoryError()
+        memcpy(other._links, self._links, total * sizeof(OpLink))
+        memcpy(other._last, self._last, self.num_stages * sizeof(int))
+        other._w[0] = 0.0
+        other._fin[0] = 0.0
+        other.op_stage, other.op_chunk = self.op_stage, self.op_chunk
+        other.op_microbatch, other.op_is_backward = self.op_microbatch, self.op_is_backward
+        other.op_position, other.stage_major = self.op_position, self.stage_major
+        return other
+
+    # ---------------------------------------------------------------- C level (nogil) -------
+    cdef void _load(self, const double* F, const double* B, const double* Pf,
+                    const double* Pb) noexcept nogil:
+        cdef int nv = self.num_stages * self.virtual_stages, L = self.num_links, k
+        cdef double* w = self._w
+        for k in range(nv):
+            w[1 + k] = F[k]
+            w[1 + nv + k] = B[k]
+        for k in range(L):
+            w[1 + 2 * nv + k] = Pf[k]
+            w[1 + 2 * nv + L + k] = Pb[k]
+
+    cdef double iteration_time(self, const double* F, const double* B, const double* Pf,
+                               const double* Pb, const double* R) noexcept nogil:
+        cdef int i, s, total = self.num_ops
+        cdef const OpLink* lk = self._links
+        cdef const double* w = self._w
+        cdef double* fin = self._fin
+        cdef double a, b, best
+        self._load(F, B, Pf, Pb)
+        for i in range(total):
+            a = fin[lk[i].prev]
+            b = fin[lk[i].dep] + w[lk[i].edge_w]
+            if b > a:
+                a = b
+            fin[i + 1] = a + w[lk[i].node_w]
+        best = 0.0
+        for s in range(self.num_stages):
+            a = fin[self._last[s]] + R[s]
+            if a > best:
+                best = a
+        return best
+
+    cdef double simulate_into(self, const double* F, const double* B, const double* Pf,
+                              const double* Pb, const double* R, double* op_start,
+                              double* op_finish, unsigned char* via_dep,
+                              double* ar_start, double* ar_finish) noexcept nogil:
+        cdef int i, s, total = self.num_ops
+        cdef const OpLink* lk = self._links
+        cdef const double* w = self._w
+        cdef double* fin = self._fin
+        cdef double a, b, best
+        self._load(F, B, Pf, Pb)
+        for i in range(total):
+            a = fin[lk[i].prev]
+            b = fin[lk[i].dep] + w[lk[i].edge_w]
+            # ties go to the cross-device dependency when there is one
+            if lk[i].dep != 0 and b >= a:
+                a = b
+                via_dep[i] = 1
+            else:
+                via_dep[i] = 0
+            op_start[i] = a
+            fin[i + 1] = a + w[lk[i].node_w]
+            op_finish[i] = fin[i + 1]
+        best = 0.0
+        for s in range(self.num_stages):
+            ar_start[s] = fin[self._last[s]]
+            ar_finish[s] = ar_start[s] + R[s]
+            if ar_finish[s] > best:
+                best = ar_finish[s]
+        return best
+
+    # ---------------------------------------------------------------- Python level ----------
+    def time_ms(self, const double[::1] F, const double[::1] B, const double[::1] Pf,
+                const double[::1] Pb, const double[::1] R):
+        """Iteration time (ms). Arrays: contiguous float64 in the layout of ``_core.pxd``.
+
+        Lengths are checked; values are not (``simulator.py`` validates them once)."""
+        _check(self, F, B, Pf, Pb, R)
+        return self.iteration_time(_ptr(F), _ptr(B), _ptr(Pf), _ptr(Pb), _ptr(R))
+
+    def time_ms_batch(self, const double[:, ::1] F, const double[:, ::1] B,
+                      const double[:, ::1] Pf, const double[:, ::1] Pb,
+                      const double[:, ::1] R):
+        """Iteration times of K weight vectors at once: row k of every (K, len) array is one
+        problem (layout of ``_core.pxd``). Returns a float64 array of K times (one C loop)."""
+        cdef Py_ssize_t k, K = F.shape[0]
+        if B.shape[0] != K or Pf.shape[0] != K or Pb.shape[0] != K or R.shape[0] != K:
+            raise PoseidonError("time_ms_batch: every array needs the same number of rows")
+        out = np.empty(K, dtype=np.float64)
+        if K == 0:
+            return out
+        _check(self, F[0], B[0], Pf[0], Pb[0], R[0])
+        cdef double[::1] o = out
+        # The GIL stays held: the instance's workspace is shared by every Python caller of
+        # this (cached) DAG. The loop itself is pure C.
+        for k in range(K):
+            o[k] = self.iteration_time(&F[k, 0], &B[k, 0],
+                                       _ptr_nogil(Pf, k), _ptr_nogil(Pb, k), &R[k, 0])
+        return out
+
+    def time_ms_repeated(self, const double[::1] F, const double[::1] B,
+                         const double[::1] Pf, const double[::1] Pb, const double[::1] R,
+                         long repeats):
+        """Benchmark helper: evaluate the same inputs ``repeats`` times in one C loop
+        (so the caller can time the C sweep without Python call overhead)."""
+        _check(self, F, B, Pf, Pb, R)
+        cdef long r
+        cdef double t = 0.0
+        cdef const double* f = _ptr(F)
+        cdef const double* b = _ptr(B)
+        cdef const double* pf = _ptr(Pf)
+        cdef const double* pb = _ptr(Pb)
+        cdef const double* ar = _ptr(R)
+        for r in range(repeats):  # GIL held on purpose, see time_ms_batch
+            t = self.iteration_time(f, b, pf, pb, ar)
+        return t
+
+    def simulate(self, const double[::1] F, const double[::1] B, const double[::1] Pf,
+                 const double[::1] Pb, const double[::1] R):
+        """Full evaluation. Returns (time_ms, op_start, op_finish, via_dep, ar_start, ar_finish);
+        per-op arrays are in this DAG's topological order (see ``op_stage`` etc.)."""
+        _check(self, F, B, Pf, Pb, R)
+        start = np.empty(self.num_ops, dtype=np.float64)
+        finish = np.empty(self.num_ops, dtype=np.float64)
+        via = np.empty(self.num_ops, dtype=np.uint8)
+        ar0 = np.empty(self.num_stages, dtype=np.float64)
+        ar1 = np.empty(self.num_stages, dtype=np.float64)
+        cdef double[::1] st = start, fi = finish, a0 = ar0, a1 = ar1
+        cdef unsigned char[::1] vd = via
+        t = self.simulate_into(_ptr(F), _ptr(B), _ptr(Pf), _ptr(Pb), _ptr(R),
+                               &st[0], &fi[0], &vd[0], &a0[0], &a1[0])
+        return t, start, finish, via.astype(bool), ar0, ar1
+
+    def predecessor_slots(self):
+        """(prev, dep): per op, the topological index + 1 of its previous op on the device and
+        of its cross-device dependency; 0 means none."""
+        prev = np.empty(self.num_ops, dtype=np.int64)
+        dep = np.empty(self.num_ops, dtype=np.int64)
+        cdef int i
+        for i in range(self.num_ops):
+            prev[i] = self._links[i].prev
+            dep[i] = self._links[i].dep
+        return prev, dep
+
+    def last_op_slots(self):
+        """Per device: topological index + 1 of its last op (the all-reduce's predecessor)."""
+        return np.array([self._last[s] for s in range(self.num_stages)], dtype=np.int64)
+
+
+cdef _check(PipelineDAG self, const double[::1] F, const double[::1] B, const double[::1] Pf,
+            const double[::1] Pb, const double[::1] R):
+    cdef int nv = self.num_stages * self.virtual_stages
+    if F.shape[0] != nv or B.shape[0] != nv:
+        raise PoseidonError(f"forward/backward: expected {nv} per-(chunk, stage) times, "
+                            f"got {F.shape[0]} and {B.shape[0]}")
+    if Pf.shape[0] != self.num_links or Pb.shape[0] != self.num_links:
+        raise PoseidonError(f"send_forward/send_backward: expected {self.num_links} times, "
+                            f"got {Pf.shape[0]} and {Pb.shape[0]}")
+    if R.shape[0] != self.num_stages:
+        raise PoseidonError(f"allreduce: expected {self.num_stages} times, got {R.shape[0]}")
+
+
+cdef inline const double* _ptr(const double[::1] a) noexcept:
+    """Data pointer of a contiguous memoryview, NULL when empty (never dereferenced then)."""
+    if a.shape[0] == 0:
+        return NULL
+    return &a[0]
+
+
+def _dependency_key(tuple key, int nv):
+    """Cross-device dependency of op ``key = (is_backward, virtual stage, microbatch)``."""
+    is_b, vs, mb = key
+    if not is_b:
+        return (False, vs - 1, mb) if vs > 0 else None
+    if vs < nv - 1:
+        return (True, vs + 1, mb)
+    return (False, vs, mb)
+
+
+@lru_cache(maxsize=256)
+def get_dag(str schedule, int num_stages, int num_microbatches, int virtual_stages=1):
+    """The cached ``PipelineDAG`` of (schedule, N, M, V). Shared: use ``.copy()`` per thread
+    when calling its ``nogil`` API from several threads."""
+    return PipelineDAG(schedule, num_stages, num_microbatches, virtual_stages)
+
+
+cdef inline const double* _ptr_nogil(const double[:, ::1] a, Py_ssize_t row) noexcept nogil:
+    """Row pointer of a C-contiguous 2-D memoryview, NULL when rows are empty."""
+    if a.shape[1] == 0:
+        return NULL
+    return &a[row, 0]

@@ -1,0 +1,560 @@
+# cython: language_level=3
+"""Hot loop of the plan search: stage-by-stage branch and bound over (stage option, layers).
+
+One call of :func:`search_config` explores every plan of one *outer configuration*
+(schedule, V, d, b, N, M, the allowed stage options) and returns the best one whose time does
+not exceed the incumbent threshold. Everything inside the recursion is typed C, ``nogil``.
+
+Stage option o = (device type, TP degree). For stage x the search chooses an option o and a
+layer count l. Placement is the deterministic per-type cursor of ``placement.py``: stage x takes
+the next d*t devices of its type (cursor aligned up to a multiple of t inside a node so that no
+TP group spans nodes); DP replica r of the stage is the TP group starting at start + r*t.
+
+Iteration time: list scheduling over a precomputed topological op order (``OpStructure``),
+exactly the DAG semantics of DESIGN.md ("The simulator's semantics").
+
+Lower bound g (valid for every completion; proof in ``search.py`` and tested by hypothesis):
+for every decided stage i
+
+    E_i >= max(head_i + sum_c acnt[i,c] fc[i,c],  head_i + sum_c t1cnt[i,c] fc[i,c] + RT_i)
+           + M sum_c bc[i,c] + sum_c (M - acnt[i,c]) fc[i,c]
+    T   >= E_i + tail_i
+
+with head_i the earliest arrival of the first forward, RT_i the round trip of micro-batch 0
+through the later stages (undecided ones bounded below by the remaining layers times the
+cheapest per-layer cost), tail_i the backward chain of the last micro-batch down to a stage k
+followed by its all-reduce R_k; and, for the undecided stage with the most layers,
+    T >= head_{x+1} + M * ceil(L_rem / K) * min(f+b) + tail via stage x.
+"""
+
+from libc.stdlib cimport malloc, free
+from libc.math cimport ceil
+from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
+
+import numpy as np
+cimport numpy as cnp
+
+from poseidon_plugin._core cimport PipelineDAG
+
+cnp.import_array()
+
+DEF MAXN = 256
+DEF MAXV = 8
+DEF MAXO = 64
+DEF MAXT = 16
+
+RIDGE_OFF = 0
+RIDGE_CUT = 1
+RIDGE_SAFE = 2
+
+
+cdef inline double dmax(double a, double b) noexcept nogil:
+    return a if a > b else b
+
+
+cdef inline double dmin(double a, double b) noexcept nogil:
+    return a if a < b else b
+
+
+cdef double _now() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
+cdef class BoundStructure:
+    """Per-stage constants of one (N, M, schedule, V) that the lower bound needs.
+
+    acnt[s*V + c]: forward ops of chunk c that device s runs before its first backward;
+    t1cnt[s*V + c]: forward ops of chunk c up to and including F(s, V-1, mb 0);
+    clast: chunk of every device's last op (a backward of the last micro-batch).
+    Built by ``search.bound_structure`` from ``schedules.op_orders``.
+    """
+
+    cdef public int N, M, V, clast
+    cdef int[::1] acnt
+    cdef int[::1] t1cnt
+
+    def __init__(self, int N, int M, int V, acnt, t1cnt, int clast):
+        self.N = N
+        self.M = M
+        self.V = V
+        self.acnt = np.ascontiguousarray(acnt, dtype=np.int32)
+        self.t1cnt = np.ascontiguousarray(t1cnt, dtype=np.int32)
+        self.clast = clast
+
+
+cdef struct Ctx:
+    # configuration
+    int N, M, V, d, L, O, T, ridge_mode, ridge_ends, blocks, clast, use_bound
+    double act_bytes, latency_ms, cross_gbps, minsend, minfb, minb, outmin, alpha, thr
+    double deadline
+    # per option
+    int opt_type[MAXO]
+    int opt_tp[MAXO]
+    double of_[MAXO]
+    double ob_[MAXO]
+    double oef[MAXO]
+    double oeb[MAXO]
+    double oof[MAXO]
+    double oob[MAXO]
+    double ogl[MAXO]
+    double oge[MAXO]
+    double ogo[MAXO]
+    int* lmax          # O * N
+    int* suffix_lmax   # N + 1: sum over j >= x of max_o lmax[o, j]
+    # per type
+    int ndev[MAXT]
+    int* node_of       # per type offset + device -> global node
+    int* local_of      # local index inside the node
+    int type_off[MAXT]
+    double intra[MAXT]
+    double inter[MAXT]
+    int min_dt[MAXT]   # d * min tp usable on this type (0 = unusable)
+    # state
+    int cursor[MAXT]
+    int used[MAXT]
+    int st_opt[MAXN]
+    int st_l[MAXN]
+    int st_start[MAXN]
+    double fc[MAXN * MAXV]
+    double bc[MAXN * MAXV]
+    double Fst[MAXN]
+    double Pf[MAXN]
+    double Pb[MAXN]
+    double R[MAXN]
+    double head[MAXN]
+    double tail[MAXN]
+    double P[MAXN]
+    double MA[MAXN]
+    double MC[MAXN]
+    int rl[MAXO]
+    int rdec[MAXO]
+    # bound structure
+    int* acnt
+    int* t1cnt
+    # evaluation buffers (simulator layout: chunk-major c*N + s)
+    double* WF
+    double* WB
+    double* EF
+    double* EB
+    # best
+    int have_best
+    double best_T
+    int best_opt[MAXN]
+    int best_l[MAXN]
+    # stats
+    long long nodes, simulated, cut_bound, cut_memory, cut_ridge, cut_devices, improved
+    int timed_out
+
+
+cdef inline double _send_ms(Ctx* c, double gbps) noexcept nogil:
+    return c.act_bytes * 8.0 / (gbps * 1e6) + c.latency_ms
+
+
+cdef double _link_send(Ctx* c, int o1, int s1, int o2, int s2) noexcept nogil:
+    """Slowest replica link between two stages (activation send time, ms)."""
+    cdef int k1 = c.opt_type[o1], k2 = c.opt_type[o2]
+    cdef int t1 = c.opt_tp[o1], t2 = c.opt_tp[o2]
+    cdef int r, n1, n2
+    cdef double g, gmin = 1e300
+    if k1 != k2:
+        return _send_ms(c, c.cross_gbps)
+    for r in range(c.d):
+        n1 = c.node_of[c.type_off[k1] + s1 + r * t1]
+        n2 = c.node_of[c.type_off[k2] + s2 + r * t2]
+        g = c.intra[k1] if n1 == n2 else c.inter[k1]
+        if g < gmin:
+            gmin = g
+    return _send_ms(c, gmin)
+
+
+cdef inline int _ridge_stage(Ctx* c, int x) noexcept nogil:
+    if c.ridge_mode == 0:
+        return 0
+    if c.ridge_ends:
+        return 1
+    return 1 if (x > 0 and x < c.N - 1) else 0
+
+
+cdef int _less_key(Ctx* c) noexcept nogil:
+    """Current full assignment lexicographically smaller than the best one?"""
+    cdef int x
+    for x in range(c.N):
+        if c.st_opt[x] != c.best_opt[x]:
+            return 1 if c.st_opt[x] < c.best_opt[x] else 0
+        if c.st_l[x] != c.best_l[x]:
+            return 1 if c.st_l[x] < c.best_l[x] else 0
+    return 0
+
+
+cdef void _stage_costs(Ctx* c, int x, int o, int l) noexcept nogil:
+    cdef int V = c.V, cc, lc, N = c.N
+    cdef double f = c.of_[o], b = c.ob_[o]
+    cdef double F = 0.0
+    for cc in range(V):
+        lc = l // V + (1 if cc < l % V else 0)
+        c.fc[x * V + cc] = lc * f
+        c.bc[x * V + cc] = lc * b
+    if x == 0:
+        c.fc[0] += c.oef[o]
+        c.bc[0] += c.oeb[o]
+    if x == N - 1:
+        c.fc[x * V + V - 1] += c.oof[o]
+        c.bc[x * V + V - 1] += c.oob[o]
+    for cc in range(V):
+        F += c.fc[x * V + cc]
+    c.Fst[x] = F
+
+
+cdef double _bound(Ctx* c, int x, int Lrem) noexcept nogil:
+    """Update the incremental bound state of stage x (costs, Pf/Pb[x-1], R[x] set) and return g."""
+    cdef int V = c.V, M = c.M, N = c.N, cc, K
+    cdef double A, C, Z, fut, g, gy, lay
+    cdef int clast = c.clast
+    if x == 0:
+        c.head[0] = 0.0
+        c.tail[0] = c.R[0]
+        c.P[0] = 0.0
+    else:
+        c.head[x] = c.head[x - 1] + c.fc[(x - 1) * V] + c.Pf[x - 1]
+        c.tail[x] = dmax(c.R[x], c.Pb[x - 1] + c.bc[(x - 1) * V + clast] + c.tail[x - 1])
+        c.P[x] = (c.P[x - 1] + c.Pf[x - 1] + c.fc[x * V + V - 1] + c.bc[x * V + V - 1]
+                  + c.Pb[x - 1])
+    A = c.head[x]
+    C = c.head[x]
+    Z = 0.0
+    for cc in range(V):
+        A += c.acnt[x * V + cc] * c.fc[x * V + cc]
+        C += c.t1cnt[x * V + cc] * c.fc[x * V + cc]
+        Z += M * c.bc[x * V + cc] + (M - c.acnt[x * V + cc]) * c.fc[x * V + cc]
+    if x == 0:
+        c.MA[0] = A + Z + c.tail[0]
+        c.MC[0] = C - c.P[0] + Z + c.tail[0]
+    else:
+        c.MA[x] = dmax(c.MA[x - 1], A + Z + c.tail[x])
+        c.MC[x] = dmax(c.MC[x - 1], C - c.P[x] + Z + c.tail[x])
+    K = N - 1 - x
+    if K == 0:
+        return dmax(c.MA[x], c.MC[x] + c.P[x])
+    if V == 1:
+        lay = Lrem
+    else:
+        lay = (Lrem - K * (V - 1)) / <double> V
+        if lay < 0:
+            lay = 0
+    fut = 2.0 * c.minsend * K + lay * c.minfb + c.outmin
+    g = dmax(c.MA[x], c.MC[x] + c.P[x] + fut)
+    gy = (c.head[x] + c.fc[x * V] + 2.0 * c.minsend + M * ceil(Lrem / <double> K) * c.minfb
+          + c.bc[x * V + clast] + c.tail[x])
+    return dmax(g, gy)
+
+
+cdef class Searcher:
+    """Holds the context of one search_config call; the recursion runs as nogil methods."""
+
+    cdef Ctx* c
+    cdef PipelineDAG dag
+
+    cdef void leaf(self, int nonridge) noexcept nogil:
+        cdef Ctx* c = self.c
+        cdef int x, cc, N = c.N, V = c.V
+        cdef double T, fmin, fmax
+        if nonridge:
+            fmin = 1e300
+            fmax = 0.0
+            for x in range(N):
+                fmin = dmin(fmin, c.Fst[x])
+                fmax = dmax(fmax, c.Fst[x])
+            if fmin >= c.alpha * fmax:
+                # covered by Theorem 2: a ridge allocation is at least as good
+                c.cut_ridge += 1
+                return
+        for x in range(N):
+            for cc in range(V):
+                c.WF[cc * N + x] = c.fc[x * V + cc]
+                c.WB[cc * N + x] = c.bc[x * V + cc]
+            c.EF[x] = c.Pf[x]
+            c.EB[x] = c.Pb[x]
+        c.simulated += 1
+        T = self.dag.iteration_time(c.WF, c.WB, c.EF, c.EB, c.R)
+        if T > c.thr:
+            return
+        if (not c.have_best) or T < c.best_T or (T == c.best_T and _less_key(c)):
+            c.have_best = 1
+            c.best_T = T
+            c.improved += 1
+            for x in range(N):
+                c.best_opt[x] = c.st_opt[x]
+                c.best_l[x] = c.st_l[x]
+            if T < c.thr:
+                c.thr = T
+
+    cdef void recurse(self, int x, int Lrem, int nonridge) noexcept nogil:
+        cdef Ctx* c = self.c
+        cdef int N = c.N, o, k, t, dt, start, local, l, lo, hi, K, kk, avail, need
+        cdef int save_cursor, save_used, save_rl, save_rdec, nr, rstage
+        cdef double Pfx, ring, g, G, thr_eps
+        if c.timed_out:
+            return
+        c.nodes += 1
+        if c.deadline > 0 and (c.nodes & 1023) == 0:
+            if _now() > c.deadline:
+                c.timed_out = 1
+                return
+        K = N - 1 - x
+        for o in range(c.O):
+            k = c.opt_type[o]
+            t = c.opt_tp[o]
+            if c.blocks and x > 0 and k != c.opt_type[c.st_opt[x - 1]] and c.used[k]:
+                continue
+            dt = c.d * t
+            start = c.cursor[k]
+            if start < c.ndev[k]:
+                local = c.local_of[c.type_off[k] + start]
+                if local % t != 0:
+                    start += t - local % t
+            if start + dt > c.ndev[k]:
+                c.cut_devices += 1
+                continue
+            # remaining devices must host the K later stages (necessary condition)
+            if K > 0:
+                avail = 0
+                for kk in range(c.T):
+                    if c.min_dt[kk] > 0:
+                        if kk == k:
+                            avail += (c.ndev[kk] - start - dt) // c.min_dt[kk]
+                        else:
+                            avail += (c.ndev[kk] - c.cursor[kk]) // c.min_dt[kk]
+                if avail < K:
+                    c.cut_devices += 1
+                    continue
+            # layers range: memory (lmax), later stages' minimum and maximum capacity
+            hi = c.lmax[o * N + x]
+            if K == 0:
+                if Lrem > hi or Lrem < c.V:
+                    c.cut_memory += 1
+                    continue
+                lo = Lrem
+                hi = Lrem
+            else:
+                if hi > Lrem - K * c.V:
+                    hi = Lrem - K * c.V
+                lo = Lrem - c.suffix_lmax[x + 1]
+                if lo < c.V:
+                    lo = c.V
+                if hi < lo:
+                    c.cut_memory += 1
+                    continue
+            rstage = _ridge_stage(c, x)
+            if rstage and c.ridge_mode == 1 and c.rl[o] > 0 and c.rdec[o] and hi > c.rl[o]:
+                c.cut_ridge += hi - c.rl[o] if c.rl[o] >= lo else hi - lo + 1
+                hi = c.rl[o]
+                if hi < lo:
+                    continue
+            # placement-dependent quantities
+            c.st_opt[x] = o
+            c.st_start[x] = start
+            if x > 0:
+                Pfx = _link_send(c, c.st_opt[x - 1], c.st_start[x - 1], o, start)
+                c.Pf[x - 1] = Pfx
+                c.Pb[x - 1] = Pfx
+            if K == 0:
+                if c.V > 1:
+                    Pfx = _link_send(c, o, start, c.st_opt[0], c.st_start[0])
+                    c.Pf[x] = Pfx
+                    c.Pb[x] = Pfx
+                else:
+                    c.Pf[x] = 0.0
+                    c.Pb[x] = 0.0
+            if c.d > 1:
+                if c.node_of[c.type_off[k] + start] == c.node_of[c.type_off[k] + start + dt - 1]:
+                    ring = c.intra[k]
+                else:
+                    ring = c.inter[k]
+            else:
+                ring = 0.0
+            save_cursor = c.cursor[k]
+            save_used = c.used[k]
+            save_rl = c.rl[o]
+            save_rdec = c.rdec[o]
+            c.cursor[k] = start + dt
+            c.used[k] = 1
+            thr_eps = c.thr * (1.0 + 1e-9)
+            l = hi
+            while l >= lo:
+                nr = nonridge
+                if rstage:
+                    if save_rl > 0:
+                        if save_rdec and l > save_rl:
+                            nr = 1   # only reachable in safe mode (ridge mode clipped hi)
+                        c.rdec[o] = 1 if (save_rdec or l < save_rl) else 0
+                    c.rl[o] = l
+                c.st_l[x] = l
+                _stage_costs(c, x, o, l)
+                if c.d > 1:
+                    G = l * c.ogl[o]
+                    if x == 0:
+                        G += c.oge[o]
+                    if x == N - 1:
+                        G += c.ogo[o]
+                    c.R[x] = (2.0 * (c.d - 1) * c.latency_ms
+                              + 2.0 * (c.d - 1) / c.d * G * 8.0 / (ring * 1e6))
+                else:
+                    c.R[x] = 0.0
+                g = _bound(c, x, Lrem - l)
+                if c.use_bound and g > thr_eps:
+                    c.cut_bound += 1
+                elif K == 0:
+                    self.leaf(nr)
+                else:
+                    self.recurse(x + 1, Lrem - l, nr)
+                if c.timed_out:
+                    break
+                thr_eps = c.thr * (1.0 + 1e-9)
+                l -= 1
+            c.cursor[k] = save_cursor
+            c.used[k] = save_used
+            c.rl[o] = save_rl
+            c.rdec[o] = save_rdec
+            if c.timed_out:
+                return
+
+
+def search_config(BoundStructure st, PipelineDAG dag, dict cfg):
+    """Branch and bound over one outer configuration; see the module docstring.
+
+    ``cfg`` keys: d, L, act_bytes, latency_ms, cross_gbps, minsend, minfb, outmin, alpha,
+    ridge_mode, ridge_ends, blocks, threshold_ms, deadline (monotonic seconds, 0 = none),
+    opt_type, opt_tp, f, b, ef, eb, of, ob, gl, ge, go (per option), lmax (O x N),
+    ndev, type_off, intra, inter (per type), node_of, local_of (flat per type devices).
+    ``dag`` is the simulator's ``PipelineDAG`` of the same (schedule, N, M, V); its workspace is
+    used, so it must not be shared with another thread during the call.
+    Returns a dict with best (None or (time, [opt], [layers])) and statistics.
+    """
+    cdef Searcher se = Searcher.__new__(Searcher)
+    cdef Ctx* c = <Ctx*> malloc(sizeof(Ctx))
+    if c == NULL:
+        raise MemoryError()
+    se.c = c
+    se.dag = dag
+    cdef int N = st.N, V = st.V, O, T, o, x, k
+    cdef cnp.ndarray[cnp.int32_t, ndim=1] lmax_a
+    cdef cnp.ndarray[cnp.int32_t, ndim=1] suf_a
+    cdef cnp.ndarray[cnp.int32_t, ndim=1] node_a
+    cdef cnp.ndarray[cnp.int32_t, ndim=1] local_a
+    c.WF = NULL
+    c.WB = NULL
+    c.EF = NULL
+    c.EB = NULL
+    try:
+        if dag.num_stages != N or dag.num_microbatches != st.M or dag.virtual_stages != V:
+            raise ValueError("search_config: dag and bound structure disagree")
+        O = len(cfg["opt_type"])
+        T = len(cfg["ndev"])
+        if N > MAXN or V > MAXV or O > MAXO or T > MAXT:
+            raise ValueError("search_config: instance too large for the compiled limits")
+        c.N = N
+        c.M = st.M
+        c.V = V
+        c.clast = st.clast
+        c.acnt = &st.acnt[0]
+        c.t1cnt = &st.t1cnt[0]
+        c.d = cfg["d"]
+        c.L = cfg["L"]
+        c.O = O
+        c.T = T
+        c.ridge_mode = cfg["ridge_mode"]
+        c.ridge_ends = cfg["ridge_ends"]
+        c.blocks = cfg["blocks"]
+        c.use_bound = cfg.get("use_bound", 1)
+        c.act_bytes = cfg["act_bytes"]
+        c.latency_ms = cfg["latency_ms"]
+        c.cross_gbps = cfg["cross_gbps"]
+        c.minsend = cfg["minsend"]
+        c.minfb = cfg["minfb"]
+        c.outmin = cfg["outmin"]
+        c.alpha = cfg["alpha"]
+        c.thr = cfg["threshold_ms"]
+        c.deadline = cfg["deadline"]
+        for o in range(O):
+            c.opt_type[o] = cfg["opt_type"][o]
+            c.opt_tp[o] = cfg["opt_tp"][o]
+            c.of_[o] = cfg["f"][o]
+            c.ob_[o] = cfg["b"][o]
+            c.oef[o] = cfg["ef"][o]
+            c.oeb[o] = cfg["eb"][o]
+            c.oof[o] = cfg["of"][o]
+            c.oob[o] = cfg["ob"][o]
+            c.ogl[o] = cfg["gl"][o]
+            c.oge[o] = cfg["ge"][o]
+            c.ogo[o] = cfg["go"][o]
+            c.rl[o] = 0
+            c.rdec[o] = 0
+        lmax_a = np.ascontiguousarray(cfg["lmax"], dtype=np.int32).reshape(-1)
+        if lmax_a.shape[0] != O * N:
+            raise ValueError("lmax must have O*N entries")
+        c.lmax = <int*> lmax_a.data
+        suf = np.zeros(N + 1, dtype=np.int32)
+        lm = lmax_a.reshape(O, N).max(axis=0) if O > 0 else np.zeros(N, dtype=np.int32)
+        for x in range(N - 1, -1, -1):
+            suf[x] = suf[x + 1] + max(int(lm[x]), 0)
+        suf_a = suf
+        c.suffix_lmax = <int*> suf_a.data
+        node_a = np.ascontiguousarray(cfg["node_of"], dtype=np.int32)
+        local_a = np.ascontiguousarray(cfg["local_of"], dtype=np.int32)
+        c.node_of = <int*> node_a.data
+        c.local_of = <int*> local_a.data
+        for k in range(T):
+            c.ndev[k] = cfg["ndev"][k]
+            c.type_off[k] = cfg["type_off"][k]
+            c.intra[k] = cfg["intra"][k]
+            c.inter[k] = cfg["inter"][k]
+            c.cursor[k] = 0
+            c.used[k] = 0
+            c.min_dt[k] = 0
+        for o in range(O):
+            k = c.opt_type[o]
+            if c.min_dt[k] == 0 or c.d * c.opt_tp[o] < c.min_dt[k]:
+                c.min_dt[k] = c.d * c.opt_tp[o]
+        c.WF = <double*> malloc(N * V * sizeof(double))
+        c.WB = <double*> malloc(N * V * sizeof(double))
+        c.EF = <double*> malloc(N * sizeof(double))
+        c.EB = <double*> malloc(N * sizeof(double))
+        if c.WF == NULL or c.WB == NULL or c.EF == NULL or c.EB == NULL:
+            raise MemoryError()
+        for x in range(N):
+            c.Pf[x] = 0.0
+            c.Pb[x] = 0.0
+        c.have_best = 0
+        c.best_T = 0.0
+        c.nodes = 0
+        c.simulated = 0
+        c.cut_bound = 0
+        c.cut_memory = 0
+        c.cut_ridge = 0
+        c.cut_devices = 0
+        c.improved = 0
+        c.timed_out = 0
+        with nogil:
+            se.recurse(0, c.L, 0)
+        best = None
+        if c.have_best:
+            best = (c.best_T, [c.best_opt[x] for x in range(N)], [c.best_l[x] for x in range(N)])
+        return {
+            "best": best,
+            "nodes": c.nodes,
+            "simulated": c.simulated,
+            "cut_bound": c.cut_bound,
+            "cut_memory": c.cut_memory,
+            "cut_ridge": c.cut_ridge,
+            "cut_devices": c.cut_devices,
+            "timed_out": bool(c.timed_out),
+        }
+    finally:
+        se.c = NULL
+        free(c.WF)
+        free(c.WB)
+        free(c.EF)
+        free(c.EB)
+        free(c)

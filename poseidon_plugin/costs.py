@@ -1,0 +1,246 @@
+"""Stage costs from profiles and placement: the numbers the search and the plan use.
+
+Per stage s of a plan (type k, TP t, l layers, micro-batch b, sequence S, DP d):
+
+* forward F_s = l * f(k, t, b) (+ embedding forward on stage 0, + output layer forward on the
+  last stage); backward likewise. f comes from ``profiles.lookup_profile`` (measured record of the
+  profile DB, else the analytic estimate). For interleaved-1f1b a device's l layers are split into
+  V chunks, chunk c holding l // V + (1 if c < l % V else 0) layers (Megatron layout order), the
+  embedding on chunk 0 of stage 0 and the output layer on chunk V-1 of the last stage.
+* activation send s -> s+1 (and the gradient back) = b * S * h * 2 bytes (bf16) over the
+  placement's slowest replica link, plus the cluster's per-message latency.
+* DP all-reduce R_s = ring over d ranks of the stage's gradient bytes: 2(d-1)/d * bytes / bw +
+  2(d-1) * latency, gradient bytes = the stage's bf16 parameter bytes on one device (Megatron's
+  default reduces gradients in the parameter dtype, bf16 = 2 bytes/gradient; the fp32 main-grad
+  copy is optimizer-local). bw = the ring's slowest link (``placement.ring_gbps``).
+* memory: ``memory.stage_memory`` of the stage against the device type's capacity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from . import memory as memory_mod
+from .placement import Pool, StagePlacement, place_stages, ring_gbps, send_link_gbps, type_pools
+from .profiles import ProfileKey, lookup_profile
+
+BYTES_PER_ACTIVATION = 2   # bf16
+BYTES_PER_GRADIENT = 2     # bf16 gradient all-reduce (Megatron default)
+
+
+def send_ms(num_bytes: float, gbps: float, latency_ms: float) -> float:
+    return num_bytes * 8.0 / (gbps * 1e6) + latency_ms
+
+
+def allreduce_ms(grad_bytes: float, dp: int, gbps: float, latency_ms: float) -> float:
+    if dp <= 1:
+        return 0.0
+    return 2.0 * (dp - 1) * latency_ms + 2.0 * (dp - 1) / dp * grad_bytes * 8.0 / (gbps * 1e6)
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Per-(type, tp, micro-batch) costs: one decoder layer and the first/last-stage extras."""
+
+    forward_ms: float
+    backward_ms: float
+    grad_bytes: float
+    embedding_forward_ms: float
+    embedding_backward_ms: float
+    embedding_grad_bytes: float
+    output_forward_ms: float
+    output_backward_ms: float
+    output_grad_bytes: float
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    forward_ms: float
+    backward_ms: float
+    chunk_forward_ms: tuple[float, ...]
+    chunk_backward_ms: tuple[float, ...]
+    send_forward_ms: float
+    send_backward_ms: float
+    allreduce_ms: float
+    memory_bytes: int
+    memory_capacity_bytes: int
+
+
+def chunk_layers(layers: int, virtual_stages: int) -> tuple[int, ...]:
+    return tuple(layers // virtual_stages + (1 if c < layers % virtual_stages else 0)
+                 for c in range(virtual_stages))
+
+
+class CostModel:
+    """Costs of one (cluster, model, profile DB, sequence length); memoised lookups."""
+
+    def __init__(self, cluster, model, profiles=None, *, seq_length: int) -> None:
+        self.cluster = cluster
+        self.model = model
+        self.profiles = profiles
+        self.seq_length = seq_length
+        self.type_names: tuple[str, ...] = cluster.type_names
+        self.pools: tuple[Pool, ...] = type_pools(cluster)
+        self.capacity_bytes = tuple(cluster.device_types[n].memory_bytes for n in self.type_names)
+        self.latency_ms = float(cluster.links.latency_ms)
+        self.cross_gbps = float(cluster.links.cross_type_gbps)
+        self.intra_gbps = tuple(float(cluster.device_types[n].intra_node_gbps)
+                                for n in self.type_names)
+        self.inter_gbps = tuple(float(cluster.links.inter_node_gbps[n]) for n in self.type_names)
+        self._layer_cache: dict[tuple[int, int, int], LayerCosts] = {}
+        self._mem_cache: dict[tuple, int] = {}
+        self._sig = model.signature() if callable(getattr(model, "signature", None)) else model.name
+
+    # ------------------------------------------------------------------ profiles
+    def layer_costs(self, type_index: int, tp: int, micro_batch_size: int) -> LayerCosts:
+        key = (type_index, tp, micro_batch_size)
+        hit = self._layer_cache.get(key)
+        if hit is not None:
+            return hit
+        name = self.type_names[type_index]
+
+        def prof(kind: str):
+            return lookup_profile(self.profiles, self.cluster, self.model,
+                                  ProfileKey(name, kind, tp, micro_batch_size, self.seq_length,
+                                             self._sig))
+
+        dec, emb, out = prof("decoder"), prof("embedding"), prof("output")
+        g = BYTES_PER_GRADIENT / 2.0   # param_bytes are bf16 (2 bytes/param)
+        lc = LayerCosts(dec.forward_ms, dec.backward_ms, dec.param_bytes * g,
+                        emb.forward_ms, emb.backward_ms, emb.param_bytes * g,
+                        out.forward_ms, out.backward_ms, out.param_bytes * g)
+        self._layer_cache[key] = lc
+        return lc
+
+    def activation_bytes(self, micro_batch_size: int) -> float:
+        return float(BYTES_PER_ACTIVATION * micro_batch_size * self.seq_length
+                     * self.model.hidden_size)
+
+    # ------------------------------------------------------------------ memory
+    def stage_memory_bytes(self, *, layers: int, stage: int, num_stages: int, tp: int, dp: int,
+                           micro_batch_size: int, num_microbatches: int, schedule: str,
+                           virtual_stages: int) -> int:
+        return memory_mod.stage_memory(
+            self.model, layers=layers, stage=stage, num_stages=num_stages, tp=tp, dp=dp,
+            micro_batch_size=micro_batch_size, seq_length=self.seq_length,
+            num_microbatches=num_microbatches, schedule=schedule,
+            virtual_stages=virtual_stages).total_bytes
+
+    def max_layers(self, *, capacity_bytes: int, stage: int, num_stages: int, tp: int, dp: int,
+                   micro_batch_size: int, num_microbatches: int, schedule: str,
+                   virtual_stages: int, limit: int) -> int:
+        """Largest l <= limit whose stage memory fits (0 if none); memory is monotone in l.
+
+        Memoised on what ``memory.stage_memory`` depends on: (first, last, in-flight count) of the
+        stage position, tp, dp, micro-batch, schedule, V, capacity.
+        """
+        inflight = memory_mod.microbatches_in_flight(schedule, stage, num_stages,
+                                                     num_microbatches, virtual_stages)
+        first, last = stage == 0, stage == num_stages - 1
+        key = (capacity_bytes, first, last, num_stages == 1, inflight, tp, dp, micro_batch_size,
+               schedule, virtual_stages, limit)
+        hit = self._mem_cache.get(key)
+        if hit is not None:
+            return hit
+
+        def mem(l: int) -> int:
+            return self.stage_memory_bytes(layers=l, stage=stage, num_stages=num_stages, tp=tp,
+                                           dp=dp, micro_batch_size=micro_batch_size,
+                                           num_microbatches=num_microbatches, schedule=schedule,
+                                           virtual_stages=virtual_stages)
+
+        if limit < 1 or mem(1) > capacity_bytes:
+            result = 0
+        elif mem(limit) <= capacity_bytes:
+            result = limit
+        else:
+            lo, hi = 1, limit          # mem(lo) fits, mem(hi) does not
+            m1, m2 = mem(1), mem(2) if limit >= 2 else mem(1)
+            slope = max(m2 - m1, 1)
+            guess = min(max(1 + (capacity_bytes - m1) // slope, 1), limit - 1)
+            if mem(guess) <= capacity_bytes:
+                lo = guess
+                if mem(guess + 1) > capacity_bytes:
+                    hi = guess + 1
+            else:
+                hi = guess
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if mem(mid) <= capacity_bytes:
+                    lo = mid
+                else:
+                    hi = mid
+            result = lo
+        self._mem_cache[key] = result
+        return result
+
+    # ------------------------------------------------------------------ a concrete plan
+    def stage_costs(self, *, stage_types, stage_tps, layers, dp: int, micro_batch_size: int,
+                    num_microbatches: int, schedule: str, virtual_stages: int
+                    ) -> tuple[tuple[StageCosts, ...], tuple[StagePlacement, ...],
+                               tuple[tuple[int, int], ...]]:
+        """Costs, placement and unused slots of one fully specified pipeline."""
+        n = len(layers)
+        v = virtual_stages
+        placements, unused = place_stages(self.pools, stage_types, stage_tps, dp)
+        act = self.activation_bytes(micro_batch_size)
+        sends = []
+        for s in range(n - 1):
+            sends.append(send_ms(act, send_link_gbps(self.cluster, placements[s],
+                                                     placements[s + 1]), self.latency_ms))
+        if v > 1:
+            sends.append(send_ms(act, send_link_gbps(self.cluster, placements[n - 1],
+                                                     placements[0]), self.latency_ms))
+        out = []
+        for s in range(n):
+            k, t, l = stage_types[s], stage_tps[s], layers[s]
+            lc = self.layer_costs(k, t, micro_batch_size)
+            fc = [c * lc.forward_ms for c in chunk_layers(l, v)]
+            bc = [c * lc.backward_ms for c in chunk_layers(l, v)]
+            grad = l * lc.grad_bytes
+            if s == 0:
+                fc[0] += lc.embedding_forward_ms
+                bc[0] += lc.embedding_backward_ms
+                grad += lc.embedding_grad_bytes
+            if s == n - 1:
+                fc[v - 1] += lc.output_forward_ms
+                bc[v - 1] += lc.output_backward_ms
+                grad += lc.output_grad_bytes
+            ar = allreduce_ms(grad, dp, ring_gbps(self.cluster, placements[s]), self.latency_ms) \
+                if dp > 1 else 0.0
+            mem = self.stage_memory_bytes(layers=l, stage=s, num_stages=n, tp=t, dp=dp,
+                                          micro_batch_size=micro_batch_size,
+                                          num_microbatches=num_microbatches, schedule=schedule,
+                                          virtual_stages=v)
+            out.append(StageCosts(
+                forward_ms=float(sum(fc)), backward_ms=float(sum(bc)),
+                chunk_forward_ms=tuple(fc), chunk_backward_ms=tuple(bc),
+                send_forward_ms=sends[s] if s < n - 1 else 0.0,
+                send_backward_ms=sends[s] if s < n - 1 else 0.0,
+                allreduce_ms=ar, memory_bytes=mem,
+                memory_capacity_bytes=self.capacity_bytes[k]))
+        return tuple(out), placements, unused
+
+    def wrap_send_ms(self, placements, micro_batch_size: int) -> float:
+        return send_ms(self.activation_bytes(micro_batch_size),
+                       send_link_gbps(self.cluster, placements[-1], placements[0]),
+                       self.latency_ms)
+
+
+def simulator_arrays(stages: tuple[StageCosts, ...], virtual_stages: int, wrap_send_ms: float = 0.0):
+    """(F, B, Pf, Pb, R) in the simulator's layout (per-chunk arrays of shape (V, N) if V > 1)."""
+    n, v = len(stages), virtual_stages
+    if v > 1:
+        F = np.array([[st.chunk_forward_ms[c] for st in stages] for c in range(v)])
+        B = np.array([[st.chunk_backward_ms[c] for st in stages] for c in range(v)])
+        Pf = np.array([st.send_forward_ms for st in stages[:-1]] + [wrap_send_ms])
+    else:
+        F = np.array([st.forward_ms for st in stages])
+        B = np.array([st.backward_ms for st in stages])
+        Pf = np.array([st.send_forward_ms for st in stages[:-1]])
+    Pb = Pf.copy()
+    R = np.array([st.allreduce_ms for st in stages])
+    return F, B, Pf, Pb, R

@@ -1,0 +1,232 @@
+"""Rewriting Megatron-LM / MindSpeed-LLM command lines for a plan (pure Python, no torch).
+
+argparse keeps the *last* occurrence of a ``store`` option, so the plan's flags are appended; flags
+that would conflict with them (other layer-split mechanisms, ``store_true`` switches that cannot be
+undone by a later flag) are stripped first.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Iterable, Sequence
+
+from ..errors import PoseidonError
+
+# Flags the plan owns. Every one takes exactly one value.
+PLAN_VALUE_FLAGS: tuple[str, ...] = (
+    "--tensor-model-parallel-size",
+    "--pipeline-model-parallel-size",
+    "--pipeline-model-parallel-layout",
+    "--decoder-first-pipeline-num-layers",
+    "--decoder-last-pipeline-num-layers",
+    "--num-layers-per-virtual-pipeline-stage",
+    "--num-virtual-stages-per-pipeline-rank",
+    "--virtual-pipeline-model-parallel-size",
+    "--micro-batch-size",
+    "--global-batch-size",
+    # MindSpeed-LLM / MindSpeed layer-split mechanisms
+    "--num-layer-list",
+    "--pipeline-num-transformer-layers",
+)
+# store_true switches that conflict with an explicit layout or with Poseidon's rank order.
+PLAN_BOOL_FLAGS: tuple[str, ...] = (
+    "--account-for-embedding-in-pipeline-split",
+    "--account-for-loss-in-pipeline-split",
+    "--use-tp-pp-dp-mapping",  # Poseidon's renumbering assumes Megatron's default order tp-cp-ep-dp-pp
+)
+
+# Flags Poseidon refuses, with the reason shown to the user.
+REFUSED_FLAGS: dict[str, str] = {
+    "--use-checkpoint-args": "it overwrites the parallel layout with the checkpoint's after parsing; "
+    "drop it (Poseidon sets TP/PP itself) or launch without --poseidon-auto",
+    "--inprocess-restart": "in-process restart re-creates the process group and re-parses argv "
+    "outside Poseidon's control",
+    "--yaml-cfg": "YAML configs replace the command line Poseidon rewrites; pass the settings as flags",
+}
+
+
+def _flag_name(token: str) -> str:
+    return token.split("=", 1)[0]
+
+
+def find_flag(argv: Sequence[str], flag: str) -> bool:
+    return any(_flag_name(t) == flag for t in argv)
+
+
+def flag_value(argv: Sequence[str], flag: str, default: str | None = None) -> str | None:
+    """The value of the last occurrence of ``flag`` (``--flag v`` or ``--flag=v``)."""
+    value = default
+    for i, tok in enumerate(argv):
+        name, eq, inline = tok.partition("=")
+        if name != flag:
+            continue
+        if eq:
+            value = inline
+        elif i + 1 < len(argv):
+            value = argv[i + 1]
+    return value
+
+
+def strip_flags(argv: Sequence[str], value_flags: Iterable[str] = (),
+                bool_flags: Iterable[str] = ()) -> list[str]:
+    """``argv`` without the given flags (and, for value flags, their value)."""
+    value_flags = set(value_flags)
+    bool_flags = set(bool_flags)
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        name, eq, _ = tok.partition("=")
+        if name in value_flags:
+            i += 1 if eq else 2
+            continue
+        if name in bool_flags:
+            i += 1
+            continue
+        out.append(tok)
+        i += 1
+    return out
+
+
+def check_refused(argv: Sequence[str]) -> None:
+    """PoseidonError for a launch Poseidon cannot plan (checkpoint args, in-process restart, YAML, CP/EP)."""
+    for flag, why in REFUSED_FLAGS.items():
+        if find_flag(argv, flag):
+            raise PoseidonError(f"--poseidon-auto cannot be combined with {flag}: {why}")
+    for flag, what in (("--context-parallel-size", "context parallelism"),
+                       ("--expert-model-parallel-size", "expert parallelism")):
+        raw = flag_value(argv, flag)
+        if raw is not None and raw != "1":
+            raise PoseidonError(f"--poseidon-auto plans dense TP/PP/DP only; {what} ({flag} {raw}) "
+                                "is not supported yet; remove it or launch without --poseidon-auto")
+
+
+# ----------------------------------------------------------------------------------------------
+# plan -> flags
+# ----------------------------------------------------------------------------------------------
+
+
+def layout_string(layers_per_stage: Sequence[int]) -> str:
+    """Megatron's ``--pipeline-model-parallel-layout`` for a non-interleaved plan: ``Et*3|t*5|tL``."""
+    if not layers_per_stage:
+        raise PoseidonError("a plan needs at least one pipeline stage")
+    parts = []
+    last = len(layers_per_stage) - 1
+    for k, n in enumerate(layers_per_stage):
+        body = "" if n == 0 else ("t" if n == 1 else f"t*{n}")
+        parts.append(("E" if k == 0 else "") + body + ("L" if k == last else ""))
+    return "|".join(parts)
+
+
+def _call_plan_method(plan: Any, name: str) -> list[str] | None:
+    method = getattr(plan, name, None)
+    if method is None:
+        return None
+    try:
+        tokens = method()
+    except NotImplementedError:
+        return None
+    if tokens is None:  # an unimplemented interface stub
+        return None
+    return [str(t) for t in tokens]
+
+
+def plan_flags(plan: Any, backend: str) -> list[str]:
+    """The flags that set ``plan`` on ``backend`` ('megatron' or 'mindspeed-llm').
+
+    Uses the plan's own ``megatron_args()`` / ``mindspeed_llm_args()``; a plan without them (or a stub
+    returning None) gets the flags derived here from its TP, PP, layers per stage and batch sizes.
+    """
+    method = "mindspeed_llm_args" if backend == "mindspeed-llm" else "megatron_args"
+    tokens = _call_plan_method(plan, method)
+    if tokens is not None:
+        if "--micro-batch-size" not in tokens:
+            tokens += ["--micro-batch-size", str(plan.micro_batch_size)]
+        if "--global-batch-size" not in tokens:
+            tokens += ["--global-batch-size", str(plan.global_batch_size)]
+        return tokens
+    tp, pp = int(plan.tp), int(plan.pp)
+    layers = [int(n) for n in plan.layers_per_stage]
+    vpp = int(getattr(plan, "virtual_stages", 1) or 1)
+    if vpp > 1:
+        raise PoseidonError("this plan object does not provide megatron_args(); the derived flags "
+                            "cover non-interleaved plans only")
+    tokens = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+              "--micro-batch-size", str(plan.micro_batch_size),
+              "--global-batch-size", str(plan.global_batch_size)]
+    if pp > 1:
+        if backend == "mindspeed-llm":
+            tokens += ["--num-layer-list", ",".join(str(n) for n in layers)]
+        else:
+            tokens += ["--pipeline-model-parallel-layout", layout_string(layers)]
+    return tokens
+
+
+def rewrite_argv(argv: Sequence[str], plan: Any, backend: str) -> list[str]:
+    """``argv`` (script arguments, no program name) with the plan applied; deterministic."""
+    if backend not in ("megatron", "mindspeed-llm"):
+        raise PoseidonError(f"unknown backend {backend!r}; expected megatron or mindspeed-llm")
+    if backend == "mindspeed-llm" and int(getattr(plan, "virtual_stages", 1) or 1) > 1:
+        raise PoseidonError("MindSpeed-LLM's --num-layer-list cannot express an interleaved "
+                            "(virtual-stage) plan; search with --poseidon-max-virtual-stages 1")
+    bool_flags = list(PLAN_BOOL_FLAGS)
+    if int(plan.tp) == 1:
+        bool_flags.append("--sequence-parallel")  # Megatron rejects SP without TP
+    if backend == "mindspeed-llm" and int(plan.pp) > 1:
+        if find_flag(argv, "--noop-layers"):
+            raise PoseidonError("MindSpeed-LLM disables --num-layer-list when --noop-layers is set; "
+                                "remove --noop-layers to let Poseidon split the layers")
+        if flag_value(argv, "--schedules-method") == "dualpipev":
+            raise PoseidonError("MindSpeed-LLM's dualpipev schedule cannot take a --num-layer-list; "
+                                "remove --schedules-method dualpipev")
+    out = strip_flags(argv, PLAN_VALUE_FLAGS, bool_flags)
+    return out + plan_flags(plan, backend)
+
+
+# ----------------------------------------------------------------------------------------------
+# backend detection and MindSpeed-LLM hand-off
+# ----------------------------------------------------------------------------------------------
+
+
+def detect_backend(requested: str, script: str | None) -> str:
+    """'megatron' or 'mindspeed-llm': the requested one, else guessed from imports and the script."""
+    if requested in ("megatron", "mindspeed-llm"):
+        return requested
+    if any(m == "mindspeed_llm" or m.startswith("mindspeed_llm.") for m in sys.modules):
+        return "mindspeed-llm"
+    if script and os.path.isfile(script):
+        try:
+            with open(script, encoding="utf-8", errors="replace") as f:
+                if "mindspeed_llm" in f.read():
+                    return "mindspeed-llm"
+        except OSError:
+            pass
+    return "megatron"
+
+
+def mindspeed_repatch_args(new_argv: Sequence[str]) -> dict[str, Any]:
+    """The dict MindSpeed-LLM's ``repatch`` overlays on its parsed args for the plan's flags."""
+    out: dict[str, Any] = {}
+    for flag, conv in (("--tensor-model-parallel-size", int), ("--pipeline-model-parallel-size", int),
+                       ("--micro-batch-size", int), ("--global-batch-size", int),
+                       ("--num-layer-list", str)):
+        raw = flag_value(new_argv, flag)
+        if raw is not None:
+            out[flag[2:].replace("-", "_")] = conv(raw)
+    return out
+
+
+def apply_mindspeed_llm(new_argv: Sequence[str]) -> bool:
+    """Re-apply MindSpeed-LLM's argv-gated patches if its adaptor was imported before the rewrite.
+
+    MindSpeed-LLM parses ``sys.argv`` when ``mindspeed_llm`` is imported and installs feature patches
+    (e.g. ``NumLayerListFeature``) only for flags present then. When the adaptor is already loaded
+    (the user imported it before Poseidon), ``megatron_adaptor_v2.repatch`` re-parses the rewritten
+    argv. Returns True when repatch was called.
+    """
+    mod = sys.modules.get("mindspeed_llm.tasks.megatron_adaptor_v2")
+    if mod is None or not hasattr(mod, "repatch"):
+        return False
+    mod.repatch(mindspeed_repatch_args(new_argv))
+    return True

@@ -1,0 +1,424 @@
+"""CPU emulation of a heterogeneous accelerator cluster (``--poseidon-emulate FILE``).
+
+Two independent pieces:
+
+* **CPU shims** (:func:`install_cpu_shims`): megatron-core and megatron.training assume CUDA. A
+  :class:`torch.overrides.TorchFunctionMode` redirects every ``device="cuda"`` / ``device=<int>`` /
+  ``tensor.cuda()`` / ``tensor.to("cuda")`` to the CPU, and the ``torch.cuda`` entry points Megatron
+  calls (``is_available``, ``current_device``, ``Event``, ``Stream``, RNG state, memory statistics, ...)
+  are replaced by CPU equivalents. Megatron's RNG tracker then forks the CPU generator instead of a
+  CUDA one. The collectives run on gloo.
+* **Device-type emulation** (:func:`install_slowdown`): the emulation file assigns a device type to
+  every launch rank and a relative speed to every type. Each transformer layer's forward and backward
+  are padded with ``sleep`` so that they take ``measured / speed`` seconds; the profiler measures the
+  padded times, and training feels them.
+
+File format (YAML)::
+
+    device_types:
+      emu-fast: {speed: 1.0, memory_gib: 16}
+      emu-slow: {speed: 0.25, memory_gib: 16}
+    ranks: [emu-slow, emu-slow, emu-fast, emu-fast]   # device type of each launch RANK
+    hosts: [node-a, node-a, node-b, node-b]           # optional: emulated host of each RANK
+
+This is a rehearsal tool: a laptop can run the whole ``--poseidon-auto`` flow (discovery, profiling,
+search, renumbering, argv rewrite, training) before a real cluster is booked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+import types
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..errors import SpecError
+
+# ----------------------------------------------------------------------------------------------
+# the emulation file
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EmulatedType:
+    name: str
+    speed: float          # relative to the host CPU: 1.0 = as fast as the host, 0.25 = 4x slower
+    memory_gib: float
+
+    @property
+    def slowdown(self) -> float:
+        return 1.0 / self.speed
+
+
+@dataclass(frozen=True)
+class EmulationSpec:
+    types: Mapping[str, EmulatedType]
+    ranks: tuple[str, ...]              # device type per launch rank
+    hosts: tuple[str, ...] = ()         # emulated host name per launch rank ('' = real host)
+    source: str = "<dict>"
+
+    def type_of(self, rank: int) -> EmulatedType:
+        if rank >= len(self.ranks):
+            raise SpecError(self.source, "ranks", f"a device type for launch rank {rank} "
+                            f"(the list has {len(self.ranks)} entries; WORLD_SIZE is larger)")
+        return self.types[self.ranks[rank]]
+
+    def host_of(self, rank: int) -> str | None:
+        if rank < len(self.hosts) and self.hosts[rank]:
+            return self.hosts[rank]
+        return None
+
+
+def emulation_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> EmulationSpec:
+    if not isinstance(data, Mapping):
+        raise SpecError(source, "<root>", "a mapping with device_types and ranks", type(data).__name__)
+    raw_types = data.get("device_types")
+    if not isinstance(raw_types, Mapping) or not raw_types:
+        raise SpecError(source, "device_types", "a non-empty mapping {name: {speed, memory_gib}}", raw_types)
+    types_: dict[str, EmulatedType] = {}
+    for name, body in raw_types.items():
+        if not isinstance(body, Mapping):
+            raise SpecError(source, f"device_types.{name}", "a mapping {speed, memory_gib}", body)
+        speed = body.get("speed", 1.0)
+        mem = body.get("memory_gib", 16.0)
+        if not isinstance(speed, (int, float)) or isinstance(speed, bool) or not 0 < speed <= 1.0:
+            raise SpecError(source, f"device_types.{name}.speed",
+                            "a number in (0, 1] (relative to the host; emulation can only slow down)", speed)
+        if not isinstance(mem, (int, float)) or isinstance(mem, bool) or mem <= 0:
+            raise SpecError(source, f"device_types.{name}.memory_gib", "a number > 0", mem)
+        unknown = set(body) - {"speed", "memory_gib"}
+        if unknown:
+            raise SpecError(source, f"device_types.{name}", "only the keys speed, memory_gib",
+                            sorted(unknown))
+        types_[str(name)] = EmulatedType(str(name), float(speed), float(mem))
+    ranks = data.get("ranks")
+    if not isinstance(ranks, (list, tuple)) or not ranks:
+        raise SpecError(source, "ranks", "a non-empty list of device type names, one per launch rank", ranks)
+    for i, t in enumerate(ranks):
+        if t not in types_:
+            raise SpecError(source, f"ranks[{i}]", f"one of {sorted(types_)}", t)
+    hosts = data.get("hosts", [])
+    if not isinstance(hosts, (list, tuple)) or (hosts and len(hosts) != len(ranks)):
+        raise SpecError(source, "hosts", f"a list of {len(ranks)} host names (one per rank)", hosts)
+    unknown = set(data) - {"device_types", "ranks", "hosts"}
+    if unknown:
+        raise SpecError(source, "<root>", "only the keys device_types, ranks, hosts", sorted(unknown))
+    return EmulationSpec(types_, tuple(str(r) for r in ranks), tuple(str(h) for h in hosts), source)
+
+
+def load_emulation(path: str) -> EmulationSpec:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise SpecError(path, "<file>", "a readable YAML emulation file", str(e)) from None
+    except yaml.YAMLError as e:
+        raise SpecError(path, "<file>", "valid YAML", str(e).splitlines()[0]) from None
+    return emulation_from_dict(data, source=path)
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU shims for torch.cuda
+# ----------------------------------------------------------------------------------------------
+
+_SHIMS_INSTALLED = False
+_MODE = None
+
+
+def _is_accel(dev: Any) -> bool:
+    import torch
+
+    if isinstance(dev, bool):
+        return False
+    if isinstance(dev, int):
+        return True
+    if isinstance(dev, str):
+        return dev.split(":")[0] in ("cuda", "npu")
+    if isinstance(dev, torch.device):
+        return dev.type in ("cuda", "npu")
+    return False
+
+
+class _WallEvent:
+    """torch.cuda.Event on the wall clock."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
+                 **_: Any) -> None:
+        self._t: float | None = None
+
+    def record(self, stream: Any = None) -> None:
+        self._t = time.perf_counter()
+
+    def elapsed_time(self, end: "_WallEvent") -> float:
+        if self._t is None or end._t is None:
+            raise RuntimeError("event not recorded")
+        return (end._t - self._t) * 1e3
+
+    def synchronize(self) -> None: ...
+    def wait(self, stream: Any = None) -> None: ...
+    def query(self) -> bool:
+        return True
+
+
+class _FakeStream:
+    def __init__(self, *_: Any, **__: Any) -> None: ...
+    def wait_stream(self, *_: Any) -> None: ...
+    def wait_event(self, *_: Any) -> None: ...
+    def record_event(self, event: Any = None) -> _WallEvent:
+        ev = event or _WallEvent()
+        ev.record()
+        return ev
+    def synchronize(self) -> None: ...
+    def query(self) -> bool:
+        return True
+    def __enter__(self) -> "_FakeStream":
+        return self
+    def __exit__(self, *_: Any) -> None: ...
+
+
+def _make_mode():
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    cpu = torch.device("cpu")
+    identity = {torch.Tensor.cuda, torch.Tensor.pin_memory}
+    if hasattr(torch.Tensor, "npu"):
+        identity.add(torch.Tensor.npu)
+    tensor_to = torch.Tensor.to
+    tensor_type = torch.Tensor.type
+
+    class CpuRedirectMode(TorchFunctionMode):
+        """Send every accelerator placement to the CPU."""
+
+        def __torch_function__(self, func, types_, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if func in identity:
+                return args[0]
+            if func is tensor_type and len(args) == 1 and not kwargs:
+                # Megatron's fp16/bf16 optimizer checks param.type() == 'torch.cuda.BFloat16Tensor'.
+                name = func(*args)
+                return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+            if func is tensor_to:
+                args = tuple(cpu if (i > 0 and _is_accel(a)) else a for i, a in enumerate(args))
+            dev = kwargs.get("device")
+            if dev is not None and _is_accel(dev):
+                kwargs["device"] = cpu
+            return func(*args, **kwargs)
+
+    return CpuRedirectMode()
+
+
+def install_cpu_shims(*, local_rank: int = 0, device_count: int = 1, device_name: str = "cpu",
+                      memory_bytes: int = 16 << 30) -> None:
+    """Make ``torch.cuda`` (as megatron-core uses it) run on the CPU. Idempotent; process-wide."""
+    global _SHIMS_INSTALLED, _MODE
+    if _SHIMS_INSTALLED:
+        return
+    import torch
+
+    cuda = torch.cuda
+    props = types.SimpleNamespace(name=device_name, total_memory=int(memory_bytes), major=9, minor=0,
+                                  multi_processor_count=1, gcnArchName="", uuid="emulated")
+    cpu_gen = torch.default_generator
+    state = {"device": local_rank}
+
+    def set_device(dev: Any) -> None:
+        state["device"] = dev.index if isinstance(dev, torch.device) and dev.index is not None else (
+            dev if isinstance(dev, int) else state["device"])
+
+    def get_rng_state(device: Any = "cuda") -> torch.Tensor:
+        return cpu_gen.get_state()
+
+    def set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
+        cpu_gen.set_state(new_state)
+
+    def manual_seed(seed: int) -> None:
+        cpu_gen.manual_seed(int(seed))
+
+    nvtx = types.SimpleNamespace(range_push=lambda *a, **k: None, range_pop=lambda *a, **k: None,
+                                 range=lambda *a, **k: contextlib.nullcontext(),
+                                 mark=lambda *a, **k: None)
+    patches: dict[str, Any] = dict(
+        is_available=lambda: True,
+        is_initialized=lambda: True,
+        device_count=lambda: device_count,
+        current_device=lambda: state["device"],
+        set_device=set_device,
+        synchronize=lambda *a, **k: None,
+        empty_cache=lambda: None,
+        ipc_collect=lambda: None,
+        Event=_WallEvent,
+        Stream=_FakeStream,
+        current_stream=lambda *a, **k: _FakeStream(),
+        default_stream=lambda *a, **k: _FakeStream(),
+        stream=lambda *a, **k: contextlib.nullcontext(),
+        set_stream=lambda *a, **k: None,
+        device=lambda *a, **k: contextlib.nullcontext(),
+        get_device_name=lambda *a, **k: device_name,
+        get_device_properties=lambda *a, **k: props,
+        get_device_capability=lambda *a, **k: (9, 0),
+        mem_get_info=lambda *a, **k: (int(memory_bytes), int(memory_bytes)),
+        memory_allocated=lambda *a, **k: 0,
+        max_memory_allocated=lambda *a, **k: 0,
+        memory_reserved=lambda *a, **k: 0,
+        max_memory_reserved=lambda *a, **k: 0,
+        memory_stats=lambda *a, **k: {},
+        reset_peak_memory_stats=lambda *a, **k: None,
+        reset_max_memory_allocated=lambda *a, **k: None,
+        get_rng_state=get_rng_state,
+        set_rng_state=set_rng_state,
+        get_rng_state_all=lambda: [cpu_gen.get_state()],
+        set_rng_state_all=lambda states: cpu_gen.set_state(states[0]),
+        manual_seed=manual_seed,
+        manual_seed_all=manual_seed,
+        seed=lambda: None,
+        initial_seed=lambda: cpu_gen.initial_seed(),
+        default_generators=(cpu_gen,),
+        is_current_stream_capturing=lambda: False,
+        _lazy_call=lambda cb, **k: cb(),
+        _lazy_init=lambda: None,
+        nvtx=nvtx,
+    )
+    for name, value in patches.items():
+        setattr(cuda, name, value)
+    # torch.accelerator (DataLoader pinning, dynamo) must not reach the CUDA runtime either.
+    accel = getattr(torch, "accelerator", None)
+    if accel is not None:
+        accel.is_available = lambda: False
+        accel.current_device_index = lambda: state["device"] if isinstance(state["device"], int) else 0
+        accel.synchronize = lambda *a, **k: None
+    for name in ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all",
+                 "get_rng_state_all", "set_rng_state_all"):
+        setattr(cuda.random, name, patches[name])
+    # A CUDA context must never be created; a stray accelerator call should fail loudly, not hang.
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    # torch.compile (Megatron's jit_fuser) would probe the real accelerator; run eagerly instead.
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    try:
+        import torch._dynamo
+
+        torch._dynamo.config.disable = True
+    except Exception:  # pragma: no cover - very old torch
+        pass
+
+    _MODE = _make_mode()
+    _MODE.__enter__()  # stays active for the whole process
+    _patch_megatron_rng()
+    _SHIMS_INSTALLED = True
+
+
+def _patch_megatron_rng() -> None:
+    """megatron.core.tensor_parallel.random keeps name copies of torch.cuda helpers."""
+    import importlib
+
+    import torch
+
+    try:
+        rnd = importlib.import_module("megatron.core.tensor_parallel.random")
+    except ImportError:  # megatron not installed: the shims still serve plain torch code
+        return
+    gen = torch.default_generator
+
+    def _get(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+        return gen.get_state()
+
+    def _set(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+        gen.set_state(new_state)
+
+    rnd._get_cuda_rng_state = _get
+    rnd._set_cuda_rng_state = _set
+    rnd._lazy_call = lambda cb, **k: cb()
+    rnd._lazy_init = lambda: None
+    rnd.device_ctx_manager = lambda *a, **k: contextlib.nullcontext()
+
+
+def shims_installed() -> bool:
+    return _SHIMS_INSTALLED
+
+
+# ----------------------------------------------------------------------------------------------
+# slowing transformer layers down to an emulated device type
+# ----------------------------------------------------------------------------------------------
+
+_SLOWDOWN = {"factor": 1.0}
+_SLOWDOWN_INSTALLED = False
+_TLS = threading.local()
+
+
+def _pad(elapsed_s: float) -> None:
+    extra = elapsed_s * (_SLOWDOWN["factor"] - 1.0)
+    if extra > 0:
+        time.sleep(extra)
+
+
+def _markers():
+    import torch
+
+    class BackwardEnd(torch.autograd.Function):
+        """Sits at the layer input: its backward runs when the layer's backward has finished."""
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            t0 = getattr(_TLS, "bwd_start", None)
+            if t0 is not None:
+                _TLS.bwd_start = None
+                _pad(time.perf_counter() - t0)
+            return g
+
+    class BackwardStart(torch.autograd.Function):
+        """Sits at the layer output: its backward runs when the layer's backward starts."""
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            _TLS.bwd_start = time.perf_counter()
+            return g
+
+    return BackwardStart, BackwardEnd
+
+
+def install_slowdown(factor: float) -> None:
+    """Pad every megatron-core TransformerLayer forward and backward to ``factor`` x its real time."""
+    global _SLOWDOWN_INSTALLED
+    _SLOWDOWN["factor"] = float(factor)
+    if _SLOWDOWN_INSTALLED or factor <= 1.0:
+        return
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    start_fn, end_fn = _markers()
+    orig_forward = TransformerLayer.forward
+
+    def forward(self, *args: Any, **kwargs: Any):
+        if args:
+            hs = args[0]
+            if hs.requires_grad:
+                args = (end_fn.apply(hs),) + tuple(args[1:])
+        elif "hidden_states" in kwargs and kwargs["hidden_states"].requires_grad:
+            kwargs["hidden_states"] = end_fn.apply(kwargs["hidden_states"])
+        t0 = time.perf_counter()
+        out = orig_forward(self, *args, **kwargs)
+        _pad(time.perf_counter() - t0)
+        if isinstance(out, tuple) and out and getattr(out[0], "requires_grad", False):
+            out = (start_fn.apply(out[0]),) + tuple(out[1:])
+        return out
+
+    forward.__wrapped__ = orig_forward  # type: ignore[attr-defined]
+    TransformerLayer.forward = forward
+    _SLOWDOWN_INSTALLED = True
+
+
+def slowdown_factor() -> float:
+    return _SLOWDOWN["factor"]

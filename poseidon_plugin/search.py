@@ -1,0 +1,741 @@
+"""Plan search: enumeration, stage-level bound, ridge-like layer pruning, warm-up sampling.
+
+Search space
+------------
+Outer configuration: schedule (``1f1b``, ``eager-1f1b``, ``interleaved-1f1b`` with V = 2..max),
+micro-batch size b, DP degree d (M = G / (d b) must be an integer), TP mode (one t for all stages,
+or per stage), pipeline degree N. Inner (Cython, ``_search.pyx``): per stage, its option
+(device type, t) and its layer count l >= V (sum = layers), placed by ``placement.py``.
+TP candidates of a type: powers of two dividing the heads, the query groups and every node size
+of the type.
+
+Type sequences (which device type serves which stage)
+-----------------------------------------------------
+``type_order="any"`` enumerates every sequence (interleaving types allowed), ``"blocks"`` only
+those where the stages of each type are contiguous (T! block orders x counts), ``"auto"``
+(default) takes ``any`` for an outer configuration when (#usable types)^N <= ``type_sequence_limit``
+and ``blocks`` otherwise. ``blocks`` CAN lose the optimum (an interleaved order may be better,
+e.g. to put high-memory devices first twice); the plan's ``search.type_order_restricted_configs``
+says how many configurations were restricted. Nothing else is restricted: no symmetry reduction is
+applied to type sequences, because the pipeline position of every stage matters (warm-up depth,
+memory, links).
+
+Stage-level bound (validity)
+----------------------------
+All weights are >= 0 and the iteration time is a longest path, so any path gives a lower bound.
+For a decided stage i (head_i = sum_{j<i} (first-chunk forward_j + Pf_j) is a path to its first op):
+
+* its ops run one at a time: the last op ends >= head_i + all its work;
+* its first backward B(i, V-1, 0) needs micro-batch 0's round trip through all later stages; the
+  a_i forwards it runs before that backward are serial, as are everything after it;
+* the last op of stage i is the backward of the last micro-batch (chunk ``clast``); from it the
+  backward chain runs down to any stage k <= i and then R_k.
+Undecided stages are bounded below by the cheapest per-layer (f+b) over the options times the
+layers still to place, the cheapest send, and, for the stage holding the most of the remaining
+layers (>= ceil(L_rem / K)), M times its work. ``tests/test_search_bound.py`` checks g <= the
+simulated time of every completion (hypothesis).
+
+Layer-level pruning (Theorem 2)
+-------------------------------
+``ridge``: within one (type, t) group the layer counts along the stages rise then fall (paper).
+``safe``: applied only when the outer configuration satisfies the theorem's assumptions:
+eager-1f1b (the schedule the proof covers), d = 1 (the proof's DAG has no all-reduce nodes),
+b_i = r f_i with one r > 1 for every option, M >= 2N, every send <= (r-1)/2 x the smallest
+one-layer forward, and memory never binding; the first and last stages (embedding / output
+costs, F != l f) are left out of the groups; and an allocation that is not ridge-like is only
+skipped when it satisfies F_min >= alpha F_max (alpha = max(2/3, r/(1+r))). Otherwise exact.
+``none``: exhaustive, no bound, no ridge, no warm-up (an independent check of the others).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from functools import lru_cache
+import multiprocessing
+
+import numpy as np
+
+from . import _search
+from ._core import get_dag
+from .costs import CostModel, chunk_layers, simulator_arrays
+from .errors import InfeasibleError, PoseidonError
+from .plan import DeviceSlot, Plan, StagePlan
+from .schedules import op_orders, validate_schedule
+from .simulator import iteration_time_ms
+
+log = logging.getLogger("poseidon")
+
+SEARCH_SCHEDULES = ("1f1b", "eager-1f1b", "interleaved-1f1b", "gpipe")
+PRUNING_MODES = ("safe", "ridge", "none")
+TP_MODES = ("uniform", "per-stage")
+TYPE_ORDERS = ("auto", "any", "blocks")
+DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4)
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    schedule: str
+    virtual_stages: int
+    micro_batch_size: int
+    dp: int
+    num_microbatches: int
+    num_stages: int
+    tp: int                       # 0 = per-stage TP
+    options: tuple[tuple[int, int], ...]   # (type index, tp) a stage may use
+
+    @property
+    def key(self) -> tuple:
+        return (SEARCH_SCHEDULES.index(self.schedule), self.virtual_stages,
+                self.micro_batch_size, self.dp, self.tp, self.num_stages)
+
+
+# --------------------------------------------------------------------------- structure
+
+@lru_cache(maxsize=512)
+def bound_structure(schedule: str, n: int, m: int, v: int) -> "_search.BoundStructure":
+    """acnt / t1cnt / clast of ``_search.BoundStructure`` from the schedule's op orders."""
+    orders = op_orders(schedule, n, m, v)
+    acnt = np.zeros(n * v, dtype=np.int32)
+    t1cnt = np.zeros(n * v, dtype=np.int32)
+    clast = None
+    for s, ops in enumerate(orders):
+        first_b = next(i for i, op in enumerate(ops) if op.is_backward)
+        if (ops[first_b].chunk, ops[first_b].microbatch) != (v - 1, 0):
+            raise AssertionError(f"{schedule}: first backward of stage {s} is not (V-1, 0)")
+        t1 = next(i for i, op in enumerate(ops)
+                  if not op.is_backward and op.chunk == v - 1 and op.microbatch == 0)
+        for i in range(first_b):
+            acnt[s * v + ops[i].chunk] += 1
+        for i in range(t1 + 1):
+            t1cnt[s * v + ops[i].chunk] += 1
+        last = ops[-1]
+        if not last.is_backward or last.microbatch != m - 1:
+            raise AssertionError(f"{schedule}: last op of stage {s} is not B(., M-1)")
+        if clast is None:
+            clast = last.chunk
+        elif clast != last.chunk:
+            raise AssertionError(f"{schedule}: last chunk differs between stages")
+    return _search.BoundStructure(n, m, v, acnt, t1cnt, clast)
+
+
+# --------------------------------------------------------------------------- enumeration
+
+def tp_candidates(cluster, model, type_name: str) -> tuple[int, ...]:
+    sizes = [n.num_devices for n in cluster.nodes_of_type(type_name)]
+    out = []
+    t = 1
+    while sizes and t <= min(sizes):
+        if (all(s % t == 0 for s in sizes) and model.num_attention_heads % t == 0
+                and model.num_query_groups % t == 0):
+            out.append(t)
+        t *= 2
+    return tuple(out)
+
+
+def _divisors(x: int) -> list[int]:
+    return [d for d in range(1, x + 1) if x % d == 0]
+
+
+def enumerate_configs(cm: CostModel, *, global_batch_size: int, schedules, tp_mode: str,
+                      micro_batch_sizes, max_virtual_stages: int) -> list[OuterConfig]:
+    cluster, model = cm.cluster, cm.model
+    L = model.num_layers
+    tps = [tp_candidates(cluster, model, name) for name in cm.type_names]
+    ndev = [p.size for p in cm.pools]
+    out: list[OuterConfig] = []
+    for sched in schedules:
+        vs = range(2, max_virtual_stages + 1) if sched == "interleaved-1f1b" else (1,)
+        for v in vs:
+            for b in micro_batch_sizes:
+                for d in _divisors(global_batch_size):
+                    if global_batch_size % (d * b):
+                        continue
+                    m = global_batch_size // (d * b)
+                    if tp_mode == "uniform":
+                        all_t = sorted({t for ts in tps for t in ts})
+                        groups = [(t, tuple((k, t) for k in range(len(tps)) if t in tps[k]))
+                                  for t in all_t]
+                    else:
+                        groups = [(0, tuple((k, t) for k in range(len(tps)) for t in tps[k]))]
+                    for t, opts in groups:
+                        if not opts:
+                            continue
+                        cap = 0
+                        for k in range(len(tps)):
+                            tk = [tt for (kk, tt) in opts if kk == k]
+                            if tk:
+                                cap += ndev[k] // (d * min(tk))
+                        nmax = min(cap, L // v)
+                        for n in range(1, nmax + 1):
+                            if v > 1:
+                                try:
+                                    validate_schedule(sched, n, m, v)
+                                except PoseidonError:
+                                    continue
+                            out.append(OuterConfig(sched, v, b, d, m, n, t, opts))
+    return out
+
+
+# --------------------------------------------------------------------------- per-config data
+
+def _option_arrays(cm: CostModel, cfg: OuterConfig) -> dict:
+    cols = {k: [] for k in ("f", "b", "ef", "eb", "of", "ob", "gl", "ge", "go")}
+    for (k, t) in cfg.options:
+        lc = cm.layer_costs(k, t, cfg.micro_batch_size)
+        cols["f"].append(lc.forward_ms)
+        cols["b"].append(lc.backward_ms)
+        cols["ef"].append(lc.embedding_forward_ms)
+        cols["eb"].append(lc.embedding_backward_ms)
+        cols["of"].append(lc.output_forward_ms)
+        cols["ob"].append(lc.output_backward_ms)
+        cols["gl"].append(lc.grad_bytes)
+        cols["ge"].append(lc.embedding_grad_bytes)
+        cols["go"].append(lc.output_grad_bytes)
+    return cols
+
+
+def _lmax(cm: CostModel, cfg: OuterConfig) -> np.ndarray:
+    n, L = cfg.num_stages, cm.model.num_layers
+    limit = L - (n - 1) * cfg.virtual_stages
+    out = np.zeros((len(cfg.options), n), dtype=np.int32)
+    for o, (k, t) in enumerate(cfg.options):
+        for x in range(n):
+            out[o, x] = cm.max_layers(
+                capacity_bytes=cm.capacity_bytes[k], stage=x, num_stages=n, tp=t, dp=cfg.dp,
+                micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
+                schedule=cfg.schedule, virtual_stages=cfg.virtual_stages, limit=limit)
+    return out
+
+
+def _min_send(cm: CostModel, b: int) -> float:
+    best = max(max(cm.intra_gbps), max(cm.inter_gbps), cm.cross_gbps)
+    return cm.activation_bytes(b) * 8.0 / (best * 1e6) + cm.latency_ms
+
+
+def _max_send(cm: CostModel, b: int) -> float:
+    worst = min(min(cm.intra_gbps), min(cm.inter_gbps), cm.cross_gbps)
+    return cm.activation_bytes(b) * 8.0 / (worst * 1e6) + cm.latency_ms
+
+
+def root_bound(cm: CostModel, cfg: OuterConfig) -> float:
+    cols = _option_arrays(cm, cfg)
+    minfb = min(f + b for f, b in zip(cols["f"], cols["b"]))
+    L, n, m = cm.model.num_layers, cfg.num_stages, cfg.num_microbatches
+    return max(m * math.ceil(L / n) * minfb, L * minfb)
+
+
+def _safe_ridge_applies(cm: CostModel, cfg: OuterConfig, cols: dict, lmax: np.ndarray
+                        ) -> tuple[bool, float]:
+    if cfg.schedule != "eager-1f1b" or cfg.dp != 1:
+        return False, 0.0
+    n, m = cfg.num_stages, cfg.num_microbatches
+    if m < 2 * n or n < 3:
+        return False, 0.0
+    ratios = [b / f for f, b in zip(cols["f"], cols["b"]) if f > 0]
+    if len(ratios) != len(cols["f"]):
+        return False, 0.0
+    r = ratios[0]
+    if r <= 1.0 or any(abs(x - r) > 1e-9 * r for x in ratios):
+        return False, 0.0
+    if _max_send(cm, cfg.micro_batch_size) > (r - 1.0) / 2.0 * min(cols["f"]):
+        return False, 0.0
+    limit = cm.model.num_layers - (n - 1)
+    if int(lmax.min()) < limit:
+        return False, 0.0
+    return True, max(2.0 / 3.0, r / (1.0 + r))
+
+
+def config_payload(cm: CostModel, cfg: OuterConfig, *, pruning: str, type_order: str,
+                   type_sequence_limit: int, threshold_ms: float, deadline: float
+                   ) -> tuple[dict, bool]:
+    """The ``cfg`` dict ``_search.search_config`` takes; second value: blocks restriction used."""
+    cols = _option_arrays(cm, cfg)
+    lmax = _lmax(cm, cfg)
+    usable_types = len({k for k, _ in cfg.options})
+    if type_order == "auto":
+        blocks = usable_types ** cfg.num_stages > type_sequence_limit
+    else:
+        blocks = type_order == "blocks"
+    ridge_mode, ridge_ends, alpha = _search.RIDGE_OFF, 0, 0.0
+    if pruning == "ridge":
+        ridge_mode, ridge_ends = _search.RIDGE_CUT, 1
+    elif pruning == "safe":
+        ok, alpha = _safe_ridge_applies(cm, cfg, cols, lmax)
+        if ok:
+            ridge_mode = _search.RIDGE_SAFE
+    node_of, local_of, type_off = [], [], []
+    for p in cm.pools:
+        type_off.append(len(node_of))
+        node_of.extend(p.node_of)
+        local_of.extend(p.local_of)
+    payload = dict(
+        d=cfg.dp, L=cm.model.num_layers, act_bytes=cm.activation_bytes(cfg.micro_batch_size),
+        latency_ms=cm.latency_ms, cross_gbps=cm.cross_gbps,
+        minsend=_min_send(cm, cfg.micro_batch_size),
+        minfb=min(f + b for f, b in zip(cols["f"], cols["b"])),
+        outmin=min(of + ob for of, ob in zip(cols["of"], cols["ob"])),
+        alpha=alpha, ridge_mode=ridge_mode, ridge_ends=ridge_ends, blocks=int(blocks),
+        use_bound=0 if pruning == "none" else 1,
+        threshold_ms=threshold_ms, deadline=deadline,
+        opt_type=[k for k, _ in cfg.options], opt_tp=[t for _, t in cfg.options],
+        lmax=lmax, ndev=[p.size for p in cm.pools], type_off=type_off,
+        intra=list(cm.intra_gbps), inter=list(cm.inter_gbps), node_of=node_of,
+        local_of=local_of, **cols)
+    return payload, blocks
+
+
+def run_config(cm: CostModel, cfg: OuterConfig, *, pruning: str, type_order: str,
+               type_sequence_limit: int, threshold_ms: float, deadline: float) -> dict:
+    payload, blocks = config_payload(cm, cfg, pruning=pruning, type_order=type_order,
+                                     type_sequence_limit=type_sequence_limit,
+                                     threshold_ms=threshold_ms, deadline=deadline)
+    st = bound_structure(cfg.schedule, cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages)
+    dag = get_dag(cfg.schedule, cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages)
+    res = _search.search_config(st, dag, payload)
+    res["blocks"] = blocks
+    return res
+
+
+# --------------------------------------------------------------------------- evaluation
+
+def evaluate_plan_time(cm: CostModel, cfg: OuterConfig, stage_opts, layers) -> float:
+    """Iteration time of one concrete assignment through the Python cost path + simulator."""
+    types = [cfg.options[o][0] for o in stage_opts]
+    tps = [cfg.options[o][1] for o in stage_opts]
+    stages, placements, _ = cm.stage_costs(
+        stage_types=types, stage_tps=tps, layers=layers, dp=cfg.dp,
+        micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
+        schedule=cfg.schedule, virtual_stages=cfg.virtual_stages)
+    wrap = cm.wrap_send_ms(placements, cfg.micro_batch_size) if cfg.virtual_stages > 1 else 0.0
+    F, B, Pf, Pb, R = simulator_arrays(stages, cfg.virtual_stages, wrap)
+    return iteration_time_ms(F, B, Pf, Pb, R, cfg.num_microbatches, cfg.schedule,
+                             cfg.virtual_stages)
+
+
+def _random_assignment(cm: CostModel, cfg: OuterConfig, lmax: np.ndarray, rng: random.Random):
+    n, v, d = cfg.num_stages, cfg.virtual_stages, cfg.dp
+    cursors = [0] * len(cm.pools)
+    opts = []
+    for x in range(n):
+        cand = []
+        for o, (k, t) in enumerate(cfg.options):
+            pool = cm.pools[k]
+            start = cursors[k]
+            if start < pool.size and pool.local_of[start] % t:
+                start += t - pool.local_of[start] % t
+            if start + d * t <= pool.size and lmax[o, x] >= v:
+                cand.append((o, start + d * t))
+        if not cand:
+            return None
+        o, nxt = rng.choice(cand)
+        cursors[cfg.options[o][0]] = nxt
+        opts.append(o)
+    caps = [int(lmax[o, x]) for x, o in enumerate(opts)]
+    L = cm.model.num_layers
+    if sum(caps) < L or v * n > L:
+        return None
+    layers = []
+    rem = L
+    for x in range(n):
+        later = n - 1 - x
+        lo = max(v, rem - sum(caps[x + 1:]))
+        hi = min(caps[x], rem - later * v)
+        if hi < lo:
+            return None
+        layers.append(lo if x == n - 1 and lo == hi else rng.randint(lo, hi))
+        rem -= layers[-1]
+    if rem != 0:
+        return None
+    return opts, layers
+
+
+# --------------------------------------------------------------------------- workers
+
+_WORKER: dict = {}
+
+
+def _worker_run(index: int, threshold_ms: float, deadline: float) -> tuple[int, dict]:
+    w = _WORKER
+    res = run_config(w["cm"], w["configs"][index], pruning=w["pruning"],
+                     type_order=w["type_order"], type_sequence_limit=w["type_sequence_limit"],
+                     threshold_ms=threshold_ms, deadline=deadline)
+    return index, res
+
+
+# --------------------------------------------------------------------------- entry point
+
+def _normalize_tp_mode(tp_mode: str) -> str:
+    aliases = {"uniform": "uniform", "uniform-tp": "uniform", "per-stage": "per-stage",
+               "per-stage-tp": "per-stage"}
+    if tp_mode not in aliases:
+        raise PoseidonError(f"tp_mode: expected 'uniform' or 'per-stage', got {tp_mode!r}")
+    return aliases[tp_mode]
+
+
+def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, profiles=None,
+                schedules=("1f1b", "eager-1f1b", "interleaved-1f1b"), pruning: str = "safe",
+                tp_mode: str = "uniform", micro_batch_sizes=None, max_virtual_stages: int = 2,
+                warmup_samples: int = 500, time_budget_s: float | None = None,
+                workers: int | None = None, progress: bool = False, seed: int = 0,
+                type_order: str = "auto", type_sequence_limit: int = 4096) -> Plan:
+    """The fastest plan (see the module docstring); InfeasibleError when nothing fits."""
+    t0 = time.perf_counter()
+    tp_mode = _normalize_tp_mode(tp_mode)
+    if pruning not in PRUNING_MODES:
+        raise PoseidonError(f"pruning: expected one of {', '.join(PRUNING_MODES)}, got {pruning!r}")
+    if type_order not in TYPE_ORDERS:
+        raise PoseidonError(f"type_order: expected one of {', '.join(TYPE_ORDERS)}, "
+                            f"got {type_order!r}")
+    schedules = tuple(schedules)
+    for s in schedules:
+        if s not in SEARCH_SCHEDULES:
+            raise PoseidonError(f"schedules: expected some of {', '.join(SEARCH_SCHEDULES)}, "
+                                f"got {s!r}")
+    if not schedules:
+        raise PoseidonError("schedules: expected at least one schedule")
+    for name, val in (("global_batch_size", global_batch_size), ("seq_length", seq_length),
+                      ("max_virtual_stages", max_virtual_stages)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise PoseidonError(f"{name}: expected an integer >= 1, got {val!r}")
+    mbs = tuple(DEFAULT_MICRO_BATCH_SIZES if micro_batch_sizes is None else micro_batch_sizes)
+    if not mbs or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in mbs):
+        raise PoseidonError(f"micro_batch_sizes: expected integers >= 1, got {mbs!r}")
+    if time_budget_s is not None and time_budget_s <= 0:
+        raise PoseidonError(f"time_budget_s: expected a number > 0, got {time_budget_s!r}")
+
+    cm = CostModel(cluster, model, profiles, seq_length=seq_length)
+    configs = enumerate_configs(cm, global_batch_size=global_batch_size, schedules=schedules,
+                                tp_mode=tp_mode, micro_batch_sizes=mbs,
+                                max_virtual_stages=max_virtual_stages)
+    if not configs:
+        splits = [b for b in mbs if global_batch_size % b == 0]
+        if not splits:
+            raise InfeasibleError(
+                f"global batch size {global_batch_size} is not divisible by any micro-batch size "
+                f"in {list(mbs)}: no batch split M = G / (dp x mbs) is an integer")
+        raise InfeasibleError(
+            f"no (dp, tp, pp, schedule) fits the cluster for global batch size "
+            f"{global_batch_size} with micro-batch sizes {list(mbs)} (check the device counts, "
+            f"TP divisibility and that interleaving has M a multiple of pp)")
+    deadline_wall = None if time_budget_s is None else time.monotonic() + time_budget_s
+    deadline_c = 0.0 if deadline_wall is None else deadline_wall
+
+    stats = dict(configs=len(configs), configs_cut_root=0, configs_searched=0,
+                 plans_simulated=0, nodes=0, cut_bound=0, cut_memory=0, cut_ridge=0,
+                 cut_devices=0, warmup_plans=0, type_order_restricted_configs=0)
+    best: tuple | None = None   # (time, cfg.key, opts, layers, cfg)
+
+    def consider(t: float, cfg: OuterConfig, opts, layers) -> None:
+        nonlocal best
+        cand = (t, cfg.key, tuple(opts), tuple(layers))
+        if best is None or cand < best[:4]:
+            best = cand + (cfg,)
+
+    # ---- warm-up sampling (seeds the bound; skipped by the exhaustive mode)
+    threshold = math.inf
+    if pruning != "none" and warmup_samples > 0:
+        rng = random.Random(seed)
+        lmax_cache: dict[int, np.ndarray] = {}
+        attempts = 0
+        while stats["warmup_plans"] < warmup_samples and attempts < 20 * warmup_samples:
+            attempts += 1
+            i = rng.randrange(len(configs))
+            cfg = configs[i]
+            if i not in lmax_cache:
+                lmax_cache[i] = _lmax(cm, cfg)
+            a = _random_assignment(cm, cfg, lmax_cache[i], rng)
+            if a is None:
+                continue
+            t = evaluate_plan_time(cm, cfg, *a)
+            stats["warmup_plans"] += 1
+            if t < threshold:
+                threshold = t
+            consider(t, cfg, *a)
+            if deadline_wall is not None and time.monotonic() > deadline_wall:
+                break
+        log.debug("warm-up: %d plans, best %.3f ms", stats["warmup_plans"], threshold)
+
+    # ---- order configurations by their root bound (cheapest first; deterministic)
+    if pruning == "none":
+        order = list(range(len(configs)))
+        roots = [0.0] * len(configs)
+    else:
+        roots = [root_bound(cm, c) for c in configs]
+        order = sorted(range(len(configs)), key=lambda i: (roots[i], configs[i].key))
+    explored = [False] * len(configs)
+    timed_out = False
+
+    def absorb(i: int, res: dict) -> None:
+        nonlocal threshold, timed_out
+        stats["configs_searched"] += 1
+        for k in ("nodes", "cut_bound", "cut_memory", "cut_ridge", "cut_devices"):
+            stats[k] += res[k]
+        stats["plans_simulated"] += res["simulated"]
+        stats["type_order_restricted_configs"] += int(res["blocks"])
+        if res["timed_out"]:
+            timed_out = True
+        else:
+            explored[i] = True
+        if res["best"] is not None:
+            t, opts, layers = res["best"]
+            consider(t, configs[i], opts, layers)
+            threshold = min(threshold, t)
+
+    nworkers = workers if workers is not None else (os.cpu_count() or 1)
+    nworkers = max(1, int(nworkers))
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(order), desc="poseidon search", unit="cfg", leave=False)
+    thr_of = (lambda: math.inf) if pruning == "none" else (lambda: threshold)
+    try:
+        if nworkers == 1 or len(order) < 8:
+            for i in order:
+                if deadline_wall is not None and time.monotonic() > deadline_wall:
+                    timed_out = True
+                    break
+                if pruning != "none" and roots[i] > threshold * (1 + 1e-9):
+                    stats["configs_cut_root"] += 1
+                    explored[i] = True
+                    if bar:
+                        bar.update(1)
+                    continue
+                absorb(i, run_config(cm, configs[i], pruning=pruning, type_order=type_order,
+                                     type_sequence_limit=type_sequence_limit,
+                                     threshold_ms=thr_of(), deadline=deadline_c))
+                if bar:
+                    bar.update(1)
+        else:
+            _WORKER.update(cm=cm, configs=configs, pruning=pruning, type_order=type_order,
+                           type_sequence_limit=type_sequence_limit)
+            ctx = multiprocessing.get_context("fork")
+            with ProcessPoolExecutor(max_workers=nworkers, mp_context=ctx) as ex:
+                pending = set()
+                it = iter(order)
+                exhausted = False
+                while True:
+                    while not exhausted and len(pending) < 2 * nworkers:
+                        i = next(it, None)
+                        if i is None:
+                            exhausted = True
+                            break
+                        if deadline_wall is not None and time.monotonic() > deadline_wall:
+                            timed_out = True
+                            exhausted = True
+                            break
+                        if pruning != "none" and roots[i] > threshold * (1 + 1e-9):
+                            stats["configs_cut_root"] += 1
+                            explored[i] = True
+                            if bar:
+                                bar.update(1)
+                            continue
+                        pending.add(ex.submit(_worker_run, i, thr_of(), deadline_c))
+                    if not pending:
+                        break
+                    from concurrent.futures import FIRST_COMPLETED, wait
+                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    for fut in sorted(done, key=lambda f: f.result()[0]):
+                        i, res = fut.result()
+                        absorb(i, res)
+                        if bar:
+                            bar.update(1)
+            _WORKER.clear()
+    finally:
+        if bar:
+            bar.close()
+
+    if best is None:
+        raise InfeasibleError(_closest_infeasible(cm, configs))
+
+    exhaustive = all(explored) and not timed_out
+    t_best, _, opts, layers, cfg = best
+    if exhaustive:
+        lower = t_best
+    else:
+        rest = [roots[i] for i in range(len(configs)) if not explored[i]]
+        lower = min([t_best] + rest)
+    stats.update(seconds=round(time.perf_counter() - t0, 3), exhaustive=exhaustive,
+                 timed_out=timed_out, pruning=pruning, tp_mode=tp_mode, type_order=type_order,
+                 workers=nworkers)
+    return build_plan(cm, cfg, opts, layers, global_batch_size=global_batch_size,
+                      predicted_ms=t_best, lower_bound_ms=lower, search_stats=stats)
+
+
+def _closest_infeasible(cm: CostModel, configs: list[OuterConfig]) -> str:
+    """One line: the most spread-out candidate and how much memory it lacks."""
+    best = None
+    for cfg in configs:
+        if cfg.schedule not in ("1f1b", "eager-1f1b", "gpipe"):
+            continue
+        lmax = _lmax(cm, cfg)
+        need = cm.model.num_layers
+        n = cfg.num_stages
+        # even split over the stages, each stage on its best-fitting option
+        base = [need // n + (1 if x < need % n else 0) for x in range(n)]
+        worst = None
+        for x in range(n):
+            lack = None
+            for o, (k, t) in enumerate(cfg.options):
+                mem = cm.stage_memory_bytes(layers=base[x], stage=x, num_stages=n, tp=t,
+                                            dp=cfg.dp, micro_batch_size=cfg.micro_batch_size,
+                                            num_microbatches=cfg.num_microbatches,
+                                            schedule=cfg.schedule,
+                                            virtual_stages=cfg.virtual_stages)
+                short = mem - cm.capacity_bytes[k]
+                if lack is None or short < lack[0]:
+                    lack = (short, x, k, mem)
+            if worst is None or lack[0] > worst[0]:
+                worst = lack
+        if worst is not None and (best is None or worst[0] < best[0][0]):
+            best = (worst, cfg)
+        del lmax
+    if best is None:
+        return "no plan fits: no configuration could be placed on the cluster"
+    (short, x, k, mem), cfg = best
+    gib = 1024 ** 3
+    return (f"no plan fits in device memory: the closest (pp={cfg.num_stages}, "
+            f"tp={cfg.tp or 'per-stage'}, dp={cfg.dp}, micro-batch {cfg.micro_batch_size}, "
+            f"{cfg.schedule}) lacks {max(short, 0) / gib:.2f} GiB on stage {x} "
+            f"({cm.type_names[k]}: needs {mem / gib:.2f} GiB of "
+            f"{cm.capacity_bytes[k] / gib:.2f} GiB)")
+
+
+# --------------------------------------------------------------------------- plan
+
+def build_plan(cm: CostModel, cfg: OuterConfig, opts, layers, *, global_batch_size: int,
+               predicted_ms: float, lower_bound_ms: float | None = None,
+               search_stats: dict | None = None, check: bool = True) -> Plan:
+    types = [cfg.options[o][0] for o in opts]
+    tps = [cfg.options[o][1] for o in opts]
+    stages, placements, unused = cm.stage_costs(
+        stage_types=types, stage_tps=tps, layers=list(layers), dp=cfg.dp,
+        micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
+        schedule=cfg.schedule, virtual_stages=cfg.virtual_stages)
+    wrap = cm.wrap_send_ms(placements, cfg.micro_batch_size) if cfg.virtual_stages > 1 else 0.0
+    F, B, Pf, Pb, R = simulator_arrays(stages, cfg.virtual_stages, wrap)
+    t = iteration_time_ms(F, B, Pf, Pb, R, cfg.num_microbatches, cfg.schedule,
+                          cfg.virtual_stages)
+    if check and abs(t - predicted_ms) > 1e-6 * max(1.0, abs(t)):
+        raise AssertionError(f"search and simulator disagree: {predicted_ms} vs {t}")
+    for s, st in enumerate(stages):
+        if st.memory_bytes > st.memory_capacity_bytes:
+            raise AssertionError(f"plan exceeds memory on stage {s}")
+    stage_plans = tuple(
+        StagePlan(index=s, device_type=cm.type_names[types[s]], tp=tps[s], dp=cfg.dp,
+                  layers=int(layers[s]), forward_ms=st.forward_ms, backward_ms=st.backward_ms,
+                  send_forward_ms=st.send_forward_ms, send_backward_ms=st.send_backward_ms,
+                  allreduce_ms=st.allreduce_ms, memory_bytes=int(st.memory_bytes),
+                  memory_capacity_bytes=int(st.memory_capacity_bytes),
+                  devices=tuple(tuple(DeviceSlot(n, d) for (n, d) in grp)
+                                for grp in placements[s].slots))
+        for s, st in enumerate(stages))
+    model, cluster = cm.model, cm.cluster
+    used = sum(cfg.dp * tp for tp in tps)
+    flops = model.model_flops_per_iteration(global_batch_size, cm.seq_length)
+    tflops_dev = flops / (t / 1e3) / used / 1e12
+    peak = sum(cluster.device_types[cm.type_names[k]].peak_tflops * cfg.dp * tp
+               for k, tp in zip(types, tps))
+    mfu = flops / (t / 1e3) / (peak * 1e12)
+    lb = t if lower_bound_ms is None else min(lower_bound_ms, t)
+    return Plan(
+        schedule=cfg.schedule, virtual_stages=cfg.virtual_stages, dp=cfg.dp,
+        micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
+        global_batch_size=global_batch_size, seq_length=cm.seq_length, stages=stage_plans,
+        predicted_iteration_time_ms=t, model_name=model.name, cluster_name=cluster.name,
+        unused_devices=tuple(DeviceSlot(n, d) for (n, d) in unused),
+        search=dict(search_stats or {}),
+        predicted_tokens_per_s=global_batch_size * cm.seq_length / (t / 1e3),
+        model_tflops_per_device=tflops_dev, mfu=mfu, lower_bound_ms=lb,
+        gap=(t - lb) / t if t > 0 else 0.0, num_layers=model.num_layers)
+
+
+# --------------------------------------------------------------------------- baselines
+
+def baseline_plans(cluster, model, *, global_batch_size: int, seq_length: int, profiles=None,
+                   micro_batch_sizes=None, workers: int | None = 1, **kw) -> dict[str, Plan | None]:
+    """(a) ``megatron-default``: Megatron's even split over ALL devices (one TP, even layers,
+    1f1b, the largest feasible DP, homogeneous assumptions), simulated on the real cluster;
+    (b) ``best-single-type``: the best plan that uses one device type only.
+    A baseline that cannot fit is None."""
+    cm = CostModel(cluster, model, profiles, seq_length=seq_length)
+    mbs = tuple(DEFAULT_MICRO_BATCH_SIZES if micro_batch_sizes is None else micro_batch_sizes)
+    out: dict[str, Plan | None] = {"megatron-default": None, "best-single-type": None}
+    # (a) even split: every stage the same shape; stages fill types in cluster order
+    total = sum(p.size for p in cm.pools)
+    L = model.num_layers
+    cands = []
+    tps_all = sorted(set.intersection(*[set(tp_candidates(cluster, model, n))
+                                        for n in cm.type_names]))
+    for t in tps_all:
+        for n in range(1, L + 1):
+            if L % n:
+                continue
+            if total % (t * n):
+                continue
+            d = total // (t * n)
+            for b in mbs:
+                if global_batch_size % (d * b):
+                    continue
+                m = global_batch_size // (d * b)
+                # stages in cluster order: fill type pools
+                types, free = [], [p.size for p in cm.pools]
+                ok = True
+                for _ in range(n):
+                    k = next((k for k in range(len(free)) if free[k] >= d * t), None)
+                    if k is None:
+                        ok = False
+                        break
+                    free[k] -= d * t
+                    types.append(k)
+                if not ok:
+                    continue
+                opts = tuple(sorted({(k, t) for k in types}))
+                cfg = OuterConfig("1f1b", 1, b, d, m, n, t, opts)
+                layers = [L // n] * n
+                fits = all(cm.stage_memory_bytes(
+                    layers=layers[x], stage=x, num_stages=n, tp=t, dp=d, micro_batch_size=b,
+                    num_microbatches=m, schedule="1f1b", virtual_stages=1)
+                    <= cm.capacity_bytes[types[x]] for x in range(n))
+                if not fits:
+                    continue
+                so = [opts.index((k, t)) for k in types]
+                tt = evaluate_plan_time(cm, cfg, so, layers)
+                cands.append((tt, cfg.key, cfg, so, layers))
+    if cands:
+        tt, _, cfg, so, layers = min(cands, key=lambda c: c[:2])
+        out["megatron-default"] = build_plan(cm, cfg, so, layers,
+                                             global_batch_size=global_batch_size,
+                                             predicted_ms=tt, search_stats={"baseline":
+                                                                            "megatron-default"})
+    # (b) best plan on a single device type
+    best = None
+    for name in cm.type_names:
+        sub = _single_type_cluster(cluster, name)
+        try:
+            p = search_plan(sub, model, global_batch_size=global_batch_size,
+                            seq_length=seq_length, profiles=profiles,
+                            micro_batch_sizes=micro_batch_sizes, workers=workers, **kw)
+        except InfeasibleError:
+            continue
+        if best is None or p.predicted_iteration_time_ms < best.predicted_iteration_time_ms:
+            best = p
+    out["best-single-type"] = best
+    return out
+
+
+def _single_type_cluster(cluster, name: str):
+    from dataclasses import replace
+    from types import MappingProxyType
+    nodes = tuple(n for n in cluster.nodes if n.device_type == name)
+    # keep global node indices meaningful: re-index but remember the original name in the plan
+    renum = tuple(replace(n, index=i) for i, n in enumerate(nodes))
+    return replace(cluster, name=f"{cluster.name}[{name}]", nodes=renum,
+                   device_types=MappingProxyType({name: cluster.device_types[name]}),
+                   links=replace(cluster.links, inter_node_gbps=MappingProxyType(
+                       {name: cluster.links.inter_node_gbps[name]})))

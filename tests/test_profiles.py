@@ -1,0 +1,317 @@
+"""Profiles: the analytic estimator, the on-disk ProfileDB (format, atomicity, errors, merging)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from poseidon_plugin import memory
+from poseidon_plugin.cluster import cluster_from_dict, load_cluster
+from poseidon_plugin.errors import PoseidonError, ProfileDBError, SpecError
+from poseidon_plugin.model import PRESETS, ModelSpec
+from poseidon_plugin.profiles import (
+    LayerProfile, ProfileDB, ProfileKey, allreduce_ms, estimate_profile, lookup_profile,
+    profile_key,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ModelSpec(name="tiny", num_layers=8, hidden_size=256, ffn_hidden_size=1024,
+                 num_attention_heads=8, num_query_groups=8, vocab_size=1024, seq_length=128,
+                 swiglu=False, normalization="LayerNorm")
+CLUSTER = {
+    "name": "c",
+    "device_types": {
+        "fast": {"memory_gib": 16, "peak_tflops": 200, "efficiency": 0.5, "intra_node_gbps": 800},
+        "slow": {"memory_gib": 8, "peak_tflops": 100, "intra_node_gbps": 400},
+    },
+    "nodes": [{"device_type": "fast", "devices_per_node": 4, "count": 2},
+              {"device_type": "slow", "devices_per_node": 4, "count": 1}],
+    "links": {"inter_node_gbps": {"fast": 200, "slow": 100}, "cross_type_gbps": 50,
+              "latency_ms": 0.01},
+}
+
+
+def cluster(**links):
+    data = copy.deepcopy(CLUSTER)
+    data["links"].update(links)
+    return cluster_from_dict(data)
+
+
+def key(kind="decoder", tp=1, mbs=1, seq=128, device="fast", model=TINY) -> ProfileKey:
+    return profile_key(model, device, kind, tp, mbs, seq)
+
+
+# --------------------------------------------------------------------------- estimator
+
+def test_decoder_estimate_by_hand():
+    c = cluster()
+    flops = TINY.layer_forward_flops(2, 128)
+    tflops = 200 * 0.5
+    p1 = estimate_profile(c, TINY, key(tp=1, mbs=2))
+    assert p1.forward_ms == pytest.approx(flops / (tflops * 1e12) * 1e3)
+    assert p1.backward_ms == pytest.approx(2 * p1.forward_ms)
+    assert p1.source == "estimated"
+    assert p1.param_bytes == 2 * TINY.layer_params()
+    assert p1.activation_bytes == memory.layer_activation_bytes(TINY, micro_batch_size=2,
+                                                                seq_length=128, tp=1)
+    p2 = estimate_profile(c, TINY, key(tp=2, mbs=2))
+    nbytes = 2 * 2 * 128 * 256                                     # b*s*h bf16
+    ring = 2 * (2 - 1) / 2 * nbytes / (800e9 / 8 / 1e3) + 2 * (2 - 1) * 0.01
+    compute = flops / 2 / (tflops * 1e12) * 1e3
+    assert p2.forward_ms == pytest.approx(compute + 2 * ring)
+    assert p2.backward_ms == pytest.approx(2 * compute + 2 * ring)
+    assert p2.param_bytes == pytest.approx(2 * TINY.layer_param_split().per_device(2), abs=1)
+
+
+def test_default_efficiency_used_for_slow():
+    c = cluster()
+    p = estimate_profile(c, TINY, key(device="slow"))
+    assert p.forward_ms == pytest.approx(TINY.layer_forward_flops(1, 128) / (100 * 0.5 * 1e12) * 1e3)
+
+
+def test_tp_spanning_nodes_uses_inter_node_link():
+    c = cluster()
+    inside = estimate_profile(c, TINY, key(tp=4))
+    across = estimate_profile(c, TINY, key(tp=8))
+    nbytes = 2 * 128 * 256
+    ring8 = 2 * 7 / 8 * nbytes / (200e9 / 8 / 1e3) + 14 * 0.01
+    compute8 = TINY.layer_forward_flops(1, 128) / 8 / (100e12) * 1e3
+    assert across.forward_ms == pytest.approx(compute8 + 2 * ring8)
+    assert inside.forward_ms > 0
+
+
+def test_embedding_and_output_estimates():
+    c = cluster(latency_ms=0.0)
+    b, s, h, V = 1, 128, 256, 1024
+    emb = estimate_profile(c, TINY, key("embedding", tp=2))
+    assert emb.param_bytes == 2 * h * V // 2
+    assert emb.activation_bytes == 8 * s * b + s * b * h
+    assert emb.forward_ms == pytest.approx(b * s * h / 100e12 * 1e3
+                                           + allreduce_ms(2 * b * s * h, 2, 800, 0.0))
+    out = estimate_profile(c, TINY, key("output", tp=2))
+    gemm = 2 * b * s * h * V / 2 / 100e12 * 1e3
+    loss = 5 * b * s * V / 2 / 100e12 * 1e3
+    assert out.forward_ms == pytest.approx(gemm + loss + 3 * allreduce_ms(4 * b * s, 2, 800, 0.0))
+    assert out.backward_ms == pytest.approx(2 * gemm + loss + allreduce_ms(2 * b * s * h, 2, 800, 0))
+    assert out.activation_bytes == 2 * s * b * h + 4 * s * b * V // 2
+    assert out.param_bytes == 2 * (h * V // 2 + 2 * h)
+
+
+def test_moe_estimate_counts_top_k():
+    c = cluster()
+    mix = dataclasses.replace(PRESETS["mixtral-8x7b"], seq_length=256)
+    dense = dataclasses.replace(mix, num_experts=0, moe_top_k=0)
+    moe = estimate_profile(c, mix, key(model=mix, seq=256))
+    ref = estimate_profile(c, dense, key(model=dense, seq=256))
+    # tp = 1: no communication, time ratio == FLOP ratio (top-2 experts + router vs one MLP)
+    assert moe.forward_ms / ref.forward_ms == pytest.approx(
+        mix.layer_forward_flops(1, 256) / dense.layer_forward_flops(1, 256))
+    assert 1.7 < moe.forward_ms / ref.forward_ms < 2.0
+    assert moe.param_bytes == 2 * mix.layer_params()          # all 8 experts held
+
+
+def test_estimate_unknown_device_type():
+    with pytest.raises(SpecError, match="device_types.gpu9"):
+        estimate_profile(cluster(), TINY, key(device="gpu9"))
+
+
+def test_estimate_on_paper_setting():
+    c = load_cluster(str(ROOT / "examples/clusters/paper-setting1.yaml"))
+    m = PRESETS["llama3-8b"]
+    fast = estimate_profile(c, m, profile_key(m, "A2-2", "decoder", 1, 1))
+    slow = estimate_profile(c, m, profile_key(m, "A2-3", "decoder", 1, 1))
+    assert slow.forward_ms / fast.forward_ms == pytest.approx(376 / 313)
+
+
+@settings(max_examples=100, deadline=None)
+@given(tp=st.sampled_from([1, 2]), mbs=st.integers(1, 4), seq=st.sampled_from([64, 128, 512]),
+       kind=st.sampled_from(["decoder", "output"]))
+def test_estimator_properties(tp, mbs, seq, kind):
+    # with a free network, doubling TP (inside a 4-device node) halves the compute share
+    free = cluster(latency_ms=0.0)
+    free = dataclasses.replace(free, device_types={
+        n: dataclasses.replace(d, intra_node_gbps=1e12) for n, d in free.device_types.items()})
+    a = estimate_profile(free, TINY, key(kind, tp=tp, mbs=mbs, seq=seq))
+    b = estimate_profile(free, TINY, key(kind, tp=2 * tp, mbs=mbs, seq=seq))
+    assert b.forward_ms < a.forward_ms and b.backward_ms < a.backward_ms
+    assert b.param_bytes < a.param_bytes
+    # more work -> more time; a faster device -> less time
+    c = cluster()
+    base = estimate_profile(c, TINY, key(kind, tp=tp, mbs=mbs, seq=seq))
+    bigger = estimate_profile(c, TINY, key(kind, tp=tp, mbs=mbs + 1, seq=seq))
+    slower = estimate_profile(c, TINY, key(kind, tp=tp, mbs=mbs, seq=seq, device="slow"))
+    assert bigger.forward_ms > base.forward_ms
+    assert bigger.activation_bytes > base.activation_bytes
+    assert slower.forward_ms > base.forward_ms
+    assert base.forward_ms > 0
+    if kind == "decoder":   # (a tiny output layer's forward is dominated by the loss all-reduces)
+        assert base.backward_ms > base.forward_ms
+
+
+def test_allreduce_ms():
+    assert allreduce_ms(1e6, 1, 100, 1.0) == 0.0
+    assert allreduce_ms(0, 4, 100, 1.0) == 0.0
+    assert allreduce_ms(1e6, 4, 100, 0.5) == pytest.approx(1.5 * 1e6 / 12.5e6 + 3.0)
+
+
+# --------------------------------------------------------------------------- ProfileDB
+
+def prof(source="measured", fwd=1.0, **k) -> LayerProfile:
+    return LayerProfile(key=key(**k), forward_ms=fwd, backward_ms=2 * fwd, activation_bytes=10,
+                        param_bytes=20, source=source)
+
+
+def test_round_trip_and_deterministic_bytes(tmp_path):
+    profiles = [prof(tp=t, mbs=m) for t in (1, 2) for m in (1, 2)] + \
+        [prof("estimated", kind="output"), prof(device="slow", kind="embedding")]
+    a, b = ProfileDB(), ProfileDB()
+    for p in profiles:
+        a.put(p)
+    for p in reversed(profiles):
+        b.put(p)
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    a.save(str(pa))
+    b.save(str(pb))
+    assert pa.read_bytes() == pb.read_bytes()
+    payload = json.loads(pa.read_text())
+    assert payload["version"] == ProfileDB.VERSION == 1
+    assert len(payload["records"]) == len(profiles)
+    loaded = ProfileDB.load(str(pa))
+    assert loaded.profiles() == a.profiles()
+    assert loaded.get(profiles[0].key) == profiles[0]
+    assert len(loaded) == 6 and profiles[0].key in loaded
+    assert list(loaded) == loaded.profiles()
+    assert ProfileDB(str(pa)).profiles() == a.profiles()      # constructor loads an existing file
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+
+
+def test_new_db_at_missing_path_and_save_defaults(tmp_path):
+    path = tmp_path / "sub" / "db.json"
+    db = ProfileDB(str(path))
+    assert len(db) == 0
+    db.put(prof())
+    db.save()
+    assert ProfileDB.load(str(path)).get(prof().key) == prof()
+    with pytest.raises(ProfileDBError, match="no path"):
+        ProfileDB().save()
+
+
+def test_save_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "db.json"
+    db = ProfileDB()
+    db.put(prof())
+    db.save(str(path))
+    before = path.read_bytes()
+    db.put(prof(fwd=5.0))
+
+    def boom(src, dst):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(ProfileDBError, match="No space left"):
+        db.save(str(path))
+    assert path.read_bytes() == before                     # old file intact
+    assert os.listdir(tmp_path) == ["db.json"]             # temporary removed
+
+
+def test_merge_rule():
+    db = ProfileDB()
+    measured, estimated = prof("measured", fwd=1.0), prof("estimated", fwd=9.0)
+    assert db.put(estimated)
+    assert db.put(measured)                          # measured replaces estimated
+    assert not db.put(prof("estimated", fwd=7.0))    # estimated never replaces measured
+    assert db.get(measured.key) == measured
+    assert db.put(prof("measured", fwd=2.0))         # same source: the newer wins
+    assert db.get(measured.key).forward_ms == 2.0
+    other = ProfileDB()
+    other.put(prof("estimated", fwd=3.0))
+    other.put(prof("estimated", fwd=3.0, tp=2))
+    db.merge(other)
+    assert db.get(measured.key).forward_ms == 2.0
+    assert db.get(key(tp=2)).forward_ms == 3.0
+
+
+def test_duplicate_records_in_file_follow_merge_rule(tmp_path):
+    from poseidon_plugin.profiles import profile_to_record
+    records = [profile_to_record(prof("measured", fwd=1.0)),
+               profile_to_record(prof("estimated", fwd=5.0))]
+    path = tmp_path / "db.json"
+    path.write_text(json.dumps({"version": 1, "records": records}))
+    assert ProfileDB.load(str(path)).get(key()).forward_ms == 1.0
+
+
+def test_lookup_profile():
+    c = cluster()
+    k = key()
+    est = estimate_profile(c, TINY, k)
+    assert lookup_profile(None, c, TINY, k) == est
+    db = ProfileDB()
+    db.put(dataclasses.replace(est, forward_ms=123.0))      # an estimated record: re-estimated
+    assert lookup_profile(db, c, TINY, k) == est
+    measured = dataclasses.replace(est, forward_ms=42.0, source="measured")
+    db.put(measured)
+    assert lookup_profile(db, c, TINY, k) == measured
+
+
+GOOD = {"device_type": "fast", "layer_kind": "decoder", "tp": 1, "micro_batch_size": 1,
+        "seq_length": 128, "model_signature": "sig", "forward_ms": 1.0, "backward_ms": 2.0,
+        "activation_bytes": 10, "param_bytes": 20, "source": "measured"}
+
+
+def bad_record(**patch):
+    rec = dict(GOOD)
+    for k, v in patch.items():
+        if v is _DEL:
+            del rec[k]
+        else:
+            rec[k] = v
+    return {"version": 1, "records": [dict(GOOD), rec]}
+
+
+_DEL = object()
+
+
+@pytest.mark.parametrize("text,phrase", [
+    ("{not json", "not valid JSON (line 1"),
+    ("", "not valid JSON"),
+    ("[]", "expected a JSON object"),
+    (json.dumps({"version": 2, "records": []}), "version 2 is not supported (expected 1)"),
+    (json.dumps({"records": []}), "version None is not supported"),
+    (json.dumps({"version": 1, "records": {}}), "records: expected a list"),
+    (json.dumps({"version": 1, "records": [], "extra": 1}), "unknown top-level field"),
+    (json.dumps({"version": 1, "records": [3]}), "records[0]: expected an object"),
+    (json.dumps(bad_record(tp=0)), "records[1].tp: expected an integer >= 1"),
+    (json.dumps(bad_record(tp="2")), "records[1].tp: expected an integer >= 1"),
+    (json.dumps(bad_record(forward_ms=-1)), "records[1].forward_ms: expected a number >= 0"),
+    (json.dumps(bad_record(forward_ms="fast")), "records[1].forward_ms"),
+    (json.dumps(bad_record(activation_bytes=1.5)), "records[1].activation_bytes: expected an integer"),
+    (json.dumps(bad_record(layer_kind="attention")), "records[1].layer_kind: expected one of"),
+    (json.dumps(bad_record(source="guessed")), "records[1].source: expected one of"),
+    (json.dumps(bad_record(device_type="")), "records[1].device_type: expected a non-empty string"),
+    (json.dumps(bad_record(param_bytes=_DEL)), "records[1].param_bytes: missing"),
+    (json.dumps(bad_record(fwd_ms=1.0)), "records[1].fwd_ms: expected a known field"),
+])
+def test_corrupt_files(tmp_path, text, phrase):
+    path = tmp_path / "db.json"
+    path.write_text(text)
+    with pytest.raises(ProfileDBError) as info:
+        ProfileDB.load(str(path))
+    message = str(info.value)
+    assert message.startswith(str(path))
+    assert phrase in message
+    assert "\n" not in message
+    assert isinstance(info.value, PoseidonError)
+
+
+def test_unreadable_files(tmp_path):
+    with pytest.raises(ProfileDBError, match="cannot read"):
+        ProfileDB.load(str(tmp_path / "missing.json"))
+    binary = tmp_path / "bin.json"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ProfileDBError, match="not valid JSON"):
+        ProfileDB.load(str(binary))
