@@ -35,6 +35,7 @@ setup(
     ext_modules=cythonize(
         extensions,
         language_level=3,
+        force=_checks,  # a checked build must regenerate the C files
         compiler_directives={
             "boundscheck": _checks,
             "wraparound": _checks,

@@ -143,6 +143,12 @@ cdef struct Ctx:
     double best_T
     int best_opt[MAXN]
     int best_l[MAXN]
+    # forced path (tests: bound trace of one assignment)
+    int forced
+    int f_opt[MAXN]
+    int f_l[MAXN]
+    double gtrace[MAXN]
+    double forced_T
     # stats
     long long nodes, simulated, cut_bound, cut_memory, cut_ridge, cut_devices, improved
     int timed_out
@@ -278,6 +284,8 @@ cdef class Searcher:
             c.EB[x] = c.Pb[x]
         c.simulated += 1
         T = self.dag.iteration_time(c.WF, c.WB, c.EF, c.EB, c.R)
+        if c.forced:
+            c.forced_T = T
         if T > c.thr:
             return
         if (not c.have_best) or T < c.best_T or (T == c.best_T and _less_key(c)):
@@ -304,6 +312,8 @@ cdef class Searcher:
                 return
         K = N - 1 - x
         for o in range(c.O):
+            if c.forced and o != c.f_opt[x]:
+                continue
             k = c.opt_type[o]
             t = c.opt_tp[o]
             if c.blocks and x > 0 and k != c.opt_type[c.st_opt[x - 1]] and c.used[k]:
@@ -346,6 +356,11 @@ cdef class Searcher:
                 if hi < lo:
                     c.cut_memory += 1
                     continue
+            if c.forced:
+                if c.f_l[x] < lo or c.f_l[x] > hi:
+                    continue
+                lo = c.f_l[x]
+                hi = c.f_l[x]
             rstage = _ridge_stage(c, x)
             if rstage and c.ridge_mode == 1 and c.rl[o] > 0 and c.rdec[o] and hi > c.rl[o]:
                 c.cut_ridge += hi - c.rl[o] if c.rl[o] >= lo else hi - lo + 1
@@ -403,6 +418,8 @@ cdef class Searcher:
                 else:
                     c.R[x] = 0.0
                 g = _bound(c, x, Lrem - l)
+                if c.forced:
+                    c.gtrace[x] = g
                 if c.use_bound and g > thr_eps:
                     c.cut_bound += 1
                 elif K == 0:
@@ -468,6 +485,18 @@ def search_config(BoundStructure st, PipelineDAG dag, dict cfg):
         c.ridge_ends = cfg["ridge_ends"]
         c.blocks = cfg["blocks"]
         c.use_bound = cfg.get("use_bound", 1)
+        forced = cfg.get("forced")
+        c.forced = 0
+        c.forced_T = -1.0
+        if forced is not None:
+            c.forced = 1
+            c.use_bound = 0
+            c.ridge_mode = 0
+            c.blocks = 0
+            for x in range(N):
+                c.f_opt[x] = forced[0][x]
+                c.f_l[x] = forced[1][x]
+                c.gtrace[x] = -1.0
         c.act_bytes = cfg["act_bytes"]
         c.latency_ms = cfg["latency_ms"]
         c.cross_gbps = cfg["cross_gbps"]
@@ -550,6 +579,8 @@ def search_config(BoundStructure st, PipelineDAG dag, dict cfg):
             "cut_ridge": c.cut_ridge,
             "cut_devices": c.cut_devices,
             "timed_out": bool(c.timed_out),
+            "gtrace": [c.gtrace[x] for x in range(N)] if c.forced else None,
+            "forced_T": c.forced_T if c.forced else None,
         }
     finally:
         se.c = NULL

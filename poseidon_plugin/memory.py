@@ -30,7 +30,9 @@ generalised to GQA, SwiGLU and MoE), with b = micro-batch, s = sequence, t = TP:
         dropout mask s*b*h (both /t with SP, as megatron-core does).
     The last stage adds per in-flight micro-batch the output layer's input 2*s*b*h (/t with SP) and
         the fp32 logits kept for the loss, 4*s*b*V/t.
-    Total activations = per-micro-batch stage activations x ``microbatches_in_flight``.
+    Total activations = per-micro-batch stage activations x ``microbatches_in_flight``. (With
+    interleaving the embedding / logits terms are multiplied by the whole device's in-flight count,
+    as megatron-core does for the embedding; only chunk 0 / chunk V-1 hold them, so this errs high.)
 
 Deliberate differences from megatron-core (both shown in ``tests/test_memory.py``): no 5% overhead
 factor on activations (the planner applies its own head-room), fp32 logits (4 bytes, not 2) on the

@@ -302,6 +302,17 @@ def run_config(cm: CostModel, cfg: OuterConfig, *, pruning: str, type_order: str
     return res
 
 
+def bound_trace(cm: CostModel, cfg: OuterConfig, opts, layers) -> tuple[list[float], float]:
+    """(g after each stage, simulated time) of one complete assignment (for the tests)."""
+    payload, _ = config_payload(cm, cfg, pruning="none", type_order="any",
+                                type_sequence_limit=0, threshold_ms=math.inf, deadline=0.0)
+    payload["forced"] = (list(opts), list(layers))
+    st = bound_structure(cfg.schedule, cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages)
+    dag = get_dag(cfg.schedule, cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages)
+    res = _search.search_config(st, dag, payload)
+    return res["gtrace"], res["forced_T"]
+
+
 # --------------------------------------------------------------------------- evaluation
 
 def evaluate_plan_time(cm: CostModel, cfg: OuterConfig, stage_opts, layers) -> float:

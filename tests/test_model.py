@@ -266,3 +266,18 @@ def test_flops_properties(m, b, s):
     assert m.layer_forward_flops(b, s) >= 2 * b * s * (m.layer_params() - 2 * m.norm_params)
     assert m.total_params() == m.num_layers * m.layer_params() + m.embedding_params() \
         + m.output_params()
+
+
+@pytest.mark.integration
+def test_from_real_megatron_parse_args(monkeypatch):
+    """The tiny-gpt YAML's Megatron flags, parsed by megatron's own (unvalidated) parser."""
+    import sys
+    arguments = pytest.importorskip("megatron.training.arguments")
+    monkeypatch.setattr(sys, "argv", [
+        "pretrain_gpt.py", "--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8",
+        "--ffn-hidden-size", "1024", "--vocab-size", "1024", "--seq-length", "128",
+        "--max-position-embeddings", "128", "--untie-embeddings-and-output-weights",
+        "--disable-bias-linear", "--micro-batch-size", "1"])
+    args = arguments.parse_args(ignore_unknown_args=True)
+    m = model_from_megatron_args(args, name="tiny-gpt")
+    assert m == get_model(str(EXAMPLES / "tiny-gpt.yaml"))

@@ -1,0 +1,45 @@
+"""Small compatibility fixes applied before the user's script runs."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+
+log = logging.getLogger("poseidon")
+
+# Flags that make megatron-core's training path run on the CPU (appended under --poseidon-emulate):
+# no fused CUDA kernels, no Transformer Engine, gloo collectives.
+CPU_EMULATION_FLAGS: tuple[str, ...] = (
+    "--distributed-backend", "gloo",
+    "--transformer-impl", "local",
+    "--no-gradient-accumulation-fusion",
+    "--no-persist-layer-norm",
+    "--no-masked-softmax-fusion",
+    "--no-bias-gelu-fusion",
+    "--no-bias-swiglu-fusion",
+    "--no-bias-dropout-fusion",
+    "--no-rope-fusion",
+)
+# store_true switches that need CUDA-only kernels; stripped under emulation.
+CPU_INCOMPATIBLE_BOOL_FLAGS: tuple[str, ...] = ("--use-flash-attn", "--overlap-grad-reduce",
+                                               "--overlap-param-gather")
+
+
+def patch_dataset_helpers() -> bool:
+    """The megatron-core wheel ships ``helpers_cpp`` prebuilt but no Makefile, and
+    ``megatron.training`` runs ``make`` on rank 0 (and exits on failure). When the compiled helpers
+    import fine, make that compile step a no-op. Returns True when patched."""
+    try:
+        utils = importlib.import_module("megatron.core.datasets.utils")
+    except ImportError:
+        return False
+    here = os.path.dirname(utils.__file__)
+    if os.path.exists(os.path.join(here, "Makefile")):
+        return False
+    if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
+        return False
+    utils.compile_helpers = lambda: None
+    log.debug("megatron.core.datasets: prebuilt helpers_cpp found, skipping the make step")
+    return True

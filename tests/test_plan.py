@@ -1,0 +1,110 @@
+"""Plan value: JSON round trip, flags, rank order, megatron-core's own argument validation."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+
+from poseidon_plugin.cluster import load_cluster
+from poseidon_plugin.model import get_model
+from poseidon_plugin.plan import DeviceSlot, Plan, StagePlan
+from poseidon_plugin.search import search_plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _plan(schedule="1f1b", v=1, tp=1, dp=2, layers=(3, 5, 2)):
+    stages = []
+    node = 0
+    for i, l in enumerate(layers):
+        devs = tuple(tuple(DeviceSlot(i, r * tp + j) for j in range(tp)) for r in range(dp))
+        stages.append(StagePlan(i, "A", tp, dp, l, 1.0, 2.0, 0.1 if i < len(layers) - 1 else 0.0,
+                                0.1 if i < len(layers) - 1 else 0.0, 0.5, 10, 20, devs))
+    return Plan(schedule, v, dp, 1, 8, 16, 128, tuple(stages), 123.456789123,
+                model_name="m", cluster_name="c", num_layers=sum(layers))
+
+
+def test_layout_and_flags():
+    p = _plan()
+    assert p.pipeline_layout() == "Et*3|t*5|t*2L"
+    a = p.megatron_args()
+    assert a[a.index("--pipeline-model-parallel-size") + 1] == "3"
+    assert a[a.index("--pipeline-model-parallel-layout") + 1] == "Et*3|t*5|t*2L"
+    m = p.mindspeed_llm_args()
+    assert m[m.index("--num-layer-list") + 1] == "3,5,2"
+
+
+def test_interleaved_layout_has_n_times_v_segments():
+    p = _plan("interleaved-1f1b", 2, layers=(4, 3))
+    assert p.pipeline_layout() == "Et*2|t*2|t*2|tL"
+    assert p.pipeline_layout().count("|") == 3
+
+
+def test_rank_order_is_tp_dp_pp():
+    p = _plan(tp=2, dp=2, layers=(1, 1))
+    order = p.rank_order()
+    # rank = stage * (tp*dp) + dp_rank * tp + tp_rank
+    assert order[0 * 4 + 1 * 2 + 1] == p.stages[0].devices[1][1]
+    assert order[1 * 4 + 0 * 2 + 1] == p.stages[1].devices[0][1]
+    assert len(order) == 8
+
+
+def test_json_round_trip_and_deterministic():
+    p = _plan()
+    text = p.to_json()
+    q = Plan.from_json(text)
+    assert q.to_json() == text
+    assert text == _plan().to_json()
+    for key in ("predicted_iteration_time_ms", "schedule", "virtual_stages", "dp",
+                "micro_batch_size", "num_microbatches", "stages", "megatron_args",
+                "mindspeed_llm_args", "rank_order", "unused_devices", "search"):
+        assert key in p.to_dict()
+
+
+def _megatron_validate(argv, world_size):
+    from megatron.training.arguments import parse_args, validate_args
+    old = sys.argv
+    env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    os.environ.update(WORLD_SIZE=str(world_size), RANK="0", LOCAL_RANK="0")
+    try:
+        sys.argv = ["pretrain_gpt.py", "--num-layers", "8", "--hidden-size", "256",
+                    "--num-attention-heads", "8", "--seq-length", "128",
+                    "--max-position-embeddings", "128", "--vocab-size", "1024",
+                    "--tokenizer-type", "NullTokenizer", "--lr", "1e-4",
+                    "--train-iters", "10", "--bf16"] + argv
+        args = parse_args(ignore_unknown_args=True)
+        args.world_size = world_size
+        args.rank = 0
+        validate_args(copy.deepcopy(args))
+    finally:
+        sys.argv = old
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved-1f1b", 2)])
+def test_megatron_accepts_flags(schedule, v):
+    pytest.importorskip("megatron.training")
+    p = _plan(schedule, v, layers=(2, 3, 3) if v == 1 else (4, 4))
+    p = Plan(p.schedule, p.virtual_stages, p.dp, p.micro_batch_size,
+             16 // (p.dp * p.micro_batch_size) if v == 1 else 8, 16, 128, p.stages,
+             p.predicted_iteration_time_ms, num_layers=8)
+    _megatron_validate(p.megatron_args(), p.world_size)
+
+
+@pytest.mark.integration
+def test_megatron_accepts_searched_plan():
+    pytest.importorskip("megatron.training")
+    cluster = load_cluster(os.path.join(ROOT, "examples/clusters/small-two-type.yaml"))
+    model = get_model(os.path.join(ROOT, "examples/models/tiny-gpt.yaml"))
+    p = search_plan(cluster, model, global_batch_size=16, seq_length=128, workers=1,
+                    warmup_samples=20)
+    assert sum(p.layers_per_stage) == 8
+    _megatron_validate(p.megatron_args(), p.world_size)

@@ -1,0 +1,192 @@
+"""Search correctness: bound validity, safe == none == brute force, determinism, errors."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from poseidon_plugin.cluster import cluster_from_dict
+from poseidon_plugin.costs import CostModel
+from poseidon_plugin.errors import InfeasibleError, PoseidonError
+from poseidon_plugin.model import model_from_dict
+from poseidon_plugin.search import (_lmax, _random_assignment, bound_trace, enumerate_configs,
+                                    evaluate_plan_time, search_plan)
+from poseidon_plugin.simulator import iteration_time_ms
+
+SCHEDS = ("1f1b", "eager-1f1b", "interleaved-1f1b")
+
+
+def make_instance(draw_types, layers, mem_gib):
+    types = {}
+    nodes = []
+    inter = {}
+    for i, (tflops, dpn, count, mem) in enumerate(draw_types):
+        name = f"T{i}"
+        types[name] = {"memory_gib": mem, "peak_tflops": tflops, "intra_node_gbps": 400}
+        nodes.append({"device_type": name, "devices_per_node": dpn, "count": count})
+        inter[name] = 100
+    cluster = cluster_from_dict({"name": "rand", "device_types": types, "nodes": nodes,
+                                 "links": {"inter_node_gbps": inter, "cross_type_gbps": 50,
+                                           "latency_ms": 0.01}})
+    model = model_from_dict({"name": "tiny", "num_layers": layers, "hidden_size": 256,
+                             "ffn_hidden_size": 1024, "num_attention_heads": 8,
+                             "vocab_size": 1024, "seq_length": 128})
+    return cluster, model
+
+
+type_st = st.tuples(st.sampled_from([50.0, 80.0, 100.0, 150.0]), st.sampled_from([1, 2]),
+                    st.integers(1, 2), st.sampled_from([0.05, 0.1, 1.0]))
+instance_st = st.tuples(st.lists(type_st, min_size=2, max_size=3), st.integers(2, 6),
+                        st.sampled_from([2, 4, 8]),
+                        st.lists(st.sampled_from(SCHEDS), min_size=1, max_size=2, unique=True),
+                        st.sampled_from(["uniform", "per-stage"]))
+
+
+def _run(inst, pruning, **kw):
+    types, layers, gbs, scheds, tp_mode = inst
+    cluster, model = make_instance(types, layers, None)
+    try:
+        return search_plan(cluster, model, global_batch_size=gbs, seq_length=128,
+                           schedules=tuple(scheds), pruning=pruning, tp_mode=tp_mode,
+                           micro_batch_sizes=(1, 2), workers=1, warmup_samples=20,
+                           type_order="any", **kw)
+    except InfeasibleError:
+        return None
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck))
+@given(instance_st)
+def test_safe_and_ridge_free_bound_match_exhaustive(inst):
+    exact = _run(inst, "none")
+    safe = _run(inst, "safe")
+    if exact is None:
+        assert safe is None
+        return
+    assert safe is not None
+    assert safe.predicted_iteration_time_ms == pytest.approx(exact.predicted_iteration_time_ms,
+                                                             rel=1e-9)
+    assert safe.search["exhaustive"] and exact.search["exhaustive"]
+    for s in safe.stages:
+        assert s.memory_bytes <= s.memory_capacity_bytes
+
+
+def _brute_force(cluster, model, gbs, scheds, tp_mode):
+    """Independent enumeration: every config, every type/tp sequence, every composition."""
+    cm = CostModel(cluster, model, None, seq_length=128)
+    best = math.inf
+    for cfg in enumerate_configs(cm, global_batch_size=gbs, schedules=scheds, tp_mode=tp_mode,
+                                 micro_batch_sizes=(1, 2), max_virtual_stages=2):
+        n, v, L = cfg.num_stages, cfg.virtual_stages, model.num_layers
+        for opts in itertools.product(range(len(cfg.options)), repeat=n):
+            types = [cfg.options[o][0] for o in opts]
+            tps = [cfg.options[o][1] for o in opts]
+            # devices (with TP alignment) through the placement module
+            try:
+                cm.stage_costs(stage_types=types, stage_tps=tps, layers=[v] * n, dp=cfg.dp,
+                               micro_batch_size=cfg.micro_batch_size,
+                               num_microbatches=cfg.num_microbatches, schedule=cfg.schedule,
+                               virtual_stages=v)
+            except PoseidonError:
+                continue
+            for cuts in itertools.combinations(range(1, L), n - 1):
+                bounds = (0,) + cuts + (L,)
+                layers = [bounds[i + 1] - bounds[i] for i in range(n)]
+                if min(layers) < v:
+                    continue
+                stages, _, _ = cm.stage_costs(
+                    stage_types=types, stage_tps=tps, layers=layers, dp=cfg.dp,
+                    micro_batch_size=cfg.micro_batch_size,
+                    num_microbatches=cfg.num_microbatches, schedule=cfg.schedule,
+                    virtual_stages=v)
+                if any(s.memory_bytes > s.memory_capacity_bytes for s in stages):
+                    continue
+                best = min(best, evaluate_plan_time(cm, cfg, list(opts), layers))
+    return best
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(type_st, min_size=2, max_size=2), st.integers(2, 4), st.sampled_from([2, 4]),
+       st.lists(st.sampled_from(SCHEDS), min_size=1, max_size=2, unique=True),
+       st.sampled_from(["uniform", "per-stage"]))
+def test_exhaustive_matches_brute_force(types, layers, gbs, scheds, tp_mode):
+    cluster, model = make_instance(types, layers, None)
+    expected = _brute_force(cluster, model, gbs, tuple(scheds), tp_mode)
+    got = _run((types, layers, gbs, scheds, tp_mode), "none")
+    if math.isinf(expected):
+        assert got is None
+    else:
+        assert got.predicted_iteration_time_ms == pytest.approx(expected, rel=1e-9)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(instance_st, st.integers(0, 10_000))
+def test_lower_bound_never_exceeds_any_completion(inst, seed):
+    import random
+    types, layers, gbs, scheds, tp_mode = inst
+    cluster, model = make_instance(types, layers, None)
+    cm = CostModel(cluster, model, None, seq_length=128)
+    cfgs = enumerate_configs(cm, global_batch_size=gbs, schedules=tuple(scheds), tp_mode=tp_mode,
+                             micro_batch_sizes=(1, 2), max_virtual_stages=3)
+    rng = random.Random(seed)
+    for _ in range(5):
+        if not cfgs:
+            return
+        cfg = rng.choice(cfgs)
+        a = _random_assignment(cm, cfg, _lmax(cm, cfg), rng)
+        if a is None:
+            continue
+        trace, T = bound_trace(cm, cfg, *a)
+        assert T == pytest.approx(evaluate_plan_time(cm, cfg, *a), rel=1e-9)
+        for g in trace:
+            assert g <= T * (1 + 1e-9), (cfg, a, trace, T)
+
+
+def _small():
+    return make_instance([(100.0, 2, 2, 1.0), (50.0, 2, 2, 1.0)], 6, None)
+
+
+def test_deterministic_over_workers_and_runs():
+    cluster, model = _small()
+    kw = dict(global_batch_size=8, seq_length=128, micro_batch_sizes=(1, 2), warmup_samples=30)
+    a = search_plan(cluster, model, workers=1, **kw)
+    b = search_plan(cluster, model, workers=2, **kw)
+    c = search_plan(cluster, model, workers=1, **kw)
+    assert a.predicted_iteration_time_ms == b.predicted_iteration_time_ms
+    assert a.stages == b.stages == c.stages
+    strip = lambda p: {k: v for k, v in p.to_dict().items() if k != "search"}
+    assert strip(a) == strip(b)
+
+
+def test_impossible_batch_size():
+    cluster, model = _small()
+    with pytest.raises(InfeasibleError, match="not divisible"):
+        search_plan(cluster, model, global_batch_size=3, seq_length=128,
+                    micro_batch_sizes=(2, 4), workers=1)
+
+
+def test_nothing_fits_memory_names_closest_plan():
+    cluster, model = make_instance([(100.0, 2, 1, 0.001), (50.0, 2, 1, 0.001)], 4, None)
+    with pytest.raises(InfeasibleError, match=r"closest .* lacks [0-9.]+ GiB"):
+        search_plan(cluster, model, global_batch_size=4, seq_length=128, workers=1)
+
+
+def test_time_budget_flags_non_exhaustive():
+    cluster, model = _small()
+    p = search_plan(cluster, model, global_batch_size=8, seq_length=128, workers=1,
+                    time_budget_s=1e-6)
+    assert p.search["exhaustive"] is False
+    assert p.lower_bound_ms <= p.predicted_iteration_time_ms
+
+
+def test_bad_arguments():
+    cluster, model = _small()
+    with pytest.raises(PoseidonError):
+        search_plan(cluster, model, global_batch_size=8, seq_length=128, pruning="fast")
+    with pytest.raises(PoseidonError):
+        search_plan(cluster, model, global_batch_size=8, seq_length=128, tp_mode="x")
+    with pytest.raises(PoseidonError):
+        search_plan(cluster, model, global_batch_size=0, seq_length=128)
