@@ -282,3 +282,41 @@ def load_overrides(path: str | None) -> dict[str, Any]:
     if unknown:
         raise SpecError(path, "<root>", f"only the keys {sorted(allowed)}", sorted(unknown))
     return data
+
+
+def calibrate(data: Mapping[str, Any], db: Any, model: Any, tps: Sequence[int],
+              micro_batch_sizes: Sequence[int], seq_length: int,
+              overrides: Mapping[str, Any] | None = None,
+              estimated_peak: Sequence[str] = ()) -> dict[str, Any]:
+    """Set each type's compute speed from its measured decoder layer, so that what the search
+    still estimates (embedding, output layer, unprofiled TP degrees) is on the same scale.
+
+    Real devices keep their peak and get ``efficiency`` = measured / peak; CPU and emulated types
+    get ``peak_tflops`` = measured and ``efficiency`` 1. Values the cluster file sets win.
+    """
+    from ..profiles import ProfileKey
+
+    out = {**data, "device_types": {k: dict(v) for k, v in data["device_types"].items()}}
+    fixed = (overrides or {}).get("device_types") or {}
+    sig = model.signature()
+    for name, body in out["device_types"].items():
+        user = fixed.get(name) or {}
+        if "efficiency" in user or "peak_tflops" in user:
+            continue
+        rates = []
+        for tp in tps:
+            for mbs in micro_batch_sizes:
+                p = db.get(ProfileKey(name, "decoder", tp, mbs, seq_length, sig))
+                if p is not None and p.source == "measured" and p.forward_ms > 0:
+                    flops = model.layer_forward_flops(mbs, seq_length) / tp
+                    rates.append(flops / (p.forward_ms * 1e-3) / 1e12)
+        if not rates:
+            continue
+        measured = max(rates)  # TFLOP/s actually reached (communication included for tp > 1)
+        peak = float(body.get("peak_tflops") or 0)
+        if name in estimated_peak or peak <= 0 or measured > peak:
+            body["peak_tflops"] = round(measured, 6)
+            body["efficiency"] = 1.0
+        else:
+            body["efficiency"] = round(max(1e-6, measured / peak), 6)
+    return out

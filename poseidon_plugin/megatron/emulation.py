@@ -357,62 +357,43 @@ def _pad(elapsed_s: float) -> None:
         time.sleep(extra)
 
 
-def _markers():
-    import torch
-
-    class BackwardEnd(torch.autograd.Function):
-        """Sits at the layer input: its backward runs when the layer's backward has finished."""
-
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, g):
-            t0 = getattr(_TLS, "bwd_start", None)
-            if t0 is not None:
-                _TLS.bwd_start = None
-                _pad(time.perf_counter() - t0)
-            return g
-
-    class BackwardStart(torch.autograd.Function):
-        """Sits at the layer output: its backward runs when the layer's backward starts."""
-
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, g):
-            _TLS.bwd_start = time.perf_counter()
-            return g
-
-    return BackwardStart, BackwardEnd
-
-
 def install_slowdown(factor: float) -> None:
-    """Pad every megatron-core TransformerLayer forward and backward to ``factor`` x its real time."""
+    """Pad every megatron-core TransformerLayer forward and backward to ``factor`` x its real time.
+
+    Forward: timed around the call. Backward: a gradient hook on the layer's output marks the start
+    of the layer's backward, one on its input marks the end (no extra autograd nodes or views, so
+    Megatron's pipeline schedule can still free the output tensors).
+    """
     global _SLOWDOWN_INSTALLED
     _SLOWDOWN["factor"] = float(factor)
     if _SLOWDOWN_INSTALLED or factor <= 1.0:
         return
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    start_fn, end_fn = _markers()
     orig_forward = TransformerLayer.forward
 
     def forward(self, *args: Any, **kwargs: Any):
-        if args:
-            hs = args[0]
-            if hs.requires_grad:
-                args = (end_fn.apply(hs),) + tuple(args[1:])
-        elif "hidden_states" in kwargs and kwargs["hidden_states"].requires_grad:
-            kwargs["hidden_states"] = end_fn.apply(kwargs["hidden_states"])
+        hs = args[0] if args else kwargs.get("hidden_states")
         t0 = time.perf_counter()
         out = orig_forward(self, *args, **kwargs)
         _pad(time.perf_counter() - t0)
-        if isinstance(out, tuple) and out and getattr(out[0], "requires_grad", False):
-            out = (start_fn.apply(out[0]),) + tuple(out[1:])
+        out0 = out[0] if isinstance(out, tuple) else out
+        if getattr(out0, "requires_grad", False) and getattr(hs, "requires_grad", False):
+            key = id(self)
+
+            def on_output_grad(g):  # first gradient of this layer's backward
+                starts = _TLS.__dict__.setdefault("starts", {})
+                starts[key] = time.perf_counter()
+                return None
+
+            def on_input_grad(g):  # the layer's backward is done
+                t_start = _TLS.__dict__.setdefault("starts", {}).pop(key, None)
+                if t_start is not None:
+                    _pad(time.perf_counter() - t_start)
+                return None
+
+            out0.register_hook(on_output_grad)
+            hs.register_hook(on_input_grad)
         return out
 
     forward.__wrapped__ = orig_forward  # type: ignore[attr-defined]

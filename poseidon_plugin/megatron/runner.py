@@ -230,7 +230,7 @@ def plan_and_apply(script: str, argv: list[str], opts: PoseidonOptions) -> AutoR
                      time.perf_counter() - t0)
 
         # -- profiling (or the cache) ---------------------------------------------------------
-        tps = opts.tp_candidates or _default_tps(args, topo, env.world_size)
+        tps = opts.tp_candidates or _search_tps(cluster, model, args, topo, env.world_size)
         emu_tag = [f"emu:{n}={t.speed}" for n, t in sorted(emu.types.items())] if emu else []
         tag = versions_tag([f"impl:{getattr(args, 'transformer_impl', '')}",
                             f"bf16:{bool(args.bf16)}", f"fp16:{bool(args.fp16)}", *emu_tag])
@@ -280,6 +280,15 @@ def plan_and_apply(script: str, argv: list[str], opts: PoseidonOptions) -> AutoR
                 for s in stragglers:
                     log.warning("straggler: %s", s)
 
+        # -- calibrate the cluster's compute speed to the measurements (rank 0 searches) -------
+        if env.rank == 0:
+            assert db is not None
+            cluster_data = discovery.calibrate(cluster_data, db, model, tps, mbs_list,
+                                               int(args.seq_length), overrides,
+                                               [i.device_type for i in infos
+                                                if i.kind not in ("cuda", "npu")])
+            cluster = cluster_from_dict(cluster_data, source=opts.cluster_file or "<discovered>")
+
         # -- search on rank 0, broadcast with checksum ----------------------------------------
         search_plan, plan_from_json = _planner()
         payload = None
@@ -291,8 +300,7 @@ def plan_and_apply(script: str, argv: list[str], opts: PoseidonOptions) -> AutoR
                     pruning=opts.pruning, micro_batch_sizes=tuple(mbs_list),
                     max_virtual_stages=opts.max_virtual_stages, time_budget_s=opts.time_budget_s,
                     seed=opts.seed)
-                if opts.schedules:
-                    kwargs["schedules"] = tuple(opts.schedules)
+                kwargs["schedules"] = _launch_schedules(opts.schedules)
                 plan = search_plan(cluster, model, **kwargs)
                 log.info("search: %.2f s", time.perf_counter() - t1)
                 text = plan.to_json()
@@ -353,12 +361,36 @@ def plan_and_apply(script: str, argv: list[str], opts: PoseidonOptions) -> AutoR
     return AutoResult(new_argv, new_rank, renum.world_size, plan)
 
 
+# What Megatron's get_forward_backward_func can run: the plan may only pick these at launch.
+LAUNCH_SCHEDULES = ("1f1b", "interleaved-1f1b")
+
+
+def _launch_schedules(requested: Sequence[str]) -> tuple[str, ...]:
+    if not requested:
+        return LAUNCH_SCHEDULES
+    bad = [s for s in requested if s not in LAUNCH_SCHEDULES]
+    if bad:
+        raise PoseidonError(f"--poseidon-schedules: Megatron can run {', '.join(LAUNCH_SCHEDULES)}; "
+                            f"{', '.join(bad)} can only be planned offline (poseidon plan)")
+    return tuple(requested)
+
+
 def _torch_device(device: Any):
     import torch
 
     if device.kind in ("cuda", "npu"):
         return torch.device(device.kind, device.index)
     return torch.device("cpu")
+
+
+def _search_tps(cluster: Any, model: Any, args: Any, topo: Any, world_size: int) -> tuple[int, ...]:
+    """Every TP degree the search may pick for some device type (so none is only estimated)."""
+    try:
+        from ..search import tp_candidates
+    except ImportError:
+        return _default_tps(args, topo, world_size)
+    out = sorted({t for name in cluster.type_names for t in tp_candidates(cluster, model, name)})
+    return tuple(t for t in out if world_size % t == 0)
 
 
 def _default_tps(args: Any, topo: Any, world_size: int) -> tuple[int, ...]:
