@@ -103,6 +103,8 @@ cdef struct Ctx:
     double ogo[MAXO]
     int* lmax          # O * N
     int* suffix_lmax   # N + 1: sum over j >= x of max_o lmax[o, j]
+    int* suf_omax      # O * (N + 1): max over j >= x of lmax[o, j]
+    double ofb[MAXO]   # f + b of one layer, per option
     # per type
     int ndev[MAXT]
     int* node_of       # per type offset + device -> global node
@@ -151,6 +153,7 @@ cdef struct Ctx:
     double forced_T
     # stats
     long long nodes, simulated, cut_bound, cut_memory, cut_ridge, cut_devices, improved
+    long long cut_capacity
     int timed_out
 
 
@@ -213,6 +216,22 @@ cdef void _stage_costs(Ctx* c, int x, int o, int l) noexcept nogil:
     c.Fst[x] = F
 
 
+cdef inline void _set_stage(Ctx* c, int x, int o, int l, double ring) noexcept nogil:
+    """Chunk costs and all-reduce time of stage x with option o and l layers."""
+    cdef double G
+    _stage_costs(c, x, o, l)
+    if c.d > 1:
+        G = l * c.ogl[o]
+        if x == 0:
+            G += c.oge[o]
+        if x == c.N - 1:
+            G += c.ogo[o]
+        c.R[x] = (2.0 * (c.d - 1) * c.latency_ms
+                  + 2.0 * (c.d - 1) / c.d * G * 8.0 / (ring * 1e6))
+    else:
+        c.R[x] = 0.0
+
+
 cdef double _bound(Ctx* c, int x, int Lrem) noexcept nogil:
     """Update the incremental bound state of stage x (costs, Pf/Pb[x-1], R[x] set) and return g."""
     cdef int V = c.V, M = c.M, N = c.N, cc, K
@@ -254,6 +273,78 @@ cdef double _bound(Ctx* c, int x, int Lrem) noexcept nogil:
     gy = (c.head[x] + c.fc[x * V] + 2.0 * c.minsend + M * ceil(Lrem / <double> K) * c.minfb
           + c.bc[x * V + clast] + c.tail[x])
     return dmax(g, gy)
+
+
+cdef int _capacity(Ctx* c, int x, double avail, int K) noexcept nogil:
+    """Most layers the K stages after x can hold in a completion with T <= thr (-1: none).
+
+    ``avail`` = thr - (a path every later stage j's work lies on besides its own ops):
+    head_x + fc[x, 0] + 2 minsend + bc[x, clast] + tail_x (the path of ``gy`` in ``_bound``).
+    Stage j with option o and l_j layers runs M l_j (f_o + b_o) of work serially, so
+    T >= avail-path + M l_j (f_o + b_o): l_j <= (thr - path) / (M (f_o + b_o)), and l_j <= its
+    memory limit. Per type k, a stage takes >= d * t_min(k) of the D_k devices left (alignment
+    only wastes more), so at most D_k // (d t_min) stages of type k, each holding at most the
+    largest cap of the type's options. Greedy over types (caps descending) gives the maximum of
+    this relaxation; fewer than K stages possible -> -1.
+    """
+    cdef int k, o, cap, best, dtmin, cnt, total, taken, i, j, nt
+    cdef double q
+    cdef int tcap[MAXT]
+    cdef int tcnt[MAXT]
+    nt = 0
+    for k in range(c.T):
+        best = -1
+        dtmin = 0
+        for o in range(c.O):
+            if c.opt_type[o] != k:
+                continue
+            q = avail / (c.M * c.ofb[o])
+            if q < 0:
+                continue
+            q = q * (1.0 + 1e-9) + 1e-9
+            if q > 1e9:
+                cap = 1000000000
+            else:
+                cap = <int> q
+            if cap > c.suf_omax[o * (c.N + 1) + x + 1]:
+                cap = c.suf_omax[o * (c.N + 1) + x + 1]
+            if cap < c.V:
+                continue
+            if cap > best:
+                best = cap
+            if dtmin == 0 or c.d * c.opt_tp[o] < dtmin:
+                dtmin = c.d * c.opt_tp[o]
+        if best < 0:
+            continue
+        cnt = (c.ndev[k] - c.cursor[k]) // dtmin
+        if cnt <= 0:
+            continue
+        # insertion by cap descending
+        i = nt
+        while i > 0 and tcap[i - 1] < best:
+            tcap[i] = tcap[i - 1]
+            tcnt[i] = tcnt[i - 1]
+            i -= 1
+        tcap[i] = best
+        tcnt[i] = cnt
+        nt += 1
+    total = 0
+    taken = 0
+    for i in range(nt):
+        if taken >= K:
+            break
+        j = tcnt[i]
+        if j > K - taken:
+            j = K - taken
+        taken += j
+        total += j * tcap[i]
+    if taken < K:
+        return -1
+    return total
+
+
+cdef inline double _cap_path(Ctx* c, int x) noexcept nogil:
+    return (c.head[x] + c.fc[x * c.V] + 2.0 * c.minsend + c.bc[x * c.V + c.clast] + c.tail[x])
 
 
 cdef class Searcher:
@@ -301,7 +392,7 @@ cdef class Searcher:
     cdef void recurse(self, int x, int Lrem, int nonridge) noexcept nogil:
         cdef Ctx* c = self.c
         cdef int N = c.N, o, k, t, dt, start, local, l, lo, hi, K, kk, avail, need
-        cdef int save_cursor, save_used, save_rl, save_rdec, nr, rstage
+        cdef int save_cursor, save_used, save_rl, save_rdec, nr, rstage, it, cap
         cdef double Pfx, ring, g, G, thr_eps
         if c.timed_out:
             return
@@ -396,6 +487,23 @@ cdef class Searcher:
             c.cursor[k] = start + dt
             c.used[k] = 1
             thr_eps = c.thr * (1.0 + 1e-9)
+            if c.use_bound and K > 0:
+                # capacity: the K later stages hold at most cap(l) layers, cap non-increasing in
+                # l (the path grows with l), so l >= Lrem - cap(lo) for every l >= lo: iterate.
+                for it in range(6):
+                    _set_stage(c, x, o, lo, ring)
+                    _bound(c, x, Lrem - lo)
+                    cap = _capacity(c, x, thr_eps - _cap_path(c, x), K)
+                    if cap < 0:
+                        lo = hi + 1
+                        break
+                    if Lrem - cap <= lo:
+                        break
+                    lo = Lrem - cap
+                    if lo > hi:
+                        break
+                if lo > hi:
+                    c.cut_capacity += 1
             l = hi
             while l >= lo:
                 nr = nonridge
@@ -406,22 +514,15 @@ cdef class Searcher:
                         c.rdec[o] = 1 if (save_rdec or l < save_rl) else 0
                     c.rl[o] = l
                 c.st_l[x] = l
-                _stage_costs(c, x, o, l)
-                if c.d > 1:
-                    G = l * c.ogl[o]
-                    if x == 0:
-                        G += c.oge[o]
-                    if x == N - 1:
-                        G += c.ogo[o]
-                    c.R[x] = (2.0 * (c.d - 1) * c.latency_ms
-                              + 2.0 * (c.d - 1) / c.d * G * 8.0 / (ring * 1e6))
-                else:
-                    c.R[x] = 0.0
+                _set_stage(c, x, o, l, ring)
                 g = _bound(c, x, Lrem - l)
                 if c.forced:
                     c.gtrace[x] = g
                 if c.use_bound and g > thr_eps:
                     c.cut_bound += 1
+                elif (c.use_bound and K > 0
+                      and _capacity(c, x, thr_eps - _cap_path(c, x), K) < Lrem - l):
+                    c.cut_capacity += 1
                 elif K == 0:
                     self.leaf(nr)
                 else:
@@ -458,6 +559,7 @@ def search_config(BoundStructure st, PipelineDAG dag, dict cfg):
     cdef int N = st.N, V = st.V, O, T, o, x, k
     cdef cnp.ndarray[cnp.int32_t, ndim=1] lmax_a
     cdef cnp.ndarray[cnp.int32_t, ndim=1] suf_a
+    cdef cnp.ndarray[cnp.int32_t, ndim=1] somax_a
     cdef cnp.ndarray[cnp.int32_t, ndim=1] node_a
     cdef cnp.ndarray[cnp.int32_t, ndim=1] local_a
     c.WF = NULL
@@ -518,6 +620,7 @@ def search_config(BoundStructure st, PipelineDAG dag, dict cfg):
             c.ogl[o] = cfg["gl"][o]
             c.oge[o] = cfg["ge"][o]
             c.ogo[o] = cfg["go"][o]
+            c.ofb[o] = c.of_[o] + c.ob_[o]
             c.rl[o] = 0
             c.rdec[o] = 0
         lmax_a = np.ascontiguousarray(cfg["lmax"], dtype=np.int32).reshape(-1)
@@ -530,6 +633,12 @@ def search_config(BoundStructure st, PipelineDAG dag, dict cfg):
             suf[x] = suf[x + 1] + max(int(lm[x]), 0)
         suf_a = suf
         c.suffix_lmax = <int*> suf_a.data
+        somax = np.zeros((O, N + 1), dtype=np.int32)
+        lm2 = lmax_a.reshape(O, N)
+        for x in range(N - 1, -1, -1):
+            somax[:, x] = np.maximum(somax[:, x + 1], lm2[:, x])
+        somax_a = np.ascontiguousarray(somax).reshape(-1)
+        c.suf_omax = <int*> somax_a.data
         node_a = np.ascontiguousarray(cfg["node_of"], dtype=np.int32)
         local_a = np.ascontiguousarray(cfg["local_of"], dtype=np.int32)
         c.node_of = <int*> node_a.data
@@ -563,6 +672,7 @@ def search_config(BoundStructure st, PipelineDAG dag, dict cfg):
         c.cut_memory = 0
         c.cut_ridge = 0
         c.cut_devices = 0
+        c.cut_capacity = 0
         c.improved = 0
         c.timed_out = 0
         with nogil:
@@ -578,6 +688,7 @@ def search_config(BoundStructure st, PipelineDAG dag, dict cfg):
             "cut_memory": c.cut_memory,
             "cut_ridge": c.cut_ridge,
             "cut_devices": c.cut_devices,
+            "cut_capacity": c.cut_capacity,
             "timed_out": bool(c.timed_out),
             "gtrace": [c.gtrace[x] for x in range(N)] if c.forced else None,
             "forced_T": c.forced_T if c.forced else None,

@@ -76,6 +76,7 @@ PRUNING_MODES = ("safe", "ridge", "none")
 TP_MODES = ("uniform", "per-stage")
 TYPE_ORDERS = ("auto", "any", "blocks")
 DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4)
+ROUND_STEP = 0.02   # iterative deepening: each round's threshold cap is 2 % above the last
 
 
 @dataclass(frozen=True)
@@ -223,11 +224,66 @@ def _max_send(cm: CostModel, b: int) -> float:
     return cm.activation_bytes(b) * 8.0 / (worst * 1e6) + cm.latency_ms
 
 
+def capacity_layers(cm: CostModel, cfg: OuterConfig, t_ms: float, cols: dict | None = None
+                    ) -> int:
+    """Most layers N stages can hold when every stage's serial work M l (f + b) is <= t_ms.
+
+    A stage of type k takes >= d * t_min(k) devices, so at most ndev_k // (d t_min(k)) stages
+    are of type k, each holding <= floor(t_ms / (M min_t (f + b))) layers (and <= L - (N-1) V).
+    The best N of those stages (caps descending) is an upper bound on the layers any plan of
+    this configuration with iteration time <= t_ms can place; -1 if fewer than N stages can
+    hold V layers each.
+    """
+    if cols is None:
+        cols = _option_arrays(cm, cfg)
+    n, m, v, d = cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages, cfg.dp
+    limit = cm.model.num_layers - (n - 1) * v
+    per_type: dict[int, tuple[int, int]] = {}
+    for o, (k, t) in enumerate(cfg.options):
+        fb = cols["f"][o] + cols["b"][o]
+        q = t_ms / (m * fb) if fb > 0 else math.inf
+        cap = limit if q >= limit else int(q * (1 + 1e-9) + 1e-9)
+        cap = min(cap, limit)
+        if cap < v:
+            continue
+        best, dtmin = per_type.get(k, (0, 0))
+        per_type[k] = (max(best, cap), d * t if dtmin == 0 else min(dtmin, d * t))
+    caps = []
+    for k, (cap, dtmin) in per_type.items():
+        caps.append((cap, cm.pools[k].size // dtmin))
+    caps.sort(reverse=True)
+    total = taken = 0
+    for cap, cnt in caps:
+        j = min(cnt, n - taken)
+        taken += j
+        total += j * cap
+    return total if taken >= n else -1
+
+
 def root_bound(cm: CostModel, cfg: OuterConfig) -> float:
+    """Lower bound on every plan of ``cfg``: the per-stage work bound and the capacity bound
+    (the smallest t for which ``capacity_layers(t) >= L``, found by bisection; the value
+    returned is below that t)."""
     cols = _option_arrays(cm, cfg)
     minfb = min(f + b for f, b in zip(cols["f"], cols["b"]))
     L, n, m = cm.model.num_layers, cfg.num_stages, cfg.num_microbatches
-    return max(m * math.ceil(L / n) * minfb, L * minfb)
+    base = max(m * math.ceil(L / n) * minfb, L * minfb)
+    hi = m * L * max(f + b for f, b in zip(cols["f"], cols["b"])) * 2.0 + 1.0
+    if capacity_layers(cm, cfg, hi, cols) < L:
+        return math.inf
+    lo = 0.0
+    if capacity_layers(cm, cfg, base, cols) >= L:
+        return base
+    lo = base
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if capacity_layers(cm, cfg, mid, cols) >= L:
+            hi = mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-12 * hi:
+            break
+    return lo
 
 
 def _safe_ridge_applies(cm: CostModel, cfg: OuterConfig, cols: dict, lmax: np.ndarray
@@ -371,12 +427,13 @@ def _random_assignment(cm: CostModel, cfg: OuterConfig, lmax: np.ndarray, rng: r
 _WORKER: dict = {}
 
 
-def _worker_run(index: int, threshold_ms: float, deadline: float) -> tuple[int, dict]:
+def _worker_run(index: int, threshold_ms: float, deadline: float, tag: float
+                ) -> tuple[int, dict, float]:
     w = _WORKER
     res = run_config(w["cm"], w["configs"][index], pruning=w["pruning"],
                      type_order=w["type_order"], type_sequence_limit=w["type_sequence_limit"],
                      threshold_ms=threshold_ms, deadline=deadline)
-    return index, res
+    return index, res, tag
 
 
 # --------------------------------------------------------------------------- entry point
@@ -439,7 +496,7 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
 
     stats = dict(configs=len(configs), configs_cut_root=0, configs_searched=0,
                  plans_simulated=0, nodes=0, cut_bound=0, cut_memory=0, cut_ridge=0,
-                 cut_devices=0, warmup_plans=0, type_order_restricted_configs=0)
+                 cut_devices=0, cut_capacity=0, rounds=0, warmup_plans=0, type_order_restricted_configs=0)
     best: tuple | None = None   # (time, cfg.key, opts, layers, cfg)
 
     def consider(t: float, cfg: OuterConfig, opts, layers) -> None:
@@ -479,20 +536,25 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
     else:
         roots = [root_bound(cm, c) for c in configs]
         order = sorted(range(len(configs)), key=lambda i: (roots[i], configs[i].key))
-    explored = [False] * len(configs)
+    lbs = list(roots)          # per configuration: no plan of it is faster (besides the best)
+    searched_last: set[int] = set()
     timed_out = False
+    complete = False
+    proven_below = 0.0   # every plan is slower than this (completed rounds)
 
-    def absorb(i: int, res: dict) -> None:
+    def absorb(i: int, res: dict, thr_used: float) -> None:
         nonlocal threshold, timed_out
         stats["configs_searched"] += 1
-        for k in ("nodes", "cut_bound", "cut_memory", "cut_ridge", "cut_devices"):
+        searched_last.add(i)
+        for k in ("nodes", "cut_bound", "cut_memory", "cut_ridge", "cut_devices",
+                  "cut_capacity"):
             stats[k] += res[k]
         stats["plans_simulated"] += res["simulated"]
         stats["type_order_restricted_configs"] += int(res["blocks"])
         if res["timed_out"]:
             timed_out = True
         else:
-            explored[i] = True
+            lbs[i] = max(lbs[i], thr_used)
         if res["best"] is not None:
             t, opts, layers = res["best"]
             consider(t, configs[i], opts, layers)
@@ -504,73 +566,100 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=len(order), desc="poseidon search", unit="cfg", leave=False)
-    thr_of = (lambda: math.inf) if pruning == "none" else (lambda: threshold)
-    try:
-        if nworkers == 1 or len(order) < 8:
-            for i in order:
+
+    def run_round(cap: float, ex) -> None:
+        """Search every configuration whose root bound is <= min(cap, threshold) with the
+        threshold min(cap, incumbent): afterwards the best plan with time <= cap is known."""
+        nonlocal timed_out
+        thr_of = (lambda: math.inf) if pruning == "none" else (lambda: min(cap, threshold))
+        pending = set()
+        it = iter(order)
+        exhausted = False
+        while True:
+            while not exhausted and len(pending) < (2 * nworkers if ex else 1):
+                i = next(it, None)
+                if i is None:
+                    exhausted = True
+                    break
                 if deadline_wall is not None and time.monotonic() > deadline_wall:
                     timed_out = True
+                    exhausted = True
                     break
-                if pruning != "none" and roots[i] > threshold * (1 + 1e-9):
-                    stats["configs_cut_root"] += 1
-                    explored[i] = True
+                if pruning != "none" and roots[i] > thr_of() * (1 + 1e-9):
+                    if not ex:
+                        exhausted = True   # order is by root bound: the rest are cut too
+                        break
+                    continue
+                if ex is None:
+                    thr = thr_of()
+                    absorb(i, run_config(cm, configs[i], pruning=pruning, type_order=type_order,
+                                         type_sequence_limit=type_sequence_limit,
+                                         threshold_ms=thr, deadline=deadline_c), thr)
                     if bar:
                         bar.update(1)
                     continue
-                absorb(i, run_config(cm, configs[i], pruning=pruning, type_order=type_order,
-                                     type_sequence_limit=type_sequence_limit,
-                                     threshold_ms=thr_of(), deadline=deadline_c))
+                thr = thr_of()
+                pending.add(ex.submit(_worker_run, i, thr, deadline_c, thr))
+            if not pending:
+                break
+            from concurrent.futures import FIRST_COMPLETED, wait
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in sorted(done, key=lambda f: f.result()[0]):
+                i, res, thr = fut.result()
+                absorb(i, res, thr)
                 if bar:
                     bar.update(1)
-        else:
+
+    # Iterative deepening on the threshold: round r searches with cap_r = root * (1+step)^r
+    # (never above the incumbent). A round that ends with no plan <= cap_r proves the optimum
+    # is > cap_r; the first round that finds one has found the best plan (every better plan
+    # would have been <= cap_r too). Rounds below the optimum are cheap: the bounds cut early.
+    caps: list[float] = [math.inf]
+    if pruning != "none" and order:
+        r0 = roots[order[0]]
+        if math.isfinite(r0) and r0 > 0:
+            caps = []
+            c = r0 * (1 + ROUND_STEP)
+            while c < threshold and len(caps) < 64:
+                caps.append(c)
+                c *= 1 + ROUND_STEP
+            caps.append(math.inf)
+    ex = None
+    try:
+        if nworkers > 1 and len(order) >= 8:
             _WORKER.update(cm=cm, configs=configs, pruning=pruning, type_order=type_order,
                            type_sequence_limit=type_sequence_limit)
             ctx = multiprocessing.get_context("fork")
-            with ProcessPoolExecutor(max_workers=nworkers, mp_context=ctx) as ex:
-                pending = set()
-                it = iter(order)
-                exhausted = False
-                while True:
-                    while not exhausted and len(pending) < 2 * nworkers:
-                        i = next(it, None)
-                        if i is None:
-                            exhausted = True
-                            break
-                        if deadline_wall is not None and time.monotonic() > deadline_wall:
-                            timed_out = True
-                            exhausted = True
-                            break
-                        if pruning != "none" and roots[i] > threshold * (1 + 1e-9):
-                            stats["configs_cut_root"] += 1
-                            explored[i] = True
-                            if bar:
-                                bar.update(1)
-                            continue
-                        pending.add(ex.submit(_worker_run, i, thr_of(), deadline_c))
-                    if not pending:
-                        break
-                    from concurrent.futures import FIRST_COMPLETED, wait
-                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
-                    for fut in sorted(done, key=lambda f: f.result()[0]):
-                        i, res = fut.result()
-                        absorb(i, res)
-                        if bar:
-                            bar.update(1)
-            _WORKER.clear()
+            ex = ProcessPoolExecutor(max_workers=nworkers, mp_context=ctx)
+        for cap in caps:
+            stats["rounds"] += 1
+            searched_last.clear()
+            if bar:
+                bar.reset()
+            run_round(cap, ex)
+            if timed_out:
+                break
+            if threshold <= cap:
+                complete = True
+                break
+            proven_below = max(proven_below, cap)
+        stats["configs_cut_root"] = len(configs) - len(searched_last)
     finally:
+        if ex is not None:
+            ex.shutdown()
+            _WORKER.clear()
         if bar:
             bar.close()
 
     if best is None:
         raise InfeasibleError(_closest_infeasible(cm, configs))
 
-    exhaustive = all(explored) and not timed_out
+    exhaustive = complete and not timed_out
     t_best, _, opts, layers, cfg = best
     if exhaustive:
         lower = t_best
     else:
-        rest = [roots[i] for i in range(len(configs)) if not explored[i]]
-        lower = min([t_best] + rest)
+        lower = min([t_best] + [max(lb, proven_below) for lb in lbs])
     stats.update(seconds=round(time.perf_counter() - t0, 3), exhaustive=exhaustive,
                  timed_out=timed_out, pruning=pruning, tp_mode=tp_mode, type_order=type_order,
                  workers=nworkers)

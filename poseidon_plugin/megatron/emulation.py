@@ -331,6 +331,15 @@ def _patch_megatron_rng() -> None:
     def _set(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
         gen.set_state(new_state)
 
+    # The emulated device generator *is* the CPU generator, so Megatron's check "CPU RNG state
+    # changed within GPU RNG context" fires on every fork; it is expected here, not a bug.
+    import logging
+
+    class _DropExpected(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+    logging.getLogger(rnd.__name__).addFilter(_DropExpected())
     rnd._get_cuda_rng_state = _get
     rnd._set_cuda_rng_state = _set
     rnd._lazy_call = lambda cb, **k: cb()

@@ -223,18 +223,27 @@ def time_layer(layer: Any, config: Any, vargs: Any, device: Any, iters: int,
 
 
 def profile_rank(args: Any, tps: Sequence[int], micro_batch_sizes: Sequence[int], *, world_size: int,
-                 rank: int, device: Any, iters: int, seed: int = 1234) -> list[LayerTiming]:
-    """Profile one decoder layer for every (tp, mbs) on this rank. Collective per TP degree."""
+                 rank: int, device: Any, iters: int, seed: int = 1234,
+                 checkpoint: Any = None) -> list[LayerTiming]:
+    """Profile one decoder layer for every (tp, mbs) on this rank. Collective per TP degree.
+
+    ``checkpoint(name)`` (a deadline barrier) is called before each collective step, so a rank that
+    hangs is named by the others instead of surfacing as an anonymous collective timeout.
+    """
     import torch
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.transformer.spec_utils import build_module
 
     out: list[LayerTiming] = []
     for tp in tps:
+        if checkpoint is not None:
+            checkpoint(f"profiling-tp{tp}")
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
         try:
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
             for mbs in micro_batch_sizes:
+                if checkpoint is not None and tp > 1:
+                    checkpoint(f"profiling-tp{tp}-mbs{mbs}")
                 vargs = profiling_args(args, tp, mbs, world_size, rank)
                 config, spec = layer_config_and_spec(vargs)
                 layer = build_module(spec, config=config, layer_number=1)

@@ -190,6 +190,10 @@ def plan_and_apply(script: str, argv: list[str], opts: PoseidonOptions) -> AutoR
         raise PoseidonError("--poseidon-auto needs --global-batch-size (the plan chooses DP and the "
                             "micro-batch size around it)")
     mbs_list = opts.micro_batch_sizes or (int(args.micro_batch_size or 1),)
+    if not any(int(gbs) % b == 0 for b in mbs_list):
+        raise PoseidonError(f"--global-batch-size {gbs} is not divisible by any micro-batch size "
+                            f"candidate ({', '.join(map(str, mbs_list))}): no plan can split it; "
+                            "change the global batch or --poseidon-micro-batch-sizes")
 
     # -- bootstrap ----------------------------------------------------------------------------
     overrides = discovery.load_overrides(opts.cluster_file)
@@ -255,7 +259,7 @@ def plan_and_apply(script: str, argv: list[str], opts: PoseidonOptions) -> AutoR
             dev = _torch_device(device)
             timings = guarded("profiling", lambda: profiler.profile_rank(
                 args, tps, mbs_list, world_size=env.world_size, rank=env.rank, device=dev,
-                iters=opts.profile_iters))
+                iters=opts.profile_iters, checkpoint=boot.barrier))
             gathered = guarded("profiling-gather",
                                lambda: boot.all_gather_object(timings, "profiling-gather"))
             if env.rank == 0:

@@ -1,0 +1,276 @@
+"""Engine-aware timing model: the pipeline as megatron-core 0.19 actually runs it.
+
+The paper's DAG (``simulator.py``) lets an op start as soon as its own input has arrived and its
+device is free; a send costs only the link time and never holds the sender. megatron-core's
+schedules (without ``overlap_p2p_comm``, the default) run each device as a sequence of compute
+ops and *blocking communication calls*; one call posts the sends of what was just computed and
+waits for the inputs of what comes next, in pairs. This model replays exactly that sequence:
+
+* ``1f1b`` (``forward_backward_pipelining_without_interleaving``): warm-up
+  ``recv_forward, F, send_forward``; steady state ``F, send_forward_recv_backward, B,
+  send_backward_recv_forward`` (the last one a bare ``send_backward``); cool-down
+  ``recv_backward, B, send_backward``.
+* ``interleaved-1f1b`` (``forward_backward_pipelining_with_interleaving``): the first input is
+  received up front; warm-up ``F, send_forward_recv_forward`` (receiving the *next* forward's
+  input), the last warm-up call ``send_forward_backward_recv_forward_backward``; steady state
+  ``F, B, send_forward_backward_recv_forward_backward`` -- the forward's activation leaves only
+  after the backward has run, and the next forward waits for the next backward's gradient too;
+  cool-down ``B, send_backward_recv_backward``.
+
+Timing of one call on device s posted at time t: every tensor it sends arrives at
+``t + link_ms`` (the one-way latency of the link); a call that only sends returns at
+``t + send_call_ms[s]``; a call that receives returns ``recv_ready_ms[s]`` after
+``max(t, arrival of everything it receives)`` (and not before ``t + send_call_ms[s]`` if it also
+sends). The three are measured with megatron-core's own ``P2PCommunicator`` (see
+``validate._p2p_costs``). A compute op costs
+its profiled time plus ``op_overhead_ms`` (megatron's ``forward_step`` / ``backward_step`` around
+the model). After the last op: the finalize hook (DP all-reduce) ``finalize_ms[s]``, then the
+optimizer step, whose grad-norm all-reduce spans the model-parallel group -- every stage waits for
+the slowest -- followed by the stage's update; the iteration ends when the last stage is done.
+With zero call and op overheads, a zero-time sync and only the data dependencies kept, this is
+the paper's DAG for ``1f1b``; the difference for interleaved is structural (bundled calls).
+
+API::
+
+    costs = EngineCosts.from_profiles(fwd, bwd, send, finalize, optimizer, overheads)
+    res = simulate_engine(costs, num_microbatches, schedule, virtual_stages)
+    res.iteration_time_ms; timeline_from_engine(res)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .errors import PoseidonError
+from .schedules import Op, interleaved_table, op_orders, validate_schedule
+from .timeline import Timeline
+
+
+@dataclass(frozen=True)
+class EngineCosts:
+    forward_ms: np.ndarray        # (V, N) per chunk and device
+    backward_ms: np.ndarray       # (V, N)
+    link_ms: np.ndarray           # (L,): link s -> s+1 (and N-1 -> 0 for interleaved), both ways
+    finalize_ms: np.ndarray       # (N,)
+    optimizer_ms: np.ndarray      # (N,) (grad-norm all-reduce + update, measured after a barrier)
+    send_call_ms: np.ndarray      # (N,) a blocking call that only sends
+    recv_ready_ms: np.ndarray     # (N,) a receive whose data is there: returns this long after
+    fwd_overhead_ms: np.ndarray   # (N,) megatron's forward_step around the model
+    bwd_overhead_ms: np.ndarray   # (N,)
+
+    @classmethod
+    def from_profiles(cls, fwd, bwd, send, finalize, optimizer,
+                      overheads: Sequence[dict] | None = None) -> "EngineCosts":
+        fwd = np.atleast_2d(np.asarray(fwd, dtype=float))
+        bwd = np.atleast_2d(np.asarray(bwd, dtype=float))
+        n = fwd.shape[1]
+        ov = list(overheads or [{}] * n)
+        get = (lambda k: np.array([float(o.get(k, 0.0)) for o in ov]))
+        link = np.asarray(send, dtype=float)
+        if all("latency_ms" in o for o in ov) and ov:
+            link = np.full(link.shape, float(np.median(get("latency_ms"))))
+        return cls(fwd, bwd, link, np.asarray(finalize, dtype=float),
+                   np.asarray(optimizer, dtype=float), get("send_call_ms"), get("recv_ready_ms"),
+                   get("forward_ms"), get("backward_ms"))
+
+
+@dataclass(frozen=True)
+class EngineResult:
+    iteration_time_ms: float
+    op_stage: np.ndarray
+    op_chunk: np.ndarray
+    op_microbatch: np.ndarray
+    op_is_backward: np.ndarray
+    op_start_ms: np.ndarray
+    op_finish_ms: np.ndarray
+    allreduce_start_ms: np.ndarray
+    allreduce_finish_ms: np.ndarray
+    end_ms: np.ndarray            # per stage, after the optimizer step
+
+
+# A device program: a list of items, each ("op", Op) or ("call", sends, recvs) where sends and
+# recvs are message keys (kind, chunk, microbatch, device_from, device_to).
+
+
+def _fwd_dest(n: int, v: int, s: int, c: int) -> tuple[int, int] | None:
+    """(device, chunk) receiving the activation of F(chunk c) on device s; None = pipeline end."""
+    if s < n - 1:
+        return s + 1, c
+    return (0, c + 1) if c + 1 < v else None
+
+
+def _bwd_dest(n: int, v: int, s: int, c: int) -> tuple[int, int] | None:
+    if s > 0:
+        return s - 1, c
+    return (n - 1, c - 1) if c > 0 else None
+
+
+def _send_of(n: int, v: int, s: int, op: Op):
+    dest = (_bwd_dest if op.is_backward else _fwd_dest)(n, v, s, op.chunk)
+    if dest is None:
+        return None
+    return ("B" if op.is_backward else "F", dest[1], op.microbatch, s, dest[0])
+
+
+def _recv_of(n: int, v: int, s: int, op: Op):
+    """The message op needs before it can run (None for the pipeline's first F / last B)."""
+    if op.is_backward:
+        if s < n - 1:
+            return ("B", op.chunk, op.microbatch, s + 1, s)
+        return ("B", op.chunk, op.microbatch, 0, s) if op.chunk + 1 < v else None
+    if s > 0:
+        return ("F", op.chunk, op.microbatch, s - 1, s)
+    return ("F", op.chunk, op.microbatch, n - 1, s) if op.chunk > 0 else None
+
+
+def device_program(schedule: str, n: int, m: int, s: int, v: int = 1) -> list[tuple]:
+    """The op / blocking-call sequence megatron-core runs on device ``s``."""
+    orders = op_orders(schedule, n, m, v)
+    ops = orders[s]
+    snd = (lambda op: [k for k in [_send_of(n, v, s, op)] if k is not None])
+    rcv = (lambda op: [k for k in [_recv_of(n, v, s, op)] if k is not None])
+    prog: list[tuple] = []
+    if schedule in ("1f1b", "gpipe", "eager-1f1b") or v == 1:
+        if schedule != "1f1b" and not (schedule == "interleaved-1f1b" and v == 1):
+            raise PoseidonError(f"engine model: schedule {schedule!r} is not run by megatron-core")
+        w = min(n - 1 - s, m)
+        r = m - w
+        fw = [o for o in ops if not o.is_backward]
+        bw = [o for o in ops if o.is_backward]
+        for i in range(w):
+            prog += [("call", [], rcv(fw[i])), ("op", fw[i]), ("call", snd(fw[i]), [])]
+        if r > 0:
+            prog.append(("call", [], rcv(fw[w])))
+        for i in range(r):
+            prog += [("op", fw[w + i]), ("call", snd(fw[w + i]), rcv(bw[i])), ("op", bw[i])]
+            nxt = rcv(fw[w + i + 1]) if i < r - 1 else []
+            prog.append(("call", snd(bw[i]), nxt))
+        for i in range(r, m):
+            prog += [("call", [], rcv(bw[i])), ("op", bw[i]), ("call", snd(bw[i]), [])]
+        return [p for p in prog if p[0] == "op" or p[1] or p[2]]
+    # interleaved: virtual micro-batch k runs F(table[k]) and B(reversed chunk)
+    total = m * v
+    table = interleaved_table(m, v, n)
+    w = min(total, 2 * (n - 1 - s) + (v - 1) * n)
+    F = [Op(False, c, mb) for mb, c in table]
+    B = [Op(True, v - 1 - c, mb) for mb, c in table]
+    all_warm = w == total
+
+    def recv_f(k: int) -> list:
+        """What the call after forward k receives (megatron's recv_tensor_from_previous_stage):
+        the next forward's input, or on the first device the output the last device made
+        N-1 virtual micro-batches earlier (it runs that far behind)."""
+        if s > 0:
+            return rcv(F[k + 1]) if k + 1 < total else []
+        j = k - (n - 1)
+        if j < 0 or table[j][1] == v - 1:
+            return []
+        return [("F", table[j][1] + 1, table[j][0], n - 1, 0)]
+
+    def recv_b(k: int) -> list:
+        if s < n - 1:
+            return rcv(B[k + 1]) if k + 1 < total else []
+        j = k - (n - 1)
+        bc = v - 1 - table[j][1] if j >= 0 else 0
+        if j < 0 or bc == 0:
+            return []
+        return [("B", bc - 1, table[j][0], 0, n - 1)]
+
+    prog.append(("call", [], rcv(F[0])))
+    for k in range(w):
+        prog.append(("op", F[k]))
+        nxt = recv_f(k) if k != total - 1 else []
+        if k == w - 1 and not all_warm:
+            prog.append(("call", snd(F[k]), nxt + rcv(B[0])))
+        else:
+            prog.append(("call", snd(F[k]), nxt))
+    r = total - w
+    for k in range(r):
+        f, b = F[w + k], B[k]
+        prog += [("op", f), ("op", b)]
+        nf = recv_f(w + k) if k != r - 1 else []
+        prog.append(("call", snd(f) + snd(b), nf + recv_b(k)))
+    if all_warm:
+        prog.append(("call", [], rcv(B[0])))
+    for k in range(r, total):
+        prog.append(("op", B[k]))
+        nb = recv_b(k) if k != total - 1 else []
+        prog.append(("call", snd(B[k]), nb))
+    return [p for p in prog if p[0] == "op" or p[1] or p[2]]
+
+
+def simulate_engine(costs: EngineCosts, num_microbatches: int, schedule: str = "1f1b",
+                    virtual_stages: int = 1) -> EngineResult:
+    n = costs.forward_ms.shape[1]
+    n, m, v = validate_schedule(schedule, n, num_microbatches, virtual_stages)
+    if costs.forward_ms.shape != (v, n):
+        raise PoseidonError(f"engine model: forward_ms has shape {costs.forward_ms.shape}, "
+                            f"expected ({v}, {n})")
+    progs = [device_program(schedule, n, m, s, v) for s in range(n)]
+
+    def link(msg) -> float:
+        kind, _, _, a, b = msg
+        lo = a if kind == "F" else b           # F: a -> b is link a; B: b <- a is link b
+        if (kind == "F" and a == n - 1 and b == 0) or (kind == "B" and a == 0 and b == n - 1):
+            lo = n - 1
+        return float(costs.link_ms[lo]) if lo < len(costs.link_ms) else 0.0
+
+    arrival: dict[tuple, float] = {}
+    pos = [0] * n
+    posted = [-1] * n
+    now = [0.0] * n
+    rows: list[tuple] = []
+    remaining = sum(len(p) for p in progs)
+    while remaining:
+        progressed = False
+        for s in range(n):
+            prog = progs[s]
+            while pos[s] < len(prog):
+                item = prog[pos[s]]
+                if item[0] == "op":
+                    op = item[1]
+                    base = (costs.backward_ms if op.is_backward else costs.forward_ms)[op.chunk, s]
+                    extra = (costs.bwd_overhead_ms if op.is_backward else costs.fwd_overhead_ms)[s]
+                    t0 = now[s]
+                    now[s] = t0 + float(base) + float(extra)
+                    rows.append((s, op.chunk, op.microbatch, op.is_backward, t0, now[s]))
+                else:
+                    _, sends, recvs = item
+                    t = now[s]
+                    if posted[s] != pos[s]:        # sends go out first, then the call waits
+                        posted[s] = pos[s]
+                        for msg in sends:
+                            arrival[msg] = t + link(msg)
+                    if any(r not in arrival for r in recvs):
+                        break
+                    done = t + float(costs.send_call_ms[s]) if sends else t
+                    if recvs:
+                        ready = max([t] + [arrival[r] for r in recvs])
+                        done = max(done, ready + float(costs.recv_ready_ms[s]))
+                    now[s] = done
+                pos[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise PoseidonError("engine model: the device programs deadlock (a bug)")
+    ar0 = np.array(now)
+    ar1 = ar0 + costs.finalize_ms
+    sync = float(ar1.max())
+    end = sync + costs.optimizer_ms
+    arr = np.array(rows, dtype=float)
+    order = np.lexsort((np.arange(len(arr)), arr[:, 0]))   # stage-major, execution order
+    arr = arr[order]
+    return EngineResult(float(end.max()), arr[:, 0].astype(np.int64), arr[:, 1].astype(np.int64),
+                        arr[:, 2].astype(np.int64), arr[:, 3].astype(bool), arr[:, 4], arr[:, 5],
+                        ar0, ar1, end)
+
+
+def timeline_from_engine(res: EngineResult, label: str = "predicted (engine-aware)") -> Timeline:
+    return Timeline(op_stage=res.op_stage, op_chunk=res.op_chunk, op_microbatch=res.op_microbatch,
+                    op_is_backward=res.op_is_backward, op_start_ms=res.op_start_ms,
+                    op_finish_ms=res.op_finish_ms, allreduce_start_ms=res.allreduce_start_ms,
+                    allreduce_finish_ms=res.allreduce_finish_ms,
+                    critical=np.zeros(len(res.op_stage), dtype=bool), label=label)

@@ -1,0 +1,50 @@
+"""The one-line patch: ``import poseidon_plugin.auto`` at the top of the script, plain torchrun."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from test_launch_e2e import GPT_ARGS, ROOT, TORCHRUN, free_port, planner_env, write_emulation
+
+pytestmark = pytest.mark.integration
+
+
+def patched_script(tmp_path) -> str:
+    src = open(os.path.join(ROOT, "examples", "pretrain_gpt.py")).read()
+    line = "# import poseidon_plugin.auto  # noqa: E402  <- the one-line patch (see patches/README.md)"
+    assert line in src
+    path = tmp_path / "pretrain_gpt.py"
+    path.write_text(src.replace(line, "import poseidon_plugin.auto  # noqa: E402"))
+    return str(path)
+
+
+def test_one_line_patch_plans_and_trains(tmp_path):
+    script = patched_script(tmp_path)
+    emu = write_emulation(tmp_path / "emu.yaml", ["emu-slow", "emu-fast"])
+    cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+           str(free_port()), script, *GPT_ARGS, "--train-iters", "3", "--poseidon-auto",
+           "--poseidon-emulate", emu]
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1",
+           "POSEIDON_PROFILE_DIR": str(tmp_path / "profiles"), **planner_env()}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=str(tmp_path))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert "Poseidon plan" in out and "rank -> stage" in out
+    assert re.search(r"iteration\s+3/\s*3 \|.*lm loss", out), out[-4000:]
+    assert "unrecognized arguments" not in out
+
+
+def test_one_line_patch_without_auto_only_strips_options(tmp_path):
+    """No --poseidon-auto: the import strips --poseidon-* options and changes nothing else."""
+    script = tmp_path / "s.py"
+    script.write_text("import poseidon_plugin.auto\nimport sys\nprint('ARGV', sys.argv[1:])\n")
+    proc = subprocess.run([sys.executable, str(script), "--lr", "1", "--poseidon-timeout", "5"],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr
+    assert "ARGV ['--lr', '1']" in proc.stdout

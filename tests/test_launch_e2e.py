@@ -1,0 +1,203 @@
+"""End-to-end: torchrun on CPU, two emulated device types, examples/pretrain_gpt.py with --poseidon-auto.
+
+Real Megatron all the way: megatron.training's argument parsing and validation and its
+``pretrain()`` train a tiny GPT on mock data; Poseidon profiles, plans, renumbers ranks and rewrites
+the arguments before any of that runs. Budget on a 2-core CI box: about 1.5 minutes for the file.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "pretrain_gpt.py")
+EMULATE4 = os.path.join(ROOT, "examples", "emulate-2types.yaml")
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+
+GPT_ARGS = ("--num-layers 8 --hidden-size 128 --num-attention-heads 4 --seq-length 128 "
+            "--max-position-embeddings 128 --micro-batch-size 1 --global-batch-size 16 "
+            "--lr 2e-3 --lr-decay-style constant --mock-data --tokenizer-type NullTokenizer "
+            "--vocab-size 512 --log-interval 1 --eval-iters 0 --eval-interval 1000 --bf16 "
+            "--num-workers 0 --seed 1234").split()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def planner_env() -> dict[str, str]:
+    """The real search when it is importable, else the integration's stand-in planner."""
+    try:
+        import poseidon_plugin.search  # noqa: F401
+
+        return {}
+    except ImportError:
+        return {"POSEIDON_PLANNER": "poseidon_plugin.megatron._testing"}
+
+
+def torchrun(nproc: int, args: list[str], env: dict[str, str], timeout: float = 240):
+    cmd = [TORCHRUN, "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "poseidon_plugin.launch", SCRIPT, *args]
+    full_env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **planner_env(), **env}
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+    return proc, proc.stdout + proc.stderr, time.monotonic() - t0
+
+
+def write_emulation(path, ranks: list[str]) -> str:
+    path.write_text("device_types:\n  emu-fast: {speed: 1.0, memory_gib: 16}\n"
+                    "  emu-slow: {speed: 0.5, memory_gib: 16}\n"
+                    f"ranks: [{', '.join(ranks)}]\n")
+    return str(path)
+
+
+def expected_layers(plan: dict) -> list[list[list[int]]]:
+    """Per pipeline stage: the 1-based decoder layer numbers of each of its model chunks."""
+    from poseidon_plugin.plan import Plan
+
+    p = Plan.from_json(json.dumps(plan))
+    segs = p.layout_segments()  # chunk-major: index c * pp + s
+    offsets = [sum(segs[:k]) for k in range(len(segs))]
+    out = []
+    for s in range(p.pp):
+        chunks = []
+        for c in range(p.virtual_stages):
+            k = c * p.pp + s
+            if segs[k]:
+                chunks.append(list(range(offsets[k] + 1, offsets[k] + segs[k] + 1)))
+        out.append(chunks)
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+
+def test_emulated_heterogeneous_training(tmp_path):
+    report = tmp_path / "report"
+    plan_file = tmp_path / "plan.json"
+    proc, out, took = torchrun(4, [*GPT_ARGS, "--train-iters", "8", "--poseidon-auto",
+                                   "--poseidon-emulate", EMULATE4,
+                                   "--poseidon-save-plan", str(plan_file)],
+                               {"POSEIDON_EXAMPLE_REPORT": str(report),
+                                "POSEIDON_PROFILE_DIR": str(tmp_path / "profiles")})
+    assert proc.returncode == 0, out[-6000:]
+    print(f"e2e run took {took:.1f} s")
+    plan = json.loads(plan_file.read_text())
+    types = [s["device_type"] for s in plan["stages"]]
+    layers = {t: sum(s["layers"] for s in plan["stages"] if s["device_type"] == t) for t in set(types)}
+
+    # the plan uses both types and gives the fast one more layers
+    assert set(types) == {"emu-fast", "emu-slow"}, plan["stages"]
+    assert layers["emu-fast"] > layers["emu-slow"], layers
+
+    # every rank built exactly the layers of its planned stage, on the device the plan put there
+    nodes = [[0, 1], [2, 3]]  # discovery: node 0 = the slow ranks (local 0,1), node 1 = the fast
+    reports = {r["rank"]: r for r in (json.loads(open(f).read())
+                                      for f in glob.glob(str(report / "rank*.json")))}
+    assert sorted(reports) == [0, 1, 2, 3]
+    want = expected_layers(plan)
+    for slot in plan["rank_order"]:
+        rep = reports[slot["rank"]]
+        assert rep["launch_rank"] == nodes[slot["node"]][slot["local_device"]], (slot, rep)
+        stage = plan["stages"][rep["pp_rank"]]
+        assert rep["device_type"] == stage["device_type"], (rep, stage)
+        assert rep["layer_numbers"] == want[rep["pp_rank"]], (rep, want)
+        assert rep["pp_size"] == plan["pp"] and rep["tp_size"] == plan["tp"]
+    # the fast devices (launch ranks 2, 3 on LOCAL_RANK 2, 3) had to move to the fast stage(s)
+    fast_stages = {i for i, t in enumerate(types) if t == "emu-fast"}
+    assert {reports[r]["pp_rank"] for r in reports if reports[r]["launch_rank"] in (2, 3)} <= fast_stages
+
+    # Megatron's own training log: >= 5 iterations, finite loss going down
+    losses = [float(m.group(2)) for m in
+              re.finditer(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.eE+-]+)", out)]
+    assert len(losses) >= 5, out[-4000:]
+    assert all(math.isfinite(x) for x in losses)
+    half = len(losses) // 2
+    assert losses[-1] < losses[0] and sum(losses[half:]) / (len(losses) - half) < sum(losses[:half]) / half, losses
+    assert "profiling:" in out
+
+
+def test_dry_run_prints_flags_builds_nothing_and_second_launch_uses_the_cache(tmp_path):
+    report = tmp_path / "report"
+    env = {"POSEIDON_EXAMPLE_REPORT": str(report), "POSEIDON_PROFILE_DIR": str(tmp_path / "profiles")}
+    args = [*GPT_ARGS, "--train-iters", "2", "--poseidon-auto", "--poseidon-dry-run",
+            "--poseidon-emulate", EMULATE4, "--pipeline-model-parallel-size", "4"]
+    proc, out, _ = torchrun(4, args, env)
+    assert proc.returncode == 0, out[-6000:]
+    assert "--tensor-model-parallel-size" in out and "command line the script runs with" in out
+    assert "rank -> stage" in out and "dry run" in out
+    assert "profiling:" in out
+    assert not report.exists()                      # no rank reached the script
+    assert "lm loss" not in out and "building GPT model" not in out
+    proc2, out2, _ = torchrun(4, args, env)
+    assert proc2.returncode == 0, out2[-6000:]
+    assert "from the cache" in out2 and "profiling:" not in out2
+
+
+def test_corrupt_profile_cache_is_set_aside_and_reprofiled(tmp_path):
+    emu = write_emulation(tmp_path / "emu.yaml", ["emu-slow", "emu-fast"])
+    env = {"POSEIDON_PROFILE_DIR": str(tmp_path / "profiles")}
+    args = [*GPT_ARGS, "--train-iters", "2", "--poseidon-dry-run", "--poseidon-emulate", emu]
+    proc, out, _ = torchrun(2, args, env)
+    assert proc.returncode == 0, out[-6000:]
+    (cache,) = glob.glob(str(tmp_path / "profiles" / "profiles-*.json"))
+    with open(cache, "w") as f:
+        f.write('{"version": 1, "records": [{"oops"')
+    proc, out, _ = torchrun(2, args, env)
+    assert proc.returncode == 0, out[-6000:]
+    assert "profile cache is unreadable, re-profiling" in out
+    assert glob.glob(cache + ".corrupt-*")
+    json.loads(open(cache).read())  # rewritten, valid
+
+
+def test_a_rank_that_never_answers_is_named(tmp_path):
+    emu = write_emulation(tmp_path / "emu.yaml", ["emu-slow", "emu-fast"])
+    env = {"POSEIDON_PROFILE_DIR": str(tmp_path / "profiles"),
+           "POSEIDON_FAULT_INJECT": "profiling:1:hang"}
+    args = [*GPT_ARGS, "--train-iters", "2", "--poseidon-auto", "--poseidon-emulate", emu,
+            "--poseidon-timeout", "3"]
+    proc, out, took = torchrun(2, args, env, timeout=120)
+    assert proc.returncode != 0
+    assert re.search(r"timed out after 3 s .*rank 1 \(host [^,]+, local rank 1, emu-fast\) "
+                     r"\(last seen entering 'profiling'", out), out[-4000:]
+    assert took < 60
+
+
+def _single(args: list[str], tmp_path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": ROOT, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "POSEIDON_PROFILE_DIR": str(tmp_path)}
+    return subprocess.run([sys.executable, "-m", "poseidon_plugin.launch", SCRIPT, *args],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+
+
+@pytest.mark.parametrize("flag", [["--use-checkpoint-args"], ["--inprocess-restart"],
+                                  ["--yaml-cfg", "cfg.yaml"]])
+def test_refused_flags_exit_2_with_a_clear_message(flag, tmp_path):
+    proc = _single([*GPT_ARGS, *flag, "--poseidon-auto"], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"--poseidon-auto cannot be combined with {flag[0]}" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_global_batch_no_plan_can_divide(tmp_path):
+    emu = write_emulation(tmp_path / "emu.yaml", ["emu-fast"])
+    args = [a if a != "16" else "7" for a in GPT_ARGS]
+    proc = _single([*args, "--poseidon-micro-batch-sizes", "2,4", "--poseidon-emulate", emu,
+                    "--poseidon-dry-run"], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "--global-batch-size 7 is not divisible by any micro-batch size candidate (2, 4)" in proc.stderr
+    assert "Traceback" not in proc.stderr

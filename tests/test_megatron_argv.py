@@ -1,0 +1,175 @@
+"""Options, refused flags, argv rewrite and MindSpeed-LLM translation (pure Python, no torch)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from poseidon_plugin.errors import PoseidonError
+from poseidon_plugin.megatron import argv as A
+from poseidon_plugin.megatron._testing import FakePlan, FakeSlot, FakeStage
+from poseidon_plugin.megatron.options import extract_options
+
+
+def fake_plan(layers=(6, 2), tp=1, dp=2, mbs=1, gbs=16, vpp=1) -> FakePlan:
+    stages = tuple(FakeStage(i, f"t{i}", tp, dp, n,
+                             tuple(tuple(FakeSlot(i, d * tp + t) for t in range(tp)) for d in range(dp)))
+                   for i, n in enumerate(layers))
+    return FakePlan("1f1b", vpp, dp, mbs, gbs // (mbs * dp), gbs, 128, stages)
+
+
+# ------------------------------------------------------------------------------------- options
+
+def test_options_are_stripped_in_both_forms():
+    opts, rest = extract_options(["--num-layers", "8", "--poseidon-auto", "--poseidon-timeout=7",
+                                  "--poseidon-emulate", "e.yaml", "--lr", "1e-3",
+                                  "--poseidon-schedules", "1f1b,interleaved-1f1b",
+                                  "--poseidon-micro-batch-sizes=1,2", "--poseidon-dry-run"])
+    assert rest == ["--num-layers", "8", "--lr", "1e-3"]
+    assert opts.auto and opts.dry_run and opts.timeout_s == 7.0 and opts.emulate_file == "e.yaml"
+    assert opts.schedules == ("1f1b", "interleaved-1f1b")
+    assert opts.micro_batch_sizes == (1, 2)
+
+
+def test_dry_run_alone_implies_auto():
+    opts, rest = extract_options(["--poseidon-dry-run"])
+    assert opts.auto and rest == []
+
+
+def test_no_options_means_no_plan():
+    opts, rest = extract_options(["--num-layers", "8"])
+    assert not opts.auto and not opts.any_present and rest == ["--num-layers", "8"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--poseidon-bogus"], "unknown option --poseidon-bogus"),
+    (["--poseidon-timeout", "-1"], "expected a number > 0"),
+    (["--poseidon-timeout"], "expected a value"),
+    (["--poseidon-backend", "deepspeed"], "megatron, mindspeed-llm"),
+    (["--poseidon-tp", "1,x"], "comma-separated list of integers"),
+    (["--poseidon-auto=1"], "takes no value"),
+])
+def test_bad_options(argv, message):
+    with pytest.raises(PoseidonError, match=message):
+        extract_options(argv)
+
+
+# ---------------------------------------------------------------------------------- refusals
+
+@pytest.mark.parametrize("flag", ["--use-checkpoint-args", "--inprocess-restart", "--yaml-cfg=x.yaml"])
+def test_refused_flags(flag):
+    with pytest.raises(PoseidonError, match="cannot be combined with " + flag.split("=")[0]):
+        A.check_refused(["--num-layers", "8", flag])
+
+
+def test_refuses_context_and_expert_parallelism_but_not_size_one():
+    A.check_refused(["--context-parallel-size", "1"])
+    with pytest.raises(PoseidonError, match="context parallelism"):
+        A.check_refused(["--context-parallel-size", "2"])
+    with pytest.raises(PoseidonError, match="expert parallelism"):
+        A.check_refused(["--expert-model-parallel-size=4"])
+
+
+# ------------------------------------------------------------------------------------ rewrite
+
+def test_layout_string():
+    assert A.layout_string([3, 5, 1]) == "Et*3|t*5|tL"
+    assert A.layout_string([0, 6, 6, 1]) == "E|t*6|t*6|tL"
+    assert A.layout_string([8]) == "Et*8L"
+
+
+def test_rewrite_strips_conflicts_and_appends_plan():
+    argv = ["--num-layers", "8", "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size=2",
+            "--decoder-first-pipeline-num-layers", "3", "--account-for-loss-in-pipeline-split",
+            "--num-layers-per-virtual-pipeline-stage", "2", "--sequence-parallel",
+            "--use-tp-pp-dp-mapping", "--micro-batch-size", "4", "--global-batch-size", "16", "--bf16"]
+    out = A.rewrite_argv(argv, fake_plan(), "megatron")
+    assert out == ["--num-layers", "8", "--bf16",
+                   "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+                   "--micro-batch-size", "1", "--global-batch-size", "16",
+                   "--pipeline-model-parallel-layout", "Et*6|t*2L"]
+
+
+def test_rewrite_keeps_sequence_parallel_with_tp():
+    out = A.rewrite_argv(["--sequence-parallel"], fake_plan(tp=2), "megatron")
+    assert "--sequence-parallel" in out
+
+
+def test_rewrite_uses_the_plans_own_flags_when_it_has_them():
+    class P:
+        tp, pp, virtual_stages, micro_batch_size, global_batch_size = 1, 2, 2, 1, 8
+
+        def megatron_args(self):
+            return ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+                    "--pipeline-model-parallel-layout", "Et*3|t|t*3|tL"]
+
+    out = A.rewrite_argv(["--lr", "1"], P(), "megatron")
+    assert out[:2] == ["--lr", "1"] and "Et*3|t|t*3|tL" in out
+    assert A.flag_value(out, "--micro-batch-size") == "1"
+    assert A.flag_value(out, "--global-batch-size") == "8"
+
+
+def test_flag_value_last_wins():
+    assert A.flag_value(["--x", "1", "--x=2", "--x", "3"], "--x") == "3"
+    assert A.flag_value(["--y", "1"], "--x", "d") == "d"
+
+
+# --------------------------------------------------------------------------------- MindSpeed-LLM
+
+def test_mindspeed_translation_uses_num_layer_list():
+    argv = ["--num-layers", "8", "--pipeline-model-parallel-layout", "Et*4|t*4L",
+            "--num-layer-list", "4,4", "--pipeline-num-transformer-layers", "[[4],[4]]"]
+    out = A.rewrite_argv(argv, fake_plan(), "mindspeed-llm")
+    assert A.flag_value(out, "--num-layer-list") == "6,2"
+    assert "--pipeline-model-parallel-layout" not in out
+    assert "--pipeline-num-transformer-layers" not in out
+    assert out.count("--num-layer-list") == 1
+
+
+def test_mindspeed_refuses_what_num_layer_list_cannot_do():
+    with pytest.raises(PoseidonError, match="noop-layers"):
+        A.rewrite_argv(["--noop-layers", "7"], fake_plan(), "mindspeed-llm")
+    with pytest.raises(PoseidonError, match="dualpipev"):
+        A.rewrite_argv(["--schedules-method", "dualpipev"], fake_plan(), "mindspeed-llm")
+    with pytest.raises(PoseidonError, match="interleaved"):
+        A.rewrite_argv([], fake_plan(vpp=2), "mindspeed-llm")
+
+
+def test_mindspeed_single_stage_has_no_layer_list():
+    out = A.rewrite_argv([], fake_plan(layers=(8,)), "mindspeed-llm")
+    assert "--num-layer-list" not in out
+
+
+def test_mindspeed_repatch_called_when_adaptor_already_imported(monkeypatch):
+    calls = []
+    pkg = types.ModuleType("mindspeed_llm")
+    tasks = types.ModuleType("mindspeed_llm.tasks")
+    adaptor = types.ModuleType("mindspeed_llm.tasks.megatron_adaptor_v2")
+    adaptor.repatch = lambda d: calls.append(d)
+    for name, mod in (("mindspeed_llm", pkg), ("mindspeed_llm.tasks", tasks),
+                      ("mindspeed_llm.tasks.megatron_adaptor_v2", adaptor)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    out = A.rewrite_argv(["--tensor-model-parallel-size", "8"], fake_plan(), "mindspeed-llm")
+    assert A.apply_mindspeed_llm(out) is True
+    assert calls == [{"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2,
+                      "micro_batch_size": 1, "global_batch_size": 16, "num_layer_list": "6,2"}]
+    assert A.detect_backend("auto", None) == "mindspeed-llm"
+
+
+def test_mindspeed_repatch_not_needed_before_import(monkeypatch):
+    monkeypatch.delitem(sys.modules, "mindspeed_llm.tasks.megatron_adaptor_v2", raising=False)
+    assert A.apply_mindspeed_llm(["--num-layer-list", "6,2"]) is False
+
+
+def test_detect_backend_from_script(tmp_path, monkeypatch):
+    for name in [m for m in sys.modules if m.startswith("mindspeed_llm")]:
+        monkeypatch.delitem(sys.modules, name)
+    ms = tmp_path / "ms.py"
+    ms.write_text("from mindspeed_llm import megatron_adaptor\n")
+    mg = tmp_path / "mg.py"
+    mg.write_text("from megatron.training import pretrain\n")
+    assert A.detect_backend("auto", str(ms)) == "mindspeed-llm"
+    assert A.detect_backend("auto", str(mg)) == "megatron"
+    assert A.detect_backend("megatron", str(ms)) == "megatron"

@@ -1,0 +1,165 @@
+"""validate: table and statistics on synthetic rows, the engine-aware model's invariants, and
+one small real megatron-core run (integration)."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from poseidon_plugin.engine import EngineCosts, device_program, simulate_engine
+from poseidon_plugin.errors import PoseidonError
+from poseidon_plugin.schedules import op_orders
+from poseidon_plugin.simulator import iteration_time_ms
+from poseidon_plugin.validate import (DEFAULT_CASES, FULL_EXTRA, Row, StageProfile, error_stats,
+                                      format_table, main, predict_dag, predict_engine,
+                                      predict_eq1)
+
+
+def _row(name, measured, dag, eq1, engine):
+    return Row(name, "1f1b", 2, 4, 1, measured, dag, eq1, engine)
+
+
+def test_error_and_stats():
+    rows = [_row("a", 100.0, 90.0, 130.0, 101.0), _row("b", 200.0, 210.0, 200.0, 196.0),
+            _row("c", 50.0, 50.0, 40.0, 50.5)]
+    assert rows[0].error("dag") == pytest.approx(-0.10)
+    assert rows[0].error("eq1") == pytest.approx(0.30)
+    med, mx = error_stats(rows, "dag")
+    assert med == pytest.approx(0.05) and mx == pytest.approx(0.10)
+    med, mx = error_stats(rows, "engine")
+    assert med == pytest.approx(0.01) and mx == pytest.approx(0.02)
+    assert np.isnan(error_stats([], "dag")[0])
+
+
+def test_table_layout():
+    rows = [_row("pp2-x", 100.0, 90.0, 130.0, 101.0), _row("pp2-y", 200.0, 210.0, 200.0, 196.0)]
+    text = format_table(rows)
+    lines = text.splitlines()
+    assert "measured" in lines[0] and "Eq.(1)" in lines[0] and "engine" in lines[0]
+    assert lines[2].startswith("pp2-x") and "-10.0%" in lines[2] and "+30.0%" in lines[2]
+    assert lines[-2].startswith("median |err|") and lines[-1].startswith("max |err|")
+    assert "30.0%" in lines[-1] and "10.0%" in lines[-1]
+    assert format_table(rows) == text   # deterministic
+
+
+def test_cases_are_valid_and_unique():
+    names = [c.name for c in DEFAULT_CASES + FULL_EXTRA]
+    assert len(names) == len(set(names))
+    for c in DEFAULT_CASES + FULL_EXTRA:
+        op_orders(c.schedule, c.pp, c.num_microbatches, c.virtual_stages)   # megatron-valid
+        assert all(sum(c.chunk_layers(s)) == c.layers[s] for s in range(c.pp))
+        assert all(min(c.chunk_layers(s)) >= 1 for s in range(c.pp))
+    assert {c.pp for c in DEFAULT_CASES} == {2, 4}
+    assert {c.schedule for c in DEFAULT_CASES} == {"1f1b", "interleaved-1f1b"}
+
+
+def _profiles(case, overhead=None):
+    rng = np.random.default_rng(1)
+    out = []
+    for s in range(case.pp):
+        v = case.virtual_stages
+        f = list(rng.uniform(5, 10, v))
+        out.append(StageProfile(f, [2 * x for x in f], 0.3, 0.1, 1.0, dict(overhead or {})))
+    return out
+
+
+@pytest.mark.parametrize("case", DEFAULT_CASES, ids=lambda c: c.name)
+def test_predictors_on_synthetic_profiles(case):
+    prof = _profiles(case)
+    dag = predict_dag(case, prof).iteration_time_ms
+    eng = predict_engine(case, prof).iteration_time_ms
+    eq1 = predict_eq1(case, prof)
+    assert dag > 0 and eng > 0 and eq1 > 0
+    if case.schedule == "1f1b":
+        # no engine overheads, zero-cost tail sync: the engine model is the DAG (+ nothing)
+        assert eng == pytest.approx(dag, rel=1e-9)
+    else:
+        assert eng >= dag - 1e-9    # bundled calls only ever delay
+
+
+def test_engine_overheads_only_add_time():
+    case = DEFAULT_CASES[1]
+    base = predict_engine(case, _profiles(case)).iteration_time_ms
+    slow = predict_engine(case, _profiles(case, {"send_call_ms": 0.5, "recv_ready_ms": 1.0,
+                                                 "latency_ms": 0.2, "forward_ms": 0.1,
+                                                 "backward_ms": 0.1})).iteration_time_ms
+    assert slow > base
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 5), m=st.integers(1, 9), seed=st.integers(0, 10_000))
+def test_engine_1f1b_without_overheads_equals_dag(n, m, seed):
+    rng = np.random.default_rng(seed)
+    f, b = rng.uniform(0.1, 5, n), rng.uniform(0.1, 9, n)
+    p = rng.uniform(0, 1, max(n - 1, 0))
+    costs = EngineCosts.from_profiles(f[None, :], b[None, :], p, np.zeros(n), np.zeros(n))
+    got = simulate_engine(costs, m, "1f1b").iteration_time_ms
+    assert got == pytest.approx(iteration_time_ms(f, b, p, p, np.zeros(n), m, "1f1b"), abs=1e-9)
+
+
+@pytest.mark.parametrize("n,m,v", [(2, 4, 2), (2, 6, 3), (4, 8, 2), (4, 4, 2), (3, 6, 2)])
+def test_engine_programs_run_every_op_in_schedule_order(n, m, v):
+    orders = op_orders("interleaved-1f1b", n, m, v)
+    for s in range(n):
+        ops = [item[1] for item in device_program("interleaved-1f1b", n, m, s, v)
+               if item[0] == "op"]
+        assert ops == orders[s]
+    costs = EngineCosts.from_profiles(np.ones((v, n)), 2 * np.ones((v, n)), np.full(n, 0.1),
+                                      np.zeros(n), np.zeros(n))
+    res = simulate_engine(costs, m, "interleaved-1f1b", v)
+    assert len(res.op_stage) == 2 * n * m * v
+    ref = iteration_time_ms(np.ones((v, n)), 2 * np.ones((v, n)), np.full(n, 0.1),
+                            np.full(n, 0.1), np.zeros(n), m, "interleaved-1f1b", v)
+    assert res.iteration_time_ms >= ref - 1e-9
+
+
+def test_engine_rejects_unsupported_schedule():
+    with pytest.raises(PoseidonError):
+        device_program("eager-1f1b", 2, 4, 0)
+
+
+def test_main_list_and_errors(capsys):
+    assert main(["--list"]) == 0
+    out = capsys.readouterr().out
+    assert "pp2-1f1b-m4" in out and "pp4-int2-m8" in out
+    assert main(argparse.Namespace(args=["--list", "--full"])) == 0
+    assert "pp2-dp2-1f1b-m8" in capsys.readouterr().out
+    with pytest.raises(PoseidonError):
+        main(["--cases", "no-such-case"])
+
+
+@pytest.mark.integration
+def test_real_validate_run_small(tmp_path):
+    """A real 2-process megatron-core run (1f1b and interleaved), few iterations."""
+    pytest.importorskip("torch")
+    pytest.importorskip("megatron.core")
+    from poseidon_plugin.megatron.recorder import IterationRecord
+    from poseidon_plugin.validate import Emulation, run_cases
+
+    cases = [c for c in DEFAULT_CASES if c.name in ("pp2-1f1b-m4", "pp2-int2-m4")]
+    emu = Emulation(forward_ms_per_layer=2.0, backward_ms_per_layer=4.0,
+                    optimizer_ms_per_layer=0.5)
+    results = run_cases(cases, emu, iterations=4, discard=1)
+    assert [r.case.name for r in results] == [c.name for c in cases]
+    for res in results:
+        c = res.case
+        assert res.row.measured_ms > 0 and res.row.iterations == 3
+        orders = op_orders(c.schedule, c.pp, c.num_microbatches, c.virtual_stages)
+        assert res.ops_per_stage == [len(o) for o in orders]
+        for s, d in enumerate(res.measured_records):
+            rec = IterationRecord.from_dict(d)
+            assert rec.stage == s
+            ran = [(b, ch, mb) for ch, mb, b, _, _ in rec.ops]
+            assert ran == [tuple(op) for op in orders[s]]
+            starts = [t0 for _, _, _, t0, _ in rec.ops]
+            assert starts == sorted(starts)
+        # stage compute times follow the emulation: layers x per-layer time / speed
+        for s, p in enumerate(res.profiles):
+            want = c.layers[s] * emu.forward_ms_per_layer / c.speed(s)
+            assert sum(p.forward_ms) == pytest.approx(want, rel=0.25)
+    from poseidon_plugin.validate import draw_case
+    path = draw_case(results[1], str(tmp_path / "val.png"))
+    assert (tmp_path / "val.png").stat().st_size > 10_000 and path.endswith(".png")
