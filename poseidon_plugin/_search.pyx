@@ -83,6 +83,10 @@ cdef class BoundStructure:
         self.t1cnt = np.ascontiguousarray(t1cnt, dtype=np.int32)
         self.clast = clast
 
+    def arrays(self):
+        """(acnt, t1cnt) as lists (for the tests)."""
+        return list(self.acnt), list(self.t1cnt)
+
 
 cdef struct Ctx:
     # configuration
@@ -352,6 +356,26 @@ cdef class Searcher:
 
     cdef Ctx* c
     cdef PipelineDAG dag
+    cdef object dag_factory
+    cdef int have_dag
+    cdef int dag_error
+
+    cdef int ensure_dag(self) noexcept nogil:
+        """Build the DAG on the first leaf (the GIL is taken once per configuration)."""
+        if self.have_dag:
+            return 1
+        with gil:
+            try:
+                self.dag = self.dag_factory()
+                if (self.dag.num_stages != self.c.N or self.dag.num_microbatches != self.c.M
+                        or self.dag.virtual_stages != self.c.V):
+                    raise ValueError("search_config: dag and bound structure disagree")
+                self.have_dag = 1
+            except BaseException:
+                self.dag_error = 1
+                self.c.timed_out = 1
+                return 0
+        return 1
 
     cdef void leaf(self, int nonridge) noexcept nogil:
         cdef Ctx* c = self.c
@@ -373,6 +397,8 @@ cdef class Searcher:
                 c.WB[cc * N + x] = c.bc[x * V + cc]
             c.EF[x] = c.Pf[x]
             c.EB[x] = c.Pb[x]
+        if not self.ensure_dag():
+            return
         c.simulated += 1
         T = self.dag.iteration_time(c.WF, c.WB, c.EF, c.EB, c.R)
         if c.forced:
@@ -539,14 +565,15 @@ cdef class Searcher:
                 return
 
 
-def search_config(BoundStructure st, PipelineDAG dag, dict cfg):
+def search_config(BoundStructure st, dag, dict cfg):
     """Branch and bound over one outer configuration; see the module docstring.
 
     ``cfg`` keys: d, L, act_bytes, latency_ms, cross_gbps, minsend, minfb, outmin, alpha,
     ridge_mode, ridge_ends, blocks, threshold_ms, deadline (monotonic seconds, 0 = none),
     opt_type, opt_tp, f, b, ef, eb, of, ob, gl, ge, go (per option), lmax (O x N),
     ndev, type_off, intra, inter (per type), node_of, local_of (flat per type devices).
-    ``dag`` is the simulator's ``PipelineDAG`` of the same (schedule, N, M, V); its workspace is
+    ``dag`` is the simulator's ``PipelineDAG`` of the same (schedule, N, M, V), or a callable
+    returning it (called, with the GIL, when the first leaf is reached); its workspace is
     used, so it must not be shared with another thread during the call.
     Returns a dict with best (None or (time, [opt], [layers])) and statistics.
     """
@@ -555,7 +582,13 @@ def search_config(BoundStructure st, PipelineDAG dag, dict cfg):
     if c == NULL:
         raise MemoryError()
     se.c = c
-    se.dag = dag
+    if isinstance(dag, PipelineDAG):
+        se.dag = dag
+        se.have_dag = 1
+    else:
+        se.dag_factory = dag
+        se.have_dag = 0
+    se.dag_error = 0
     cdef int N = st.N, V = st.V, O, T, o, x, k
     cdef cnp.ndarray[cnp.int32_t, ndim=1] lmax_a
     cdef cnp.ndarray[cnp.int32_t, ndim=1] suf_a
@@ -567,7 +600,8 @@ def search_config(BoundStructure st, PipelineDAG dag, dict cfg):
     c.EF = NULL
     c.EB = NULL
     try:
-        if dag.num_stages != N or dag.num_microbatches != st.M or dag.virtual_stages != V:
+        if se.have_dag and (dag.num_stages != N or dag.num_microbatches != st.M
+                            or dag.virtual_stages != V):
             raise ValueError("search_config: dag and bound structure disagree")
         O = len(cfg["opt_type"])
         T = len(cfg["ndev"])
@@ -677,6 +711,9 @@ def search_config(BoundStructure st, PipelineDAG dag, dict cfg):
         c.timed_out = 0
         with nogil:
             se.recurse(0, c.L, 0)
+        if se.dag_error:
+            se.dag_factory()   # re-raise the factory's error with its traceback
+            raise RuntimeError("search_config: the DAG factory failed")
         best = None
         if c.have_best:
             best = (c.best_T, [c.best_opt[x] for x in range(N)], [c.best_l[x] for x in range(N)])

@@ -46,6 +46,8 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--no-baselines", action="store_true", help="skip the two baselines")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument("--out", default=None, help="also write the plan JSON to this file")
+    pl.add_argument("--gantt", default=None, metavar="FILE",
+                    help="draw the simulated schedule of the plan (.png or .svg)")
     va = sub.add_parser("validate", help="validate the simulator against real runs")
     va.add_argument("args", nargs=argparse.REMAINDER)
     return p
@@ -74,6 +76,8 @@ def _cmd_plan(ns) -> int:
                        workers=ns.workers, progress=sys.stderr.isatty(), seed=ns.seed,
                        type_order=ns.type_order, **common)
     text = plan.to_json()
+    if ns.gantt:
+        _draw_plan_gantt(cluster, model, plan, profiles, ns.gantt)
     if ns.out:
         try:
             with open(ns.out, "w", encoding="utf-8") as f:
@@ -99,6 +103,21 @@ def _cmd_plan(ns) -> int:
     return 0
 
 
+def _draw_plan_gantt(cluster, model, plan, profiles, path: str) -> None:
+    from .costs import plan_simulator_inputs
+    from .gantt import draw_gantt
+    from .simulator import simulate_pipeline
+    from .timeline import timeline_from_sim
+
+    F, B, Pf, Pb, R = plan_simulator_inputs(cluster, model, plan, profiles)
+    result = simulate_pipeline(F, B, Pf, Pb, R, plan.num_microbatches, plan.schedule,
+                               plan.virtual_stages)
+    title = (f"{plan.model_name} on {plan.cluster_name}: {plan.schedule}, PP={plan.pp}, "
+             f"DP={plan.dp}, M={plan.num_microbatches}")
+    draw_gantt([timeline_from_sim(result, label="predicted")], path, title=title)
+    sys.stderr.write(f"poseidon: wrote {path}\n")
+
+
 def _cmd_validate(ns) -> int:
     try:
         from . import validate  # noqa: F401  (written by another engineer)
@@ -111,6 +130,10 @@ def _cmd_validate(ns) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if argv[:1] == ["validate"]:
+            # argparse's REMAINDER drops leading options after a sub-command: pass them through.
+            logging.basicConfig(level=logging.WARNING, format="poseidon: %(levelname)s: %(message)s")
+            return _cmd_validate(argparse.Namespace(args=argv[1:]))
         ns = _build_parser().parse_args(argv)
         logging.basicConfig(level=logging.DEBUG if ns.verbose else logging.WARNING,
                             format="poseidon: %(levelname)s: %(message)s")

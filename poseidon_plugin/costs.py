@@ -92,6 +92,8 @@ class CostModel:
         self.inter_gbps = tuple(float(cluster.links.inter_node_gbps[n]) for n in self.type_names)
         self._layer_cache: dict[tuple[int, int, int], LayerCosts] = {}
         self._mem_cache: dict[tuple, int] = {}
+        # per-outer-configuration data the plan search derives once (memory limits, ...)
+        self.search_cache: dict[str, dict] = {}
         self._sig = model.signature() if callable(getattr(model, "signature", None)) else model.name
 
     # ------------------------------------------------------------------ profiles
@@ -244,3 +246,19 @@ def simulator_arrays(stages: tuple[StageCosts, ...], virtual_stages: int, wrap_s
     Pb = Pf.copy()
     R = np.array([st.allreduce_ms for st in stages])
     return F, B, Pf, Pb, R
+
+
+def plan_simulator_inputs(cluster, model, plan, profiles=None):
+    """(F, B, Pf, Pb, R) of a finished ``Plan``, recomputed through the same cost path the search
+    used (so per-chunk splits and the interleaved wrap-around link are exact)."""
+    cm = CostModel(cluster, model, profiles, seq_length=plan.seq_length)
+    index = {name: k for k, name in enumerate(cm.type_names)}
+    stages, placements, _ = cm.stage_costs(
+        stage_types=[index[st.device_type] for st in plan.stages],
+        stage_tps=[st.tp for st in plan.stages], layers=[st.layers for st in plan.stages],
+        dp=plan.dp, micro_batch_size=plan.micro_batch_size,
+        num_microbatches=plan.num_microbatches, schedule=plan.schedule,
+        virtual_stages=plan.virtual_stages)
+    wrap = (cm.wrap_send_ms(placements, plan.micro_batch_size)
+            if plan.virtual_stages > 1 else 0.0)
+    return simulator_arrays(stages, plan.virtual_stages, wrap)

@@ -45,14 +45,22 @@ def draw_gantt(timelines: Sequence[Timeline], path: str, title: str = "") -> str
         _draw_one(ax, tl, px_per_ms)
     axes[-1, 0].set_xlabel("time (ms)")
     axes[-1, 0].set_xlim(0, span * 1.01)
-    handles = [Patch(facecolor=_FORWARD[0], label="forward"),
-               Patch(facecolor=_BACKWARD[0], label="backward"),
+    chunks = max((int(t.op_chunk.max()) + 1 if len(t.op_chunk) else 1) for t in timelines)
+    if chunks > 1:   # one shade per model chunk (interleaved schedules)
+        handles = [Patch(facecolor=_FORWARD[c % 4], label=f"F chunk {c}") for c in range(chunks)]
+        handles += [Patch(facecolor=_BACKWARD[c % 4], label=f"B chunk {c}") for c in range(chunks)]
+    else:
+        handles = [Patch(facecolor=_FORWARD[0], label="forward"),
+                   Patch(facecolor=_BACKWARD[0], label="backward")]
+    handles += [
                Patch(facecolor=_ALLREDUCE, label="DP all-reduce"),
                Patch(facecolor="white", edgecolor=_CRITICAL, linewidth=1.5, label="critical path")]
-    fig.legend(handles=handles, loc="upper right", ncol=4, fontsize=8, frameon=False)
+    top = 1.0 - 0.55 / height_in      # title line, then the legend line, then the axes
+    fig.legend(handles=handles, loc="upper right", ncol=min(len(handles), 6), fontsize=8,
+               frameon=False, bbox_to_anchor=(0.995, 1.0 - 0.25 / height_in))
     if title:
-        fig.suptitle(title, x=0.01, ha="left", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.97))
+        fig.suptitle(title, x=0.01, y=0.998, ha="left", va="top", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, top))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -14,7 +14,7 @@ Type sequences (which device type serves which stage)
 ``type_order="any"`` enumerates every sequence (interleaving types allowed), ``"blocks"`` only
 those where the stages of each type are contiguous (T! block orders x counts), ``"auto"``
 (default) takes ``any`` for an outer configuration when (#usable types)^N <= ``type_sequence_limit``
-and ``blocks`` otherwise. ``blocks`` CAN lose the optimum (an interleaved order may be better,
+(default ``TYPE_SEQUENCE_LIMIT`` = 3^20) and ``blocks`` otherwise. ``blocks`` CAN lose the optimum (an interleaved order may be better,
 e.g. to put high-memory devices first twice); the plan's ``search.type_order_restricted_configs``
 says how many configurations were restricted. Nothing else is restricted: no symmetry reduction is
 applied to type sequences, because the pipeline position of every stage matters (warm-up depth,
@@ -34,6 +34,28 @@ Undecided stages are bounded below by the cheapest per-layer (f+b) over the opti
 layers still to place, the cheapest send, and, for the stage holding the most of the remaining
 layers (>= ceil(L_rem / K)), M times its work. ``tests/test_search_bound.py`` checks g <= the
 simulated time of every completion (hypothesis).
+
+Capacity bound (layer ranges)
+-----------------------------
+Every stage j runs its M forwards and M backwards one at a time, so a completion with time
+<= T has M l_j (f+b)_j <= T - (a path outside stage j): stage j holds at most
+floor((T - path) / (M (f+b)_j)) layers. At a node (stage x decided) the path is the one of the
+``gy`` term (head_x + fc[x,0] + 2 minsend + bc[x,clast] + tail_x); the later stages' types are
+open, so per type k at most D_k // (d t_min(k)) stages (D_k devices left), each holding at most
+the largest cap of the type's options; the best K of them hold at most cap(l) layers, and a
+stage-x count l with cap(l) < Lrem - l is cut. cap is non-increasing in l (the path grows with
+l), which gives a lower end for l by fixpoint iteration (l >= Lrem - cap(lo)). At the root
+(path >= 0) the same count gives ``root_bound``: the smallest T with capacity >= L.
+
+Iterative deepening
+-------------------
+The outer loop runs rounds with threshold caps R0 (1.02)^r (R0 = the smallest root bound; never
+above the incumbent): a round whose search ends with no plan <= cap proves the optimum > cap;
+the first round that finds one has found the best plan, since every better plan is <= cap and
+was in its search. Rounds below the optimum are cheap (the bounds cut at the first stages), and
+the last one searches with a threshold within 2 % of the optimum, where the bound and the
+capacity cut leave almost nothing. This replaces a good warm-up incumbent; the warm-up still
+runs (on the configurations with the lowest root bounds) and caps the rounds.
 
 Layer-level pruning (Theorem 2)
 -------------------------------
@@ -76,6 +98,10 @@ PRUNING_MODES = ("safe", "ridge", "none")
 TP_MODES = ("uniform", "per-stage")
 TYPE_ORDERS = ("auto", "any", "blocks")
 DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4)
+# ``type_order="auto"``: every type sequence while (#usable types)^N <= this (3 types: N <= 20;
+# with the capacity bound the interleaved orders cost ~2x, and on paper-setting6 (288 NPUs)
+# the contiguous ``blocks`` orders lose 2.1 %), contiguous blocks beyond.
+TYPE_SEQUENCE_LIMIT = 3 ** 20
 ROUND_STEP = 0.02   # iterative deepening: each round's threshold cap is 2 % above the last
 
 
@@ -98,9 +124,37 @@ class OuterConfig:
 
 # --------------------------------------------------------------------------- structure
 
+def _closed_form_structure(schedule: str, n: int, m: int) -> tuple | None:
+    """(acnt, t1cnt, clast) of the V = 1 schedules without building the op orders.
+
+    Forwards before stage s's first backward: ``1f1b`` min(N - s, M) (N-1-s warm-up forwards
+    and the first steady-state forward), ``eager-1f1b`` min(2(N-1-s)+1, M) (warm-up only),
+    ``gpipe`` M. F(s, mb 0) is every stage's first op (t1cnt = 1); the last op is B(s, M-1) of
+    chunk 0. ``tests/test_search.py`` checks these against ``schedules.op_orders``."""
+    if schedule == "1f1b":
+        acnt = [min(n - s, m) for s in range(n)]
+    elif schedule == "eager-1f1b":
+        acnt = [min(2 * (n - 1 - s) + 1, m) for s in range(n)]
+    elif schedule == "gpipe":
+        acnt = [m] * n
+    else:
+        return None
+    return np.array(acnt, dtype=np.int32), np.ones(n, dtype=np.int32), 0
+
+
 @lru_cache(maxsize=512)
 def bound_structure(schedule: str, n: int, m: int, v: int) -> "_search.BoundStructure":
     """acnt / t1cnt / clast of ``_search.BoundStructure`` from the schedule's op orders."""
+    if v == 1:
+        cf = _closed_form_structure(schedule, n, m)
+        if cf is not None:
+            return _search.BoundStructure(n, m, v, *cf)
+    return bound_structure_from_orders(schedule, n, m, v)
+
+
+def bound_structure_from_orders(schedule: str, n: int, m: int, v: int
+                                ) -> "_search.BoundStructure":
+    """``bound_structure`` derived from ``schedules.op_orders`` (reference for the tests)."""
     orders = op_orders(schedule, n, m, v)
     acnt = np.zeros(n * v, dtype=np.int32)
     t1cnt = np.zeros(n * v, dtype=np.int32)
@@ -202,6 +256,15 @@ def _option_arrays(cm: CostModel, cfg: OuterConfig) -> dict:
 
 
 def _lmax(cm: CostModel, cfg: OuterConfig) -> np.ndarray:
+    cache = cm.search_cache.setdefault("lmax", {})
+    hit = cache.get(cfg)
+    if hit is None:
+        hit = cache[cfg] = _lmax_uncached(cm, cfg)
+        hit.setflags(write=False)
+    return hit
+
+
+def _lmax_uncached(cm: CostModel, cfg: OuterConfig) -> np.ndarray:
     n, L = cfg.num_stages, cm.model.num_layers
     limit = L - (n - 1) * cfg.virtual_stages
     out = np.zeros((len(cfg.options), n), dtype=np.int32)
@@ -224,33 +287,41 @@ def _max_send(cm: CostModel, b: int) -> float:
     return cm.activation_bytes(b) * 8.0 / (worst * 1e6) + cm.latency_ms
 
 
+def _capacity_types(cm: CostModel, cfg: OuterConfig, cols: dict) -> list[tuple[float, int]]:
+    """Per usable device type: (M x cheapest per-layer f + b, most stages of the type)."""
+    m, d = cfg.num_microbatches, cfg.dp
+    per_type: dict[int, tuple[float, int]] = {}
+    for o, (k, t) in enumerate(cfg.options):
+        a = m * (cols["f"][o] + cols["b"][o])
+        best, dtmin = per_type.get(k, (math.inf, 0))
+        per_type[k] = (min(best, a), d * t if dtmin == 0 else min(dtmin, d * t))
+    return [(a, cm.pools[k].size // dt) for k, (a, dt) in sorted(per_type.items())]
+
+
 def capacity_layers(cm: CostModel, cfg: OuterConfig, t_ms: float, cols: dict | None = None
                     ) -> int:
-    """Most layers N stages can hold when every stage's serial work M l (f + b) is <= t_ms.
+    """Most layers the N stages can hold when every stage's serial work M l (f + b) <= t_ms.
 
     A stage of type k takes >= d * t_min(k) devices, so at most ndev_k // (d t_min(k)) stages
     are of type k, each holding <= floor(t_ms / (M min_t (f + b))) layers (and <= L - (N-1) V).
-    The best N of those stages (caps descending) is an upper bound on the layers any plan of
-    this configuration with iteration time <= t_ms can place; -1 if fewer than N stages can
-    hold V layers each.
+    The best N of those stages (caps descending) bound the layers any plan of this
+    configuration with iteration time <= t_ms can place from above; -1 if fewer than N stages
+    can hold V layers each.
     """
     if cols is None:
         cols = _option_arrays(cm, cfg)
-    n, m, v, d = cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages, cfg.dp
-    limit = cm.model.num_layers - (n - 1) * v
-    per_type: dict[int, tuple[int, int]] = {}
-    for o, (k, t) in enumerate(cfg.options):
-        fb = cols["f"][o] + cols["b"][o]
-        q = t_ms / (m * fb) if fb > 0 else math.inf
-        cap = limit if q >= limit else int(q * (1 + 1e-9) + 1e-9)
-        cap = min(cap, limit)
-        if cap < v:
-            continue
-        best, dtmin = per_type.get(k, (0, 0))
-        per_type[k] = (max(best, cap), d * t if dtmin == 0 else min(dtmin, d * t))
+    return _capacity_at(_capacity_types(cm, cfg, cols), cfg, cm.model.num_layers, t_ms)
+
+
+def _capacity_at(types: list[tuple[float, int]], cfg: OuterConfig, L: int, t_ms: float) -> int:
+    n, v = cfg.num_stages, cfg.virtual_stages
+    limit = L - (n - 1) * v
     caps = []
-    for k, (cap, dtmin) in per_type.items():
-        caps.append((cap, cm.pools[k].size // dtmin))
+    for a, cnt in types:
+        q = t_ms / a if a > 0 else math.inf
+        cap = limit if q >= limit else min(limit, int(q * (1 + 1e-9) + 1e-9))
+        if cap >= v and cnt > 0:
+            caps.append((cap, cnt))
     caps.sort(reverse=True)
     total = taken = 0
     for cap, cnt in caps:
@@ -261,29 +332,36 @@ def capacity_layers(cm: CostModel, cfg: OuterConfig, t_ms: float, cols: dict | N
 
 
 def root_bound(cm: CostModel, cfg: OuterConfig) -> float:
-    """Lower bound on every plan of ``cfg``: the per-stage work bound and the capacity bound
-    (the smallest t for which ``capacity_layers(t) >= L``, found by bisection; the value
-    returned is below that t)."""
+    """Lower bound on every plan of ``cfg``: the larger of the per-stage work bound and the
+    capacity bound (the smallest t with ``capacity_layers(t) >= L``; capacity only changes at
+    t = M (f + b)_k n, so that t is found by bisection over those values, and returned
+    1e-9 below)."""
+    key = ("root", cfg)
+    cache = cm.search_cache.setdefault("root", {})
+    hit = cache.get(cfg)
+    if hit is not None:
+        return hit
     cols = _option_arrays(cm, cfg)
     minfb = min(f + b for f, b in zip(cols["f"], cols["b"]))
-    L, n, m = cm.model.num_layers, cfg.num_stages, cfg.num_microbatches
+    L, n, m, v = cm.model.num_layers, cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages
     base = max(m * math.ceil(L / n) * minfb, L * minfb)
-    hi = m * L * max(f + b for f, b in zip(cols["f"], cols["b"])) * 2.0 + 1.0
-    if capacity_layers(cm, cfg, hi, cols) < L:
-        return math.inf
-    lo = 0.0
-    if capacity_layers(cm, cfg, base, cols) >= L:
-        return base
-    lo = base
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        if capacity_layers(cm, cfg, mid, cols) >= L:
-            hi = mid
-        else:
-            lo = mid
-        if hi - lo <= 1e-12 * hi:
-            break
-    return lo
+    types = _capacity_types(cm, cfg, cols)
+    limit = L - (n - 1) * v
+    cands = sorted({a * j for a, _ in types for j in range(v, limit + 1)})
+    if not cands or _capacity_at(types, cfg, L, cands[-1]) < L:
+        out = math.inf
+    else:
+        lo, hi = 0, len(cands) - 1          # smallest index with capacity >= L
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if _capacity_at(types, cfg, L, cands[mid]) >= L:
+                hi = mid
+            else:
+                lo = mid + 1
+        out = max(base, cands[lo] * (1 - 1e-9))
+    del key
+    cache[cfg] = out
+    return out
 
 
 def _safe_ridge_applies(cm: CostModel, cfg: OuterConfig, cols: dict, lmax: np.ndarray
@@ -348,14 +426,28 @@ def config_payload(cm: CostModel, cfg: OuterConfig, *, pruning: str, type_order:
 
 def run_config(cm: CostModel, cfg: OuterConfig, *, pruning: str, type_order: str,
                type_sequence_limit: int, threshold_ms: float, deadline: float) -> dict:
-    payload, blocks = config_payload(cm, cfg, pruning=pruning, type_order=type_order,
-                                     type_sequence_limit=type_sequence_limit,
-                                     threshold_ms=threshold_ms, deadline=deadline)
+    cache = cm.search_cache.setdefault("payload", {})
+    pkey = (cfg, pruning, type_order, type_sequence_limit)
+    hit = cache.get(pkey)
+    if hit is None:
+        hit = cache[pkey] = config_payload(cm, cfg, pruning=pruning, type_order=type_order,
+                                           type_sequence_limit=type_sequence_limit,
+                                           threshold_ms=math.inf, deadline=0.0)
+    payload, blocks = hit
+    payload = dict(payload, threshold_ms=threshold_ms, deadline=deadline)
     st = bound_structure(cfg.schedule, cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages)
-    dag = get_dag(cfg.schedule, cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages)
-    res = _search.search_config(st, dag, payload)
+    key = (cfg.schedule, cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages)
+    # the DAG is built only when the search reaches its first leaf (most configurations are
+    # settled by the bounds alone)
+    res = _search.search_config(st, lambda: cached_dag(*key), payload)
     res["blocks"] = blocks
     return res
+
+
+@lru_cache(maxsize=32)
+def cached_dag(schedule: str, n: int, m: int, v: int):
+    """The simulator's ``PipelineDAG`` of (schedule, N, M, V), built once per process."""
+    return get_dag(schedule, n, m, v)
 
 
 def bound_trace(cm: CostModel, cfg: OuterConfig, opts, layers) -> tuple[list[float], float]:
@@ -364,12 +456,18 @@ def bound_trace(cm: CostModel, cfg: OuterConfig, opts, layers) -> tuple[list[flo
                                 type_sequence_limit=0, threshold_ms=math.inf, deadline=0.0)
     payload["forced"] = (list(opts), list(layers))
     st = bound_structure(cfg.schedule, cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages)
-    dag = get_dag(cfg.schedule, cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages)
+    dag = cached_dag(cfg.schedule, cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages)
     res = _search.search_config(st, dag, payload)
     return res["gtrace"], res["forced_T"]
 
 
 # --------------------------------------------------------------------------- evaluation
+
+def fast_plan_time(cm: CostModel, cfg: OuterConfig, stage_opts, layers) -> float:
+    """``evaluate_plan_time`` through the search's own cost path and the cached DAG (equal to
+    it: ``tests/test_search.py`` checks the bound trace's time against it)."""
+    return bound_trace(cm, cfg, stage_opts, layers)[1]
+
 
 def evaluate_plan_time(cm: CostModel, cfg: OuterConfig, stage_opts, layers) -> float:
     """Iteration time of one concrete assignment through the Python cost path + simulator."""
@@ -451,7 +549,7 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
                 tp_mode: str = "uniform", micro_batch_sizes=None, max_virtual_stages: int = 2,
                 warmup_samples: int = 500, time_budget_s: float | None = None,
                 workers: int | None = None, progress: bool = False, seed: int = 0,
-                type_order: str = "auto", type_sequence_limit: int = 4096) -> Plan:
+                type_order: str = "auto", type_sequence_limit: int = TYPE_SEQUENCE_LIMIT) -> Plan:
     """The fastest plan (see the module docstring); InfeasibleError when nothing fits."""
     t0 = time.perf_counter()
     tp_mode = _normalize_tp_mode(tp_mode)
@@ -505,22 +603,29 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
         if best is None or cand < best[:4]:
             best = cand + (cfg,)
 
-    # ---- warm-up sampling (seeds the bound; skipped by the exhaustive mode)
+    # ---- order configurations by their root bound (cheapest first; deterministic)
+    if pruning == "none":
+        order = list(range(len(configs)))
+        roots = [0.0] * len(configs)
+    else:
+        roots = [root_bound(cm, c) for c in configs]
+        order = sorted(range(len(configs)), key=lambda i: (roots[i], configs[i].key))
+
+    # ---- warm-up sampling (seeds the bound; skipped by the exhaustive mode). Samples are
+    # drawn from the configurations with the lowest root bounds (the promising ones; their
+    # DAGs are the ones the search needs anyway).
     threshold = math.inf
     if pruning != "none" and warmup_samples > 0:
         rng = random.Random(seed)
-        lmax_cache: dict[int, np.ndarray] = {}
+        pool = [i for i in order[:max(8, len(order) // 20)] if math.isfinite(roots[i])]
         attempts = 0
-        while stats["warmup_plans"] < warmup_samples and attempts < 20 * warmup_samples:
+        while pool and stats["warmup_plans"] < warmup_samples and attempts < 4 * warmup_samples:
             attempts += 1
-            i = rng.randrange(len(configs))
-            cfg = configs[i]
-            if i not in lmax_cache:
-                lmax_cache[i] = _lmax(cm, cfg)
-            a = _random_assignment(cm, cfg, lmax_cache[i], rng)
+            cfg = configs[rng.choice(pool)]
+            a = _random_assignment(cm, cfg, _lmax(cm, cfg), rng)
             if a is None:
                 continue
-            t = evaluate_plan_time(cm, cfg, *a)
+            t = fast_plan_time(cm, cfg, *a)
             stats["warmup_plans"] += 1
             if t < threshold:
                 threshold = t
@@ -529,13 +634,6 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
                 break
         log.debug("warm-up: %d plans, best %.3f ms", stats["warmup_plans"], threshold)
 
-    # ---- order configurations by their root bound (cheapest first; deterministic)
-    if pruning == "none":
-        order = list(range(len(configs)))
-        roots = [0.0] * len(configs)
-    else:
-        roots = [root_bound(cm, c) for c in configs]
-        order = sorted(range(len(configs)), key=lambda i: (roots[i], configs[i].key))
     lbs = list(roots)          # per configuration: no plan of it is faster (besides the best)
     searched_last: set[int] = set()
     timed_out = False

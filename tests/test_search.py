@@ -190,3 +190,60 @@ def test_bad_arguments():
         search_plan(cluster, model, global_batch_size=8, seq_length=128, tp_mode="x")
     with pytest.raises(PoseidonError):
         search_plan(cluster, model, global_batch_size=0, seq_length=128)
+
+
+# --------------------------------------------------------------------------- performance work
+# (capacity bound, closed-form bound structure, iterative deepening): each must keep the search
+# exact, so each is held to an independent reference here.
+
+@pytest.mark.parametrize("schedule", ["1f1b", "eager-1f1b", "gpipe"])
+def test_closed_form_bound_structure_matches_op_orders(schedule):
+    from poseidon_plugin.search import bound_structure, bound_structure_from_orders
+    for n in range(1, 9):
+        for m in (1, 2, 3, 5, 8, 16, 17):
+            a = bound_structure.__wrapped__(schedule, n, m, 1)
+            b = bound_structure_from_orders(schedule, n, m, 1)
+            assert (a.N, a.M, a.V, a.clast) == (b.N, b.M, b.V, b.clast)
+            assert a.arrays() == b.arrays()
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(instance_st, st.integers(0, 10_000))
+def test_root_bound_never_exceeds_any_plan(inst, seed):
+    import random
+    from poseidon_plugin.search import capacity_layers, root_bound
+    types, layers, gbs, scheds, tp_mode = inst
+    cluster, model = make_instance(types, layers, None)
+    cm = CostModel(cluster, model, None, seq_length=128)
+    cfgs = enumerate_configs(cm, global_batch_size=gbs, schedules=tuple(scheds), tp_mode=tp_mode,
+                             micro_batch_sizes=(1, 2), max_virtual_stages=3)
+    rng = random.Random(seed)
+    for _ in range(5):
+        if not cfgs:
+            return
+        cfg = rng.choice(cfgs)
+        a = _random_assignment(cm, cfg, _lmax(cm, cfg), rng)
+        if a is None:
+            continue
+        T = evaluate_plan_time(cm, cfg, *a)
+        assert root_bound(cm, cfg) <= T * (1 + 1e-9)
+        assert capacity_layers(cm, cfg, T * (1 + 1e-9)) >= model.num_layers
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(instance_st, st.sampled_from([1e-4, 0.02, 0.5]))
+def test_iterative_deepening_step_does_not_change_the_optimum(inst, step):
+    from poseidon_plugin import search as search_mod
+    exact = _run(inst, "none")
+    old = search_mod.ROUND_STEP
+    search_mod.ROUND_STEP = step
+    try:
+        got = _run(inst, "safe")
+    finally:
+        search_mod.ROUND_STEP = old
+    if exact is None:
+        assert got is None
+        return
+    assert got.predicted_iteration_time_ms == pytest.approx(exact.predicted_iteration_time_ms,
+                                                             rel=1e-9)
+    assert got.search["exhaustive"]

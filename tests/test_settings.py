@@ -157,6 +157,11 @@ def test_mindspeed_flags_consistent(key):
         layers = [int(x) for x in kv["--num-layer-list"].split(",")]
         assert layers == list(plan.layers_per_stage)
         assert sum(layers) == model.num_layers
+    if "--num-layer-list" in kv and "--num-layers-per-virtual-pipeline-stage" in kv:
+        # MindSpeed-LLM's NumLayerListFeature.validate_args raises "Dynamic pipeline model and
+        # virtual pipeline cannot be enabled at the same time." for this combination.
+        pytest.xfail("plan.mindspeed_llm_args emits --num-layer-list together with "
+                     "--num-layers-per-virtual-pipeline-stage for an interleaved plan")
 
 
 # --------------------------------------------------------------------------- megatron-core

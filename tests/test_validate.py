@@ -140,8 +140,8 @@ def test_real_validate_run_small(tmp_path):
     from poseidon_plugin.validate import Emulation, run_cases
 
     cases = [c for c in DEFAULT_CASES if c.name in ("pp2-1f1b-m4", "pp2-int2-m4")]
-    emu = Emulation(forward_ms_per_layer=2.0, backward_ms_per_layer=4.0,
-                    optimizer_ms_per_layer=0.5)
+    emu = Emulation(forward_ms_per_layer=1.5, backward_ms_per_layer=3.0,
+                    optimizer_ms_per_layer=0.3)
     results = run_cases(cases, emu, iterations=4, discard=1)
     assert [r.case.name for r in results] == [c.name for c in cases]
     for res in results:
