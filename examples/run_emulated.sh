@@ -32,5 +32,5 @@ echo "== torchrun --nproc-per-node 4 -m poseidon_plugin.launch examples/pretrain
 "$TORCHRUN" --nproc-per-node 4 --master-addr 127.0.0.1 --master-port "$PORT" \
     -m poseidon_plugin.launch examples/pretrain_gpt.py "${GPT_ARGS[@]}" \
     --poseidon-auto --poseidon-emulate examples/emulate-2types.yaml "$@" 2>&1 \
-  | grep --line-buffered -v -E "^\s+[a-z_0-9]+ \.{3,}|^\s+module\.|UserWarning|warnings\.warn|^W[0-9]{4} |^\s*$|Number of (active )?parameters|Theoretical memory|Activation memory|compute_activation_memory|in-flight microbatches|memory \(MB\) \| allocated"
+  | grep --line-buffered -v -E "^\s+[a-z_0-9]+ \.{3,}|^\s+module\.|Warning|warnings\.warn|^W[0-9]{4} |^\s*$|Number of (active )?parameters|Theoretical memory|Activation memory|compute_activation_memory|in-flight microbatches|memory \(MB\) \| allocated|super\(\)\.__init__|return func\(|megatron\.core\.datasets|^\s+(train|validation|test): |Memory penalty"
 exit "${PIPESTATUS[0]}"

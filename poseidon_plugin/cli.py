@@ -29,8 +29,10 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--global-batch-size", type=int, required=True)
     pl.add_argument("--seq-length", type=int, required=True)
     pl.add_argument("--profiles", default=None, help="profile DB (JSON); estimates otherwise")
-    pl.add_argument("--schedules", nargs="+", default=["1f1b", "eager-1f1b", "interleaved-1f1b"],
-                    choices=["1f1b", "eager-1f1b", "interleaved-1f1b", "gpipe"])
+    pl.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved-1f1b"],
+                    choices=["1f1b", "eager-1f1b", "interleaved-1f1b", "gpipe"],
+                    help="schedules to search (default: the ones megatron-core executes; "
+                    "eager-1f1b and gpipe give analysis-only plans without launch flags)")
     pl.add_argument("--pruning", choices=["safe", "ridge", "none"], default="safe")
     g = pl.add_mutually_exclusive_group()
     g.add_argument("--uniform-tp", dest="tp_mode", action="store_const", const="uniform")
@@ -60,6 +62,8 @@ def _cmd_plan(ns) -> int:
 
     if ns.global_batch_size < 1 or ns.seq_length < 1:
         raise PoseidonError("--global-batch-size and --seq-length must be >= 1")
+    if ns.warmup_samples < 0:
+        raise PoseidonError(f"--warmup-samples: expected an integer >= 0, got {ns.warmup_samples}")
     if ns.workers is not None and ns.workers < 1:
         raise PoseidonError(f"--workers: expected an integer >= 1, got {ns.workers}")
     cluster = load_cluster(ns.cluster)

@@ -7,9 +7,10 @@ equal):
   inside each node.
 * Stages are placed in pipeline order. Stage s of type k and TP degree t takes the next d*t
   devices of pool k: the pool's cursor is first aligned up to a multiple of t *inside its node*
-  (t divides every node size of the type, so no TP group spans nodes); DP replica r of the stage
-  is the TP group of devices start + r*t .. start + r*t + t-1. Skipped (alignment) and never
-  reached devices are reported unused.
+  (the search only offers t dividing every node size of the type, so no TP group spans nodes;
+  ``place_stages`` raises ``PoseidonError`` for a t that would put a TP group on two nodes); DP
+  replica r of the stage is the TP group of devices start + r*t .. start + r*t + t-1. Skipped
+  (alignment) and never reached devices are reported unused.
 * Activation send s -> s+1: replica r of stage s sends to replica r of stage s+1; the link is
   intra-node (same node), inter-node of the type (same type, other node) or cross-type. All
   pipelines are simulated as one, so the stage's send time uses the slowest replica link.
@@ -84,6 +85,13 @@ def place_stages(pools: tuple[Pool, ...], stage_types: list[int] | tuple[int, ..
                 f"tp={t} (pool of {pool.size}, next free {start})")
         slots = []
         for r in range(dp):
+            first, last = start + r * t, start + r * t + t - 1
+            if pool.node_of[first] != pool.node_of[last]:
+                raise PoseidonError(
+                    f"placement: a TP group of tp={t} would span nodes {pool.node_of[first]} "
+                    f"and {pool.node_of[last]} ({pool.device_type} devices {first}..{last} of "
+                    f"the pool); tp must divide the number of devices of every "
+                    f"{pool.device_type} node")
             group = []
             for j in range(t):
                 i = start + r * t + j

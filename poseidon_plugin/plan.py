@@ -26,6 +26,9 @@ from typing import Any
 
 from .errors import PoseidonError
 
+# Schedules megatron-core 0.19 executes (eager-1f1b and gpipe are analysis-only here).
+EXECUTABLE_SCHEDULES = ("1f1b", "interleaved-1f1b")
+
 PLAN_FORMAT_VERSION = 1
 
 
@@ -130,6 +133,7 @@ class Plan:
         Interleaving is expressed by the layout's N*V segments alone: megatron 0.19 rejects
         ``--num-virtual-stages-per-pipeline-rank`` together with a layout (it derives V from it).
         """
+        self._check_executable()
         args = ["--tensor-model-parallel-size", str(self.tp),
                 "--pipeline-model-parallel-size", str(self.pp)]
         if self.pp > 1 or self.virtual_stages > 1:
@@ -139,16 +143,37 @@ class Plan:
         return args
 
     def mindspeed_llm_args(self) -> list[str]:
+        """argv tokens for MindSpeed-LLM.
+
+        Non-interleaved: ``--num-layer-list``. MindSpeed-LLM refuses ``--num-layer-list`` together
+        with a virtual pipeline ("Dynamic pipeline model and virtual pipeline cannot be enabled at
+        the same time"), so an interleaved plan uses ``--pipeline-model-parallel-layout``, which
+        MindSpeed master backports onto its core_r0.12 Megatron.
+        """
+        self._check_executable()
         args = ["--tensor-model-parallel-size", str(self.tp),
                 "--pipeline-model-parallel-size", str(self.pp)]
-        if self.pp > 1:
-            args += ["--num-layer-list", ",".join(str(n) for n in self.layers_per_stage)]
         if self.virtual_stages > 1:
-            args += ["--num-layers-per-virtual-pipeline-stage",
-                     str(max(1, min(s.layers for s in self.stages) // self.virtual_stages))]
+            args += ["--pipeline-model-parallel-layout", self.pipeline_layout()]
+        elif self.pp > 1:
+            args += ["--num-layer-list", ",".join(str(n) for n in self.layers_per_stage)]
         args += ["--micro-batch-size", str(self.micro_batch_size),
                  "--global-batch-size", str(self.global_batch_size)]
         return args
+
+    @property
+    def executable(self) -> bool:
+        """Whether stock Megatron-LM / MindSpeed-LLM can run this plan as simulated: one TP
+        degree for all stages and a schedule megatron-core implements (1f1b, interleaved)."""
+        return self.uniform_tp and self.schedule in EXECUTABLE_SCHEDULES
+
+    def _check_executable(self) -> None:
+        if self.schedule not in EXECUTABLE_SCHEDULES:
+            raise PoseidonError(
+                f"schedule {self.schedule!r} is not one megatron-core executes "
+                f"({', '.join(EXECUTABLE_SCHEDULES)}); plan with --schedules "
+                f"{' '.join(EXECUTABLE_SCHEDULES)} for a launch")
+        self.tp  # raises for per-stage TP
 
     def rank_order(self) -> list[DeviceSlot]:
         """new_rank -> physical slot, Megatron's default order tp-cp-ep-dp-pp."""
@@ -192,8 +217,8 @@ class Plan:
             "stages": stages,
             "unused_devices": [{"node": d.node, "local_device": d.local_device}
                                for d in self.unused_devices],
-            "megatron_args": self.megatron_args() if uniform else None,
-            "mindspeed_llm_args": self.mindspeed_llm_args() if uniform else None,
+            "megatron_args": self.megatron_args() if self.executable else None,
+            "mindspeed_llm_args": self.mindspeed_llm_args() if self.executable else None,
             "rank_order": ([{"rank": i, "node": d.node, "local_device": d.local_device}
                             for i, d in enumerate(self.rank_order())] if uniform else None),
             "search": _jsonable(self.search),
@@ -258,9 +283,16 @@ class Plan:
         used = self.world_size
         lines.append("")
         lines.append(f"devices used: {used}, unused: {len(self.unused_devices)}")
-        if self.uniform_tp:
+        if self.executable:
             lines.append("megatron:   " + " ".join(self.megatron_args()))
             lines.append("mindspeed:  " + " ".join(self.mindspeed_llm_args()))
+        elif not self.uniform_tp:
+            lines.append("no launch flags: per-stage TP needs a FlagScale-style Megatron; stock "
+                         "Megatron-LM / MindSpeed-LLM take one TP degree (plan with --uniform-tp)")
+        else:
+            lines.append(f"no launch flags: megatron-core has no {self.schedule} schedule (an "
+                         f"analysis result; plan with --schedules "
+                         f"{' '.join(EXECUTABLE_SCHEDULES)} for a launch)")
         s = self.search
         if s:
             lines.append(

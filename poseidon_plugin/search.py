@@ -525,11 +525,11 @@ def _random_assignment(cm: CostModel, cfg: OuterConfig, lmax: np.ndarray, rng: r
 _WORKER: dict = {}
 
 
-def _worker_run(index: int, threshold_ms: float, deadline: float, tag: float
-                ) -> tuple[int, dict, float]:
+def _worker_run(index: int, threshold_ms: float, deadline: float, tag: float,
+                type_order: str) -> tuple[int, dict, float]:
     w = _WORKER
     res = run_config(w["cm"], w["configs"][index], pruning=w["pruning"],
-                     type_order=w["type_order"], type_sequence_limit=w["type_sequence_limit"],
+                     type_order=type_order, type_sequence_limit=w["type_sequence_limit"],
                      threshold_ms=threshold_ms, deadline=deadline)
     return index, res, tag
 
@@ -540,7 +540,8 @@ def _normalize_tp_mode(tp_mode: str) -> str:
     aliases = {"uniform": "uniform", "uniform-tp": "uniform", "per-stage": "per-stage",
                "per-stage-tp": "per-stage"}
     if tp_mode not in aliases:
-        raise PoseidonError(f"tp_mode: expected 'uniform' or 'per-stage', got {tp_mode!r}")
+        raise PoseidonError(f"TP mode (--uniform-tp / --per-stage-tp, tp_mode): expected "
+                            f"'uniform' or 'per-stage', got {tp_mode!r}")
     return aliases[tp_mode]
 
 
@@ -554,26 +555,34 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
     t0 = time.perf_counter()
     tp_mode = _normalize_tp_mode(tp_mode)
     if pruning not in PRUNING_MODES:
-        raise PoseidonError(f"pruning: expected one of {', '.join(PRUNING_MODES)}, got {pruning!r}")
+        raise PoseidonError(f"pruning (--pruning / pruning): expected one of "
+                            f"{', '.join(PRUNING_MODES)}, got {pruning!r}")
     if type_order not in TYPE_ORDERS:
-        raise PoseidonError(f"type_order: expected one of {', '.join(TYPE_ORDERS)}, "
+        raise PoseidonError(f"type order (--type-order / type_order): expected one of "
+                            f"{', '.join(TYPE_ORDERS)}, "
                             f"got {type_order!r}")
     schedules = tuple(schedules)
     for s in schedules:
         if s not in SEARCH_SCHEDULES:
-            raise PoseidonError(f"schedules: expected some of {', '.join(SEARCH_SCHEDULES)}, "
+            raise PoseidonError(f"schedules (--schedules / schedules): expected some of "
+                                f"{', '.join(SEARCH_SCHEDULES)}, "
                                 f"got {s!r}")
     if not schedules:
-        raise PoseidonError("schedules: expected at least one schedule")
-    for name, val in (("global_batch_size", global_batch_size), ("seq_length", seq_length),
-                      ("max_virtual_stages", max_virtual_stages)):
+        raise PoseidonError("schedules (--schedules / schedules): expected at least one schedule")
+    for name, val in (("global batch size (--global-batch-size / global_batch_size)",
+                       global_batch_size),
+                      ("sequence length (--seq-length / seq_length)", seq_length),
+                      ("max virtual stages (--max-virtual-stages / max_virtual_stages)",
+                       max_virtual_stages)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 1:
             raise PoseidonError(f"{name}: expected an integer >= 1, got {val!r}")
     mbs = tuple(DEFAULT_MICRO_BATCH_SIZES if micro_batch_sizes is None else micro_batch_sizes)
     if not mbs or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in mbs):
-        raise PoseidonError(f"micro_batch_sizes: expected integers >= 1, got {mbs!r}")
+        raise PoseidonError(f"micro-batch sizes (--micro-batch-sizes / micro_batch_sizes): "
+                            f"expected integers >= 1, got {list(mbs)!r}")
     if time_budget_s is not None and time_budget_s <= 0:
-        raise PoseidonError(f"time_budget_s: expected a number > 0, got {time_budget_s!r}")
+        raise PoseidonError(f"time budget (--time-budget / time_budget_s): expected a number "
+                            f"> 0, got {time_budget_s!r}")
 
     cm = CostModel(cluster, model, profiles, seq_length=seq_length)
     configs = enumerate_configs(cm, global_batch_size=global_batch_size, schedules=schedules,
@@ -636,19 +645,20 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
 
     lbs = list(roots)          # per configuration: no plan of it is faster (besides the best)
     searched_last: set[int] = set()
+    searched_ever: set[int] = set()
     timed_out = False
-    complete = False
-    proven_below = 0.0   # every plan is slower than this (completed rounds)
+    complete = True
+    used_pool = False
 
     def absorb(i: int, res: dict, thr_used: float) -> None:
         nonlocal threshold, timed_out
         stats["configs_searched"] += 1
         searched_last.add(i)
+        searched_ever.add(i)
         for k in ("nodes", "cut_bound", "cut_memory", "cut_ridge", "cut_devices",
                   "cut_capacity"):
             stats[k] += res[k]
         stats["plans_simulated"] += res["simulated"]
-        stats["type_order_restricted_configs"] += int(res["blocks"])
         if res["timed_out"]:
             timed_out = True
         else:
@@ -665,13 +675,14 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
         from tqdm import tqdm
         bar = tqdm(total=len(order), desc="poseidon search", unit="cfg", leave=False)
 
-    def run_round(cap: float, ex) -> None:
-        """Search every configuration whose root bound is <= min(cap, threshold) with the
-        threshold min(cap, incumbent): afterwards the best plan with time <= cap is known."""
+    def run_round(cap: float, ex, pass_order: list[int], pass_type_order: str) -> None:
+        """Search every configuration of ``pass_order`` whose root bound is <= min(cap,
+        threshold) with the threshold min(cap, incumbent): afterwards the best plan of the
+        pass's space with time <= cap is known."""
         nonlocal timed_out
         thr_of = (lambda: math.inf) if pruning == "none" else (lambda: min(cap, threshold))
         pending = set()
-        it = iter(order)
+        it = iter(pass_order)
         exhausted = False
         while True:
             while not exhausted and len(pending) < (2 * nworkers if ex else 1):
@@ -690,14 +701,15 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
                     continue
                 if ex is None:
                     thr = thr_of()
-                    absorb(i, run_config(cm, configs[i], pruning=pruning, type_order=type_order,
+                    absorb(i, run_config(cm, configs[i], pruning=pruning,
+                                         type_order=pass_type_order,
                                          type_sequence_limit=type_sequence_limit,
                                          threshold_ms=thr, deadline=deadline_c), thr)
                     if bar:
                         bar.update(1)
                     continue
                 thr = thr_of()
-                pending.add(ex.submit(_worker_run, i, thr, deadline_c, thr))
+                pending.add(ex.submit(_worker_run, i, thr, deadline_c, thr, pass_type_order))
             if not pending:
                 break
             from concurrent.futures import FIRST_COMPLETED, wait
@@ -708,46 +720,89 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
                 if bar:
                     bar.update(1)
 
-    # Iterative deepening on the threshold: round r searches with cap_r = root * (1+step)^r
-    # (never above the incumbent). A round that ends with no plan <= cap_r proves the optimum
-    # is > cap_r; the first round that finds one has found the best plan (every better plan
-    # would have been <= cap_r too). Rounds below the optimum are cheap: the bounds cut early.
-    caps: list[float] = [math.inf]
-    if pruning != "none" and order:
-        r0 = roots[order[0]]
-        if math.isfinite(r0) and r0 > 0:
-            caps = []
-            c = r0 * (1 + ROUND_STEP)
-            while c < threshold and len(caps) < 64:
-                caps.append(c)
-                c *= 1 + ROUND_STEP
-            caps.append(math.inf)
-    ex = None
-    try:
-        if nworkers > 1 and len(order) >= 8:
-            _WORKER.update(cm=cm, configs=configs, pruning=pruning, type_order=type_order,
-                           type_sequence_limit=type_sequence_limit)
-            ctx = multiprocessing.get_context("fork")
-            ex = ProcessPoolExecutor(max_workers=nworkers, mp_context=ctx)
+    def run_pass(pass_order: list[int], pass_type_order: str, ex) -> bool:
+        """Iterative deepening over ``pass_order`` (see the module docstring); True when the
+        pass completed (the incumbent is the best plan of the pass's space, or better).
+
+        Round r searches with cap_r = root * (1+step)^r (never above the incumbent). A round
+        that ends with no plan <= cap_r proves every plan of the pass is > cap_r; the first
+        round that finds one (threshold <= cap_r) has found the best plan, since every better
+        plan would have been <= cap_r too. With an incumbent from an earlier pass (a seed),
+        the rounds stop below it and the last round searches with the seed as threshold: any
+        plan found beats or ties the seed, and if none, the seed is the best plan."""
+        caps: list[float] = [math.inf]
+        if pruning != "none" and pass_order:
+            r0 = roots[pass_order[0]]
+            if math.isfinite(r0) and r0 > 0:
+                caps = []
+                c = r0 * (1 + ROUND_STEP)
+                while c < threshold and len(caps) < 64:
+                    caps.append(c)
+                    c *= 1 + ROUND_STEP
+                caps.append(math.inf)
+        proven = 0.0
         for cap in caps:
             stats["rounds"] += 1
             searched_last.clear()
             if bar:
                 bar.reset()
-            run_round(cap, ex)
+            run_round(cap, ex, pass_order, pass_type_order)
             if timed_out:
-                break
+                return False
             if threshold <= cap:
-                complete = True
                 break
-            proven_below = max(proven_below, cap)
-        stats["configs_cut_root"] = len(configs) - len(searched_last)
+            proven = max(proven, cap)
+        # every configuration of the pass has no plan below ``proven`` in the pass's space
+        for i in pass_order:
+            lbs[i] = max(lbs[i], proven)
+        return True
+
+    # Passes. ``auto`` / ``any``: first the cheap contiguous-blocks space over every
+    # configuration (seeds the incumbent with the best blocks plan, a good plan early under a
+    # time budget), then the full space only over the configurations where it is larger
+    # (interleaving allowed, >= 2 usable types, N >= 2), with that incumbent. The full space
+    # is a superset, so the seed is a valid incumbent and the result is the full-space optimum.
+    passes: list[tuple[list[int], str]]
+    if type_order == "blocks" or pruning == "none":
+        passes = [(order, type_order)]
+    else:
+        def widens(i: int) -> bool:
+            cfg = configs[i]
+            usable = len({k for k, _ in cfg.options})
+            if usable < 2 or cfg.num_stages < 2:
+                return False
+            return type_order == "any" or usable ** cfg.num_stages <= type_sequence_limit
+        full = [i for i in order if widens(i)]
+        passes = [(order, "blocks")] + ([(full, type_order)] if full else [])
+    ex = None
+    try:
+        if nworkers > 1 and len(order) >= 8:
+            _WORKER.update(cm=cm, configs=configs, pruning=pruning,
+                           type_sequence_limit=type_sequence_limit)
+            ctx = multiprocessing.get_context("fork")
+            ex = ProcessPoolExecutor(max_workers=nworkers, mp_context=ctx)
+            used_pool = True
+        for pass_order, pass_type_order in passes:
+            if pass_order is not order:
+                for i in pass_order:   # the blocks pass proved nothing about the full space
+                    lbs[i] = roots[i]
+            if not run_pass(pass_order, pass_type_order, ex):
+                complete = False
+                break
+        stats["configs_cut_root"] = len(configs) - len(searched_ever)
     finally:
         if ex is not None:
             ex.shutdown()
             _WORKER.clear()
         if bar:
             bar.close()
+    # configurations whose final search space is the contiguous blocks only (and smaller
+    # than the full one: >= 2 usable types, N >= 2)
+    stats["type_order_restricted_configs"] = sum(
+        1 for c in configs if c.num_stages >= 2 and len({k for k, _ in c.options}) >= 2
+        and (type_order == "blocks" or type_order == "auto" and
+             len({k for k, _ in c.options}) ** c.num_stages > type_sequence_limit))
+    stats["passes"] = len(passes)
 
     if best is None:
         raise InfeasibleError(_closest_infeasible(cm, configs))
@@ -757,10 +812,10 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
     if exhaustive:
         lower = t_best
     else:
-        lower = min([t_best] + [max(lb, proven_below) for lb in lbs])
+        lower = min([t_best] + lbs)
     stats.update(seconds=round(time.perf_counter() - t0, 3), exhaustive=exhaustive,
                  timed_out=timed_out, pruning=pruning, tp_mode=tp_mode, type_order=type_order,
-                 workers=nworkers)
+                 workers=nworkers, statistics_depend_on_timing=used_pool)
     return build_plan(cm, cfg, opts, layers, global_batch_size=global_batch_size,
                       predicted_ms=t_best, lower_bound_ms=lower, search_stats=stats)
 

@@ -285,8 +285,6 @@ def test_nothing_fits_names_a_real_shortfall(capsys, tmp_path):
     assert lacks == pytest.approx(needs - cap, abs=0.011)
 
 
-@pytest.mark.xfail(strict=True, reason="cli.py accepts --warmup-samples < 0 silently "
-                   "(search_plan treats it as 0); it should exit 2 naming the flag")
 def test_negative_warmup_samples_is_rejected(capsys):
     rc, out, err = run_main(capsys, BASE + ["--no-baselines", "--warmup-samples", "-5"])
     _check_one_line_error(rc, out, err, r"warmup")

@@ -58,6 +58,14 @@ def torchrun(nproc: int, args: list[str], env: dict[str, str], timeout: float = 
     return proc, proc.stdout + proc.stderr, time.monotonic() - t0
 
 
+def ok(proc, out: str) -> str:
+    """Assertion message for a failed launch: the error lines first, then the tail of the log."""
+    if proc.returncode == 0:
+        return ""
+    errors = [l for l in out.splitlines() if re.search(r"error|Error|Traceback|exitcode", l)]
+    return "\n".join(errors[-40:]) + "\n----- tail -----\n" + out[-5000:]
+
+
 def write_emulation(path, ranks: list[str]) -> str:
     path.write_text("device_types:\n  emu-fast: {speed: 1.0, memory_gib: 16}\n"
                     "  emu-slow: {speed: 0.5, memory_gib: 16}\n"
@@ -93,7 +101,7 @@ def test_emulated_heterogeneous_training(tmp_path):
                                    "--poseidon-save-plan", str(plan_file)],
                                {"POSEIDON_EXAMPLE_REPORT": str(report),
                                 "POSEIDON_PROFILE_DIR": str(tmp_path / "profiles")})
-    assert proc.returncode == 0, out[-6000:]
+    assert proc.returncode == 0, ok(proc, out)
     print(f"e2e run took {took:.1f} s")
     plan = json.loads(plan_file.read_text())
     types = [s["device_type"] for s in plan["stages"]]
@@ -136,14 +144,14 @@ def test_dry_run_prints_flags_builds_nothing_and_second_launch_uses_the_cache(tm
     args = [*GPT_ARGS, "--train-iters", "2", "--poseidon-auto", "--poseidon-dry-run",
             "--poseidon-emulate", EMULATE4, "--pipeline-model-parallel-size", "4"]
     proc, out, _ = torchrun(4, args, env)
-    assert proc.returncode == 0, out[-6000:]
+    assert proc.returncode == 0, ok(proc, out)
     assert "--tensor-model-parallel-size" in out and "command line the script runs with" in out
     assert "rank -> stage" in out and "dry run" in out
     assert "profiling:" in out
     assert not report.exists()                      # no rank reached the script
     assert "lm loss" not in out and "building GPT model" not in out
     proc2, out2, _ = torchrun(4, args, env)
-    assert proc2.returncode == 0, out2[-6000:]
+    assert proc2.returncode == 0, ok(proc2, out2)
     assert "from the cache" in out2 and "profiling:" not in out2
 
 
@@ -152,12 +160,12 @@ def test_corrupt_profile_cache_is_set_aside_and_reprofiled(tmp_path):
     env = {"POSEIDON_PROFILE_DIR": str(tmp_path / "profiles")}
     args = [*GPT_ARGS, "--train-iters", "2", "--poseidon-dry-run", "--poseidon-emulate", emu]
     proc, out, _ = torchrun(2, args, env)
-    assert proc.returncode == 0, out[-6000:]
+    assert proc.returncode == 0, ok(proc, out)
     (cache,) = glob.glob(str(tmp_path / "profiles" / "profiles-*.json"))
     with open(cache, "w") as f:
         f.write('{"version": 1, "records": [{"oops"')
     proc, out, _ = torchrun(2, args, env)
-    assert proc.returncode == 0, out[-6000:]
+    assert proc.returncode == 0, ok(proc, out)
     assert "profile cache is unreadable, re-profiling" in out
     assert glob.glob(cache + ".corrupt-*")
     json.loads(open(cache).read())  # rewritten, valid
@@ -201,3 +209,20 @@ def test_global_batch_no_plan_can_divide(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "--global-batch-size 7 is not divisible by any micro-batch size candidate (2, 4)" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_ranks_the_plan_does_not_use_exit_0_and_megatron_sees_only_the_used_ones(tmp_path):
+    emu = write_emulation(tmp_path / "emu.yaml", ["emu-slow", "emu-fast", "emu-fast"])
+    report = tmp_path / "report"
+    env = {"POSEIDON_PROFILE_DIR": str(tmp_path / "profiles"), "POSEIDON_EXAMPLE_REPORT": str(report),
+           "POSEIDON_PLANNER": "poseidon_plugin.megatron._testing",
+           "POSEIDON_FAKE_PLAN": "fastest-node"}
+    proc, out, _ = torchrun(3, [*GPT_ARGS, "--train-iters", "2", "--poseidon-auto",
+                                "--poseidon-emulate", emu], env)
+    assert proc.returncode == 0, ok(proc, out)
+    assert re.search(r"\[poseidon rank 0\] this device \(rank 0 \(host [^,]+, local rank 0, emu-slow\)\) "
+                     r"is not used by the plan \(2 of 3 devices train\); exiting with 0", out), out[-4000:]
+    reps = [json.loads(open(f).read()) for f in glob.glob(str(report / "rank*.json"))]
+    assert sorted((r["rank"], r["launch_rank"]) for r in reps) == [(0, 1), (1, 2)]
+    assert all(r["world_size"] == 2 and r["dp_size"] == 2 for r in reps)
+    assert re.search(r"iteration\s+2/\s*2 \|.*lm loss", out)

@@ -153,8 +153,14 @@ def test_mindspeed_repatch_called_when_adaptor_already_imported(monkeypatch):
         monkeypatch.setitem(sys.modules, name, mod)
     out = A.rewrite_argv(["--tensor-model-parallel-size", "8"], fake_plan(), "mindspeed-llm")
     assert A.apply_mindspeed_llm(out) is True
-    assert calls == [{"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2,
-                      "micro_batch_size": 1, "global_batch_size": 16, "num_layer_list": "6,2"}]
+    (d,) = calls
+    assert {k: d[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                              "micro_batch_size", "global_batch_size", "num_layer_list")} == {
+        "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2, "micro_batch_size": 1,
+        "global_batch_size": 16, "num_layer_list": "6,2"}
+    # split flags the rewrite removed are cleared in MindSpeed's cached args
+    assert d["num_layers_per_virtual_pipeline_stage"] is None and d["pipeline_model_parallel_layout"] is None
+    assert d["account_for_loss_in_pipeline_split"] is False and d["sequence_parallel"] is False
     assert A.detect_backend("auto", None) == "mindspeed-llm"
 
 

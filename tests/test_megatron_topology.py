@@ -119,3 +119,18 @@ def test_renumber_rejects_a_plan_for_another_cluster():
         R.renumber([FakeSlot(3, 0)], topo, 2)
     with pytest.raises(PoseidonError, match="twice"):
         R.renumber([FakeSlot(0, 0), FakeSlot(0, 0)], topo, 2)
+
+
+def test_aggregate_takes_the_median_per_type_and_names_stragglers():
+    from poseidon_plugin.megatron.profiler import LayerTiming, aggregate
+
+    def t(f, b=None):
+        return [LayerTiming(1, 1, f, f if b is None else b, 100, 10)]
+
+    per_rank = {0: t(10.0), 1: t(11.0), 2: t(40.0), 3: t(2.0), 4: t(2.2), 5: t(2.1)}
+    type_of = {0: "a", 1: "a", 2: "a", 3: "b", 4: "b", 5: "b"}
+    aggs, stragglers = aggregate(per_rank, type_of)
+    by_type = {a.device_type: a for a in aggs}
+    assert by_type["a"].forward_ms == 11.0 and by_type["a"].ranks == 3
+    assert by_type["b"].forward_ms == 2.1
+    assert len(stragglers) == 1 and stragglers[0].startswith("rank 2 (a, tp=1, mbs=1)")

@@ -219,3 +219,18 @@ def test_search_plans_use_the_documented_placement(tp_mode):
         assert tuple(tuple((d.node, d.local_device) for d in grp) for grp in s.devices) == p.slots
     assert tuple((d.node, d.local_device) for d in plan.unused_devices) == unused
     assert plan.world_size + len(plan.unused_devices) == cluster.total_devices
+
+
+def test_tp_group_never_spans_nodes():
+    """2 nodes x 6 devices, tp=4, dp=2: replica 1 would take (0,4),(0,5),(1,0),(1,1)."""
+    cluster = two_type_cluster(fast_nodes=2, fast_per_node=6)
+    pools = type_pools(cluster)
+    with pytest.raises(PoseidonError, match="span nodes"):
+        place_stages(pools, [0], [4], 2)
+    # one replica fits in node 0 (devices 0..3); the second stage's group would span again
+    with pytest.raises(PoseidonError, match="span nodes"):
+        place_stages(pools, [0, 0], [4, 4], 1)
+    # tp dividing the node size still packs across nodes, one group per node part
+    placements, _ = place_stages(pools, [0], [2], 4)
+    assert placements[0].slots == (((0, 0), (0, 1)), ((0, 2), (0, 3)), ((0, 4), (0, 5)),
+                                   ((1, 0), (1, 1)))

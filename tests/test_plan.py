@@ -105,6 +105,6 @@ def test_megatron_accepts_searched_plan():
     cluster = load_cluster(os.path.join(ROOT, "examples/clusters/small-two-type.yaml"))
     model = get_model(os.path.join(ROOT, "examples/models/tiny-gpt.yaml"))
     p = search_plan(cluster, model, global_batch_size=16, seq_length=128, workers=1,
-                    warmup_samples=20)
+                    warmup_samples=20, schedules=("1f1b", "interleaved-1f1b"))
     assert sum(p.layers_per_stage) == 8
     _megatron_validate(p.megatron_args(), p.world_size)

@@ -247,3 +247,51 @@ def test_iterative_deepening_step_does_not_change_the_optimum(inst, step):
     assert got.predicted_iteration_time_ms == pytest.approx(exact.predicted_iteration_time_ms,
                                                              rel=1e-9)
     assert got.search["exhaustive"]
+
+
+def test_error_messages_name_cli_flag_and_parameter():
+    cluster, model = _small()
+    with pytest.raises(PoseidonError, match=r"--time-budget / time_budget_s.*> 0, got -1"):
+        search_plan(cluster, model, global_batch_size=8, seq_length=128, time_budget_s=-1)
+    with pytest.raises(PoseidonError, match=r"--max-virtual-stages / max_virtual_stages"):
+        search_plan(cluster, model, global_batch_size=8, seq_length=128, max_virtual_stages=0)
+    with pytest.raises(PoseidonError, match=r"--micro-batch-sizes / micro_batch_sizes"):
+        search_plan(cluster, model, global_batch_size=8, seq_length=128, micro_batch_sizes=(0,))
+
+
+def test_statistics_timing_flag():
+    cluster, model = _small()
+    kw = dict(global_batch_size=8, seq_length=128, micro_batch_sizes=(1, 2), warmup_samples=30)
+    a = search_plan(cluster, model, workers=1, **kw)
+    b = search_plan(cluster, model, workers=2, **kw)
+    c = search_plan(cluster, model, workers=1, **kw)
+    assert a.search["statistics_depend_on_timing"] is False
+    assert b.search["statistics_depend_on_timing"] is True
+    drop = ("seconds",)
+    assert ({k: v for k, v in a.search.items() if k not in drop}
+            == {k: v for k, v in c.search.items() if k not in drop})
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(instance_st)
+def test_blocks_seeded_full_search_matches_exhaustive(inst):
+    """auto/any run a blocks pass first and seed the full pass with its plan: still the
+    optimum of the full space (pruning="none" is the reference), and blocks <= none's space."""
+    exact = _run(inst, "none")
+    got = _run(inst, "safe")
+    types, layers, gbs, scheds, tp_mode = inst
+    cluster, model = make_instance(types, layers, None)
+    try:
+        blk = search_plan(cluster, model, global_batch_size=gbs, seq_length=128,
+                          schedules=tuple(scheds), pruning="safe", tp_mode=tp_mode,
+                          micro_batch_sizes=(1, 2), workers=1, warmup_samples=20,
+                          type_order="blocks")
+    except InfeasibleError:
+        blk = None
+    if exact is None:
+        assert got is None and blk is None
+        return
+    assert got.predicted_iteration_time_ms == pytest.approx(exact.predicted_iteration_time_ms,
+                                                             rel=1e-9)
+    assert got.search["exhaustive"]
+    assert blk.predicted_iteration_time_ms >= got.predicted_iteration_time_ms * (1 - 1e-9)

@@ -26,6 +26,9 @@ import sys
 
 import pytest
 
+from poseidon_plugin.errors import PoseidonError
+from poseidon_plugin.plan import EXECUTABLE_SCHEDULES
+
 from poseidon_plugin import memory
 from poseidon_plugin.cluster import load_cluster
 from poseidon_plugin.model import get_model
@@ -53,8 +56,23 @@ CASES = [pytest.param(k, marks=slow_mark if k.startswith("6") else ()) for k in 
 _CACHE: dict[str, tuple] = {}
 
 
-def solved(key: str):
-    """(cluster, model, plan, baselines) of one setting, computed once per session."""
+def solved(key: str, launch: bool = False):
+    """(cluster, model, plan, baselines) of one setting, computed once per session.
+
+    ``launch=True`` searches only the schedules megatron-core executes (what --poseidon-auto
+    does), so the plan always has launch flags."""
+    if launch:
+        cluster, model, plan, base = solved(key)
+        if plan.executable:
+            return cluster, model, plan, base
+        ck = key + "/launch"
+        if ck not in _CACHE:
+            budget = SLOW_BUDGET_S if key.startswith("6") else None
+            plan = search_plan(cluster, model, global_batch_size=GBS, seq_length=SEQ,
+                               time_budget_s=budget, workers=1 if budget is None else None,
+                               schedules=EXECUTABLE_SCHEDULES)
+            _CACHE[ck] = (cluster, model, plan, base)
+        return _CACHE[ck]
     if key not in _CACHE:
         cfile, mname = SETTINGS[key]
         cluster = load_cluster(os.path.join(ROOT, "examples/clusters", cfile + ".yaml"))
@@ -149,19 +167,26 @@ def test_plan_beats_or_equals_both_baselines(key):
 @pytest.mark.parametrize("key", CASES)
 def test_mindspeed_flags_consistent(key):
     _, model, plan, _ = solved(key)
+    if not plan.executable:
+        # eager-1f1b / gpipe are analysis-only: no launch flags, a clear error instead
+        with pytest.raises(PoseidonError, match="not one megatron-core executes"):
+            plan.mindspeed_llm_args()
+        assert plan.to_dict()["mindspeed_llm_args"] is None
+        return
     args = plan.mindspeed_llm_args()
     kv = dict(zip(args[::2], args[1::2]))
     assert int(kv["--tensor-model-parallel-size"]) == plan.tp
     assert int(kv["--pipeline-model-parallel-size"]) == plan.pp
-    if plan.pp > 1:
+    # MindSpeed-LLM's NumLayerListFeature.validate_args refuses --num-layer-list with a virtual
+    # pipeline, so interleaved plans must use the layout instead.
+    assert not ("--num-layer-list" in kv and "--num-layers-per-virtual-pipeline-stage" in kv)
+    if plan.virtual_stages > 1:
+        assert kv["--pipeline-model-parallel-layout"] == plan.pipeline_layout()
+        assert "--num-layer-list" not in kv
+    elif plan.pp > 1:
         layers = [int(x) for x in kv["--num-layer-list"].split(",")]
         assert layers == list(plan.layers_per_stage)
         assert sum(layers) == model.num_layers
-    if "--num-layer-list" in kv and "--num-layers-per-virtual-pipeline-stage" in kv:
-        # MindSpeed-LLM's NumLayerListFeature.validate_args raises "Dynamic pipeline model and
-        # virtual pipeline cannot be enabled at the same time." for this combination.
-        pytest.xfail("plan.mindspeed_llm_args emits --num-layer-list together with "
-                     "--num-layers-per-virtual-pipeline-stage for an interleaved plan")
 
 
 # --------------------------------------------------------------------------- megatron-core
@@ -217,7 +242,7 @@ def decoder_layers_per_rank(layout, pp: int) -> list[int]:
 @pytest.mark.integration
 @pytest.mark.parametrize("key", CASES)
 def test_megatron_accepts_plan_flags(monkeypatch, key):
-    _, model, plan, _ = solved(key)
+    _, model, plan, _ = solved(key, launch=True)
     argv = model_argv(model) + plan.megatron_args()
     if model.is_moe and plan.tp > 1:
         argv.append("--sequence-parallel")   # megatron requires it for MoE with TP > 1
@@ -242,6 +267,10 @@ def test_megatron_accepts_baseline_flags(monkeypatch, key):
     _, model, _, base = solved(key)
     for bp in base.values():
         if bp is None:
+            continue
+        if not bp.executable:
+            with pytest.raises(PoseidonError, match="not one megatron-core executes"):
+                bp.megatron_args()
             continue
         a = megatron_validate(monkeypatch, model_argv(model) + bp.megatron_args(), bp.world_size)
         assert a.data_parallel_size == bp.dp

@@ -3,11 +3,13 @@
 It plans one pipeline stage per cluster node (fastest measured type first), DP = the smallest node,
 TP = 1, and splits the layers in proportion to each type's measured speed. It exercises the flow
 (broadcast, renumbering, argv rewrite) without depending on the real search.
+``POSEIDON_FAKE_PLAN=fastest-node`` plans on the fastest node only (the other ranks stay unused).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -94,6 +96,9 @@ def search_plan(cluster: Any, model: Any, *, global_batch_size: int, seq_length:
         return (p.forward_ms + p.backward_ms) if p is not None else 1.0
 
     nodes = sorted(cluster.nodes, key=lambda n: (per_layer_ms(n.device_type), n.index))
+    if os.environ.get("POSEIDON_FAKE_PLAN") == "fastest-node":  # leaves the other devices unused
+        nodes = nodes[:1]
+        dp = nodes[0].num_devices
     speed = [1.0 / per_layer_ms(n.device_type) for n in nodes]
     total = model.num_layers
     raw = [total * s / sum(speed) for s in speed]

@@ -205,16 +205,47 @@ def detect_backend(requested: str, script: str | None) -> str:
     return "megatron"
 
 
+_INT_FLAGS = {"--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--micro-batch-size",
+              "--global-batch-size", "--decoder-first-pipeline-num-layers",
+              "--decoder-last-pipeline-num-layers", "--num-layers-per-virtual-pipeline-stage",
+              "--num-virtual-stages-per-pipeline-rank", "--virtual-pipeline-model-parallel-size"}
+
+
 def mindspeed_repatch_args(new_argv: Sequence[str]) -> dict[str, Any]:
-    """The dict MindSpeed-LLM's ``repatch`` overlays on its parsed args for the plan's flags."""
+    """The dict MindSpeed-LLM's ``repatch`` overlays on its args for the rewritten argv.
+
+    MindSpeed-LLM caches the args it parsed at import (``FeatureAdaptor._args``) and ``repatch``
+    only overlays this dict, so it carries every flag the plan owns: the plan's values, ``None``
+    for split flags the rewrite removed, ``False`` for stripped switches.
+    """
     out: dict[str, Any] = {}
-    for flag, conv in (("--tensor-model-parallel-size", int), ("--pipeline-model-parallel-size", int),
-                       ("--micro-batch-size", int), ("--global-batch-size", int),
-                       ("--num-layer-list", str)):
+    for flag in PLAN_VALUE_FLAGS:
         raw = flag_value(new_argv, flag)
-        if raw is not None:
-            out[flag[2:].replace("-", "_")] = conv(raw)
+        key = flag[2:].replace("-", "_")
+        out[key] = None if raw is None else (int(raw) if flag in _INT_FLAGS else raw)
+    for flag in PLAN_BOOL_FLAGS:
+        if not find_flag(new_argv, flag):
+            out[flag[2:].replace("-", "_")] = False
+    if not find_flag(new_argv, "--sequence-parallel"):
+        out["sequence_parallel"] = False
     return out
+
+
+def import_mindspeed_llm(script: str, argv: Sequence[str]) -> None:
+    """Import MindSpeed-LLM's adaptor (its NPU / feature patches) so profiling runs the same code as
+    training. It parses ``sys.argv`` at import, hence ``[script] + argv`` (options stripped) first;
+    after the plan, :func:`apply_mindspeed_llm` re-applies its patches for the rewritten flags."""
+    import importlib
+
+    saved = sys.argv
+    sys.argv = [script, *argv]
+    try:
+        importlib.import_module("mindspeed_llm.megatron_adaptor")
+    except ImportError as e:
+        raise PoseidonError(f"the MindSpeed-LLM backend needs mindspeed_llm importable ({e}); install "
+                            "MindSpeed-LLM or pass --poseidon-backend megatron") from None
+    finally:
+        sys.argv = saved
 
 
 def apply_mindspeed_llm(new_argv: Sequence[str]) -> bool:

@@ -96,6 +96,7 @@ class StoreSync:
 
     # -- heartbeats and errors ------------------------------------------------------------------
     def enter(self, phase: str) -> None:
+        log.debug("phase %s", phase)
         self.phase = phase
         self.store.set(f"phase/{self.rank}", json.dumps({"phase": phase, "t": time.time()}))
 
@@ -129,6 +130,7 @@ class StoreSync:
         Raises DistributedError naming the ranks that failed (immediately) or that did not arrive
         before the deadline (with the phase they were last seen in).
         """
+        log.debug("barrier %s", name)
         members = list(range(self.world_size)) if ranks is None else sorted(ranks)
         self.store.set(f"bar/{name}/{self.rank}", "1")
         count = self.store.add(f"bar/{name}/count", 1)

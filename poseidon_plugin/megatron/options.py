@@ -32,6 +32,8 @@ class PoseidonOptions:
     save_plan: str | None = None          # --poseidon-save-plan FILE: rank 0 writes the plan JSON
     profile_iters: int = 5                # --poseidon-profile-iters N: timed iterations per config
     seed: int = 0                         # --poseidon-seed N (search warm-up sampling)
+    search_workers: int | None = None     # --poseidon-search-workers N (default: this host's
+                                          # cores / ranks on the host; rank 0 searches)
     present: tuple[str, ...] = field(default=(), compare=False)  # option names seen on argv
 
     @property
@@ -96,6 +98,7 @@ _SPEC: dict[str, tuple[str, str]] = {
     "--poseidon-save-plan": ("save_plan", "str"),
     "--poseidon-profile-iters": ("profile_iters", "int"),
     "--poseidon-seed": ("seed", "int0"),
+    "--poseidon-search-workers": ("search_workers", "int"),
 }
 
 

@@ -54,6 +54,17 @@ def _out(text: str) -> None:
     sys.stdout.flush()
 
 
+def _enable_stack_dumps() -> None:
+    """``kill -USR1 <pid>`` prints every thread's stack of a rank that seems stuck."""
+    import faulthandler
+    import signal
+
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    except (AttributeError, ValueError, RuntimeError):  # not the main thread / no SIGUSR1
+        pass
+
+
 def _maybe_inject_fault(phase: str, rank: int) -> None:
     """Test hook: POSEIDON_FAULT_INJECT='phase:rank:hang|raise|exit' makes one rank misbehave."""
     spec = os.environ.get("POSEIDON_FAULT_INJECT")
@@ -149,6 +160,7 @@ def plan_and_apply(script: str, argv: list[str], opts: PoseidonOptions) -> AutoR
     argvmod.check_refused(argv)
     env = bootstrap.LaunchEnv.from_environ()
     _setup_logging(env.rank)
+    _enable_stack_dumps()
     t_start = time.perf_counter()
 
     # -- emulation and device ----------------------------------------------------------------
@@ -175,8 +187,11 @@ def plan_and_apply(script: str, argv: list[str], opts: PoseidonOptions) -> AutoR
                                 "add --poseidon-emulate FILE (see examples/emulate-2types.yaml)")
         host = bootstrap.hostname()
     backend = argvmod.detect_backend(opts.backend, script)
-    if backend == "mindspeed-llm" and opts.max_virtual_stages > 1:
-        opts = replace(opts, max_virtual_stages=1)
+    if backend == "mindspeed-llm":
+        if opts.max_virtual_stages > 1:
+            opts = replace(opts, max_virtual_stages=1)  # --num-layer-list has no interleaving
+        if emu is None:
+            argvmod.import_mindspeed_llm(script, argv)
 
     # -- model hyper-parameters (Megatron's own parser, nothing validated) --------------------
     import torch
@@ -303,7 +318,9 @@ def plan_and_apply(script: str, argv: list[str], opts: PoseidonOptions) -> AutoR
                     global_batch_size=int(gbs), seq_length=int(args.seq_length), profiles=db,
                     pruning=opts.pruning, micro_batch_sizes=tuple(mbs_list),
                     max_virtual_stages=opts.max_virtual_stages, time_budget_s=opts.time_budget_s,
-                    seed=opts.seed)
+                    seed=opts.seed,
+                    workers=opts.search_workers or max(1, (os.cpu_count() or 1)
+                                                       // max(1, env.local_world_size)))
                 kwargs["schedules"] = _launch_schedules(opts.schedules)
                 plan = search_plan(cluster, model, **kwargs)
                 log.info("search: %.2f s", time.perf_counter() - t1)
@@ -357,6 +374,7 @@ def plan_and_apply(script: str, argv: list[str], opts: PoseidonOptions) -> AutoR
     os.environ["WORLD_SIZE"] = str(renum.world_size)
     patch_dataset_helpers()
     if backend == "mindspeed-llm":
+        sys.argv = [script, *new_argv]  # MindSpeed-LLM reads sys.argv
         argvmod.apply_mindspeed_llm(new_argv)
     log.info("launch rank %d -> rank %d of %d (stage %d); setup took %.2f s", env.rank, new_rank,
              renum.world_size, new_rank // max(1, renum.world_size // int(plan.pp)),
