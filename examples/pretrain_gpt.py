@@ -96,13 +96,16 @@ def get_batch(data_iterator, vp_stage=None):
         batch = dict.fromkeys(_BATCH_KEYS)
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         shape = (args.micro_batch_size, args.seq_length)
-        dtypes = {"tokens": torch.int64, "labels": torch.int64, "loss_mask": torch.float32,
-                  "position_ids": torch.int64}
+        specs = {"tokens": (shape, torch.int64), "labels": (shape, torch.int64),
+                 "loss_mask": (shape, torch.float32), "position_ids": (shape, torch.int64)}
+        if args.create_attention_mask_in_dataloader:
+            specs["attention_mask"] = ((args.micro_batch_size, 1, args.seq_length, args.seq_length),
+                                       torch.bool)
         src = parallel_state.get_tensor_model_parallel_src_rank()
         group = parallel_state.get_tensor_model_parallel_group()
-        for key, dtype in dtypes.items():
+        for key, (key_shape, dtype) in specs.items():
             if batch[key] is None:
-                batch[key] = torch.empty(shape, dtype=dtype, device=device)
+                batch[key] = torch.empty(key_shape, dtype=dtype, device=device)
             torch.distributed.broadcast(batch[key], src, group=group)
     return tuple(batch[k] for k in _BATCH_KEYS)
 

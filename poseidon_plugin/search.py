@@ -57,6 +57,27 @@ the last one searches with a threshold within 2 % of the optimum, where the boun
 capacity cut leave almost nothing. This replaces a good warm-up incumbent; the warm-up still
 runs (on the configurations with the lowest root bounds) and caps the rounds.
 
+Passes (blocks seed)
+--------------------
+With ``type_order`` ``auto`` or ``any`` the rounds run twice: first over every configuration
+restricted to the contiguous ``blocks`` sequences (cheap; under a time budget it yields a good
+plan early), then, seeded with that pass's best plan as incumbent, over the configurations
+whose space is larger (>= 2 usable types, N >= 2, and ``any`` allowed for them). The full space
+is a superset of the blocks space, so the seed is a plan of it: the second pass's rounds stop
+below the seed, its last round searches with threshold = seed (plans tying it are found too, so
+the tie-break is the one of a single pass), and if it finds nothing the seed is the full-space
+optimum. Per-configuration lower bounds of the first pass are discarded for the configurations
+the second pass re-searches (they only held in the smaller space).
+
+Determinism and workers
+-----------------------
+The plan (time, then the configuration key, then the stage options and layers, as tie-break)
+does not depend on ``workers``. With ``workers > 1`` the statistics (``nodes``, ``cut_*``,
+``plans_simulated``, ``configs_searched``) do: a configuration's search runs with the incumbent
+known when it was submitted, which depends on timing. ``Plan.search`` then carries
+``"statistics_depend_on_timing": true`` (false for a single-process search, whose statistics
+are reproducible).
+
 Layer-level pruning (Theorem 2)
 -------------------------------
 ``ridge``: within one (type, t) group the layer counts along the stages rise then fall (paper).
@@ -746,16 +767,22 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
             searched_last.clear()
             if bar:
                 bar.reset()
+            t_round = time.perf_counter()
+            n_before = stats["nodes"]
             run_round(cap, ex, pass_order, pass_type_order)
+            log.debug("pass %s: round cap %.1f, incumbent %.1f, %d configs, %d nodes, %.2f s",
+                      pass_type_order, cap, threshold, len(searched_last),
+                      stats["nodes"] - n_before, time.perf_counter() - t_round)
             if timed_out:
-                return False
+                break
             if threshold <= cap:
                 break
             proven = max(proven, cap)
-        # every configuration of the pass has no plan below ``proven`` in the pass's space
+        # every configuration of the pass has no plan below ``proven`` (completed rounds) in
+        # the pass's space
         for i in pass_order:
             lbs[i] = max(lbs[i], proven)
-        return True
+        return not timed_out
 
     # Passes. ``auto`` / ``any``: first the cheap contiguous-blocks space over every
     # configuration (seeds the incumbent with the best blocks plan, a good plan early under a

@@ -48,3 +48,14 @@ def test_one_line_patch_without_auto_only_strips_options(tmp_path):
                           env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 0, proc.stderr
     assert "ARGV ['--lr', '1']" in proc.stdout
+
+
+def test_launcher_without_auto_runs_the_script_unchanged_with_its_dir_on_path(tmp_path):
+    (tmp_path / "sibling.py").write_text("VALUE = 42\n")
+    script = tmp_path / "train.py"
+    script.write_text("import sys\nimport sibling\nprint('RESULT', __name__, sibling.VALUE, sys.argv)\n")
+    proc = subprocess.run([sys.executable, "-m", "poseidon_plugin.launch", str(script), "--lr", "1",
+                           "--poseidon-profile-dir", "x"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert f"RESULT __main__ 42 ['{script}', '--lr', '1']" in proc.stdout

@@ -294,4 +294,5 @@ def test_blocks_seeded_full_search_matches_exhaustive(inst):
     assert got.predicted_iteration_time_ms == pytest.approx(exact.predicted_iteration_time_ms,
                                                              rel=1e-9)
     assert got.search["exhaustive"]
-    assert blk.predicted_iteration_time_ms >= got.predicted_iteration_time_ms * (1 - 1e-9)
+    if blk is not None:   # interleaved orders may fit where contiguous blocks do not
+        assert blk.predicted_iteration_time_ms >= got.predicted_iteration_time_ms * (1 - 1e-9)

@@ -10,4 +10,6 @@ Modules, in the order the ``--poseidon-auto`` flow uses them:
 * ``profiler``  -- the user's own layer, timed per TP degree and micro-batch size
 * ``renumber``  -- launch rank -> new rank so each device lands on its planned stage
 * ``runner``    -- the flow and the entry points (``poseidon_plugin.launch``, ``poseidon_plugin.auto``)
+* ``compat``    -- small fixes before the script runs (prebuilt dataset helpers; CPU-only flags)
+* ``_testing``  -- a stand-in planner for the integration's own tests
 """

@@ -24,6 +24,7 @@ CPU_EMULATION_FLAGS: tuple[str, ...] = (
 )
 # store_true switches that need CUDA-only kernels; stripped under emulation.
 CPU_INCOMPATIBLE_BOOL_FLAGS: tuple[str, ...] = ("--use-flash-attn", "--overlap-grad-reduce",
+                                               "--sequence-parallel",  # torch LayerNorm: no SP
                                                "--overlap-param-gather")
 
 

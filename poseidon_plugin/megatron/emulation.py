@@ -10,8 +10,9 @@ Two independent pieces:
   CUDA one. The collectives run on gloo.
 * **Device-type emulation** (:func:`install_slowdown`): the emulation file assigns a device type to
   every launch rank and a relative speed to every type. Each transformer layer's forward and backward
-  are padded with ``sleep`` so that they take ``measured / speed`` seconds; the profiler measures the
-  padded times, and training feels them.
+  are padded with ``sleep`` so that their compute takes ``measured / speed`` seconds (compute = wall
+  time capped by the process's CPU time, so waiting in collectives is not scaled); the profiler
+  measures the padded times, and training feels them.
 
 File format (YAML)::
 
@@ -360,8 +361,23 @@ _SLOWDOWN_INSTALLED = False
 _TLS = threading.local()
 
 
-def _pad(elapsed_s: float) -> None:
-    extra = elapsed_s * (_SLOWDOWN["factor"] - 1.0)
+def _clock() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def _work_s(start: tuple[float, float]) -> float:
+    """Compute time since ``start``: wall time, but never more than the CPU time the process spent.
+
+    Waiting (a tensor-parallel all-reduce waiting for a partner that is itself padding, or being
+    descheduled on an oversubscribed CPU) burns no CPU, so it is not multiplied; otherwise padding
+    would feed on the partner's padding and grow without bound.
+    """
+    wall, cpu = time.perf_counter() - start[0], time.process_time() - start[1]
+    return max(0.0, min(wall, cpu))
+
+
+def _pad(work_s: float) -> None:
+    extra = work_s * (_SLOWDOWN["factor"] - 1.0)
     if extra > 0:
         time.sleep(extra)
 
@@ -383,22 +399,22 @@ def install_slowdown(factor: float) -> None:
 
     def forward(self, *args: Any, **kwargs: Any):
         hs = args[0] if args else kwargs.get("hidden_states")
-        t0 = time.perf_counter()
+        t0 = _clock()
         out = orig_forward(self, *args, **kwargs)
-        _pad(time.perf_counter() - t0)
+        _pad(_work_s(t0))
         out0 = out[0] if isinstance(out, tuple) else out
         if getattr(out0, "requires_grad", False) and getattr(hs, "requires_grad", False):
             key = id(self)
 
             def on_output_grad(g):  # first gradient of this layer's backward
                 starts = _TLS.__dict__.setdefault("starts", {})
-                starts[key] = time.perf_counter()
+                starts[key] = _clock()
                 return None
 
             def on_input_grad(g):  # the layer's backward is done
                 t_start = _TLS.__dict__.setdefault("starts", {}).pop(key, None)
                 if t_start is not None:
-                    _pad(time.perf_counter() - t_start)
+                    _pad(_work_s(t_start))
                 return None
 
             out0.register_hook(on_output_grad)

@@ -10,8 +10,9 @@ own arguments, timed forward and backward for each candidate TP degree and micro
   ``parallel_state.initialize_model_parallel(t)`` on the probe group; destroyed afterwards.
 * Timing: warm-up, then the median of N forward and N backward passes; device synchronisation on
   GPU/NPU, wall clock on CPU (the emulation pads these with its slowdown).
-* Activation memory: bytes of the tensors autograd saves for backward (saved-tensor hooks; parameters
-  excluded), which is device independent; on CUDA also the peak allocator growth.
+* Activation memory: bytes of the tensors autograd saves for backward (saved-tensor hooks; unique
+  storages, parameters excluded): what a micro-batch keeps alive until its backward, measured the
+  same way on GPU, NPU and CPU (transient workspaces are not counted).
 """
 
 from __future__ import annotations

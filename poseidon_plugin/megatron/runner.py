@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import json
 import logging
 import os
 import runpy
@@ -174,6 +173,10 @@ def plan_and_apply(script: str, argv: list[str], opts: PoseidonOptions) -> AutoR
         import torch
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, env.local_world_size)))
+        dropped = [f for f in CPU_INCOMPATIBLE_BOOL_FLAGS if argvmod.find_flag(argv, f)]
+        if dropped and env.rank == 0:
+            log.info("emulation: dropping CUDA-only %s; appending %s", " ".join(dropped),
+                     " ".join(CPU_EMULATION_FLAGS))
         argv = argvmod.strip_flags(argv, bool_flags=CPU_INCOMPATIBLE_BOOL_FLAGS) + list(CPU_EMULATION_FLAGS)
         device = bootstrap.setup_device(env.local_rank, emulated_name=etype.name,
                                         emulated_memory_bytes=int(etype.memory_gib * (1 << 30)))
@@ -194,8 +197,6 @@ def plan_and_apply(script: str, argv: list[str], opts: PoseidonOptions) -> AutoR
             argvmod.import_mindspeed_llm(script, argv)
 
     # -- model hyper-parameters (Megatron's own parser, nothing validated) --------------------
-    import torch
-
     args = profiler.parse_megatron_args(script, argv)
     from ..model import model_from_megatron_args
 
@@ -379,7 +380,6 @@ def plan_and_apply(script: str, argv: list[str], opts: PoseidonOptions) -> AutoR
     log.info("launch rank %d -> rank %d of %d (stage %d); setup took %.2f s", env.rank, new_rank,
              renum.world_size, new_rank // max(1, renum.world_size // int(plan.pp)),
              time.perf_counter() - t_start)
-    _ = torch  # torch is imported above; keep the name for clarity
     return AutoResult(new_argv, new_rank, renum.world_size, plan)
 
 
@@ -442,7 +442,7 @@ def _report(plan: Any, renum: Any, topo: Any, script: str, new_argv: list[str], 
     if stragglers:
         lines += ["", "stragglers (much slower than the rest of their device type):"]
         lines += ["  " + s for s in stragglers]
-    lines += ["", "flags:", "  " + " ".join(argvmod.plan_flags(plan, backend)), "",
+    lines += ["", "flags:", "  " + " ".join(_shell_quote(a) for a in argvmod.plan_flags(plan, backend)), "",
               "command line the script runs with:",
               "  " + " ".join(_shell_quote(a) for a in [script, *new_argv]),
               "", f"(planning took {setup_s:.1f} s)" + (" -- dry run: exiting before any model is "
