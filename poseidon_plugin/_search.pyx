@@ -90,7 +90,7 @@ cdef class BoundStructure:
 
 cdef struct Ctx:
     # configuration
-    int N, M, V, d, L, O, T, ridge_mode, ridge_ends, blocks, clast, use_bound
+    int N, M, V, d, L, O, T, ridge_mode, ridge_ends, blocks, clast, use_bound, fill_cut
     double act_bytes, latency_ms, cross_gbps, minsend, minfb, minb, outmin, alpha, thr
     double deadline
     # per option
@@ -139,6 +139,7 @@ cdef struct Ctx:
     # bound structure
     int* acnt
     int* t1cnt
+    int acnt_sufmax[MAXN + 1]   # V = 1: max over j >= x of acnt[j]
     # evaluation buffers (simulator layout: chunk-major c*N + s)
     double* WF
     double* WB
@@ -290,15 +291,30 @@ cdef int _capacity(Ctx* c, int x, double avail, int K) noexcept nogil:
     only wastes more), so at most D_k // (d t_min) stages of type k, each holding at most the
     largest cap of the type's options. Greedy over types (caps descending) gives the maximum of
     this relaxation; fewer than K stages possible -> -1.
+
+    Fill/drain (V = 1 schedules only, where every stage's first op is F(s, 0) and its last op
+    B(s, M-1)): the later stage at position p (p = 0..K-1 after x) starts its first forward
+    after micro-batch 0's forward through the later stages before it, and after its last
+    backward the backward of micro-batch M-1 runs back through them, so with w_i = F_i + B_i
+    (>= l_i (f + b)_i) and U_p = sum of w over the later stages before position p:
+    M w_p + U_p <= avail - 2 minsend p, i.e. U_{p+1} <= U_p (1 - 1/M) + (avail - 2 minsend p)/M.
+    The right side is increasing in U_p, so U_K <= the recursion's value from U_0 = 0 (greedy).
+    The layers then satisfy sum_j l_j (f + b)_j <= U_K with per type <= min(cnt_k, K) stages
+    of <= cap_k layers and (f + b) >= the type's cheapest: a fractional knapsack, filled
+    cheapest (f + b) first, bounds them from above; the smaller of the two bounds is returned.
     """
-    cdef int k, o, cap, best, dtmin, cnt, total, taken, i, j, nt
-    cdef double q
+    cdef int k, o, cap, best, dtmin, cnt, total, taken, i, j, nt, p
+    cdef double q, fbk, U, lay, room, take
     cdef int tcap[MAXT]
     cdef int tcnt[MAXT]
+    cdef double tfb[MAXT]
+    cdef int fcap[MAXT]
+    cdef int fcnt[MAXT]
     nt = 0
     for k in range(c.T):
         best = -1
         dtmin = 0
+        fbk = 0.0
         for o in range(c.O):
             if c.opt_type[o] != k:
                 continue
@@ -318,6 +334,8 @@ cdef int _capacity(Ctx* c, int x, double avail, int K) noexcept nogil:
                 best = cap
             if dtmin == 0 or c.d * c.opt_tp[o] < dtmin:
                 dtmin = c.d * c.opt_tp[o]
+            if fbk == 0.0 or c.ofb[o] < fbk:
+                fbk = c.ofb[o]
         if best < 0:
             continue
         cnt = (c.ndev[k] - c.cursor[k]) // dtmin
@@ -331,6 +349,16 @@ cdef int _capacity(Ctx* c, int x, double avail, int K) noexcept nogil:
             i -= 1
         tcap[i] = best
         tcnt[i] = cnt
+        # second list: by (f + b) ascending (fill/drain knapsack)
+        i = nt
+        while i > 0 and tfb[i - 1] > fbk:
+            tfb[i] = tfb[i - 1]
+            fcap[i] = fcap[i - 1]
+            fcnt[i] = fcnt[i - 1]
+            i -= 1
+        tfb[i] = fbk
+        fcap[i] = best
+        fcnt[i] = cnt
         nt += 1
     total = 0
     taken = 0
@@ -344,7 +372,179 @@ cdef int _capacity(Ctx* c, int x, double avail, int K) noexcept nogil:
         total += j * tcap[i]
     if taken < K:
         return -1
+    if c.V == 1 and c.fill_cut and K > 1:
+        U = 0.0
+        for p in range(K):
+            U = U + (avail - 2.0 * c.minsend * p - U) / c.M
+        if U <= 0.0:
+            return 0
+        lay = 0.0
+        for i in range(nt):
+            if U <= 0.0:
+                break
+            j = fcnt[i]
+            if j > K:
+                j = K
+            room = j * <double> fcap[i]
+            take = U / tfb[i]
+            if take >= room:
+                lay += room
+                U -= room * tfb[i]
+            else:
+                lay += take
+                U = 0.0
+        lay = lay * (1.0 + 1e-9) + 1e-9
+        if lay < total:
+            total = <int> lay
     return total
+
+
+cdef int _wcut(Ctx* c, int x, double avail, int K, int need, double whi) noexcept nogil:
+    """Round-trip capacity cut (V = 1): 1 when no completion with T <= thr places ``need``
+    layers on the K stages after x.
+
+    For a later stage j (V = 1: its first op is F(j, 0), its last B(j, M-1), a_j forwards
+    before its first backward B(j, 0)), the path of ``_bound``'s RT term through the stages
+    after x: micro-batch 0's forward from stage x to j, then its round trip through every stage
+    after j, then stage j's remaining M B_j + (M - a_j) F_j, then micro-batch M-1's backward
+    from j down to x and ``tail_x``. With w_i = F_i + B_i and W = sum of w over the K later
+    stages, T >= cap_path(x) + 2 minsend (K - 1) + W - w_j + M B_j + (M - a_j + 1) F_j,
+    so l_j ((M-1) b_o + (M - a_j) f_o) <= A - W with A = avail - 2 minsend (K - 1)
+    (a_j <= max of acnt after x). W >= sum_j l_j (f+b)_j. For every W in [Wa, Wb] the layers
+    are bounded by the capacity with caps at A - Wa (per type; the K best caps) and by the
+    fractional knapsack with budget Wb - outmin (cheapest (f+b) first; the last stage's w
+    also holds the output layer, >= outmin); W >= Wlo = need min(f+b) + outmin. [Wlo, A] is
+    split in pieces and the cut holds when every piece's bound is < need (the whole interval
+    as one piece is tried first: its bound is >= every piece's).
+    ``whi``: a second upper end for W from the decided stages: ``_bound``'s RT term with the
+    later stages' round trip written as 2 minsend K + W gives T >= MC[x] + P[x] + 2 minsend K
+    + W, so W <= thr - MC[x] - P[x] - 2 minsend K (V = 1: a stage's round-trip chunk is all of
+    it); the pieces cover [Wlo, min(A, whi)].
+    """
+    cdef int k, o, cap, best, dtmin, cnt, total, taken, i, j, nt, piece, NP = 16
+    cdef int amax = c.acnt_sufmax[x + 1]
+    cdef double A, A2, Wa, Wb, q, coef, fbk, lay, U, room, take, fbmin, Wlo
+    cdef int tcap[MAXT]
+    cdef int tcnt[MAXT]
+    cdef double tfb[MAXT]
+    cdef int fcap[MAXT]
+    cdef int fcnt[MAXT]
+    if amax > c.M:
+        amax = c.M
+    A = avail - 2.0 * c.minsend * (K - 1)
+    if A > 1e200:
+        return 0
+    if A <= 0.0:
+        return 1
+    fbmin = 1e300
+    for o in range(c.O):
+        if c.ofb[o] < fbmin:
+            fbmin = c.ofb[o]
+    # the last stage is a later one: its w holds the output layer too (>= outmin)
+    Wlo = (need * fbmin + c.outmin) * (1.0 - 1e-9)
+    if whi < A:
+        A2 = whi
+    else:
+        A2 = A
+    if Wlo > A2:
+        return 1
+    for piece in range(-1, NP):
+        if piece < 0:
+            # one piece [Wlo, A]: its bound is >= every smaller piece's, so a cut here is final
+            Wa = Wlo
+            Wb = A2
+        else:
+            Wa = Wlo + (A2 - Wlo) * piece / <double> NP
+            Wb = Wlo + (A2 - Wlo) * (piece + 1) / <double> NP
+            if piece == NP - 1:
+                Wb = A2
+        nt = 0
+        for k in range(c.T):
+            best = -1
+            dtmin = 0
+            fbk = 0.0
+            for o in range(c.O):
+                if c.opt_type[o] != k:
+                    continue
+                coef = (c.M - 1) * c.ob_[o] + (c.M - amax) * c.of_[o]
+                if coef <= 0.0:
+                    cap = 1000000000
+                else:
+                    q = (A - Wa) / coef
+                    if q < 0:
+                        continue
+                    q = q * (1.0 + 1e-9) + 1e-9
+                    if q > 1e9:
+                        cap = 1000000000
+                    else:
+                        cap = <int> q
+                if cap > c.suf_omax[o * (c.N + 1) + x + 1]:
+                    cap = c.suf_omax[o * (c.N + 1) + x + 1]
+                if cap < c.V:
+                    continue
+                if cap > best:
+                    best = cap
+                if dtmin == 0 or c.d * c.opt_tp[o] < dtmin:
+                    dtmin = c.d * c.opt_tp[o]
+                if fbk == 0.0 or c.ofb[o] < fbk:
+                    fbk = c.ofb[o]
+            if best < 0:
+                continue
+            cnt = (c.ndev[k] - c.cursor[k]) // dtmin
+            if cnt <= 0:
+                continue
+            if cnt > K:
+                cnt = K
+            i = nt
+            while i > 0 and tcap[i - 1] < best:
+                tcap[i] = tcap[i - 1]
+                tcnt[i] = tcnt[i - 1]
+                i -= 1
+            tcap[i] = best
+            tcnt[i] = cnt
+            i = nt
+            while i > 0 and tfb[i - 1] > fbk:
+                tfb[i] = tfb[i - 1]
+                fcap[i] = fcap[i - 1]
+                fcnt[i] = fcnt[i - 1]
+                i -= 1
+            tfb[i] = fbk
+            fcap[i] = best
+            fcnt[i] = cnt
+            nt += 1
+        total = 0
+        taken = 0
+        for i in range(nt):
+            if taken >= K:
+                break
+            j = tcnt[i]
+            if j > K - taken:
+                j = K - taken
+            taken += j
+            total += j * tcap[i]
+        if taken < K or total < need:
+            if piece < 0:
+                return 1
+            continue
+        U = (Wb - c.outmin) * (1.0 + 1e-9)
+        lay = 0.0
+        for i in range(nt):
+            if U <= 0.0:
+                break
+            room = fcnt[i] * <double> fcap[i]
+            take = U / tfb[i]
+            if take >= room:
+                lay += room
+                U -= room * tfb[i]
+            else:
+                lay += take
+                U = 0.0
+        if lay * (1.0 + 1e-9) + 1e-9 >= need:
+            if piece >= 0:
+                return 0
+        elif piece < 0:
+            return 1
+    return 1
 
 
 cdef inline double _cap_path(Ctx* c, int x) noexcept nogil:
@@ -549,6 +749,10 @@ cdef class Searcher:
                 elif (c.use_bound and K > 0
                       and _capacity(c, x, thr_eps - _cap_path(c, x), K) < Lrem - l):
                     c.cut_capacity += 1
+                elif (c.use_bound and c.fill_cut and c.V == 1 and K > 1
+                      and _wcut(c, x, thr_eps - _cap_path(c, x), K, Lrem - l,
+                                thr_eps - c.MC[x] - c.P[x] - 2.0 * c.minsend * K)):
+                    c.cut_capacity += 1
                 elif K == 0:
                     self.leaf(nr)
                 else:
@@ -621,6 +825,13 @@ def search_config(BoundStructure st, dag, dict cfg):
         c.ridge_ends = cfg["ridge_ends"]
         c.blocks = cfg["blocks"]
         c.use_bound = cfg.get("use_bound", 1)
+        c.fill_cut = cfg.get("fill_cut", 1)
+        c.acnt_sufmax[N] = 0
+        if V == 1:
+            for x in range(N - 1, -1, -1):
+                c.acnt_sufmax[x] = c.acnt_sufmax[x + 1]
+                if st.acnt[x] > c.acnt_sufmax[x]:
+                    c.acnt_sufmax[x] = st.acnt[x]
         forced = cfg.get("forced")
         c.forced = 0
         c.forced_T = -1.0

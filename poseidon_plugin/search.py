@@ -47,6 +47,23 @@ stage-x count l with cap(l) < Lrem - l is cut. cap is non-increasing in l (the p
 l), which gives a lower end for l by fixpoint iteration (l >= Lrem - cap(lo)). At the root
 (path >= 0) the same count gives ``root_bound``: the smallest T with capacity >= L.
 
+Fill/drain and round-trip capacity cuts (V = 1 schedules; ``_search.pyx`` ``_capacity`` and
+``_wcut``), with w_j = F_j + B_j >= l_j (f+b)_j of a later stage j and A = T - cap path:
+
+* fill/drain: later stage j's first op F(j, 0) waits for micro-batch 0's forward through the
+  later stages before it, and after its last op B(j, M-1) the backward runs back through them,
+  so M w_j + U_j <= A - 2 minsend (position) with U_j the w of those stages; U_K then obeys a
+  recursion increasing in U, and the layers fit a fractional knapsack of budget U_K (per type
+  <= min(cnt_k, K) stages of <= cap_k layers, cheapest (f+b) first);
+* round trip: with W = the w of all later stages (the last one holds the output layer), the
+  ``_bound`` RT path through stage j gives l_j ((M-1) b + (M - a_j) f) <= A - 2 minsend (K-1)
+  - W, and the decided stages' RT term gives W <= thr - MC - P - 2 minsend K; for W in each of
+  a few pieces [Wa, Wb] of the feasible range the layers are bounded by the per-type caps at
+  W = Wa and the knapsack of budget Wb; a count l of stage x is cut when every piece holds
+  < Lrem - l. Both are cuts at the threshold (a completion <= thr would satisfy them), not
+  parts of g; ``tests/test_search.py`` checks per configuration that the bounded search at
+  threshold = the exhaustive optimum still finds it.
+
 Iterative deepening
 -------------------
 The outer loop runs rounds with threshold caps R0 (1.02)^r (R0 = the smallest root bound; never

@@ -380,7 +380,21 @@ def plan_and_apply(script: str, argv: list[str], opts: PoseidonOptions) -> AutoR
     log.info("launch rank %d -> rank %d of %d (stage %d); setup took %.2f s", env.rank, new_rank,
              renum.world_size, new_rank // max(1, renum.world_size // int(plan.pp)),
              time.perf_counter() - t_start)
+    _install_calibration(plan, model, cache_path)
     return AutoResult(new_argv, new_rank, renum.world_size, plan)
+
+
+def _install_calibration(plan: Any, model: Any, cache_path: str) -> None:
+    """Live calibration (one log line predicted vs measured after the first iterations, measured
+    per-layer times written back to the profile cache). ``POSEIDON_CALIBRATION=0`` turns it off;
+    it never stops the training."""
+    if os.environ.get("POSEIDON_CALIBRATION", "1") == "0":
+        return
+    try:
+        from .calibration import install_calibration
+        install_calibration(plan, model_signature=model.signature(), profile_db_path=cache_path)
+    except Exception as exc:  # calibration is an observer: report, never fail the launch
+        log.warning("calibration not installed: %s", exc)
 
 
 # What Megatron's get_forward_backward_func can run: the plan may only pick these at launch.
