@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from test_launch_e2e import GPT_ARGS, ROOT, TORCHRUN, free_port, planner_env, write_emulation
+from test_launch_e2e import GPT_ARGS, ROOT, TORCHRUN, free_port, write_emulation
 
 pytestmark = pytest.mark.integration
 
@@ -30,7 +30,7 @@ def test_one_line_patch_plans_and_trains(tmp_path):
            str(free_port()), script, *GPT_ARGS, "--train-iters", "3", "--poseidon-auto",
            "--poseidon-emulate", emu]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1",
-           "POSEIDON_PROFILE_DIR": str(tmp_path / "profiles"), **planner_env()}
+           "POSEIDON_PROFILE_DIR": str(tmp_path / "profiles")}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=str(tmp_path))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]

@@ -39,20 +39,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def planner_env() -> dict[str, str]:
-    """The real search when it is importable, else the integration's stand-in planner."""
-    try:
-        import poseidon_plugin.search  # noqa: F401
-
-        return {}
-    except ImportError:
-        return {"POSEIDON_PLANNER": "poseidon_plugin.megatron._testing"}
-
-
 def torchrun(nproc: int, args: list[str], env: dict[str, str], timeout: float = 240):
     cmd = [TORCHRUN, "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), "-m", "poseidon_plugin.launch", SCRIPT, *args]
-    full_env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **planner_env(), **env}
+    full_env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **env}
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
     return proc, proc.stdout + proc.stderr, time.monotonic() - t0
