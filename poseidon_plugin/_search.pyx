@@ -280,7 +280,7 @@ cdef double _bound(Ctx* c, int x, int Lrem) noexcept nogil:
     return dmax(g, gy)
 
 
-cdef int _capacity(Ctx* c, int x, double avail, int K) noexcept nogil:
+cdef int _capacity(Ctx* c, int x, double avail, int K, double whi) noexcept nogil:
     """Most layers the K stages after x can hold in a completion with T <= thr (-1: none).
 
     ``avail`` = thr - (a path every later stage j's work lies on besides its own ops):
@@ -302,6 +302,11 @@ cdef int _capacity(Ctx* c, int x, double avail, int K) noexcept nogil:
     The layers then satisfy sum_j l_j (f + b)_j <= U_K with per type <= min(cnt_k, K) stages
     of <= cap_k layers and (f + b) >= the type's cheapest: a fractional knapsack, filled
     cheapest (f + b) first, bounds them from above; the smaller of the two bounds is returned.
+    ``whi``: an upper limit on U_K = W (``_wcut``'s, from the decided stages' RT term); as
+    U_p <= U_K <= whi for every p (w >= 0) and the step is increasing in U_p,
+    U_{p+1} <= step(min(U_p bound, whi)) by induction, and U_K <= whi. The last later stage
+    holds the output layer (x < N - 1), whose w is >= its layers' (f + b) + outmin, so the
+    knapsack's budget is U_K - outmin.
     """
     cdef int k, o, cap, best, dtmin, cnt, total, taken, i, j, nt, p
     cdef double q, fbk, U, lay, room, take
@@ -375,7 +380,12 @@ cdef int _capacity(Ctx* c, int x, double avail, int K) noexcept nogil:
     if c.V == 1 and c.fill_cut and K > 1:
         U = 0.0
         for p in range(K):
+            if U > whi:
+                U = whi
             U = U + (avail - 2.0 * c.minsend * p - U) / c.M
+        if U > whi:
+            U = whi
+        U = (U - c.outmin) * (1.0 + 1e-9)
         if U <= 0.0:
             return 0
         lay = 0.0
@@ -397,6 +407,130 @@ cdef int _capacity(Ctx* c, int x, double avail, int K) noexcept nogil:
         if lay < total:
             total = <int> lay
     return total
+
+
+cdef double _wpos(Ctx* c, int x, int K, double R, int* pc, double* troom) noexcept nogil:
+    """Positional round-trip capacity (V = 1) for W >= Wa, R = A - Wa: an upper bound on the
+    layers the K stages after x hold (-1: no completion), and troom[k] = the most layers the
+    stages of type k can hold (the sum of its best min(cnt_k, K) positional caps).
+
+    Stage j = x + 1 + p with option o obeys l_j ((M-1) b_o + (M - a_j) f_o) <= A - W <= R
+    (``_wcut``'s inequality with its own a_j = acnt[j] <= M) and l_j <= lmax[o, j], so
+    l_j <= pc[p, k] = max over the options o of its type k of those caps (-1: no option with
+    l_j >= 1 fits). Type k serves at most cnt_k = (D_k) // (d t_min(k)) of the later stages.
+    The best assignment sigma of types to positions (each position one type, type k at most
+    cnt_k positions) is bounded by weak LP duality: for any u >= 0,
+      sum_p pc[p, sigma(p)] = sum_p (pc[p, sigma(p)] - u_sigma(p)) + sum_k n_k u_k
+                           <= sum_p max_k (pc[p, k] - u_k) + sum_k cnt_k u_k = D(u)
+    (n_k <= cnt_k, u_k >= 0). u is chosen by two sweeps of exact coordinate minimisation
+    (u_k = max(0, the (cnt_k + 1)-th largest of pc[p, k] - max_{k' != k} (pc[p, k'] - u_k'))),
+    but any u >= 0 gives a valid bound. A position no type can serve, or more than cnt_k
+    positions only type k can serve, means no completion.
+    """
+    cdef int p, j, o, k, k2, cap, aj, T = c.T, M = c.M, N = c.N, n, i, m, sweep, ninf
+    cdef double q, coef, best, other, D, v
+    cdef int tav[MAXT]
+    cdef double u[MAXT]
+    cdef double dl[MAXN]
+    for k in range(T):
+        if c.min_dt[k] > 0:
+            tav[k] = (c.ndev[k] - c.cursor[k]) // c.min_dt[k]
+        else:
+            tav[k] = 0
+        if tav[k] > K:
+            tav[k] = K
+        u[k] = 0.0
+        troom[k] = 0.0
+    for p in range(K):
+        j = x + 1 + p
+        aj = c.acnt[j]
+        if aj > M:
+            aj = M
+        for k in range(T):
+            pc[p * T + k] = -1
+        for o in range(c.O):
+            k = c.opt_type[o]
+            if tav[k] <= 0:
+                continue
+            coef = (M - 1) * c.ob_[o] + (M - aj) * c.of_[o]
+            if coef <= 0.0:
+                cap = 1000000000
+            else:
+                q = R / coef
+                if q < 0:
+                    continue
+                q = q * (1.0 + 1e-9) + 1e-9
+                if q > 1e9:
+                    cap = 1000000000
+                else:
+                    cap = <int> q
+            if cap > c.lmax[o * N + j]:
+                cap = c.lmax[o * N + j]
+            if cap < 1:
+                continue
+            if cap > pc[p * T + k]:
+                pc[p * T + k] = cap
+    # per type room: the best min(cnt_k, K) positional caps
+    for k in range(T):
+        if tav[k] <= 0:
+            continue
+        n = 0
+        for p in range(K):
+            if pc[p * T + k] >= 0:
+                v = pc[p * T + k]
+                i = n
+                while i > 0 and dl[i - 1] < v:
+                    dl[i] = dl[i - 1]
+                    i -= 1
+                dl[i] = v
+                n += 1
+        m = tav[k] if tav[k] < n else n
+        for i in range(m):
+            troom[k] += dl[i]
+    # dual sweeps
+    for sweep in range(2):
+        for k in range(T):
+            if tav[k] <= 0:
+                continue
+            n = 0
+            ninf = 0
+            for p in range(K):
+                if pc[p * T + k] < 0:
+                    continue
+                other = -1e300
+                for k2 in range(T):
+                    if k2 != k and pc[p * T + k2] >= 0 and pc[p * T + k2] - u[k2] > other:
+                        other = pc[p * T + k2] - u[k2]
+                if other <= -1e299:
+                    ninf += 1
+                    continue
+                v = pc[p * T + k] - other
+                i = n
+                while i > 0 and dl[i - 1] < v:
+                    dl[i] = dl[i - 1]
+                    i -= 1
+                dl[i] = v
+                n += 1
+            if ninf > tav[k]:
+                return -1.0
+            # the (cnt_k + 1)-th largest delta overall (the ninf infinite ones come first)
+            m = tav[k] - ninf
+            if m < n and dl[m] > 0.0:
+                u[k] = dl[m]
+            else:
+                u[k] = 0.0
+    D = 0.0
+    for k in range(T):
+        D += tav[k] * u[k]
+    for p in range(K):
+        best = -1e300
+        for k in range(T):
+            if pc[p * T + k] >= 0 and pc[p * T + k] - u[k] > best:
+                best = pc[p * T + k] - u[k]
+        if best <= -1e299:
+            return -1.0
+        D += best
+    return D * (1.0 + 1e-12) + 1e-9
 
 
 cdef int _wcut(Ctx* c, int x, double avail, int K, int need, double whi) noexcept nogil:
@@ -429,6 +563,9 @@ cdef int _wcut(Ctx* c, int x, double avail, int K, int need, double whi) noexcep
     cdef double tfb[MAXT]
     cdef int fcap[MAXT]
     cdef int fcnt[MAXT]
+    cdef int ftype[MAXT]
+    cdef int pc[MAXN * MAXT]
+    cdef double troom[MAXT]
     if amax > c.M:
         amax = c.M
     A = avail - 2.0 * c.minsend * (K - 1)
@@ -507,10 +644,12 @@ cdef int _wcut(Ctx* c, int x, double avail, int K, int need, double whi) noexcep
                 tfb[i] = tfb[i - 1]
                 fcap[i] = fcap[i - 1]
                 fcnt[i] = fcnt[i - 1]
+                ftype[i] = ftype[i - 1]
                 i -= 1
             tfb[i] = fbk
             fcap[i] = best
             fcnt[i] = cnt
+            ftype[i] = k
             nt += 1
         total = 0
         taken = 0
@@ -526,12 +665,19 @@ cdef int _wcut(Ctx* c, int x, double avail, int K, int need, double whi) noexcep
             if piece < 0:
                 return 1
             continue
+        # positional caps: stage j = x + 1 + p with its own a_j (not amax) and lmax[o, j]
+        if _wpos(c, x, K, A - Wa, pc, troom) < need:
+            if piece < 0:
+                return 1
+            continue
         U = (Wb - c.outmin) * (1.0 + 1e-9)
         lay = 0.0
         for i in range(nt):
             if U <= 0.0:
                 break
             room = fcnt[i] * <double> fcap[i]
+            if troom[ftype[i]] < room:
+                room = troom[ftype[i]]
             take = U / tfb[i]
             if take >= room:
                 lay += room
@@ -719,7 +865,8 @@ cdef class Searcher:
                 for it in range(6):
                     _set_stage(c, x, o, lo, ring)
                     _bound(c, x, Lrem - lo)
-                    cap = _capacity(c, x, thr_eps - _cap_path(c, x), K)
+                    cap = _capacity(c, x, thr_eps - _cap_path(c, x), K,
+                                    thr_eps - c.MC[x] - c.P[x] - 2.0 * c.minsend * K)
                     if cap < 0:
                         lo = hi + 1
                         break
@@ -747,7 +894,9 @@ cdef class Searcher:
                 if c.use_bound and g > thr_eps:
                     c.cut_bound += 1
                 elif (c.use_bound and K > 0
-                      and _capacity(c, x, thr_eps - _cap_path(c, x), K) < Lrem - l):
+                      and _capacity(c, x, thr_eps - _cap_path(c, x), K,
+                                    thr_eps - c.MC[x] - c.P[x] - 2.0 * c.minsend * K)
+                      < Lrem - l):
                     c.cut_capacity += 1
                 elif (c.use_bound and c.fill_cut and c.V == 1 and K > 1
                       and _wcut(c, x, thr_eps - _cap_path(c, x), K, Lrem - l,

@@ -53,14 +53,19 @@ Fill/drain and round-trip capacity cuts (V = 1 schedules; ``_search.pyx`` ``_cap
 * fill/drain: later stage j's first op F(j, 0) waits for micro-batch 0's forward through the
   later stages before it, and after its last op B(j, M-1) the backward runs back through them,
   so M w_j + U_j <= A - 2 minsend (position) with U_j the w of those stages; U_K then obeys a
-  recursion increasing in U, and the layers fit a fractional knapsack of budget U_K (per type
-  <= min(cnt_k, K) stages of <= cap_k layers, cheapest (f+b) first);
+  recursion increasing in U, capped at every step by the W limit below (U_p <= U_K = W), and
+  the layers fit a fractional knapsack of budget U_K - outmin (the last stage's w also holds the
+  output layer; per type <= min(cnt_k, K) stages of <= cap_k layers, cheapest (f+b) first);
 * round trip: with W = the w of all later stages (the last one holds the output layer), the
   ``_bound`` RT path through stage j gives l_j ((M-1) b + (M - a_j) f) <= A - 2 minsend (K-1)
   - W, and the decided stages' RT term gives W <= thr - MC - P - 2 minsend K; for W in each of
   a few pieces [Wa, Wb] of the feasible range the layers are bounded by the per-type caps at
   W = Wa and the knapsack of budget Wb; a count l of stage x is cut when every piece holds
-  < Lrem - l. Both are cuts at the threshold (a completion <= thr would satisfy them), not
+  < Lrem - l. Per piece also the positional caps: stage j's own a_j and memory limit lmax[o, j]
+  give a cap pc[p, k] per position and type, and the best assignment of types to positions
+  (type k on <= cnt_k of them) is bounded by weak LP duality, sum_k cnt_k u_k +
+  sum_p max_k (pc[p, k] - u_k) for any u >= 0 (``_wpos``); the knapsack's per-type room is
+  the sum of the type's best min(cnt_k, K) positional caps. Both are cuts at the threshold (a completion <= thr would satisfy them), not
   parts of g; ``tests/test_search.py`` checks per configuration that the bounded search at
   threshold = the exhaustive optimum still finds it.
 

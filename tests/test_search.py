@@ -323,3 +323,34 @@ def test_capacity_and_round_trip_cuts_keep_every_config_optimum(types, layers, g
             continue
         assert res["best"] is not None, cfg
         assert res["best"][0] == pytest.approx(exact[0], rel=1e-12)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(st.tuples(st.sampled_from([50.0, 80.0, 150.0]), st.sampled_from([1, 2]),
+                          st.integers(1, 3), st.sampled_from([0.02, 0.05, 1.0])),
+                min_size=2, max_size=3),
+       st.integers(5, 9), st.sampled_from([8, 16, 32]),
+       st.sampled_from(["1f1b", "eager-1f1b"]), st.sampled_from([0.0, 0.01]))
+def test_positional_round_trip_and_fill_drain_cuts_keep_every_config_optimum(
+        types, layers, gbs, sched, slack):
+    """Deeper pipelines (3..6 stages, M up to 32, tight memory: lmax differs per position), so
+    the round-trip cut's positional caps (own a_j, lmax[o, j], type counts by LP duality) and
+    the fill/drain recursion's W limit are exercised: per configuration the bounded search at
+    threshold = the exhaustive optimum (x (1 + slack)) still finds a plan of exactly that time."""
+    from poseidon_plugin.search import run_config
+    cluster, model = make_instance(types, layers, None)
+    cm = CostModel(cluster, model, None, seq_length=128)
+    cfgs = [c for c in enumerate_configs(cm, global_batch_size=gbs, schedules=(sched,),
+                                         tp_mode="uniform", micro_batch_sizes=(1,),
+                                         max_virtual_stages=1)
+            if 3 <= c.num_stages <= 6]
+    for cfg in cfgs:
+        kw = dict(type_order="any", type_sequence_limit=3 ** 20, deadline=0.0)
+        exact = run_config(cm, cfg, pruning="none", threshold_ms=math.inf, **kw)["best"]
+        thr = math.inf if exact is None else exact[0] * (1 + slack)
+        res = run_config(cm, cfg, pruning="safe", threshold_ms=thr, **kw)
+        if exact is None:
+            assert res["best"] is None
+            continue
+        assert res["best"] is not None, cfg
+        assert res["best"][0] == pytest.approx(exact[0], rel=1e-12)
