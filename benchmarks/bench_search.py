@@ -36,6 +36,7 @@ from poseidon_plugin.cluster import load_cluster  # noqa: E402
 from poseidon_plugin.errors import PoseidonError  # noqa: E402
 from poseidon_plugin.model import get_model  # noqa: E402
 from poseidon_plugin.search import baseline_plans, search_plan  # noqa: E402
+from _machine import cpu_model  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 # case -> (cluster file stem, model preset, the paper's Poseidon search time in s or None)
 CASES: dict[str, tuple[str, str, float | None]] = {
@@ -55,15 +56,6 @@ COLUMNS = ("case", "model", "devices", "search s", "paper s", "exhaustive", "con
            "plan", "iter ms", "vs megatron", "vs single")
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def cores() -> str:

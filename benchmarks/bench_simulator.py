@@ -20,20 +20,12 @@ import numpy as np
 from poseidon_plugin import _core
 from poseidon_plugin import simulator_reference as ref
 from poseidon_plugin.simulator import SCHEDULES, iteration_time_ms, normalize_inputs
+from _machine import cpu_model  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 SIZES = [(4, 16), (8, 32), (16, 64), (32, 128)]
 VIRTUAL = 2  # for interleaved-1f1b
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def per_call_s(fn, budget_s: float, min_calls: int = 1) -> float:
