@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_example_file_loads():
     spec = load_emulation(os.path.join(ROOT, "examples", "emulate-2types.yaml"))
     assert spec.ranks == ("emu-slow", "emu-slow", "emu-fast", "emu-fast")
-    assert spec.type_of(0).slowdown == pytest.approx(2.0)
+    assert spec.type_of(0).slowdown == pytest.approx(4.0)  # speed 0.25
     assert spec.type_of(3).slowdown == 1.0
 
 
