@@ -56,6 +56,23 @@ cdef inline double dmin(double a, double b) noexcept nogil:
     return a if a < b else b
 
 
+cdef inline int _topk_layers(const int* tcap, const int* tcnt, int nt, int K,
+                             int* taken) noexcept nogil:
+    """Most layers K stages can hold: take the largest caps first (``tcap`` sorted descending,
+    ``tcnt[i]`` stages available at ``tcap[i]``). ``taken`` gets how many stages were found."""
+    cdef int total = 0, t = 0, i, j
+    for i in range(nt):
+        if t >= K:
+            break
+        j = tcnt[i]
+        if j > K - t:
+            j = K - t
+        t += j
+        total += j * tcap[i]
+    taken[0] = t
+    return total
+
+
 cdef double _now() noexcept nogil:
     cdef timespec ts
     clock_gettime(CLOCK_MONOTONIC, &ts)
@@ -365,16 +382,7 @@ cdef int _capacity(Ctx* c, int x, double avail, int K, double whi) noexcept nogi
         fcap[i] = best
         fcnt[i] = cnt
         nt += 1
-    total = 0
-    taken = 0
-    for i in range(nt):
-        if taken >= K:
-            break
-        j = tcnt[i]
-        if j > K - taken:
-            j = K - taken
-        taken += j
-        total += j * tcap[i]
+    total = _topk_layers(tcap, tcnt, nt, K, &taken)
     if taken < K:
         return -1
     if c.V == 1 and c.fill_cut and K > 1:
@@ -651,16 +659,7 @@ cdef int _wcut(Ctx* c, int x, double avail, int K, int need, double whi) noexcep
             fcnt[i] = cnt
             ftype[i] = k
             nt += 1
-        total = 0
-        taken = 0
-        for i in range(nt):
-            if taken >= K:
-                break
-            j = tcnt[i]
-            if j > K - taken:
-                j = K - taken
-            taken += j
-            total += j * tcap[i]
+        total = _topk_layers(tcap, tcnt, nt, K, &taken)
         if taken < K or total < need:
             if piece < 0:
                 return 1
