@@ -551,21 +551,28 @@ cdef int _wcut(Ctx* c, int x, double avail, int K, int need, double whi) noexcep
     after j, then stage j's remaining M B_j + (M - a_j) F_j, then micro-batch M-1's backward
     from j down to x and ``tail_x``. With w_i = F_i + B_i and W = sum of w over the K later
     stages, T >= cap_path(x) + 2 minsend (K - 1) + W - w_j + M B_j + (M - a_j + 1) F_j,
-    so l_j ((M-1) b_o + (M - a_j) f_o) <= A - W with A = avail - 2 minsend (K - 1)
-    (a_j <= max of acnt after x). W >= sum_j l_j (f+b)_j. For every W in [Wa, Wb] the layers
-    are bounded by the capacity with caps at A - Wa (per type; the K best caps) and by the
-    fractional knapsack with budget Wb - outmin (cheapest (f+b) first; the last stage's w
-    also holds the output layer, >= outmin); W >= Wlo = need min(f+b) + outmin. [Wlo, A] is
-    split in pieces and the cut holds when every piece's bound is < need (the whole interval
-    as one piece is tried first: its bound is >= every piece's).
-    ``whi``: a second upper end for W from the decided stages: ``_bound``'s RT term with the
-    later stages' round trip written as 2 minsend K + W gives T >= MC[x] + P[x] + 2 minsend K
-    + W, so W <= thr - MC[x] - P[x] - 2 minsend K (V = 1: a stage's round-trip chunk is all of
-    it); the pieces cover [Wlo, min(A, whi)].
+    so l_j ((M-1) b_o + (M - a_j) f_o) <= A - W with A = avail - 2 minsend (K - 1).
+    Write R = A - W. Every per-stage cap below is non-increasing in W:
+      g(W)  = min(top-K capacity with caps at R and a_j <= max acnt after x,
+                  the positional capacity ``_wpos(R)`` (own a_j, lmax[o, j], LP duality));
+      h(W)  = the fractional knapsack: the layers whose (f + b) cost fits the budget W - outmin
+              (the last stage's w also holds the output layer, >= outmin), cheapest first, per
+              type at most min(cnt_k, K) stages of <= cap_k(R) layers and <= troom_k(R) (the
+              type's best positional caps).
+    A completion with round trip W_c places need <= min(g(W_c), h(W_c)) layers and has
+    W_c <= A2 = min(A, whi) (``whi``: ``_bound``'s RT term with the later stages' round trip
+    written as 2 minsend K + W gives W <= thr - MC[x] - P[x] - 2 minsend K).
+    Fixpoint: W_0 = need min(f + b) + outmin <= W_c. If W_i <= W_c, the rooms at W_c are <= the
+    rooms at W_i, so h's budget must be at least the cheapest cost of ``need`` layers with
+    the rooms at W_i: W_c >= W_{i+1} = outmin + that cost. And g(W_c) <= g(W_i). So the cut
+    holds as soon as some W_i > A2, g(W_i) < need or the rooms at W_i hold < need layers; the
+    iteration stops (no cut) when W stops growing. At the fixpoint W*, min(g, h)(W*) >= need,
+    so a piecewise split of [W_0, A2] could not cut either: this is the strongest form of the
+    cut with these relaxations, at one positional evaluation per step.
     """
-    cdef int k, o, cap, best, dtmin, cnt, total, taken, i, j, nt, piece, NP = 16
+    cdef int k, o, cap, best, dtmin, cnt, total, taken, i, nt, it
     cdef int amax = c.acnt_sufmax[x + 1]
-    cdef double A, A2, Wa, Wb, q, coef, fbk, lay, U, room, take, fbmin, Wlo
+    cdef double A, A2, W, Wn, q, coef, fbk, lay, room, cost, rest, fbmin
     cdef int tcap[MAXT]
     cdef int tcnt[MAXT]
     cdef double tfb[MAXT]
@@ -585,24 +592,14 @@ cdef int _wcut(Ctx* c, int x, double avail, int K, int need, double whi) noexcep
     for o in range(c.O):
         if c.ofb[o] < fbmin:
             fbmin = c.ofb[o]
-    # the last stage is a later one: its w holds the output layer too (>= outmin)
-    Wlo = (need * fbmin + c.outmin) * (1.0 - 1e-9)
     if whi < A:
         A2 = whi
     else:
         A2 = A
-    if Wlo > A2:
-        return 1
-    for piece in range(-1, NP):
-        if piece < 0:
-            # one piece [Wlo, A]: its bound is >= every smaller piece's, so a cut here is final
-            Wa = Wlo
-            Wb = A2
-        else:
-            Wa = Wlo + (A2 - Wlo) * piece / <double> NP
-            Wb = Wlo + (A2 - Wlo) * (piece + 1) / <double> NP
-            if piece == NP - 1:
-                Wb = A2
+    W = (need * fbmin + c.outmin) * (1.0 - 1e-9)
+    for it in range(16):
+        if W > A2:
+            return 1
         nt = 0
         for k in range(c.T):
             best = -1
@@ -615,7 +612,7 @@ cdef int _wcut(Ctx* c, int x, double avail, int K, int need, double whi) noexcep
                 if coef <= 0.0:
                     cap = 1000000000
                 else:
-                    q = (A - Wa) / coef
+                    q = (A - W) / coef
                     if q < 0:
                         continue
                     q = q * (1.0 + 1e-9) + 1e-9
@@ -661,35 +658,30 @@ cdef int _wcut(Ctx* c, int x, double avail, int K, int need, double whi) noexcep
             nt += 1
         total = _topk_layers(tcap, tcnt, nt, K, &taken)
         if taken < K or total < need:
-            if piece < 0:
-                return 1
-            continue
+            return 1
         # positional caps: stage j = x + 1 + p with its own a_j (not amax) and lmax[o, j]
-        if _wpos(c, x, K, A - Wa, pc, troom) < need:
-            if piece < 0:
-                return 1
-            continue
-        U = (Wb - c.outmin) * (1.0 + 1e-9)
-        lay = 0.0
+        if _wpos(c, x, K, A - W, pc, troom) < need:
+            return 1
+        # cheapest (f + b) cost of ``need`` layers within the rooms (inverse knapsack)
+        rest = need
+        cost = 0.0
         for i in range(nt):
-            if U <= 0.0:
-                break
             room = fcnt[i] * <double> fcap[i]
             if troom[ftype[i]] < room:
                 room = troom[ftype[i]]
-            take = U / tfb[i]
-            if take >= room:
-                lay += room
-                U -= room * tfb[i]
-            else:
-                lay += take
-                U = 0.0
-        if lay * (1.0 + 1e-9) + 1e-9 >= need:
-            if piece >= 0:
-                return 0
-        elif piece < 0:
+            if room >= rest:
+                cost += rest * tfb[i]
+                rest = 0.0
+                break
+            cost += room * tfb[i]
+            rest -= room
+        if rest > 1e-9:
             return 1
-    return 1
+        Wn = (c.outmin + cost) * (1.0 - 1e-9) - 1e-9
+        if Wn <= W * (1.0 + 1e-12):
+            return 0
+        W = Wn
+    return 0
 
 
 cdef inline double _cap_path(Ctx* c, int x) noexcept nogil:
