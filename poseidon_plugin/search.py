@@ -76,8 +76,13 @@ above the incumbent): a round whose search ends with no plan <= cap proves the o
 the first round that finds one has found the best plan, since every better plan is <= cap and
 was in its search. Rounds below the optimum are cheap (the bounds cut at the first stages), and
 the last one searches with a threshold within 2 % of the optimum, where the bound and the
-capacity cut leave almost nothing. This replaces a good warm-up incumbent; the warm-up still
-runs (on the configurations with the lowest root bounds) and caps the rounds.
+capacity cut leave almost nothing. When the next cap would pass the incumbent, one round (per
+pass) searches with the midpoint of the proven bound and the incumbent if their gap is > 0.2 %
+(a round costs far less when its cap is close to the optimum than when it starts from a
+distant incumbent and must first find the optimum; when the incumbent is already the optimum,
+the extra round costs less than the last one), then the last searches with the incumbent. This replaces a good warm-up
+incumbent; the warm-up still runs (on the configurations with the lowest root bounds) and caps
+the rounds.
 
 Passes (blocks seed)
 --------------------
@@ -146,6 +151,8 @@ DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4)
 # the contiguous ``blocks`` orders lose 2.1 %), contiguous blocks beyond.
 TYPE_SEQUENCE_LIMIT = 3 ** 20
 ROUND_STEP = 0.02   # iterative deepening: each round's threshold cap is 2 % above the last
+BISECT_GAP = 0.002  # ... until it passes the incumbent: then one midpoint round if the gap is > 0.2 %
+MAX_ROUNDS = 64     # per pass; the last round searches with the incumbent alone
 
 
 @dataclass(frozen=True)
@@ -767,24 +774,36 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
         """Iterative deepening over ``pass_order`` (see the module docstring); True when the
         pass completed (the incumbent is the best plan of the pass's space, or better).
 
-        Round r searches with cap_r = root * (1+step)^r (never above the incumbent). A round
+        Round r searches with cap_r = root * (1+step)^r; a cap that would pass the incumbent
+        becomes, once per pass, the midpoint of the proven bound and the incumbent if their gap
+        is > 0.2 %, else the incumbent (cap = inf: threshold = incumbent). A round
         that ends with no plan <= cap_r proves every plan of the pass is > cap_r; the first
         round that finds one (threshold <= cap_r) has found the best plan, since every better
         plan would have been <= cap_r too. With an incumbent from an earlier pass (a seed),
         the rounds stop below it and the last round searches with the seed as threshold: any
         plan found beats or ties the seed, and if none, the seed is the best plan."""
-        caps: list[float] = [math.inf]
-        if pruning != "none" and pass_order:
-            r0 = roots[pass_order[0]]
-            if math.isfinite(r0) and r0 > 0:
-                caps = []
-                c = r0 * (1 + ROUND_STEP)
-                while c < threshold and len(caps) < 64:
-                    caps.append(c)
-                    c *= 1 + ROUND_STEP
-                caps.append(math.inf)
+        r0 = roots[pass_order[0]] if pass_order else math.inf
+        deepen = pruning != "none" and math.isfinite(r0) and r0 > 0
+        cap = r0 * (1 + ROUND_STEP) if deepen else math.inf
         proven = 0.0
-        for cap in caps:
+        rounds = 0
+        bisected = False
+        while True:
+            if deepen and cap >= threshold:
+                # the next geometric cap passes the incumbent: once, if the gap is wide, search
+                # with the midpoint of the proven bound and the incumbent (a round that finds
+                # the optimum early is much cheaper than one that starts from a distant
+                # incumbent; when the incumbent is the optimum this round costs less than the
+                # last one), then with the incumbent itself
+                if (not bisected and math.isfinite(threshold) and proven > 0
+                        and threshold > proven * (1 + BISECT_GAP)):
+                    bisected = True
+                    cap = 0.5 * (proven + threshold)
+                else:
+                    cap = math.inf
+            if rounds >= MAX_ROUNDS - 1:
+                cap = math.inf
+            rounds += 1
             stats["rounds"] += 1
             searched_last.clear()
             if bar:
@@ -795,11 +814,10 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
             log.debug("pass %s: round cap %.1f, incumbent %.1f, %d configs, %d nodes, %.2f s",
                       pass_type_order, cap, threshold, len(searched_last),
                       stats["nodes"] - n_before, time.perf_counter() - t_round)
-            if timed_out:
-                break
-            if threshold <= cap:
+            if timed_out or threshold <= cap or not math.isfinite(cap):
                 break
             proven = max(proven, cap)
+            cap *= 1 + ROUND_STEP
         # every configuration of the pass has no plan below ``proven`` (completed rounds) in
         # the pass's space
         for i in pass_order:
