@@ -27,9 +27,12 @@ followed by its all-reduce R_k; and, for the undecided stage with the most layer
     T >= head_{x+1} + M * ceil(L_rem / K) * min(f+b) + tail via stage x.
 """
 
-from libc.stdlib cimport malloc, free
+from libc.stdlib cimport malloc, free, realloc
+from libc.string cimport memcpy
 from libc.math cimport ceil
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
+
+import threading
 
 import numpy as np
 cimport numpy as cnp
@@ -42,6 +45,39 @@ DEF MAXN = 256
 DEF MAXV = 8
 DEF MAXO = 64
 DEF MAXT = 16
+
+cdef extern from *:
+    """
+    /* lock-free helpers for the threads of one search_config call (GCC/Clang builtins) */
+    static inline int psn_fetch_add(int *p, int v) {
+        return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+    }
+    static inline double psn_load_d(double *p) {
+        double v;
+        __atomic_load(p, &v, __ATOMIC_RELAXED);
+        return v;
+    }
+    static inline void psn_min_d(double *p, double v) {
+        double cur;
+        __atomic_load(p, &cur, __ATOMIC_RELAXED);
+        while (v < cur && !__atomic_compare_exchange(p, &cur, &v, 1, __ATOMIC_RELAXED,
+                                                     __ATOMIC_RELAXED)) {
+        }
+    }
+    """
+    int psn_fetch_add(int* p, int v) noexcept nogil
+    double psn_load_d(double* p) noexcept nogil
+    void psn_min_d(double* p, double v) noexcept nogil
+
+
+cdef struct Shared:
+    # subtrees (prefixes of the first D stages) handed out to the threads, and the incumbent
+    int next
+    int nprefix
+    int D
+    int* buf           # nprefix * 2D: options then layers of each prefix
+    double thr
+
 
 RIDGE_OFF = 0
 RIDGE_CUT = 1
@@ -173,6 +209,17 @@ cdef struct Ctx:
     int f_l[MAXN]
     double gtrace[MAXN]
     double forced_T
+    # subtree prefix (threads): stages x < plen are fixed to (p_opt[x], p_l[x])
+    int plen
+    int p_opt[MAXN]
+    int p_l[MAXN]
+    # prefix collection: recurse(collect_D) stores the prefix and returns
+    int collect_D
+    int* cbuf
+    int ncollect
+    int ccap
+    int coverflow
+    Shared* sh
     # stats
     long long nodes, simulated, cut_bound, cut_memory, cut_ridge, cut_devices, improved
     long long cut_capacity
@@ -751,6 +798,55 @@ cdef class Searcher:
                 c.best_l[x] = c.st_l[x]
             if T < c.thr:
                 c.thr = T
+            if c.sh != NULL:
+                psn_min_d(&c.sh.thr, T)
+
+    cdef void collect(self, int D) noexcept nogil:
+        """Store the current prefix (stages < D) in cbuf (grown as needed; ccap in ints)."""
+        cdef Ctx* c = self.c
+        cdef int x, ncap, need = (c.ncollect + 1) * 2 * D
+        cdef int* nb
+        if c.coverflow:
+            return
+        if need > c.ccap:
+            ncap = 2 * c.ccap
+            if ncap < need:
+                ncap = need
+            if ncap < 1024:
+                ncap = 1024
+            if ncap > (1 << 24):
+                c.coverflow = 1
+                return
+            nb = <int*> realloc(c.cbuf, ncap * sizeof(int))
+            if nb == NULL:
+                c.coverflow = 1
+                return
+            c.cbuf = nb
+            c.ccap = ncap
+        for x in range(D):
+            c.cbuf[c.ncollect * 2 * D + x] = c.st_opt[x]
+            c.cbuf[c.ncollect * 2 * D + D + x] = c.st_l[x]
+        c.ncollect += 1
+
+    cdef void run_shared(self) noexcept nogil:
+        """Search the shared prefixes, one at a time, until none is left."""
+        cdef Ctx* c = self.c
+        cdef Shared* sh = c.sh
+        cdef int i, x, D = sh.D
+        c.plen = D
+        while not c.timed_out:
+            i = psn_fetch_add(&sh.next, 1)
+            if i >= sh.nprefix:
+                break
+            for x in range(D):
+                c.p_opt[x] = sh.buf[i * 2 * D + x]
+                c.p_l[x] = sh.buf[i * 2 * D + D + x]
+            self.recurse(0, c.L, 0)
+        c.plen = 0
+
+    def _thread_main(self):
+        with nogil:
+            self.run_shared()
 
     cdef void recurse(self, int x, int Lrem, int nonridge) noexcept nogil:
         cdef Ctx* c = self.c
@@ -764,9 +860,18 @@ cdef class Searcher:
             if _now() > c.deadline:
                 c.timed_out = 1
                 return
+        if c.collect_D > 0 and x == c.collect_D:
+            self.collect(x)
+            return
+        if c.sh != NULL:
+            g = psn_load_d(&c.sh.thr)
+            if g < c.thr:
+                c.thr = g
         K = N - 1 - x
         for o in range(c.O):
             if c.forced and o != c.f_opt[x]:
+                continue
+            if x < c.plen and o != c.p_opt[x]:
                 continue
             k = c.opt_type[o]
             t = c.opt_tp[o]
@@ -815,6 +920,11 @@ cdef class Searcher:
                     continue
                 lo = c.f_l[x]
                 hi = c.f_l[x]
+            if x < c.plen:
+                if c.p_l[x] < lo or c.p_l[x] > hi:
+                    continue
+                lo = c.p_l[x]
+                hi = c.p_l[x]
             rstage = _ridge_stage(c, x)
             if rstage and c.ridge_mode == 1 and c.rl[o] > 0 and c.rdec[o] and hi > c.rl[o]:
                 c.cut_ridge += hi - c.rl[o] if c.rl[o] >= lo else hi - lo + 1
@@ -909,7 +1019,43 @@ cdef class Searcher:
                 return
 
 
-def search_config(BoundStructure st, dag, dict cfg):
+PREFIXES_PER_THREAD = 8   # threads > 1: split at the first depth with this many subtrees per thread
+
+
+cdef int _less_best(Ctx* a, Ctx* b) noexcept nogil:
+    """a's best assignment lexicographically smaller than b's?"""
+    cdef int x
+    for x in range(a.N):
+        if a.best_opt[x] != b.best_opt[x]:
+            return 1 if a.best_opt[x] < b.best_opt[x] else 0
+        if a.best_l[x] != b.best_l[x]:
+            return 1 if a.best_l[x] < b.best_l[x] else 0
+    return 0
+
+
+cdef void _absorb(Ctx* c, Ctx* h) noexcept nogil:
+    """Fold helper h's statistics and best plan into c."""
+    cdef int x
+    c.nodes += h.nodes
+    c.simulated += h.simulated
+    c.cut_bound += h.cut_bound
+    c.cut_memory += h.cut_memory
+    c.cut_ridge += h.cut_ridge
+    c.cut_devices += h.cut_devices
+    c.cut_capacity += h.cut_capacity
+    c.improved += h.improved
+    if h.timed_out:
+        c.timed_out = 1
+    if h.have_best and ((not c.have_best) or h.best_T < c.best_T
+                        or (h.best_T == c.best_T and _less_best(h, c))):
+        c.have_best = 1
+        c.best_T = h.best_T
+        for x in range(c.N):
+            c.best_opt[x] = h.best_opt[x]
+            c.best_l[x] = h.best_l[x]
+
+
+def search_config(BoundStructure st, dag, dict cfg, int threads=1, thread_dag=None):
     """Branch and bound over one outer configuration; see the module docstring.
 
     ``cfg`` keys: d, L, act_bytes, latency_ms, cross_gbps, minsend, minfb, outmin, alpha,
@@ -920,12 +1066,30 @@ def search_config(BoundStructure st, dag, dict cfg):
     returning it (called, with the GIL, when the first leaf is reached); its workspace is
     used, so it must not be shared with another thread during the call.
     Returns a dict with best (None or (time, [opt], [layers])) and statistics.
+
+    ``threads`` > 1 (and N >= 3): the tree is cut at the first depth D with at least
+    PREFIXES_PER_THREAD * threads surviving prefixes (stages < D decided, collected by the
+    same recursion and cuts), and ``threads`` searchers (this thread and threads - 1 Python
+    threads, all in nogil code) take the prefixes one at a time from a shared counter, sharing
+    the incumbent time (an atomic minimum every node reads). ``thread_dag(slot)`` gives each
+    helper its own ``PipelineDAG`` (the simulator's workspace is per object). The result is the
+    same as with one thread: every searcher keeps the smallest (time, assignment) it meets
+    with time <= the threshold, the threshold never drops below the optimum, so every optimal
+    assignment is reached, and the results are merged by (time, assignment). Only the
+    statistics depend on the interleaving.
     """
     cdef Searcher se = Searcher.__new__(Searcher)
+    cdef Searcher h
     cdef Ctx* c = <Ctx*> malloc(sizeof(Ctx))
+    cdef Ctx* hc
+    cdef Shared* sh = NULL
+    cdef int D, Dtry, slot
     if c == NULL:
         raise MemoryError()
     se.c = c
+    c.cbuf = NULL
+    c.sh = NULL
+    helpers = []
     if isinstance(dag, PipelineDAG):
         se.dag = dag
         se.have_dag = 1
@@ -1060,8 +1224,87 @@ def search_config(BoundStructure st, dag, dict cfg):
         c.cut_capacity = 0
         c.improved = 0
         c.timed_out = 0
-        with nogil:
-            se.recurse(0, c.L, 0)
+        c.plen = 0
+        c.collect_D = 0
+        c.ncollect = 0
+        c.ccap = 0
+        c.coverflow = 0
+        D = 0
+        if threads > 1 and N >= 3 and not c.forced:
+            if thread_dag is None:
+                raise ValueError("search_config: threads > 1 needs thread_dag")
+            for Dtry in range(1, N - 1):
+                c.collect_D = Dtry
+                c.ncollect = 0
+                with nogil:
+                    se.recurse(0, c.L, 0)
+                if c.timed_out or c.coverflow:
+                    D = 0
+                    break
+                D = Dtry
+                if c.ncollect >= PREFIXES_PER_THREAD * threads:
+                    break
+            c.collect_D = 0
+        if D > 0 and c.ncollect < 2:
+            D = 0 if c.ncollect == 1 else -1   # one subtree: search it alone; none: no plan
+        if D > 0:
+            sh = <Shared*> malloc(sizeof(Shared))
+            if sh == NULL:
+                raise MemoryError()
+            sh.next = 0
+            sh.nprefix = c.ncollect
+            sh.D = D
+            sh.buf = c.cbuf
+            sh.thr = c.thr
+            c.sh = sh
+            for slot in range(1, threads):
+                h = Searcher.__new__(Searcher)
+                hc = <Ctx*> malloc(sizeof(Ctx))
+                if hc == NULL:
+                    raise MemoryError()
+                memcpy(hc, c, sizeof(Ctx))
+                h.c = hc
+                hc.cbuf = NULL
+                hc.WF = NULL
+                hc.WB = NULL
+                hc.EF = NULL
+                hc.EB = NULL
+                helpers.append(h)
+                hc.WF = <double*> malloc(N * V * sizeof(double))
+                hc.WB = <double*> malloc(N * V * sizeof(double))
+                hc.EF = <double*> malloc(N * sizeof(double))
+                hc.EB = <double*> malloc(N * sizeof(double))
+                if hc.WF == NULL or hc.WB == NULL or hc.EF == NULL or hc.EB == NULL:
+                    raise MemoryError()
+                hc.nodes = 0
+                hc.simulated = 0
+                hc.cut_bound = 0
+                hc.cut_memory = 0
+                hc.cut_ridge = 0
+                hc.cut_devices = 0
+                hc.cut_capacity = 0
+                hc.improved = 0
+                hc.have_best = 0
+                h.dag_factory = (lambda s=slot: thread_dag(s))
+                h.have_dag = 0
+                h.dag_error = 0
+            workers = [threading.Thread(target=h._thread_main, daemon=True) for h in helpers]
+            for w in workers:
+                w.start()
+            try:
+                with nogil:
+                    se.run_shared()
+            finally:
+                for w in workers:
+                    w.join()
+            for h in helpers:
+                _absorb(c, h.c)
+                if h.dag_error:
+                    h.dag_factory()
+                    raise RuntimeError("search_config: the DAG factory failed")
+        elif D == 0:
+            with nogil:
+                se.recurse(0, c.L, 0)
         if se.dag_error:
             se.dag_factory()   # re-raise the factory's error with its traceback
             raise RuntimeError("search_config: the DAG factory failed")
@@ -1080,8 +1323,20 @@ def search_config(BoundStructure st, dag, dict cfg):
             "timed_out": bool(c.timed_out),
             "gtrace": [c.gtrace[x] for x in range(N)] if c.forced else None,
             "forced_T": c.forced_T if c.forced else None,
+            "split_depth": D if D > 0 else 0,
+            "subtrees": c.ncollect if D > 0 else 0,
         }
     finally:
+        for h in helpers:
+            if h.c != NULL:
+                free(h.c.WF)
+                free(h.c.WB)
+                free(h.c.EF)
+                free(h.c.EB)
+                free(h.c)
+                h.c = NULL
+        free(sh)
+        free(c.cbuf)
         se.c = NULL
         free(c.WF)
         free(c.WB)

@@ -91,7 +91,7 @@ class CostModel:
                                 for n in self.type_names)
         self.inter_gbps = tuple(float(cluster.links.inter_node_gbps[n]) for n in self.type_names)
         self._layer_cache: dict[tuple[int, int, int], LayerCosts] = {}
-        self._mem_cache: dict[tuple, int] = {}
+        self._mem_cache: dict[tuple, tuple[int, int]] = {}
         # per-outer-configuration data the plan search derives once (memory limits, ...)
         self.search_cache: dict[str, dict] = {}
         self._sig = model.signature() if callable(getattr(model, "signature", None)) else model.name
@@ -137,16 +137,23 @@ class CostModel:
         """Largest l <= limit whose stage memory fits (0 if none); memory is monotone in l.
 
         Memoised on what ``memory.stage_memory`` depends on: (first, last, in-flight count) of the
-        stage position, tp, dp, micro-batch, schedule, V, capacity.
+        stage position, tp, dp, micro-batch, schedule, V, capacity. The memo holds the largest
+        fitting l up to the model's layer count, so every ``limit`` shares it (monotonicity:
+        the answer for ``limit`` is min(that, limit)).
         """
+        if limit < 1:
+            return 0
         inflight = memory_mod.microbatches_in_flight(schedule, stage, num_stages,
                                                      num_microbatches, virtual_stages)
         first, last = stage == 0, stage == num_stages - 1
         key = (capacity_bytes, first, last, num_stages == 1, inflight, tp, dp, micro_batch_size,
-               schedule, virtual_stages, limit)
+               schedule, virtual_stages)
         hit = self._mem_cache.get(key)
-        if hit is not None:
-            return hit
+        # (largest fitting l up to the searched limit, that limit): exact for every limit up to
+        # the searched one, and for any limit when memory stopped it below the searched limit
+        if hit is not None and (limit <= hit[1] or hit[0] < hit[1]):
+            return min(hit[0], limit)
+        requested, limit = limit, max(limit, self.model.num_layers)
 
         def mem(l: int) -> int:
             return self.stage_memory_bytes(layers=l, stage=stage, num_stages=num_stages, tp=tp,
@@ -176,8 +183,8 @@ class CostModel:
                 else:
                     hi = mid
             result = lo
-        self._mem_cache[key] = result
-        return result
+        self._mem_cache[key] = (result, limit)
+        return min(result, requested)
 
     # ------------------------------------------------------------------ a concrete plan
     def stage_costs(self, *, stage_types, stage_tps, layers, dp: int, micro_batch_size: int,

@@ -98,12 +98,18 @@ the second pass re-searches (they only held in the smaller space).
 
 Determinism and workers
 -----------------------
-The plan (time, then the configuration key, then the stage options and layers, as tie-break)
-does not depend on ``workers``. With ``workers > 1`` the statistics (``nodes``, ``cut_*``,
-``plans_simulated``, ``configs_searched``) do: a configuration's search runs with the incumbent
-known when it was submitted, which depends on timing. ``Plan.search`` then carries
-``"statistics_depend_on_timing": true`` (false for a single-process search, whose statistics
-are reproducible).
+Configurations are searched one after another; ``workers`` (default: every core) threads
+share the search of a large one: a configuration whose previous search (an earlier round)
+took >= SPLIT_NODES nodes has its tree cut into subtrees (the prefixes of its first stages
+that survive the cuts), which the threads take one at a time, all in ``nogil`` C, sharing the
+incumbent (``_search.search_config``). The plan (time, then the configuration key, then the
+stage options and layers, as tie-break) does not depend on ``workers``: every thread keeps
+the smallest (time, assignment) it meets and the results are merged in that order. The
+statistics (``nodes``, ``cut_*``, ``plans_simulated``) do depend on the threads' interleaving
+when a split happened; ``Plan.search`` then carries ``"statistics_depend_on_timing": true``
+(false otherwise: the statistics are reproducible). Threads, not processes: on the 2-core
+reference machine a fork pool over configurations was slower than one process (the rounds
+end in one dominant configuration, and the pool duplicated the per-process caches).
 
 Layer-level pruning (Theorem 2)
 -------------------------------
@@ -124,10 +130,8 @@ import math
 import os
 import random
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
-import multiprocessing
 
 import numpy as np
 
@@ -153,6 +157,8 @@ TYPE_SEQUENCE_LIMIT = 3 ** 20
 ROUND_STEP = 0.02   # iterative deepening: each round's threshold cap is 2 % above the last
 BISECT_GAP = 0.002  # ... until it passes the incumbent: then one midpoint round if the gap is > 0.2 %
 MAX_ROUNDS = 64     # per pass; the last round searches with the incumbent alone
+SPLIT_NODES = 20000  # a configuration whose last search took this many nodes is split over threads
+WARMUP_CONFIGS = 16  # warm-up samples come from this many configurations of lowest root bound
 
 
 @dataclass(frozen=True)
@@ -475,7 +481,8 @@ def config_payload(cm: CostModel, cfg: OuterConfig, *, pruning: str, type_order:
 
 
 def run_config(cm: CostModel, cfg: OuterConfig, *, pruning: str, type_order: str,
-               type_sequence_limit: int, threshold_ms: float, deadline: float) -> dict:
+               type_sequence_limit: int, threshold_ms: float, deadline: float,
+               threads: int = 1) -> dict:
     cache = cm.search_cache.setdefault("payload", {})
     pkey = (cfg, pruning, type_order, type_sequence_limit)
     hit = cache.get(pkey)
@@ -488,16 +495,18 @@ def run_config(cm: CostModel, cfg: OuterConfig, *, pruning: str, type_order: str
     st = bound_structure(cfg.schedule, cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages)
     key = (cfg.schedule, cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages)
     # the DAG is built only when the search reaches its first leaf (most configurations are
-    # settled by the bounds alone)
-    res = _search.search_config(st, lambda: cached_dag(*key), payload)
+    # settled by the bounds alone); threads > 1: one DAG per thread (its own workspace)
+    res = _search.search_config(st, lambda: cached_dag(*key), payload, threads,
+                                lambda slot: cached_dag(*key, slot))
     res["blocks"] = blocks
     return res
 
 
-@lru_cache(maxsize=32)
-def cached_dag(schedule: str, n: int, m: int, v: int):
-    """The simulator's ``PipelineDAG`` of (schedule, N, M, V), built once per process."""
-    return get_dag(schedule, n, m, v)
+@lru_cache(maxsize=64)
+def cached_dag(schedule: str, n: int, m: int, v: int, slot: int = 0):
+    """The simulator's ``PipelineDAG`` of (schedule, N, M, V), built once per process and
+    ``slot`` (each thread of a split search uses its own slot: the DAG's workspace)."""
+    return get_dag(schedule, n, m, v) if slot == 0 else get_dag(schedule, n, m, v).copy()
 
 
 def bound_trace(cm: CostModel, cfg: OuterConfig, opts, layers) -> tuple[list[float], float]:
@@ -568,20 +577,6 @@ def _random_assignment(cm: CostModel, cfg: OuterConfig, lmax: np.ndarray, rng: r
     if rem != 0:
         return None
     return opts, layers
-
-
-# --------------------------------------------------------------------------- workers
-
-_WORKER: dict = {}
-
-
-def _worker_run(index: int, threshold_ms: float, deadline: float, tag: float,
-                type_order: str) -> tuple[int, dict, float]:
-    w = _WORKER
-    res = run_config(w["cm"], w["configs"][index], pruning=w["pruning"],
-                     type_order=type_order, type_sequence_limit=w["type_sequence_limit"],
-                     threshold_ms=threshold_ms, deadline=deadline)
-    return index, res, tag
 
 
 # --------------------------------------------------------------------------- entry point
@@ -669,36 +664,62 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
     else:
         roots = [root_bound(cm, c) for c in configs]
         order = sorted(range(len(configs)), key=lambda i: (roots[i], configs[i].key))
+    log.debug("%d configurations and their root bounds: %.2f s", len(configs),
+              time.perf_counter() - t0)
 
-    # ---- warm-up sampling (seeds the bound; skipped by the exhaustive mode). Samples are
-    # drawn from the configurations with the lowest root bounds (the promising ones; their
-    # DAGs are the ones the search needs anyway).
+    # ---- warm-up sampling (seeds the bound; skipped by the exhaustive mode). The samples come
+    # from the first WARMUP_CONFIGS configurations, by root bound, where a random assignment
+    # fits (a few tries each; the promising ones, whose DAGs the search needs anyway, and few
+    # DAGs to build), then at random among those.
     threshold = math.inf
     if pruning != "none" and warmup_samples > 0:
         rng = random.Random(seed)
-        pool = [i for i in order[:max(8, len(order) // 20)] if math.isfinite(roots[i])]
+        scan = iter([i for i in order if math.isfinite(roots[i])])
+        pool: list[int] = []
         attempts = 0
-        while pool and stats["warmup_plans"] < warmup_samples and attempts < 4 * warmup_samples:
-            attempts += 1
-            cfg = configs[rng.choice(pool)]
+        scanning = True
+
+        def sample(i: int) -> bool:
+            nonlocal threshold
+            cfg = configs[i]
             a = _random_assignment(cm, cfg, _lmax(cm, cfg), rng)
             if a is None:
-                continue
+                return False
             t = fast_plan_time(cm, cfg, *a)
             stats["warmup_plans"] += 1
-            if t < threshold:
-                threshold = t
+            threshold = min(threshold, t)
             consider(t, cfg, *a)
-            if deadline_wall is not None and time.monotonic() > deadline_wall:
+            return True
+
+        while stats["warmup_plans"] < warmup_samples and attempts < 4 * warmup_samples:
+            if (deadline_wall is not None and stats["warmup_plans"] > 0
+                    and time.monotonic() > deadline_wall):
+                break   # (one plan at least, so that a tiny budget still returns a plan)
+            if scanning and len(pool) < WARMUP_CONFIGS:
+                i = next(scan, None)
+                if i is None:
+                    scanning = False
+                    continue
+                for _ in range(4):
+                    attempts += 1
+                    if sample(i):
+                        pool.append(i)
+                        break
+                continue
+            if not pool:
                 break
-        log.debug("warm-up: %d plans, best %.3f ms", stats["warmup_plans"], threshold)
+            attempts += 1
+            sample(rng.choice(pool))
+        log.debug("warm-up: %d plans, best %.3f ms (at %.2f s)", stats["warmup_plans"], threshold,
+                  time.perf_counter() - t0)
 
     lbs = list(roots)          # per configuration: no plan of it is faster (besides the best)
     searched_last: set[int] = set()
     searched_ever: set[int] = set()
     timed_out = False
     complete = True
-    used_pool = False
+    used_threads = False
+    work: dict[int, int] = {}   # configuration -> nodes of its last search (thread split)
 
     def absorb(i: int, res: dict, thr_used: float) -> None:
         nonlocal threshold, timed_out
@@ -725,52 +746,32 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
         from tqdm import tqdm
         bar = tqdm(total=len(order), desc="poseidon search", unit="cfg", leave=False)
 
-    def run_round(cap: float, ex, pass_order: list[int], pass_type_order: str) -> None:
+    def run_round(cap: float, pass_order: list[int], pass_type_order: str) -> None:
         """Search every configuration of ``pass_order`` whose root bound is <= min(cap,
         threshold) with the threshold min(cap, incumbent): afterwards the best plan of the
-        pass's space with time <= cap is known."""
-        nonlocal timed_out
+        pass's space with time <= cap is known. A configuration whose last search took
+        >= SPLIT_NODES nodes is searched by ``nworkers`` threads (its subtrees shared)."""
+        nonlocal timed_out, used_threads
         thr_of = (lambda: math.inf) if pruning == "none" else (lambda: min(cap, threshold))
-        pending = set()
-        it = iter(pass_order)
-        exhausted = False
-        while True:
-            while not exhausted and len(pending) < (2 * nworkers if ex else 1):
-                i = next(it, None)
-                if i is None:
-                    exhausted = True
-                    break
-                if deadline_wall is not None and time.monotonic() > deadline_wall:
-                    timed_out = True
-                    exhausted = True
-                    break
-                if pruning != "none" and roots[i] > thr_of() * (1 + 1e-9):
-                    if not ex:
-                        exhausted = True   # order is by root bound: the rest are cut too
-                        break
-                    continue
-                if ex is None:
-                    thr = thr_of()
-                    absorb(i, run_config(cm, configs[i], pruning=pruning,
-                                         type_order=pass_type_order,
-                                         type_sequence_limit=type_sequence_limit,
-                                         threshold_ms=thr, deadline=deadline_c), thr)
-                    if bar:
-                        bar.update(1)
-                    continue
-                thr = thr_of()
-                pending.add(ex.submit(_worker_run, i, thr, deadline_c, thr, pass_type_order))
-            if not pending:
+        for i in pass_order:
+            if deadline_wall is not None and time.monotonic() > deadline_wall:
+                timed_out = True
                 break
-            from concurrent.futures import FIRST_COMPLETED, wait
-            done, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for fut in sorted(done, key=lambda f: f.result()[0]):
-                i, res, thr = fut.result()
-                absorb(i, res, thr)
-                if bar:
-                    bar.update(1)
+            if pruning != "none" and roots[i] > thr_of() * (1 + 1e-9):
+                break   # order is by root bound: the rest are cut too
+            thr = thr_of()
+            threads = nworkers if nworkers > 1 and work.get(i, 0) >= SPLIT_NODES else 1
+            res = run_config(cm, configs[i], pruning=pruning, type_order=pass_type_order,
+                             type_sequence_limit=type_sequence_limit, threshold_ms=thr,
+                             deadline=deadline_c, threads=threads)
+            work[i] = res["nodes"]
+            if res["split_depth"]:
+                used_threads = True
+            absorb(i, res, thr)
+            if bar:
+                bar.update(1)
 
-    def run_pass(pass_order: list[int], pass_type_order: str, ex) -> bool:
+    def run_pass(pass_order: list[int], pass_type_order: str) -> bool:
         """Iterative deepening over ``pass_order`` (see the module docstring); True when the
         pass completed (the incumbent is the best plan of the pass's space, or better).
 
@@ -810,7 +811,7 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
                 bar.reset()
             t_round = time.perf_counter()
             n_before = stats["nodes"]
-            run_round(cap, ex, pass_order, pass_type_order)
+            run_round(cap, pass_order, pass_type_order)
             log.debug("pass %s: round cap %.1f, incumbent %.1f, %d configs, %d nodes, %.2f s",
                       pass_type_order, cap, threshold, len(searched_last),
                       stats["nodes"] - n_before, time.perf_counter() - t_round)
@@ -841,26 +842,16 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
             return type_order == "any" or usable ** cfg.num_stages <= type_sequence_limit
         full = [i for i in order if widens(i)]
         passes = [(order, "blocks")] + ([(full, type_order)] if full else [])
-    ex = None
     try:
-        if nworkers > 1 and len(order) >= 8:
-            _WORKER.update(cm=cm, configs=configs, pruning=pruning,
-                           type_sequence_limit=type_sequence_limit)
-            ctx = multiprocessing.get_context("fork")
-            ex = ProcessPoolExecutor(max_workers=nworkers, mp_context=ctx)
-            used_pool = True
         for pass_order, pass_type_order in passes:
             if pass_order is not order:
                 for i in pass_order:   # the blocks pass proved nothing about the full space
                     lbs[i] = roots[i]
-            if not run_pass(pass_order, pass_type_order, ex):
+            if not run_pass(pass_order, pass_type_order):
                 complete = False
                 break
         stats["configs_cut_root"] = len(configs) - len(searched_ever)
     finally:
-        if ex is not None:
-            ex.shutdown()
-            _WORKER.clear()
         if bar:
             bar.close()
     # configurations whose final search space is the contiguous blocks only (and smaller
@@ -872,6 +863,10 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
     stats["passes"] = len(passes)
 
     if best is None:
+        if timed_out:
+            raise InfeasibleError(
+                f"time budget (--time-budget / time_budget_s) of {time_budget_s:g} s ran out "
+                f"before any plan was found; give the search more time")
         raise InfeasibleError(_closest_infeasible(cm, configs))
 
     exhaustive = complete and not timed_out
@@ -882,7 +877,7 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
         lower = min([t_best] + lbs)
     stats.update(seconds=round(time.perf_counter() - t0, 3), exhaustive=exhaustive,
                  timed_out=timed_out, pruning=pruning, tp_mode=tp_mode, type_order=type_order,
-                 workers=nworkers, statistics_depend_on_timing=used_pool)
+                 workers=nworkers, statistics_depend_on_timing=used_threads)
     return build_plan(cm, cfg, opts, layers, global_batch_size=global_batch_size,
                       predicted_ms=t_best, lower_bound_ms=lower, search_stats=stats)
 

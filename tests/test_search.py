@@ -259,17 +259,50 @@ def test_error_messages_name_cli_flag_and_parameter():
         search_plan(cluster, model, global_batch_size=8, seq_length=128, micro_batch_sizes=(0,))
 
 
-def test_statistics_timing_flag():
-    cluster, model = _small()
+def test_statistics_timing_flag(monkeypatch):
+    """Statistics are reproducible unless a configuration was split over threads (then the
+    flag says so); the plan is the same either way."""
+    import poseidon_plugin.search as search_mod
+    cluster, model = make_instance([(100.0, 2, 4, 1.0), (50.0, 2, 4, 1.0)], 12, None)
     kw = dict(global_batch_size=8, seq_length=128, micro_batch_sizes=(1, 2), warmup_samples=30)
     a = search_plan(cluster, model, workers=1, **kw)
-    b = search_plan(cluster, model, workers=2, **kw)
     c = search_plan(cluster, model, workers=1, **kw)
+    monkeypatch.setattr(search_mod, "SPLIT_NODES", 0)   # split every configuration
+    b = search_plan(cluster, model, workers=2, **kw)
     assert a.search["statistics_depend_on_timing"] is False
     assert b.search["statistics_depend_on_timing"] is True
     drop = ("seconds",)
     assert ({k: v for k, v in a.search.items() if k not in drop}
             == {k: v for k, v in c.search.items() if k not in drop})
+    strip = lambda p: {k: v for k, v in p.to_dict().items() if k != "search"}
+    assert strip(a) == strip(b)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(type_st, min_size=2, max_size=3), st.integers(4, 12), st.sampled_from([8, 16]),
+       st.sampled_from(["1f1b", "eager-1f1b", "gpipe", "interleaved-1f1b"]),
+       st.sampled_from(["safe", "none"]), st.sampled_from([2, 3, 5]),
+       st.sampled_from([0.0, 0.01, math.inf]))
+def test_threaded_config_search_matches_one_thread(types, layers, gbs, sched, pruning, threads,
+                                                   slack):
+    """A configuration searched by several threads (subtrees shared, incumbent shared) returns
+    exactly the single-thread result: same time and same assignment (the tie-break), for
+    thresholds at, above and far above the optimum."""
+    from poseidon_plugin.search import run_config
+    cluster, model = make_instance(types, layers, None)
+    cm = CostModel(cluster, model, None, seq_length=128)
+    cfgs = [c for c in enumerate_configs(cm, global_batch_size=gbs, schedules=(sched,),
+                                         tp_mode="uniform", micro_batch_sizes=(1,),
+                                         max_virtual_stages=2)
+            if c.num_stages >= 3]
+    kw = dict(pruning=pruning, type_order="any", type_sequence_limit=3 ** 20, deadline=0.0)
+    for cfg in cfgs[:4]:
+        ref = run_config(cm, cfg, threshold_ms=math.inf, **kw)
+        thr = math.inf if ref["best"] is None else ref["best"][0] * (1 + slack)
+        one = run_config(cm, cfg, threshold_ms=thr, **kw)
+        many = run_config(cm, cfg, threshold_ms=thr, threads=threads, **kw)
+        assert one["best"] == many["best"], cfg
+        assert many["timed_out"] is False
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
@@ -354,3 +387,25 @@ def test_positional_round_trip_and_fill_drain_cuts_keep_every_config_optimum(
             continue
         assert res["best"] is not None, cfg
         assert res["best"][0] == pytest.approx(exact[0], rel=1e-12)
+
+
+def test_threaded_search_really_splits():
+    """The threaded path is exercised: a deep configuration is cut into subtrees, searched
+    by 3 threads, and gives the single-thread result."""
+    from poseidon_plugin.search import run_config
+    cluster, model = make_instance([(100.0, 2, 4, 1.0), (50.0, 2, 4, 1.0)], 12, None)
+    cm = CostModel(cluster, model, None, seq_length=128)
+    cfgs = [c for c in enumerate_configs(cm, global_batch_size=16, schedules=("1f1b",),
+                                         tp_mode="uniform", micro_batch_sizes=(1,),
+                                         max_virtual_stages=1) if c.num_stages >= 6]
+    assert cfgs
+    kw = dict(pruning="safe", type_order="any", type_sequence_limit=3 ** 20, deadline=0.0,
+              threshold_ms=math.inf)
+    split = 0
+    for cfg in cfgs:
+        one = run_config(cm, cfg, **kw)
+        many = run_config(cm, cfg, threads=3, **kw)
+        assert one["best"] == many["best"]
+        assert one["split_depth"] == 0
+        split += many["split_depth"] > 0 and many["subtrees"] >= 2
+    assert split >= 1
