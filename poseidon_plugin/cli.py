@@ -43,7 +43,8 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--type-order", choices=["auto", "any", "blocks"], default="auto")
     pl.add_argument("--warmup-samples", type=int, default=500)
     pl.add_argument("--time-budget", type=float, default=None, metavar="S")
-    pl.add_argument("--workers", type=int, default=None)
+    pl.add_argument("--workers", type=int, default=None,
+                    help="search threads (default: every core); the plan does not depend on it")
     pl.add_argument("--seed", type=int, default=0)
     pl.add_argument("--no-baselines", action="store_true", help="skip the two baselines")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")

@@ -882,41 +882,110 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
                       predicted_ms=t_best, lower_bound_ms=lower, search_stats=stats)
 
 
+def _stage_type_match(allowed: list[list[int]], counts: list[int]) -> list[int] | None:
+    """A type per stage among those it allows, type k serving at most counts[k] stages, or
+    None (bipartite b-matching by augmenting paths; a few dozen stages and types)."""
+    owner: list[list[int]] = [[] for _ in counts]
+
+    def augment(x: int, seen: set[int]) -> bool:
+        for k in allowed[x]:
+            if k in seen:
+                continue
+            seen.add(k)
+            if len(owner[k]) < counts[k]:
+                owner[k].append(x)
+                return True
+            for j, y in enumerate(owner[k]):
+                if augment(y, seen):
+                    owner[k][j] = x
+                    return True
+        return False
+
+    if not all(augment(x, set()) for x in range(len(allowed))):
+        return None
+    got = [0] * len(allowed)
+    for k, xs in enumerate(owner):
+        for x in xs:
+            got[x] = k
+    return got
+
+
 def _closest_infeasible(cm: CostModel, configs: list[OuterConfig]) -> str:
-    """One line: the most spread-out candidate and how much memory it lacks."""
+    """One line: the candidate that comes closest to fitting and how much memory it lacks.
+
+    Per configuration (1F1B-like schedules): layers split evenly over the stages, each stage on
+    a device type of the configuration's options with type k serving at most
+    devices_k // (dp * t) stages; the shortfall of a configuration is the smallest, over such
+    assignments, of its worst stage's (memory - capacity) (bisection over the candidate
+    values, each checked by a matching). The configuration with the smallest shortfall is
+    named, with its worst stage."""
     best = None
+    gib = 1024 ** 3
     for cfg in configs:
         if cfg.schedule not in ("1f1b", "eager-1f1b", "gpipe"):
             continue
-        lmax = _lmax(cm, cfg)
         need = cm.model.num_layers
         n = cfg.num_stages
-        # even split over the stages, each stage on its best-fitting option
+        if n > need:
+            continue
         base = [need // n + (1 if x < need % n else 0) for x in range(n)]
-        worst = None
+        counts: dict[int, int] = {}
+        for k, t in cfg.options:
+            c = cm.pools[k].size // (cfg.dp * t)
+            counts[k] = max(counts.get(k, 0), c)
+        # short[x][k] = (memory - capacity, memory) of stage x on type k's best option
+        short: list[dict[int, tuple[int, int]]] = []
         for x in range(n):
-            lack = None
-            for o, (k, t) in enumerate(cfg.options):
+            row: dict[int, tuple[int, int]] = {}
+            for k, t in cfg.options:
+                if counts[k] <= 0:
+                    continue
                 mem = cm.stage_memory_bytes(layers=base[x], stage=x, num_stages=n, tp=t,
                                             dp=cfg.dp, micro_batch_size=cfg.micro_batch_size,
                                             num_microbatches=cfg.num_microbatches,
                                             schedule=cfg.schedule,
                                             virtual_stages=cfg.virtual_stages)
-                short = mem - cm.capacity_bytes[k]
-                if lack is None or short < lack[0]:
-                    lack = (short, x, k, mem)
-            if worst is None or lack[0] > worst[0]:
-                worst = lack
-        if worst is not None and (best is None or worst[0] < best[0][0]):
-            best = (worst, cfg)
-        del lmax
+                cand = (mem - cm.capacity_bytes[k], mem)
+                if k not in row or cand < row[k]:
+                    row[k] = cand
+            short.append(row)
+        ks = sorted(counts)
+        cnt = [counts[k] for k in ks]
+        values = sorted({v[0] for row in short for v in row.values()})
+
+        def fits(tau: int) -> list[int] | None:
+            allowed = [[i for i, k in enumerate(ks) if k in row and row[k][0] <= tau]
+                       for row in short]
+            return _stage_type_match(allowed, cnt)
+
+        if not values or fits(values[-1]) is None:
+            continue   # the devices cannot host n stages at all
+        lo, hi = 0, len(values) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(values[mid]) is not None:
+                hi = mid
+            else:
+                lo = mid + 1
+        tau = values[lo]
+        assign = [ks[i] for i in fits(tau)]
+        # the worst stage of that assignment (its shortfall is tau)
+        x_w = max(range(n), key=lambda x: (short[x][assign[x]][0], -x))
+        k_w = assign[x_w]
+        cand = (tau, cfg.key)
+        if best is None or cand < best[0]:
+            best = (cand, cfg, x_w, k_w, short[x_w][k_w][1])
     if best is None:
         return "no plan fits: no configuration could be placed on the cluster"
-    (short, x, k, mem), cfg = best
-    gib = 1024 ** 3
+    (tau, _), cfg, x, k, mem = best
+    if tau <= 0:
+        return (f"no plan fits: the closest (pp={cfg.num_stages}, tp={cfg.tp or 'per-stage'}, "
+                f"dp={cfg.dp}, micro-batch {cfg.micro_batch_size}, {cfg.schedule}) fits memory "
+                f"with an even layer split but its stages cannot be placed on the devices "
+                f"(TP groups must not span nodes)")
     return (f"no plan fits in device memory: the closest (pp={cfg.num_stages}, "
             f"tp={cfg.tp or 'per-stage'}, dp={cfg.dp}, micro-batch {cfg.micro_batch_size}, "
-            f"{cfg.schedule}) lacks {max(short, 0) / gib:.2f} GiB on stage {x} "
+            f"{cfg.schedule}) lacks {tau / gib:.2f} GiB on stage {x} "
             f"({cm.type_names[k]}: needs {mem / gib:.2f} GiB of "
             f"{cm.capacity_bytes[k] / gib:.2f} GiB)")
 

@@ -174,6 +174,23 @@ def test_nothing_fits_memory_names_closest_plan():
         search_plan(cluster, model, global_batch_size=4, seq_length=128, workers=1)
 
 
+def test_closest_infeasible_respects_device_counts():
+    """One big-memory device and many small ones: an even split cannot put every stage on
+    the big one, so the message names a real shortfall (> 0, = needs - capacity) on a stage
+    of the small type (the old per-stage relaxation said 'lacks 0.00 GiB' here)."""
+    import re
+    cluster, model = make_instance([(100.0, 1, 1, 0.1), (50.0, 2, 2, 0.004)], 8, None)
+    with pytest.raises(InfeasibleError) as ei:
+        search_plan(cluster, model, global_batch_size=4, seq_length=128, workers=1)
+    msg = str(ei.value)
+    m = re.search(r"lacks ([0-9.]+) GiB on stage \d+ \((\w+): needs ([0-9.]+) GiB of "
+                  r"([0-9.]+) GiB\)", msg)
+    assert m, msg
+    lacks, typ, needs, cap = float(m.group(1)), m.group(2), float(m.group(3)), float(m.group(4))
+    assert lacks > 0 and needs > cap and typ == "T1"
+    assert lacks == pytest.approx(needs - cap, abs=0.011)
+
+
 def test_time_budget_flags_non_exhaustive():
     cluster, model = _small()
     p = search_plan(cluster, model, global_batch_size=8, seq_length=128, workers=1,

@@ -32,8 +32,8 @@ class PoseidonOptions:
     save_plan: str | None = None          # --poseidon-save-plan FILE: rank 0 writes the plan JSON
     profile_iters: int = 5                # --poseidon-profile-iters N: timed iterations per config
     seed: int = 0                         # --poseidon-seed N (search warm-up sampling)
-    search_workers: int | None = None     # --poseidon-search-workers N (default: this host's
-                                          # cores / ranks on the host; rank 0 searches)
+    search_workers: int | None = None     # --poseidon-search-workers N: search threads (default:
+                                          # this host's cores / ranks on it; rank 0 searches)
     present: tuple[str, ...] = field(default=(), compare=False)  # option names seen on argv
 
     @property
