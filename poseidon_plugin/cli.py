@@ -39,6 +39,8 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--per-stage-tp", dest="tp_mode", action="store_const", const="per-stage")
     pl.set_defaults(tp_mode="uniform")
     pl.add_argument("--micro-batch-sizes", type=int, nargs="+", default=None)
+    pl.add_argument("--tp", dest="tp_degrees", type=int, nargs="+", default=None,
+                    metavar="T", help="TP degrees allowed (default: every valid one)")
     pl.add_argument("--max-virtual-stages", type=int, default=2)
     pl.add_argument("--type-order", choices=["auto", "any", "blocks"], default="auto")
     pl.add_argument("--warmup-samples", type=int, default=500)
@@ -74,7 +76,8 @@ def _cmd_plan(ns) -> int:
         from .profiles import ProfileDB
         profiles = ProfileDB.load(ns.profiles)
     common = dict(global_batch_size=ns.global_batch_size, seq_length=ns.seq_length,
-                  profiles=profiles, micro_batch_sizes=ns.micro_batch_sizes)
+                  profiles=profiles, micro_batch_sizes=ns.micro_batch_sizes,
+                  tp_degrees=ns.tp_degrees)
     plan = search_plan(cluster, model, schedules=tuple(ns.schedules), pruning=ns.pruning,
                        tp_mode=ns.tp_mode, max_virtual_stages=ns.max_virtual_stages,
                        warmup_samples=ns.warmup_samples, time_budget_s=ns.time_budget,

@@ -237,13 +237,15 @@ def bound_structure_from_orders(schedule: str, n: int, m: int, v: int
 
 # --------------------------------------------------------------------------- enumeration
 
-def tp_candidates(cluster, model, type_name: str) -> tuple[int, ...]:
+def tp_candidates(cluster, model, type_name: str, allowed=None) -> tuple[int, ...]:
+    """TP degrees a stage of this type may use: powers of two dividing every node's device
+    count, the attention heads and the query groups (and in ``allowed`` when given)."""
     sizes = [n.num_devices for n in cluster.nodes_of_type(type_name)]
     out = []
     t = 1
     while sizes and t <= min(sizes):
         if (all(s % t == 0 for s in sizes) and model.num_attention_heads % t == 0
-                and model.num_query_groups % t == 0):
+                and model.num_query_groups % t == 0 and (allowed is None or t in allowed)):
             out.append(t)
         t *= 2
     return tuple(out)
@@ -254,10 +256,11 @@ def _divisors(x: int) -> list[int]:
 
 
 def enumerate_configs(cm: CostModel, *, global_batch_size: int, schedules, tp_mode: str,
-                      micro_batch_sizes, max_virtual_stages: int) -> list[OuterConfig]:
+                      micro_batch_sizes, max_virtual_stages: int,
+                      tp_degrees=None) -> list[OuterConfig]:
     cluster, model = cm.cluster, cm.model
     L = model.num_layers
-    tps = [tp_candidates(cluster, model, name) for name in cm.type_names]
+    tps = [tp_candidates(cluster, model, name, tp_degrees) for name in cm.type_names]
     ndev = [p.size for p in cm.pools]
     out: list[OuterConfig] = []
     for sched in schedules:
@@ -581,6 +584,24 @@ def _random_assignment(cm: CostModel, cfg: OuterConfig, lmax: np.ndarray, rng: r
 
 # --------------------------------------------------------------------------- entry point
 
+def _check_tp_degrees(cluster, model, tp_degrees) -> tuple[int, ...] | None:
+    """None (every valid degree) or the allowed TP degrees; an error when none is valid."""
+    if tp_degrees is None:
+        return None
+    tp_degrees = tuple(tp_degrees)
+    if not tp_degrees or any(isinstance(t, bool) or not isinstance(t, int) or t < 1
+                             for t in tp_degrees):
+        raise PoseidonError(f"TP degrees (--tp / tp_degrees): expected integers >= 1, "
+                            f"got {list(tp_degrees)!r}")
+    valid = sorted({t for n in cluster.type_names for t in tp_candidates(cluster, model, n)})
+    if not set(tp_degrees) & set(valid):
+        raise PoseidonError(f"TP degrees (--tp / tp_degrees): none of {sorted(tp_degrees)} is "
+                            f"valid on this cluster for {model.name} (valid: {valid}; a TP "
+                            f"group stays in one node and divides the attention heads and "
+                            f"query groups)")
+    return tp_degrees
+
+
 def _normalize_tp_mode(tp_mode: str) -> str:
     aliases = {"uniform": "uniform", "uniform-tp": "uniform", "per-stage": "per-stage",
                "per-stage-tp": "per-stage"}
@@ -595,8 +616,10 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
                 tp_mode: str = "uniform", micro_batch_sizes=None, max_virtual_stages: int = 2,
                 warmup_samples: int = 500, time_budget_s: float | None = None,
                 workers: int | None = None, progress: bool = False, seed: int = 0,
-                type_order: str = "auto", type_sequence_limit: int = TYPE_SEQUENCE_LIMIT) -> Plan:
-    """The fastest plan (see the module docstring); InfeasibleError when nothing fits."""
+                type_order: str = "auto", type_sequence_limit: int = TYPE_SEQUENCE_LIMIT,
+                tp_degrees=None) -> Plan:
+    """The fastest plan (see the module docstring); InfeasibleError when nothing fits.
+    ``tp_degrees``: the TP degrees allowed (default: every valid one)."""
     t0 = time.perf_counter()
     tp_mode = _normalize_tp_mode(tp_mode)
     if pruning not in PRUNING_MODES:
@@ -625,6 +648,7 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
     if not mbs or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in mbs):
         raise PoseidonError(f"micro-batch sizes (--micro-batch-sizes / micro_batch_sizes): "
                             f"expected integers >= 1, got {list(mbs)!r}")
+    tp_degrees = _check_tp_degrees(cluster, model, tp_degrees)
     if time_budget_s is not None and time_budget_s <= 0:
         raise PoseidonError(f"time budget (--time-budget / time_budget_s): expected a number "
                             f"> 0, got {time_budget_s!r}")
@@ -632,7 +656,7 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
     cm = CostModel(cluster, model, profiles, seq_length=seq_length)
     configs = enumerate_configs(cm, global_batch_size=global_batch_size, schedules=schedules,
                                 tp_mode=tp_mode, micro_batch_sizes=mbs,
-                                max_virtual_stages=max_virtual_stages)
+                                max_virtual_stages=max_virtual_stages, tp_degrees=tp_degrees)
     if not configs:
         splits = [b for b in mbs if global_batch_size % b == 0]
         if not splits:
@@ -1042,7 +1066,8 @@ def build_plan(cm: CostModel, cfg: OuterConfig, opts, layers, *, global_batch_si
 # --------------------------------------------------------------------------- baselines
 
 def baseline_plans(cluster, model, *, global_batch_size: int, seq_length: int, profiles=None,
-                   micro_batch_sizes=None, workers: int | None = 1, **kw) -> dict[str, Plan | None]:
+                   micro_batch_sizes=None, workers: int | None = 1, tp_degrees=None,
+                   **kw) -> dict[str, Plan | None]:
     """(a) ``megatron-default``: Megatron's even split over ALL devices (one TP, even layers,
     1f1b, the largest feasible DP, homogeneous assumptions), simulated on the real cluster;
     (b) ``best-single-type``: the best plan that uses one device type only.
@@ -1054,7 +1079,8 @@ def baseline_plans(cluster, model, *, global_batch_size: int, seq_length: int, p
     total = sum(p.size for p in cm.pools)
     L = model.num_layers
     cands = []
-    tps_all = sorted(set.intersection(*[set(tp_candidates(cluster, model, n))
+    tp_degrees = _check_tp_degrees(cluster, model, tp_degrees)
+    tps_all = sorted(set.intersection(*[set(tp_candidates(cluster, model, n, tp_degrees))
                                         for n in cm.type_names]))
     for t in tps_all:
         for n in range(1, L + 1):
@@ -1104,8 +1130,9 @@ def baseline_plans(cluster, model, *, global_batch_size: int, seq_length: int, p
         try:
             p = search_plan(sub, model, global_batch_size=global_batch_size,
                             seq_length=seq_length, profiles=profiles,
-                            micro_batch_sizes=micro_batch_sizes, workers=workers, **kw)
-        except InfeasibleError:
+                            micro_batch_sizes=micro_batch_sizes, workers=workers,
+                            tp_degrees=tp_degrees, **kw)
+        except (InfeasibleError, PoseidonError):
             continue
         if best is None or p.predicted_iteration_time_ms < best.predicted_iteration_time_ms:
             best = p

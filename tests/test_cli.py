@@ -130,6 +130,23 @@ def test_out_file_round_trips_through_plan_from_json(capsys, tmp_path):
     assert plan.to_json() == path.read_text(encoding="utf-8")
 
 
+def test_tp_flag_limits_the_plan_and_its_baselines(capsys):
+    """--tp 2: the plan and the Megatron baseline use TP 2 (the flags say so); --tp 3 is a
+    one-line error naming the valid degrees."""
+    argv = ["plan", "--cluster", SETTING1, "--model", "llama3-8b", "--global-batch-size", "32",
+            "--seq-length", "2048", "--workers", "1", "--tp", "2"]
+    rc, out, err = run_main(capsys, argv + ["--json"])
+    assert rc == 0, err
+    d = json.loads(out)
+    assert {s["tp"] for s in d["stages"]} == {2}
+    assert d["megatron_args"][:2] == ["--tensor-model-parallel-size", "2"]
+    rc, out, err = run_main(capsys, argv)
+    assert rc == 0, err
+    assert "tp=2" in out.splitlines()[0]
+    rc, out, err = run_main(capsys, argv[:-1] + ["3"])
+    _check_one_line_error(rc, out, err, r"--tp / tp_degrees.*none of \[3\] is valid.*valid: \[1, 2, 4, 8\]")
+
+
 def test_deterministic_single_worker(capsys):
     outs = [mask_seconds(run_main(capsys, BASE)[1]) for _ in range(2)]
     assert outs[0] == outs[1]

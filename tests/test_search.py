@@ -426,3 +426,22 @@ def test_threaded_search_really_splits():
         assert one["split_depth"] == 0
         split += many["split_depth"] > 0 and many["subtrees"] >= 2
     assert split >= 1
+
+
+def test_tp_degrees_restrict_the_search():
+    """tp_degrees limits every stage's TP (uniform and per-stage), and the restricted optimum is
+    never better than the unrestricted one; a set with no valid degree is a one-line error."""
+    cluster, model = make_instance([(100.0, 4, 1, 1.0), (50.0, 4, 1, 1.0)], 8, None)
+    kw = dict(global_batch_size=8, seq_length=128, micro_batch_sizes=(1,), workers=1,
+              warmup_samples=20)
+    free = search_plan(cluster, model, **kw)
+    for mode in ("uniform", "per-stage"):
+        for allowed in ((1,), (2,), (1, 4)):
+            p = search_plan(cluster, model, tp_mode=mode, tp_degrees=allowed, **kw)
+            assert {s.tp for s in p.stages} <= set(allowed)
+            if mode == "uniform":
+                assert p.predicted_iteration_time_ms >= free.predicted_iteration_time_ms * (1 - 1e-9)
+    with pytest.raises(PoseidonError, match=r"--tp / tp_degrees.*none of \[3\] is valid"):
+        search_plan(cluster, model, tp_degrees=(3,), **kw)
+    with pytest.raises(PoseidonError, match=r"--tp / tp_degrees.*expected integers >= 1"):
+        search_plan(cluster, model, tp_degrees=(0,), **kw)

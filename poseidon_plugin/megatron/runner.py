@@ -319,7 +319,7 @@ def plan_and_apply(script: str, argv: list[str], opts: PoseidonOptions) -> AutoR
                     global_batch_size=int(gbs), seq_length=int(args.seq_length), profiles=db,
                     pruning=opts.pruning, micro_batch_sizes=tuple(mbs_list),
                     max_virtual_stages=opts.max_virtual_stages, time_budget_s=opts.time_budget_s,
-                    seed=opts.seed,
+                    seed=opts.seed, tp_degrees=opts.tp_candidates or None,
                     workers=opts.search_workers or max(1, (os.cpu_count() or 1)
                                                        // max(1, env.local_world_size)))
                 kwargs["schedules"] = _launch_schedules(opts.schedules)
