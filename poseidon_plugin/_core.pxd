@@ -77,3 +77,14 @@ cdef class PipelineDAG:
                               const double* Pb, const double* R, double* op_start,
                               double* op_finish, unsigned char* via_dep,
                               double* ar_start, double* ar_finish) noexcept nogil
+
+    cdef _copy_into(self, PipelineDAG other)
+
+
+# The pipeline as megatron-core executes it (blocking, bundled p2p calls); overrides
+# iteration_time, same inputs (see _core.pyx).
+cdef class EngineDAG(PipelineDAG):
+    cdef OpLink* _elinks     # [_enodes] ops and receive nodes in a topological order
+    cdef int* _elast         # [N] slot of each device's last node
+    cdef double* _efin       # finish workspace, slot 0 = time 0
+    cdef int _enodes

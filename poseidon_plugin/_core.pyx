@@ -165,7 +165,11 @@ cdef class PipelineDAG:
 
     def copy(self):
         """An independent instance (own workspace) of the same structure."""
-        cdef PipelineDAG other = PipelineDAG.__new__(PipelineDAG)
+        cdef PipelineDAG other = type(self).__new__(type(self))
+        self._copy_into(other)
+        return other
+
+    cdef _copy_into(self, PipelineDAG other):
         cdef int total = self.num_ops
         other.schedule = self.schedule
         other.num_stages = self.num_stages
@@ -187,7 +191,6 @@ cdef class PipelineDAG:
         other.op_stage, other.op_chunk = self.op_stage, self.op_chunk
         other.op_microbatch, other.op_is_backward = self.op_microbatch, self.op_is_backward
         other.op_position, other.stage_major = self.op_position, self.stage_major
-        return other
 
     # ---------------------------------------------------------------- C level (nogil) -------
     cdef void _load(self, const double* F, const double* B, const double* Pf,
@@ -360,10 +363,152 @@ def _dependency_key(tuple key, int nv):
     return (False, vs, mb)
 
 
+cdef class EngineDAG(PipelineDAG):
+    """The pipeline as megatron-core runs it (``engine.py`` with zero call and op overheads):
+    every device executes its program of compute ops and *blocking* communication calls; a
+    call posts its sends when reached (they arrive one link time later) and returns when
+    everything it receives has arrived. For ``1f1b`` this equals the paper's DAG; for
+    ``interleaved-1f1b`` megatron bundles a forward's send with the next backward's
+    (``send_forward_backward_recv_forward_backward``), so an activation leaves only after
+    the backward that follows it, and the next forward waits for the next gradient too.
+
+    Same inputs and C API as ``PipelineDAG`` (the search uses it unchanged); the overriding
+    ``iteration_time`` sweeps a chain of nodes per device in one topological order: each op,
+    and one zero-weight node per received message (predecessor: the previous node on the
+    device; dependency: the sender's node before its call, plus the link time). The inherited
+    ``simulate`` / ``predecessor_slots`` still describe the paper's DAG (op-level detail of
+    the engine's schedule: ``engine.simulate_engine``). Never faster than the paper's DAG:
+    every op starts no earlier (induction over the topological order)."""
+
+    def __cinit__(self):
+        self._elinks = NULL
+        self._elast = NULL
+        self._efin = NULL
+        self._enodes = 0
+
+    def __dealloc__(self):
+        free(self._elinks)
+        free(self._elast)
+        free(self._efin)
+
+    def __init__(self, str schedule, int num_stages, int num_microbatches,
+                 int virtual_stages=1):
+        super().__init__(schedule, num_stages, num_microbatches, virtual_stages)
+        from poseidon_plugin.engine import device_program
+        cdef int n = self.num_stages, m = self.num_microbatches, v = self.virtual_stages
+        cdef int nv = n * v, L = self.num_links
+        progs = [device_program(schedule, n, m, s, v) for s in range(n)]
+        # nodes in a topological order: (prev slot, dep slot, weight index, edge weight index)
+        nodes = []
+        last = [0] * n
+        pos = [0] * n
+        posted = [-1] * n
+        sent = {}          # message -> slot whose finish is the sender's call time
+        remaining = sum(len(p) for p in progs)
+        while remaining:
+            progressed = False
+            for s in range(n):
+                prog = progs[s]
+                while pos[s] < len(prog):
+                    item = prog[pos[s]]
+                    if item[0] == "op":
+                        op = item[1]
+                        nodes.append((last[s], 0, 1 + (nv if op.is_backward else 0)
+                                      + op.chunk * n + s, 0))
+                        last[s] = len(nodes)
+                    else:
+                        _, sends, recvs = item
+                        if posted[s] != pos[s]:
+                            posted[s] = pos[s]
+                            for msg in sends:
+                                sent[msg] = last[s]
+                        if any(r not in sent for r in recvs):
+                            break
+                        for r in recvs:
+                            nodes.append((last[s], sent[r], 0, _engine_edge(r, n, nv, L)))
+                            last[s] = len(nodes)
+                    pos[s] += 1
+                    remaining -= 1
+                    progressed = True
+            if not progressed:
+                raise PoseidonError(f"internal: engine program of {schedule!r} (N={n}, M={m}, "
+                                    f"V={v}) deadlocks")
+        cdef int i, total = len(nodes)
+        self._enodes = total
+        self._elinks = <OpLink*> malloc(max(total, 1) * sizeof(OpLink))
+        self._elast = <int*> malloc(n * sizeof(int))
+        self._efin = <double*> malloc((total + 1) * sizeof(double))
+        if not self._elinks or not self._elast or not self._efin:
+            raise MemoryError()
+        for i in range(total):
+            self._elinks[i].prev = nodes[i][0]
+            self._elinks[i].dep = nodes[i][1]
+            self._elinks[i].node_w = nodes[i][2]
+            self._elinks[i].edge_w = nodes[i][3]
+        for i in range(n):
+            self._elast[i] = last[i]
+        self._efin[0] = 0.0
+
+    def __repr__(self):
+        return "Engine" + super().__repr__()
+
+    cdef _copy_into(self, PipelineDAG other):
+        PipelineDAG._copy_into(self, other)
+        cdef EngineDAG o = <EngineDAG> other
+        cdef int total = self._enodes
+        o._enodes = total
+        o._elinks = <OpLink*> malloc(max(total, 1) * sizeof(OpLink))
+        o._elast = <int*> malloc(self.num_stages * sizeof(int))
+        o._efin = <double*> malloc((total + 1) * sizeof(double))
+        if not o._elinks or not o._elast or not o._efin:
+            raise MemoryError()
+        memcpy(o._elinks, self._elinks, total * sizeof(OpLink))
+        memcpy(o._elast, self._elast, self.num_stages * sizeof(int))
+        o._efin[0] = 0.0
+
+    cdef double iteration_time(self, const double* F, const double* B, const double* Pf,
+                               const double* Pb, const double* R) noexcept nogil:
+        cdef int i, s, total = self._enodes
+        cdef const OpLink* lk = self._elinks
+        cdef const double* w = self._w
+        cdef double* fin = self._efin
+        cdef double a, b, best
+        self._load(F, B, Pf, Pb)
+        for i in range(total):
+            a = fin[lk[i].prev]
+            b = fin[lk[i].dep] + w[lk[i].edge_w]
+            if b > a:
+                a = b
+            fin[i + 1] = a + w[lk[i].node_w]
+        best = 0.0
+        for s in range(self.num_stages):
+            a = fin[self._elast[s]] + R[s]
+            if a > best:
+                best = a
+        return best
+
+
+def _engine_edge(tuple msg, int n, int nv, int L):
+    """Weight-buffer index of a message's link time (engine.py's link choice): activations
+    use Pf, gradients Pb; the link of s -> s+1 is s, the wrap-around N-1 <-> 0 is N-1."""
+    kind, _, _, a, b = msg
+    lo = a if kind == "F" else b
+    if (kind == "F" and a == n - 1 and b == 0) or (kind == "B" and a == 0 and b == n - 1):
+        lo = n - 1
+    if lo >= L:
+        return 0
+    return 1 + 2 * nv + (0 if kind == "F" else L) + lo
+
+
 @lru_cache(maxsize=256)
-def get_dag(str schedule, int num_stages, int num_microbatches, int virtual_stages=1):
-    """The cached ``PipelineDAG`` of (schedule, N, M, V). Shared: use ``.copy()`` per thread
-    when calling its ``nogil`` API from several threads."""
+def get_dag(str schedule, int num_stages, int num_microbatches, int virtual_stages=1,
+            bint engine=False):
+    """The cached DAG of (schedule, N, M, V). ``engine``: the timing of how megatron-core runs
+    it (an ``EngineDAG`` for interleaved-1f1b; 1f1b is the same either way, and eager-1f1b /
+    gpipe are not run by megatron-core, so they keep the paper's DAG). Shared: use ``.copy()``
+    per thread when calling its ``nogil`` API from several threads."""
+    if engine and schedule == "interleaved-1f1b":
+        return EngineDAG(schedule, num_stages, num_microbatches, virtual_stages)
     return PipelineDAG(schedule, num_stages, num_microbatches, virtual_stages)
 
 

@@ -118,11 +118,21 @@ def _draw_plan_gantt(cluster, model, plan, profiles, path: str) -> None:
     from .timeline import timeline_from_sim
 
     F, B, Pf, Pb, R = plan_simulator_inputs(cluster, model, plan, profiles)
-    result = simulate_pipeline(F, B, Pf, Pb, R, plan.num_microbatches, plan.schedule,
-                               plan.virtual_stages)
+    if plan.schedule == "interleaved-1f1b":
+        # the search timed it as megatron-core runs it (bundled p2p calls): draw that schedule
+        import numpy as np
+
+        from .engine import EngineCosts, simulate_engine, timeline_from_engine
+        res = simulate_engine(EngineCosts.from_profiles(F, B, Pf, R, np.zeros(len(R))),
+                              plan.num_microbatches, plan.schedule, plan.virtual_stages)
+        timeline = timeline_from_engine(res, label="predicted (as megatron-core runs it)")
+    else:
+        result = simulate_pipeline(F, B, Pf, Pb, R, plan.num_microbatches, plan.schedule,
+                                   plan.virtual_stages)
+        timeline = timeline_from_sim(result, label="predicted")
     title = (f"{plan.model_name} on {plan.cluster_name}: {plan.schedule}, PP={plan.pp}, "
              f"DP={plan.dp}, M={plan.num_microbatches}")
-    draw_gantt([timeline_from_sim(result, label="predicted")], path, title=title)
+    draw_gantt([timeline], path, title=title)
     sys.stderr.write(f"poseidon: wrote {path}\n")
 
 

@@ -112,17 +112,19 @@ def normalize_inputs(forward_ms, backward_ms, send_forward_ms, send_backward_ms,
                      n, m, schedule, v)
 
 
-def _dag_for(x: SimInputs):
-    return _core.get_dag(x.schedule, x.num_stages, x.num_microbatches, x.virtual_stages)
+def _dag_for(x: SimInputs, engine: bool = False):
+    return _core.get_dag(x.schedule, x.num_stages, x.num_microbatches, x.virtual_stages, engine)
 
 
 def iteration_time_ms(forward_ms, backward_ms, send_forward_ms, send_backward_ms, allreduce_ms,
                       num_microbatches: int, schedule: str = "1f1b",
-                      virtual_stages: int = 1) -> float:
-    """Fast path: the longest-path length only (no per-op arrays, no critical path)."""
+                      virtual_stages: int = 1, engine: bool = False) -> float:
+    """Fast path: the longest-path length only (no per-op arrays, no critical path).
+    ``engine``: as megatron-core executes the schedule (``_core.EngineDAG``: blocking, bundled
+    p2p calls; differs from the paper's DAG for interleaved-1f1b only)."""
     x = normalize_inputs(forward_ms, backward_ms, send_forward_ms, send_backward_ms,
                          allreduce_ms, num_microbatches, schedule, virtual_stages)
-    return float(_dag_for(x).time_ms(x.forward_ms, x.backward_ms, x.send_forward_ms,
+    return float(_dag_for(x, engine).time_ms(x.forward_ms, x.backward_ms, x.send_forward_ms,
                                      x.send_backward_ms, x.allreduce_ms))
 
 

@@ -445,3 +445,22 @@ def test_tp_degrees_restrict_the_search():
         search_plan(cluster, model, tp_degrees=(3,), **kw)
     with pytest.raises(PoseidonError, match=r"--tp / tp_degrees.*expected integers >= 1"):
         search_plan(cluster, model, tp_degrees=(0,), **kw)
+
+
+def test_interleaved_plans_are_timed_as_megatron_core_runs_them():
+    """The plan's predicted time for an interleaved plan is the engine model's (megatron-core's
+    blocking, bundled p2p calls), recomputed from the finished plan, and never below the
+    paper's DAG for the same inputs."""
+    import numpy as np
+    from poseidon_plugin.costs import plan_simulator_inputs
+    from poseidon_plugin.engine import EngineCosts, simulate_engine
+    cluster, model = make_instance([(100.0, 2, 2, 1.0), (50.0, 2, 2, 1.0)], 8, None)
+    p = search_plan(cluster, model, global_batch_size=16, seq_length=128, workers=1,
+                    schedules=("interleaved-1f1b",), micro_batch_sizes=(1,), warmup_samples=20)
+    assert p.schedule == "interleaved-1f1b" and p.virtual_stages == 2
+    F, B, Pf, Pb, R = plan_simulator_inputs(cluster, model, p)
+    eng = simulate_engine(EngineCosts.from_profiles(F, B, Pf, R, np.zeros(len(R))),
+                          p.num_microbatches, p.schedule, p.virtual_stages).iteration_time_ms
+    paper = iteration_time_ms(F, B, Pf, Pb, R, p.num_microbatches, p.schedule, p.virtual_stages)
+    assert p.predicted_iteration_time_ms == pytest.approx(eng, rel=1e-9)
+    assert eng >= paper * (1 - 1e-12)

@@ -294,3 +294,51 @@ def test_core_checks_lengths():
         dag.time_ms(np.ones(2), np.ones(2), np.ones(2), np.ones(1), np.ones(2))
     with pytest.raises(PoseidonError, match="allreduce"):
         dag.time_ms(np.ones(2), np.ones(2), np.ones(1), np.ones(1), np.ones(3))
+
+
+# --------------------------------------------------------------------------- engine timing
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.integers(2, 6), st.integers(1, 3), st.integers(1, 4),
+       st.sampled_from(["1f1b", "interleaved-1f1b"]), st.integers(0, 2 ** 31 - 1))
+def test_engine_dag_equals_engine_model_and_bounds_paper_dag(n, v, k, schedule, seed):
+    """``get_dag(..., engine=True)`` (the C sweep the search uses) gives exactly
+    ``engine.simulate_engine``'s time with zero call / op overheads (megatron-core's blocking
+    p2p calls), is never below the paper's DAG, equals it for 1f1b, and its copy agrees."""
+    from poseidon_plugin._core import EngineDAG, get_dag as core_dag
+    from poseidon_plugin.engine import EngineCosts, simulate_engine
+    if schedule == "1f1b":
+        v = 1
+    elif v == 1:
+        v = 2
+    m = n * k
+    rng = np.random.default_rng(seed)
+    links = n if schedule == "interleaved-1f1b" else n - 1
+    F = rng.uniform(0.1, 3.0, (v, n))
+    B = rng.uniform(0.1, 6.0, (v, n))
+    P = rng.uniform(0.0, 1.5, links)
+    R = rng.uniform(0.0, 4.0, n)
+    f, b = np.ascontiguousarray(F.reshape(-1)), np.ascontiguousarray(B.reshape(-1))
+    eng = core_dag(schedule, n, m, v, True)
+    assert isinstance(eng, EngineDAG) == (schedule == "interleaved-1f1b")
+    t_eng = eng.time_ms(f, b, P, P.copy(), R)
+    t_paper = core_dag(schedule, n, m, v).time_ms(f, b, P, P.copy(), R)
+    ref = simulate_engine(EngineCosts.from_profiles(F, B, P, R, np.zeros(n)), m, schedule, v)
+    assert t_eng == pytest.approx(ref.iteration_time_ms, rel=1e-12, abs=1e-12)
+    assert t_eng >= t_paper * (1 - 1e-12)
+    if schedule == "1f1b":
+        assert t_eng == t_paper
+    assert eng.copy().time_ms(f, b, P, P.copy(), R) == t_eng
+    assert iteration_time_ms(F, B, P, P, R, m, schedule, v, engine=True) == pytest.approx(t_eng)
+
+
+def test_engine_timing_is_later_for_bundled_interleaved_calls():
+    """A concrete case where megatron-core's bundled calls cost time: with real link times the
+    interleaved engine time is strictly above the paper's DAG."""
+    F = np.full((2, 4), 1.0)
+    B = np.full((2, 4), 2.0)
+    P = np.full(4, 0.5)
+    R = np.zeros(4)
+    paper = iteration_time_ms(F, B, P, P, R, 8, "interleaved-1f1b", 2)
+    eng = iteration_time_ms(F, B, P, P, R, 8, "interleaved-1f1b", 2, engine=True)
+    assert eng > paper * 1.01
