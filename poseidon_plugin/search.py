@@ -629,7 +629,7 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
                 warmup_samples: int = 500, time_budget_s: float | None = None,
                 workers: int | None = None, progress: bool = False, seed: int = 0,
                 type_order: str = "auto", type_sequence_limit: int = TYPE_SEQUENCE_LIMIT,
-                tp_degrees=None) -> Plan:
+                tp_degrees=None, _return_best: bool = False) -> Plan:
     """The fastest plan (see the module docstring); InfeasibleError when nothing fits.
     ``tp_degrees``: the TP degrees allowed (default: every valid one)."""
     t0 = time.perf_counter()
@@ -708,6 +708,28 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
     # fits (a few tries each; the promising ones, whose DAGs the search needs anyway, and few
     # DAGs to build), then at random among those.
     threshold = math.inf
+    if tp_mode == "per-stage" and pruning != "none":
+        # the uniform-TP space is part of the per-stage one: its optimum (a much smaller search)
+        # is a valid incumbent, so the per-stage rounds stop below it and a time budget never
+        # returns a plan worse than the uniform one
+        left = None if deadline_wall is None else max(1e-3, deadline_wall - time.monotonic())
+        try:
+            sb, sst = search_plan(
+                cluster, model, global_batch_size=global_batch_size, seq_length=seq_length,
+                profiles=profiles, schedules=schedules, pruning=pruning, tp_mode="uniform",
+                micro_batch_sizes=mbs, max_virtual_stages=max_virtual_stages,
+                warmup_samples=warmup_samples, time_budget_s=left, workers=workers, seed=seed,
+                type_order=type_order, type_sequence_limit=type_sequence_limit,
+                tp_degrees=tp_degrees, _return_best=True)
+        except InfeasibleError:
+            stats["uniform_tp_seed_ms"] = None
+        else:
+            for k in ("nodes", "plans_simulated", "cut_bound", "cut_memory", "cut_ridge",
+                      "cut_devices", "cut_capacity", "warmup_plans"):
+                stats[k] += sst[k]
+            stats["uniform_tp_seed_ms"] = round(sb[0], 3)
+            threshold = sb[0]
+            consider(sb[0], sb[4], sb[2], sb[3])
     if pruning != "none" and warmup_samples > 0:
         rng = random.Random(seed)
         scan = iter([i for i in order if math.isfinite(roots[i])])
@@ -914,6 +936,8 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
     stats.update(seconds=round(time.perf_counter() - t0, 3), exhaustive=exhaustive,
                  timed_out=timed_out, pruning=pruning, tp_mode=tp_mode, type_order=type_order,
                  workers=nworkers, statistics_depend_on_timing=used_threads)
+    if _return_best:
+        return best, stats
     return build_plan(cm, cfg, opts, layers, global_batch_size=global_batch_size,
                       predicted_ms=t_best, lower_bound_ms=lower, search_stats=stats)
 

@@ -464,3 +464,20 @@ def test_interleaved_plans_are_timed_as_megatron_core_runs_them():
     paper = iteration_time_ms(F, B, Pf, Pb, R, p.num_microbatches, p.schedule, p.virtual_stages)
     assert p.predicted_iteration_time_ms == pytest.approx(eng, rel=1e-9)
     assert eng >= paper * (1 - 1e-12)
+
+
+def test_per_stage_tp_is_seeded_by_the_uniform_optimum():
+    """per-stage TP's space contains every uniform-TP plan: its result is never slower than the
+    uniform optimum, the statistics name the seed, and with no time budget it is exact."""
+    cluster, model = make_instance([(100.0, 4, 1, 1.0), (50.0, 4, 1, 0.1)], 8, None)
+    kw = dict(global_batch_size=8, seq_length=128, micro_batch_sizes=(1,), workers=1,
+              warmup_samples=20)
+    uni = search_plan(cluster, model, tp_mode="uniform", **kw)
+    per = search_plan(cluster, model, tp_mode="per-stage", **kw)
+    exact = search_plan(cluster, model, tp_mode="per-stage", pruning="none", **kw)
+    assert per.search["uniform_tp_seed_ms"] == pytest.approx(uni.predicted_iteration_time_ms,
+                                                             abs=1e-3)
+    assert per.predicted_iteration_time_ms <= uni.predicted_iteration_time_ms * (1 + 1e-12)
+    assert per.predicted_iteration_time_ms == pytest.approx(exact.predicted_iteration_time_ms,
+                                                            rel=1e-12)
+    assert per.search["exhaustive"] is True
