@@ -29,6 +29,25 @@ from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin import schedules as _schedules
 
 
+cdef inline double _sweep(const OpLink* lk, int total, const double* w, double* fin,
+                          const int* last, int n, const double* R) noexcept nogil:
+    """List scheduling over nodes in a topological order: fin[i+1] = max(fin[prev],
+    fin[dep] + edge) + weight; returns max over devices of fin[last op] + R."""
+    cdef int i, s
+    cdef double a, b, best = 0.0
+    for i in range(total):
+        a = fin[lk[i].prev]
+        b = fin[lk[i].dep] + w[lk[i].edge_w]
+        if b > a:
+            a = b
+        fin[i + 1] = a + w[lk[i].node_w]
+    for s in range(n):
+        a = fin[last[s]] + R[s]
+        if a > best:
+            best = a
+    return best
+
+
 cdef class PipelineDAG:
     """Precomputed DAG structure of one (schedule, N, M, V); evaluate it for many weights."""
 
@@ -206,24 +225,9 @@ cdef class PipelineDAG:
 
     cdef double iteration_time(self, const double* F, const double* B, const double* Pf,
                                const double* Pb, const double* R) noexcept nogil:
-        cdef int i, s, total = self.num_ops
-        cdef const OpLink* lk = self._links
-        cdef const double* w = self._w
-        cdef double* fin = self._fin
-        cdef double a, b, best
         self._load(F, B, Pf, Pb)
-        for i in range(total):
-            a = fin[lk[i].prev]
-            b = fin[lk[i].dep] + w[lk[i].edge_w]
-            if b > a:
-                a = b
-            fin[i + 1] = a + w[lk[i].node_w]
-        best = 0.0
-        for s in range(self.num_stages):
-            a = fin[self._last[s]] + R[s]
-            if a > best:
-                best = a
-        return best
+        return _sweep(self._links, self.num_ops, self._w, self._fin, self._last,
+                      self.num_stages, R)
 
     cdef double simulate_into(self, const double* F, const double* B, const double* Pf,
                               const double* Pb, const double* R, double* op_start,
@@ -394,45 +398,26 @@ cdef class EngineDAG(PipelineDAG):
     def __init__(self, str schedule, int num_stages, int num_microbatches,
                  int virtual_stages=1):
         super().__init__(schedule, num_stages, num_microbatches, virtual_stages)
-        from poseidon_plugin.engine import device_program
+        from poseidon_plugin.engine import device_program, walk_programs
         cdef int n = self.num_stages, m = self.num_microbatches, v = self.virtual_stages
         cdef int nv = n * v, L = self.num_links
         progs = [device_program(schedule, n, m, s, v) for s in range(n)]
         # nodes in a topological order: (prev slot, dep slot, weight index, edge weight index)
         nodes = []
         last = [0] * n
-        pos = [0] * n
-        posted = [-1] * n
         sent = {}          # message -> slot whose finish is the sender's call time
-        remaining = sum(len(p) for p in progs)
-        while remaining:
-            progressed = False
-            for s in range(n):
-                prog = progs[s]
-                while pos[s] < len(prog):
-                    item = prog[pos[s]]
-                    if item[0] == "op":
-                        op = item[1]
-                        nodes.append((last[s], 0, 1 + (nv if op.is_backward else 0)
-                                      + op.chunk * n + s, 0))
-                        last[s] = len(nodes)
-                    else:
-                        _, sends, recvs = item
-                        if posted[s] != pos[s]:
-                            posted[s] = pos[s]
-                            for msg in sends:
-                                sent[msg] = last[s]
-                        if any(r not in sent for r in recvs):
-                            break
-                        for r in recvs:
-                            nodes.append((last[s], sent[r], 0, _engine_edge(r, n, nv, L)))
-                            last[s] = len(nodes)
-                    pos[s] += 1
-                    remaining -= 1
-                    progressed = True
-            if not progressed:
-                raise PoseidonError(f"internal: engine program of {schedule!r} (N={n}, M={m}, "
-                                    f"V={v}) deadlocks")
+        for event, s, x in walk_programs(progs):
+            if event == "post":
+                sent[x] = last[s]
+            elif x[0] == "op":
+                op = x[1]
+                nodes.append((last[s], 0, 1 + (nv if op.is_backward else 0) + op.chunk * n + s,
+                              0))
+                last[s] = len(nodes)
+            else:
+                for r in x[2]:
+                    nodes.append((last[s], sent[r], 0, _engine_edge(r, n, nv, L)))
+                    last[s] = len(nodes)
         # sort by DAG level (stable), as the paper's DAG is: consecutive nodes are independent
         # and the CPU overlaps them (about 4x faster than the discovery order)
         level = [0] * (len(nodes) + 1)
@@ -480,36 +465,19 @@ cdef class EngineDAG(PipelineDAG):
 
     cdef double iteration_time(self, const double* F, const double* B, const double* Pf,
                                const double* Pb, const double* R) noexcept nogil:
-        cdef int i, s, total = self._enodes
-        cdef const OpLink* lk = self._elinks
-        cdef const double* w = self._w
-        cdef double* fin = self._efin
-        cdef double a, b, best
         self._load(F, B, Pf, Pb)
-        for i in range(total):
-            a = fin[lk[i].prev]
-            b = fin[lk[i].dep] + w[lk[i].edge_w]
-            if b > a:
-                a = b
-            fin[i + 1] = a + w[lk[i].node_w]
-        best = 0.0
-        for s in range(self.num_stages):
-            a = fin[self._elast[s]] + R[s]
-            if a > best:
-                best = a
-        return best
+        return _sweep(self._elinks, self._enodes, self._w, self._efin, self._elast,
+                      self.num_stages, R)
 
 
 def _engine_edge(tuple msg, int n, int nv, int L):
-    """Weight-buffer index of a message's link time (engine.py's link choice): activations
-    use Pf, gradients Pb; the link of s -> s+1 is s, the wrap-around N-1 <-> 0 is N-1."""
-    kind, _, _, a, b = msg
-    lo = a if kind == "F" else b
-    if (kind == "F" and a == n - 1 and b == 0) or (kind == "B" and a == 0 and b == n - 1):
-        lo = n - 1
+    """Weight-buffer index of a message's link time (``engine.link_index``): activations use
+    Pf, gradients Pb."""
+    from poseidon_plugin.engine import link_index
+    lo = link_index(msg, n)
     if lo >= L:
         return 0
-    return 1 + 2 * nv + (0 if kind == "F" else L) + lo
+    return 1 + 2 * nv + (0 if msg[0] == "F" else L) + lo
 
 
 @lru_cache(maxsize=256)

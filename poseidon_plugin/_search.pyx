@@ -255,15 +255,22 @@ cdef inline int _ridge_stage(Ctx* c, int x) noexcept nogil:
     return 1 if (x > 0 and x < c.N - 1) else 0
 
 
-cdef int _less_key(Ctx* c) noexcept nogil:
-    """Current full assignment lexicographically smaller than the best one?"""
+cdef int _lex_less(const int* ao, const int* al, const int* bo, const int* bl,
+                   int N) noexcept nogil:
+    """Assignment (ao, al) lexicographically smaller than (bo, bl), stage by stage (option,
+    then layers): the tie-break between plans of equal time."""
     cdef int x
-    for x in range(c.N):
-        if c.st_opt[x] != c.best_opt[x]:
-            return 1 if c.st_opt[x] < c.best_opt[x] else 0
-        if c.st_l[x] != c.best_l[x]:
-            return 1 if c.st_l[x] < c.best_l[x] else 0
+    for x in range(N):
+        if ao[x] != bo[x]:
+            return 1 if ao[x] < bo[x] else 0
+        if al[x] != bl[x]:
+            return 1 if al[x] < bl[x] else 0
     return 0
+
+
+cdef inline int _less_key(Ctx* c) noexcept nogil:
+    """Current full assignment lexicographically smaller than the best one?"""
+    return _lex_less(c.st_opt, c.st_l, c.best_opt, c.best_l, c.N)
 
 
 cdef void _stage_costs(Ctx* c, int x, int o, int l) noexcept nogil:
@@ -1022,15 +1029,9 @@ cdef class Searcher:
 PREFIXES_PER_THREAD = 8   # threads > 1: split at the first depth with this many subtrees per thread
 
 
-cdef int _less_best(Ctx* a, Ctx* b) noexcept nogil:
+cdef inline int _less_best(Ctx* a, Ctx* b) noexcept nogil:
     """a's best assignment lexicographically smaller than b's?"""
-    cdef int x
-    for x in range(a.N):
-        if a.best_opt[x] != b.best_opt[x]:
-            return 1 if a.best_opt[x] < b.best_opt[x] else 0
-        if a.best_l[x] != b.best_l[x]:
-            return 1 if a.best_l[x] < b.best_l[x] else 0
-    return 0
+    return _lex_less(a.best_opt, a.best_l, b.best_opt, b.best_l, a.N)
 
 
 cdef void _absorb(Ctx* c, Ctx* h) noexcept nogil:

@@ -202,6 +202,49 @@ def device_program(schedule: str, n: int, m: int, s: int, v: int = 1) -> list[tu
     return [p for p in prog if p[0] == "op" or p[1] or p[2]]
 
 
+def link_index(msg, n: int) -> int:
+    """The link a message travels: s -> s+1 (activation) or s+1 -> s (gradient) is link s,
+    the wrap-around N-1 <-> 0 of the interleaved schedule is link N-1."""
+    kind, _, _, a, b = msg
+    lo = a if kind == "F" else b           # F: a -> b is link a; B: b <- a is link b
+    if (kind == "F" and a == n - 1 and b == 0) or (kind == "B" and a == 0 and b == n - 1):
+        lo = n - 1
+    return lo
+
+
+def walk_programs(progs: list[list[tuple]]):
+    """The device programs' items in one order in which every received message was posted
+    before: yields ("post", s, msg) when device s reaches a call (its sends leave then, even
+    if the call must wait for its receives) and ("run", s, item) when an op or a call
+    completes. Raises PoseidonError if the programs deadlock."""
+    n = len(progs)
+    pos = [0] * n
+    posted = [-1] * n
+    sent: set = set()
+    remaining = sum(len(p) for p in progs)
+    while remaining:
+        progressed = False
+        for s in range(n):
+            prog = progs[s]
+            while pos[s] < len(prog):
+                item = prog[pos[s]]
+                if item[0] == "call":
+                    _, sends, recvs = item
+                    if posted[s] != pos[s]:        # sends go out first, then the call waits
+                        posted[s] = pos[s]
+                        for msg in sends:
+                            sent.add(msg)
+                            yield "post", s, msg
+                    if any(r not in sent for r in recvs):
+                        break
+                yield "run", s, item
+                pos[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise PoseidonError("engine model: the device programs deadlock (a bug)")
+
+
 def simulate_engine(costs: EngineCosts, num_microbatches: int, schedule: str = "1f1b",
                     virtual_stages: int = 1) -> EngineResult:
     n = costs.forward_ms.shape[1]
@@ -212,50 +255,30 @@ def simulate_engine(costs: EngineCosts, num_microbatches: int, schedule: str = "
     progs = [device_program(schedule, n, m, s, v) for s in range(n)]
 
     def link(msg) -> float:
-        kind, _, _, a, b = msg
-        lo = a if kind == "F" else b           # F: a -> b is link a; B: b <- a is link b
-        if (kind == "F" and a == n - 1 and b == 0) or (kind == "B" and a == 0 and b == n - 1):
-            lo = n - 1
+        lo = link_index(msg, n)
         return float(costs.link_ms[lo]) if lo < len(costs.link_ms) else 0.0
 
     arrival: dict[tuple, float] = {}
-    pos = [0] * n
-    posted = [-1] * n
     now = [0.0] * n
     rows: list[tuple] = []
-    remaining = sum(len(p) for p in progs)
-    while remaining:
-        progressed = False
-        for s in range(n):
-            prog = progs[s]
-            while pos[s] < len(prog):
-                item = prog[pos[s]]
-                if item[0] == "op":
-                    op = item[1]
-                    base = (costs.backward_ms if op.is_backward else costs.forward_ms)[op.chunk, s]
-                    extra = (costs.bwd_overhead_ms if op.is_backward else costs.fwd_overhead_ms)[s]
-                    t0 = now[s]
-                    now[s] = t0 + float(base) + float(extra)
-                    rows.append((s, op.chunk, op.microbatch, op.is_backward, t0, now[s]))
-                else:
-                    _, sends, recvs = item
-                    t = now[s]
-                    if posted[s] != pos[s]:        # sends go out first, then the call waits
-                        posted[s] = pos[s]
-                        for msg in sends:
-                            arrival[msg] = t + link(msg)
-                    if any(r not in arrival for r in recvs):
-                        break
-                    done = t + float(costs.send_call_ms[s]) if sends else t
-                    if recvs:
-                        ready = max([t] + [arrival[r] for r in recvs])
-                        done = max(done, ready + float(costs.recv_ready_ms[s]))
-                    now[s] = done
-                pos[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise PoseidonError("engine model: the device programs deadlock (a bug)")
+    for event, s, x in walk_programs(progs):
+        if event == "post":
+            arrival[x] = now[s] + link(x)
+        elif x[0] == "op":
+            op = x[1]
+            base = (costs.backward_ms if op.is_backward else costs.forward_ms)[op.chunk, s]
+            extra = (costs.bwd_overhead_ms if op.is_backward else costs.fwd_overhead_ms)[s]
+            t0 = now[s]
+            now[s] = t0 + float(base) + float(extra)
+            rows.append((s, op.chunk, op.microbatch, op.is_backward, t0, now[s]))
+        else:
+            _, sends, recvs = x
+            t = now[s]
+            done = t + float(costs.send_call_ms[s]) if sends else t
+            if recvs:
+                ready = max([t] + [arrival[r] for r in recvs])
+                done = max(done, ready + float(costs.recv_ready_ms[s]))
+            now[s] = done
     ar0 = np.array(now)
     ar1 = ar0 + costs.finalize_ms
     sync = float(ar1.max())
