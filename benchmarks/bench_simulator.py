@@ -91,8 +91,8 @@ def engine_rows(rng: np.random.Generator) -> None:
     uses) next to the paper's DAG, checked against the Python engine model."""
     from poseidon_plugin.engine import EngineCosts, simulate_engine
     print()
-    print("| interleaved (V=2), as megatron-core runs it | N | M | engine C (µs) | paper DAG C (µs) "
-          "| ratio | engine.py (ms) |")
+    print("| interleaved (V=2), as megatron-core runs it | N | M | engine C (µs) "
+          "| paper DAG C (µs) | ratio | engine.py (ms) |")
     print("|---|---|---|---|---|---|---|")
     for n, m in SIZES:
         p = problem("interleaved-1f1b", n, m, rng)

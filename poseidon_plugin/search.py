@@ -90,9 +90,9 @@ capacity cut leave almost nothing. When the next cap would pass the incumbent, o
 pass) searches with the midpoint of the proven bound and the incumbent if their gap is > 0.2 %
 (a round costs far less when its cap is close to the optimum than when it starts from a
 distant incumbent and must first find the optimum; when the incumbent is already the optimum,
-the extra round costs less than the last one), then the last searches with the incumbent. This replaces a good warm-up
-incumbent; the warm-up still runs (on the configurations with the lowest root bounds) and caps
-the rounds.
+the extra round costs less than the last one), then the last searches with the incumbent.
+This replaces a good warm-up incumbent; the warm-up still runs (on the configurations with the
+lowest root bounds) and caps the rounds.
 
 Passes (blocks seed)
 --------------------
@@ -165,7 +165,7 @@ DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4)
 # the contiguous ``blocks`` orders lose 2.1 %), contiguous blocks beyond.
 TYPE_SEQUENCE_LIMIT = 3 ** 20
 ROUND_STEP = 0.02   # iterative deepening: each round's threshold cap is 2 % above the last
-BISECT_GAP = 0.002  # ... until it passes the incumbent: then one midpoint round if the gap is > 0.2 %
+BISECT_GAP = 0.002  # ... until it passes the incumbent: then one midpoint round if the gap > 0.2 %
 MAX_ROUNDS = 64     # per pass; the last round searches with the incumbent alone
 ENGINE_TIMING = True  # plans are timed as megatron-core runs them (_core.EngineDAG; see above)
 SPLIT_NODES = 20000  # a configuration whose last search took this many nodes is split over threads
@@ -703,10 +703,6 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
     log.debug("%d configurations and their root bounds: %.2f s", len(configs),
               time.perf_counter() - t0)
 
-    # ---- warm-up sampling (seeds the bound; skipped by the exhaustive mode). The samples come
-    # from the first WARMUP_CONFIGS configurations, by root bound, where a random assignment
-    # fits (a few tries each; the promising ones, whose DAGs the search needs anyway, and few
-    # DAGs to build), then at random among those.
     threshold = math.inf
     if tp_mode == "per-stage" and pruning != "none":
         # the uniform-TP space is part of the per-stage one: its optimum (a much smaller search)
@@ -730,6 +726,11 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
             stats["uniform_tp_seed_ms"] = round(sb[0], 3)
             threshold = sb[0]
             consider(sb[0], sb[4], sb[2], sb[3])
+
+    # ---- warm-up sampling (seeds the bound; skipped by the exhaustive mode). The samples come
+    # from the first WARMUP_CONFIGS configurations, by root bound, where a random assignment
+    # fits (a few tries each; the promising ones, whose DAGs the search needs anyway, and few
+    # DAGs to build), then at random among those.
     if pruning != "none" and warmup_samples > 0:
         rng = random.Random(seed)
         scan = iter([i for i in order if math.isfinite(roots[i])])

@@ -144,7 +144,8 @@ def test_tp_flag_limits_the_plan_and_its_baselines(capsys):
     assert rc == 0, err
     assert "tp=2" in out.splitlines()[0]
     rc, out, err = run_main(capsys, argv[:-1] + ["3"])
-    _check_one_line_error(rc, out, err, r"--tp / tp_degrees.*none of \[3\] is valid.*valid: \[1, 2, 4, 8\]")
+    _check_one_line_error(rc, out, err,
+                          r"--tp / tp_degrees.*none of \[3\] is valid.*valid: \[1, 2, 4, 8\]")
 
 
 def test_deterministic_single_worker(capsys):

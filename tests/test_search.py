@@ -440,7 +440,8 @@ def test_tp_degrees_restrict_the_search():
             p = search_plan(cluster, model, tp_mode=mode, tp_degrees=allowed, **kw)
             assert {s.tp for s in p.stages} <= set(allowed)
             if mode == "uniform":
-                assert p.predicted_iteration_time_ms >= free.predicted_iteration_time_ms * (1 - 1e-9)
+                assert (p.predicted_iteration_time_ms
+                        >= free.predicted_iteration_time_ms * (1 - 1e-9))
     with pytest.raises(PoseidonError, match=r"--tp / tp_degrees.*none of \[3\] is valid"):
         search_plan(cluster, model, tp_degrees=(3,), **kw)
     with pytest.raises(PoseidonError, match=r"--tp / tp_degrees.*expected integers >= 1"):
