@@ -109,6 +109,46 @@ cdef inline int _topk_layers(const int* tcap, const int* tcnt, int nt, int K,
     return total
 
 
+cdef inline int _insert_group(int* tcap, int* tcnt, int ng, int cap, int cnt) noexcept nogil:
+    """Insert (cap, cnt) into the groups sorted by cap descending; returns the new count."""
+    cdef int i = ng
+    while i > 0 and tcap[i - 1] < cap:
+        tcap[i] = tcap[i - 1]
+        tcnt[i] = tcnt[i - 1]
+        i -= 1
+    tcap[i] = cap
+    tcnt[i] = cnt
+    return ng + 1
+
+
+cdef inline int _type_groups(int* tcap, int* tcnt, int ng, int best, int cnt,
+                             double lbk) noexcept nogil:
+    """Insert one type's stage slots: ``cnt`` stages of at most ``best`` layers, and at most
+    ``lbk`` layers for the whole type (its free devices times the best layers-per-device ratio
+    cap_o / (d t_o) of its options: stages of different TP degrees share the devices). As up to
+    three groups: q stages at ``best``, one at the remainder, the rest at 0 layers. The K
+    largest slots then give exactly max sum_k min(n_k best_k, lbk_k) over n_k <= cnt_k,
+    sum n_k = K (each term is concave in n_k, so the greedy on marginal gains is optimal), and
+    the count of slots still tells whether K stages fit at all. Returns the new group count."""
+    cdef double full = <double> best * cnt
+    cdef int qn, r
+    if lbk >= full:
+        return _insert_group(tcap, tcnt, ng, best, cnt)
+    qn = <int> (lbk / best) if best > 0 else cnt
+    if qn > cnt:
+        qn = cnt
+    r = <int> (lbk - <double> qn * best)
+    if r < 0:
+        r = 0
+    if qn > 0:
+        ng = _insert_group(tcap, tcnt, ng, best, qn)
+    if qn < cnt:
+        ng = _insert_group(tcap, tcnt, ng, r, 1)
+        if cnt - qn - 1 > 0:
+            ng = _insert_group(tcap, tcnt, ng, 0, cnt - qn - 1)
+    return ng
+
+
 cdef double _now() noexcept nogil:
     cdef timespec ts
     clock_gettime(CLOCK_MONOTONIC, &ts)
@@ -379,18 +419,21 @@ cdef int _capacity(Ctx* c, int x, double avail, int K, double whi) noexcept nogi
     holds the output layer (x < N - 1), whose w is >= its layers' (f + b) + outmin, so the
     knapsack's budget is U_K - outmin.
     """
-    cdef int k, o, cap, best, dtmin, cnt, total, taken, i, j, nt, p
-    cdef double q, fbk, U, lay, room, take
-    cdef int tcap[MAXT]
-    cdef int tcnt[MAXT]
+    cdef int k, o, cap, best, dtmin, cnt, total, taken, i, j, nt, p, ng
+    cdef double q, fbk, U, lay, room, take, ratio, lbk
+    cdef int tcap[3 * MAXT]
+    cdef int tcnt[3 * MAXT]
     cdef double tfb[MAXT]
     cdef int fcap[MAXT]
     cdef int fcnt[MAXT]
+    cdef double flb[MAXT]
     nt = 0
+    ng = 0
     for k in range(c.T):
         best = -1
         dtmin = 0
         fbk = 0.0
+        ratio = 0.0
         for o in range(c.O):
             if c.opt_type[o] != k:
                 continue
@@ -412,31 +455,29 @@ cdef int _capacity(Ctx* c, int x, double avail, int K, double whi) noexcept nogi
                 dtmin = c.d * c.opt_tp[o]
             if fbk == 0.0 or c.ofb[o] < fbk:
                 fbk = c.ofb[o]
+            if <double> cap / (c.d * c.opt_tp[o]) > ratio:
+                ratio = <double> cap / (c.d * c.opt_tp[o])
         if best < 0:
             continue
         cnt = (c.ndev[k] - c.cursor[k]) // dtmin
         if cnt <= 0:
             continue
-        # insertion by cap descending
-        i = nt
-        while i > 0 and tcap[i - 1] < best:
-            tcap[i] = tcap[i - 1]
-            tcnt[i] = tcnt[i - 1]
-            i -= 1
-        tcap[i] = best
-        tcnt[i] = cnt
+        lbk = (c.ndev[k] - c.cursor[k]) * ratio * (1.0 + 1e-9) + 1e-9
+        ng = _type_groups(tcap, tcnt, ng, best, cnt, lbk)
         # second list: by (f + b) ascending (fill/drain knapsack)
         i = nt
         while i > 0 and tfb[i - 1] > fbk:
             tfb[i] = tfb[i - 1]
             fcap[i] = fcap[i - 1]
             fcnt[i] = fcnt[i - 1]
+            flb[i] = flb[i - 1]
             i -= 1
         tfb[i] = fbk
         fcap[i] = best
         fcnt[i] = cnt
+        flb[i] = lbk
         nt += 1
-    total = _topk_layers(tcap, tcnt, nt, K, &taken)
+    total = _topk_layers(tcap, tcnt, ng, K, &taken)
     if taken < K:
         return -1
     if c.V == 1 and c.fill_cut and K > 1:
@@ -458,6 +499,8 @@ cdef int _capacity(Ctx* c, int x, double avail, int K, double whi) noexcept nogi
             if j > K:
                 j = K
             room = j * <double> fcap[i]
+            if flb[i] < room:
+                room = flb[i]
             take = U / tfb[i]
             if take >= room:
                 lay += room
@@ -624,15 +667,16 @@ cdef int _wcut(Ctx* c, int x, double avail, int K, int need, double whi) noexcep
     so a piecewise split of [W_0, A2] could not cut either: this is the strongest form of the
     cut with these relaxations, at one positional evaluation per step.
     """
-    cdef int k, o, cap, best, dtmin, cnt, total, taken, i, nt, it
+    cdef int k, o, cap, best, dtmin, cnt, total, taken, i, nt, it, ng
     cdef int amax = c.acnt_sufmax[x + 1]
-    cdef double A, A2, W, Wn, q, coef, fbk, lay, room, cost, rest, fbmin
-    cdef int tcap[MAXT]
-    cdef int tcnt[MAXT]
+    cdef double A, A2, W, Wn, q, coef, fbk, lay, room, cost, rest, fbmin, ratio, lbk
+    cdef int tcap[3 * MAXT]
+    cdef int tcnt[3 * MAXT]
     cdef double tfb[MAXT]
     cdef int fcap[MAXT]
     cdef int fcnt[MAXT]
     cdef int ftype[MAXT]
+    cdef double flb[MAXT]
     cdef int pc[MAXN * MAXT]
     cdef double troom[MAXT]
     if amax > c.M:
@@ -655,10 +699,12 @@ cdef int _wcut(Ctx* c, int x, double avail, int K, int need, double whi) noexcep
         if W > A2:
             return 1
         nt = 0
+        ng = 0
         for k in range(c.T):
             best = -1
             dtmin = 0
             fbk = 0.0
+            ratio = 0.0
             for o in range(c.O):
                 if c.opt_type[o] != k:
                     continue
@@ -684,6 +730,8 @@ cdef int _wcut(Ctx* c, int x, double avail, int K, int need, double whi) noexcep
                     dtmin = c.d * c.opt_tp[o]
                 if fbk == 0.0 or c.ofb[o] < fbk:
                     fbk = c.ofb[o]
+                if <double> cap / (c.d * c.opt_tp[o]) > ratio:
+                    ratio = <double> cap / (c.d * c.opt_tp[o])
             if best < 0:
                 continue
             cnt = (c.ndev[k] - c.cursor[k]) // dtmin
@@ -691,26 +739,23 @@ cdef int _wcut(Ctx* c, int x, double avail, int K, int need, double whi) noexcep
                 continue
             if cnt > K:
                 cnt = K
-            i = nt
-            while i > 0 and tcap[i - 1] < best:
-                tcap[i] = tcap[i - 1]
-                tcnt[i] = tcnt[i - 1]
-                i -= 1
-            tcap[i] = best
-            tcnt[i] = cnt
+            lbk = (c.ndev[k] - c.cursor[k]) * ratio * (1.0 + 1e-9) + 1e-9
+            ng = _type_groups(tcap, tcnt, ng, best, cnt, lbk)
             i = nt
             while i > 0 and tfb[i - 1] > fbk:
                 tfb[i] = tfb[i - 1]
                 fcap[i] = fcap[i - 1]
                 fcnt[i] = fcnt[i - 1]
                 ftype[i] = ftype[i - 1]
+                flb[i] = flb[i - 1]
                 i -= 1
             tfb[i] = fbk
             fcap[i] = best
             fcnt[i] = cnt
             ftype[i] = k
+            flb[i] = lbk
             nt += 1
-        total = _topk_layers(tcap, tcnt, nt, K, &taken)
+        total = _topk_layers(tcap, tcnt, ng, K, &taken)
         if taken < K or total < need:
             return 1
         # positional caps: stage j = x + 1 + p with its own a_j (not amax) and lmax[o, j]
@@ -723,6 +768,8 @@ cdef int _wcut(Ctx* c, int x, double avail, int K, int need, double whi) noexcep
             room = fcnt[i] * <double> fcap[i]
             if troom[ftype[i]] < room:
                 room = troom[ftype[i]]
+            if flb[i] < room:
+                room = flb[i]
             if room >= rest:
                 cost += rest * tfb[i]
                 rest = 0.0

@@ -482,3 +482,33 @@ def test_per_stage_tp_is_seeded_by_the_uniform_optimum():
     assert per.predicted_iteration_time_ms == pytest.approx(exact.predicted_iteration_time_ms,
                                                             rel=1e-12)
     assert per.search["exhaustive"] is True
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(st.tuples(st.sampled_from([50.0, 80.0, 150.0]), st.sampled_from([2, 4]),
+                          st.integers(1, 2), st.sampled_from([0.02, 0.05, 1.0])),
+                min_size=2, max_size=3),
+       st.integers(4, 9), st.sampled_from([4, 8, 16]),
+       st.sampled_from(["1f1b", "eager-1f1b", "gpipe"]), st.sampled_from([0.0, 0.01]))
+def test_per_stage_tp_capacity_cuts_keep_every_config_optimum(types, layers, gbs, sched, slack):
+    """Per-stage TP (several TP degrees per type share its devices: the capacity cuts bound a
+    type's layers by its free devices times the best layers-per-device ratio): per
+    configuration the bounded search at threshold = the exhaustive optimum (x (1 + slack))
+    still finds a plan of exactly that time."""
+    from poseidon_plugin.search import run_config
+    cluster, model = make_instance(types, layers, None)
+    cm = CostModel(cluster, model, None, seq_length=128)
+    cfgs = [c for c in enumerate_configs(cm, global_batch_size=gbs, schedules=(sched,),
+                                         tp_mode="per-stage", micro_batch_sizes=(1,),
+                                         max_virtual_stages=1)
+            if 2 <= c.num_stages <= 5]
+    for cfg in cfgs[:6]:
+        kw = dict(type_order="any", type_sequence_limit=3 ** 20, deadline=0.0)
+        exact = run_config(cm, cfg, pruning="none", threshold_ms=math.inf, **kw)["best"]
+        thr = math.inf if exact is None else exact[0] * (1 + slack)
+        res = run_config(cm, cfg, pruning="safe", threshold_ms=thr, **kw)
+        if exact is None:
+            assert res["best"] is None
+            continue
+        assert res["best"] is not None, cfg
+        assert res["best"][0] == pytest.approx(exact[0], rel=1e-12)
