@@ -391,6 +391,92 @@ cdef double _bound(Ctx* c, int x, int Lrem) noexcept nogil:
     return dmax(g, gy)
 
 
+cdef struct TypeCaps:
+    # per usable type of the K later stages: top-K slots (cap descending, 3 groups per type)
+    int tcap[3 * MAXT]
+    int tcnt[3 * MAXT]
+    int ng
+    # and the fill/drain knapsack's list ((f + b) ascending): cap, count (<= K), type, layers
+    double tfb[MAXT]
+    int fcap[MAXT]
+    int fcnt[MAXT]
+    int ftype[MAXT]
+    double flb[MAXT]
+    int nt
+
+
+cdef inline void _type_caps(Ctx* c, int x, int K, double budget, int amax,
+                     TypeCaps* tc) noexcept nogil:
+    """Per type: the most layers one later stage (after x) can hold, cap_o = budget / coef_o
+    (coef_o = M (f + b)_o when amax < 0, else (M-1) b_o + (M - amax) f_o: the round-trip
+    cut's), clipped to the option's largest memory limit after x and dropped below V; how many
+    later stages the type can still host (free devices // the smallest d t, <= K); its cheapest
+    (f + b); and the type's layer total bound (free devices x the best cap_o / (d t_o)). Fills
+    the top-K slot groups (``_type_groups``) and the knapsack list of ``tc``."""
+    cdef int k, o, cap, best, dtmin, cnt, i
+    cdef double q, coef, fbk, ratio, lbk
+    tc.nt = 0
+    tc.ng = 0
+    for k in range(c.T):
+        best = -1
+        dtmin = 0
+        fbk = 0.0
+        ratio = 0.0
+        for o in range(c.O):
+            if c.opt_type[o] != k:
+                continue
+            if amax < 0:
+                coef = c.M * c.ofb[o]
+            else:
+                coef = (c.M - 1) * c.ob_[o] + (c.M - amax) * c.of_[o]
+            if coef <= 0.0:
+                cap = 1000000000
+            else:
+                q = budget / coef
+                if q < 0:
+                    continue
+                q = q * (1.0 + 1e-9) + 1e-9
+                if q > 1e9:
+                    cap = 1000000000
+                else:
+                    cap = <int> q
+            if cap > c.suf_omax[o * (c.N + 1) + x + 1]:
+                cap = c.suf_omax[o * (c.N + 1) + x + 1]
+            if cap < c.V:
+                continue
+            if cap > best:
+                best = cap
+            if dtmin == 0 or c.d * c.opt_tp[o] < dtmin:
+                dtmin = c.d * c.opt_tp[o]
+            if fbk == 0.0 or c.ofb[o] < fbk:
+                fbk = c.ofb[o]
+            if <double> cap / (c.d * c.opt_tp[o]) > ratio:
+                ratio = <double> cap / (c.d * c.opt_tp[o])
+        if best < 0:
+            continue
+        cnt = (c.ndev[k] - c.cursor[k]) // dtmin
+        if cnt <= 0:
+            continue
+        if cnt > K:
+            cnt = K
+        lbk = (c.ndev[k] - c.cursor[k]) * ratio * (1.0 + 1e-9) + 1e-9
+        tc.ng = _type_groups(tc.tcap, tc.tcnt, tc.ng, best, cnt, lbk)
+        i = tc.nt
+        while i > 0 and tc.tfb[i - 1] > fbk:
+            tc.tfb[i] = tc.tfb[i - 1]
+            tc.fcap[i] = tc.fcap[i - 1]
+            tc.fcnt[i] = tc.fcnt[i - 1]
+            tc.ftype[i] = tc.ftype[i - 1]
+            tc.flb[i] = tc.flb[i - 1]
+            i -= 1
+        tc.tfb[i] = fbk
+        tc.fcap[i] = best
+        tc.fcnt[i] = cnt
+        tc.ftype[i] = k
+        tc.flb[i] = lbk
+        tc.nt += 1
+
+
 cdef int _capacity(Ctx* c, int x, double avail, int K, double whi) noexcept nogil:
     """Most layers the K stages after x can hold in a completion with T <= thr (-1: none).
 
@@ -419,65 +505,11 @@ cdef int _capacity(Ctx* c, int x, double avail, int K, double whi) noexcept nogi
     holds the output layer (x < N - 1), whose w is >= its layers' (f + b) + outmin, so the
     knapsack's budget is U_K - outmin.
     """
-    cdef int k, o, cap, best, dtmin, cnt, total, taken, i, j, nt, p, ng
-    cdef double q, fbk, U, lay, room, take, ratio, lbk
-    cdef int tcap[3 * MAXT]
-    cdef int tcnt[3 * MAXT]
-    cdef double tfb[MAXT]
-    cdef int fcap[MAXT]
-    cdef int fcnt[MAXT]
-    cdef double flb[MAXT]
-    nt = 0
-    ng = 0
-    for k in range(c.T):
-        best = -1
-        dtmin = 0
-        fbk = 0.0
-        ratio = 0.0
-        for o in range(c.O):
-            if c.opt_type[o] != k:
-                continue
-            q = avail / (c.M * c.ofb[o])
-            if q < 0:
-                continue
-            q = q * (1.0 + 1e-9) + 1e-9
-            if q > 1e9:
-                cap = 1000000000
-            else:
-                cap = <int> q
-            if cap > c.suf_omax[o * (c.N + 1) + x + 1]:
-                cap = c.suf_omax[o * (c.N + 1) + x + 1]
-            if cap < c.V:
-                continue
-            if cap > best:
-                best = cap
-            if dtmin == 0 or c.d * c.opt_tp[o] < dtmin:
-                dtmin = c.d * c.opt_tp[o]
-            if fbk == 0.0 or c.ofb[o] < fbk:
-                fbk = c.ofb[o]
-            if <double> cap / (c.d * c.opt_tp[o]) > ratio:
-                ratio = <double> cap / (c.d * c.opt_tp[o])
-        if best < 0:
-            continue
-        cnt = (c.ndev[k] - c.cursor[k]) // dtmin
-        if cnt <= 0:
-            continue
-        lbk = (c.ndev[k] - c.cursor[k]) * ratio * (1.0 + 1e-9) + 1e-9
-        ng = _type_groups(tcap, tcnt, ng, best, cnt, lbk)
-        # second list: by (f + b) ascending (fill/drain knapsack)
-        i = nt
-        while i > 0 and tfb[i - 1] > fbk:
-            tfb[i] = tfb[i - 1]
-            fcap[i] = fcap[i - 1]
-            fcnt[i] = fcnt[i - 1]
-            flb[i] = flb[i - 1]
-            i -= 1
-        tfb[i] = fbk
-        fcap[i] = best
-        fcnt[i] = cnt
-        flb[i] = lbk
-        nt += 1
-    total = _topk_layers(tcap, tcnt, ng, K, &taken)
+    cdef int total, taken, i, j, p
+    cdef double U, lay, room, take
+    cdef TypeCaps tc
+    _type_caps(c, x, K, avail, -1, &tc)
+    total = _topk_layers(tc.tcap, tc.tcnt, tc.ng, K, &taken)
     if taken < K:
         return -1
     if c.V == 1 and c.fill_cut and K > 1:
@@ -492,19 +524,16 @@ cdef int _capacity(Ctx* c, int x, double avail, int K, double whi) noexcept nogi
         if U <= 0.0:
             return 0
         lay = 0.0
-        for i in range(nt):
+        for i in range(tc.nt):
             if U <= 0.0:
                 break
-            j = fcnt[i]
-            if j > K:
-                j = K
-            room = j * <double> fcap[i]
-            if flb[i] < room:
-                room = flb[i]
-            take = U / tfb[i]
+            room = tc.fcnt[i] * <double> tc.fcap[i]
+            if tc.flb[i] < room:
+                room = tc.flb[i]
+            take = U / tc.tfb[i]
             if take >= room:
                 lay += room
-                U -= room * tfb[i]
+                U -= room * tc.tfb[i]
             else:
                 lay += take
                 U = 0.0
@@ -667,16 +696,10 @@ cdef int _wcut(Ctx* c, int x, double avail, int K, int need, double whi) noexcep
     so a piecewise split of [W_0, A2] could not cut either: this is the strongest form of the
     cut with these relaxations, at one positional evaluation per step.
     """
-    cdef int k, o, cap, best, dtmin, cnt, total, taken, i, nt, it, ng
+    cdef int o, total, taken, i, it
     cdef int amax = c.acnt_sufmax[x + 1]
-    cdef double A, A2, W, Wn, q, coef, fbk, lay, room, cost, rest, fbmin, ratio, lbk
-    cdef int tcap[3 * MAXT]
-    cdef int tcnt[3 * MAXT]
-    cdef double tfb[MAXT]
-    cdef int fcap[MAXT]
-    cdef int fcnt[MAXT]
-    cdef int ftype[MAXT]
-    cdef double flb[MAXT]
+    cdef double A, A2, W, Wn, room, cost, rest, fbmin
+    cdef TypeCaps tc
     cdef int pc[MAXN * MAXT]
     cdef double troom[MAXT]
     if amax > c.M:
@@ -698,64 +721,8 @@ cdef int _wcut(Ctx* c, int x, double avail, int K, int need, double whi) noexcep
     for it in range(16):
         if W > A2:
             return 1
-        nt = 0
-        ng = 0
-        for k in range(c.T):
-            best = -1
-            dtmin = 0
-            fbk = 0.0
-            ratio = 0.0
-            for o in range(c.O):
-                if c.opt_type[o] != k:
-                    continue
-                coef = (c.M - 1) * c.ob_[o] + (c.M - amax) * c.of_[o]
-                if coef <= 0.0:
-                    cap = 1000000000
-                else:
-                    q = (A - W) / coef
-                    if q < 0:
-                        continue
-                    q = q * (1.0 + 1e-9) + 1e-9
-                    if q > 1e9:
-                        cap = 1000000000
-                    else:
-                        cap = <int> q
-                if cap > c.suf_omax[o * (c.N + 1) + x + 1]:
-                    cap = c.suf_omax[o * (c.N + 1) + x + 1]
-                if cap < c.V:
-                    continue
-                if cap > best:
-                    best = cap
-                if dtmin == 0 or c.d * c.opt_tp[o] < dtmin:
-                    dtmin = c.d * c.opt_tp[o]
-                if fbk == 0.0 or c.ofb[o] < fbk:
-                    fbk = c.ofb[o]
-                if <double> cap / (c.d * c.opt_tp[o]) > ratio:
-                    ratio = <double> cap / (c.d * c.opt_tp[o])
-            if best < 0:
-                continue
-            cnt = (c.ndev[k] - c.cursor[k]) // dtmin
-            if cnt <= 0:
-                continue
-            if cnt > K:
-                cnt = K
-            lbk = (c.ndev[k] - c.cursor[k]) * ratio * (1.0 + 1e-9) + 1e-9
-            ng = _type_groups(tcap, tcnt, ng, best, cnt, lbk)
-            i = nt
-            while i > 0 and tfb[i - 1] > fbk:
-                tfb[i] = tfb[i - 1]
-                fcap[i] = fcap[i - 1]
-                fcnt[i] = fcnt[i - 1]
-                ftype[i] = ftype[i - 1]
-                flb[i] = flb[i - 1]
-                i -= 1
-            tfb[i] = fbk
-            fcap[i] = best
-            fcnt[i] = cnt
-            ftype[i] = k
-            flb[i] = lbk
-            nt += 1
-        total = _topk_layers(tcap, tcnt, ng, K, &taken)
+        _type_caps(c, x, K, A - W, amax, &tc)
+        total = _topk_layers(tc.tcap, tc.tcnt, tc.ng, K, &taken)
         if taken < K or total < need:
             return 1
         # positional caps: stage j = x + 1 + p with its own a_j (not amax) and lmax[o, j]
@@ -764,17 +731,17 @@ cdef int _wcut(Ctx* c, int x, double avail, int K, int need, double whi) noexcep
         # cheapest (f + b) cost of ``need`` layers within the rooms (inverse knapsack)
         rest = need
         cost = 0.0
-        for i in range(nt):
-            room = fcnt[i] * <double> fcap[i]
-            if troom[ftype[i]] < room:
-                room = troom[ftype[i]]
-            if flb[i] < room:
-                room = flb[i]
+        for i in range(tc.nt):
+            room = tc.fcnt[i] * <double> tc.fcap[i]
+            if troom[tc.ftype[i]] < room:
+                room = troom[tc.ftype[i]]
+            if tc.flb[i] < room:
+                room = tc.flb[i]
             if room >= rest:
-                cost += rest * tfb[i]
+                cost += rest * tc.tfb[i]
                 rest = 0.0
                 break
-            cost += room * tfb[i]
+            cost += room * tc.tfb[i]
             rest -= room
         if rest > 1e-9:
             return 1
