@@ -109,6 +109,22 @@ cdef inline int _topk_layers(const int* tcap, const int* tcnt, int nt, int K,
     return total
 
 
+cdef inline int _layers_within(double budget, double coef) noexcept nogil:
+    """Most whole layers of cost ``coef`` within ``budget`` (rounded up by a relative 1e-9, so
+    float noise never cuts a plan at the threshold), 10^9 for a free layer or a huge budget,
+    -1 when the budget is negative."""
+    cdef double q
+    if coef <= 0.0:
+        return 1000000000
+    q = budget / coef
+    if q < 0:
+        return -1
+    q = q * (1.0 + 1e-9) + 1e-9
+    if q > 1e9:
+        return 1000000000
+    return <int> q
+
+
 cdef inline int _insert_group(int* tcap, int* tcnt, int ng, int cap, int cnt) noexcept nogil:
     """Insert (cap, cnt) into the groups sorted by cap descending; returns the new count."""
     cdef int i = ng
@@ -414,7 +430,7 @@ cdef inline void _type_caps(Ctx* c, int x, int K, double budget, int amax,
     (f + b); and the type's layer total bound (free devices x the best cap_o / (d t_o)). Fills
     the top-K slot groups (``_type_groups``) and the knapsack list of ``tc``."""
     cdef int k, o, cap, best, dtmin, cnt, i
-    cdef double q, coef, fbk, ratio, lbk
+    cdef double coef, fbk, ratio, lbk
     tc.nt = 0
     tc.ng = 0
     for k in range(c.T):
@@ -429,17 +445,9 @@ cdef inline void _type_caps(Ctx* c, int x, int K, double budget, int amax,
                 coef = c.M * c.ofb[o]
             else:
                 coef = (c.M - 1) * c.ob_[o] + (c.M - amax) * c.of_[o]
-            if coef <= 0.0:
-                cap = 1000000000
-            else:
-                q = budget / coef
-                if q < 0:
-                    continue
-                q = q * (1.0 + 1e-9) + 1e-9
-                if q > 1e9:
-                    cap = 1000000000
-                else:
-                    cap = <int> q
+            cap = _layers_within(budget, coef)
+            if cap < 0:
+                continue
             if cap > c.suf_omax[o * (c.N + 1) + x + 1]:
                 cap = c.suf_omax[o * (c.N + 1) + x + 1]
             if cap < c.V:
@@ -562,7 +570,7 @@ cdef double _wpos(Ctx* c, int x, int K, double R, int* pc, double* troom) noexce
     positions only type k can serve, means no completion.
     """
     cdef int p, j, o, k, k2, cap, aj, T = c.T, M = c.M, N = c.N, n, i, m, sweep, ninf
-    cdef double q, coef, best, other, D, v
+    cdef double coef, best, other, D, v
     cdef int tav[MAXT]
     cdef double u[MAXT]
     cdef double dl[MAXN]
@@ -587,17 +595,9 @@ cdef double _wpos(Ctx* c, int x, int K, double R, int* pc, double* troom) noexce
             if tav[k] <= 0:
                 continue
             coef = (M - 1) * c.ob_[o] + (M - aj) * c.of_[o]
-            if coef <= 0.0:
-                cap = 1000000000
-            else:
-                q = R / coef
-                if q < 0:
-                    continue
-                q = q * (1.0 + 1e-9) + 1e-9
-                if q > 1e9:
-                    cap = 1000000000
-                else:
-                    cap = <int> q
+            cap = _layers_within(R, coef)
+            if cap < 0:
+                continue
             if cap > c.lmax[o * N + j]:
                 cap = c.lmax[o * N + j]
             if cap < 1:

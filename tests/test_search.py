@@ -348,21 +348,10 @@ def test_blocks_seeded_full_search_matches_exhaustive(inst):
         assert blk.predicted_iteration_time_ms >= got.predicted_iteration_time_ms * (1 - 1e-9)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(st.lists(type_st, min_size=2, max_size=3), st.integers(4, 10), st.sampled_from([4, 8, 16]),
-       st.sampled_from(["1f1b", "eager-1f1b", "gpipe"]), st.sampled_from([0.0, 0.003, 0.03]))
-def test_capacity_and_round_trip_cuts_keep_every_config_optimum(types, layers, gbs, sched,
-                                                                slack):
-    """Per configuration (V = 1, where the fill/drain and round-trip capacity cuts apply): the
-    bounded search with threshold = that configuration's exhaustive optimum (x (1 + slack))
-    finds a plan of exactly that time, with the cuts on and off."""
+def _assert_cut_search_finds_optimum(cm, cfgs, slack):
+    """Per configuration: the bounded search (every cut on) at threshold = the exhaustive
+    optimum x (1 + slack) finds a plan of exactly that time (none when nothing fits)."""
     from poseidon_plugin.search import run_config
-    cluster, model = make_instance(types, layers, None)
-    cm = CostModel(cluster, model, None, seq_length=128)
-    cfgs = [c for c in enumerate_configs(cm, global_batch_size=gbs, schedules=(sched,),
-                                         tp_mode="uniform", micro_batch_sizes=(1,),
-                                         max_virtual_stages=1)
-            if 2 <= c.num_stages <= 4]
     for cfg in cfgs:
         kw = dict(type_order="any", type_sequence_limit=3 ** 20, deadline=0.0)
         exact = run_config(cm, cfg, pruning="none", threshold_ms=math.inf, **kw)["best"]
@@ -373,6 +362,23 @@ def test_capacity_and_round_trip_cuts_keep_every_config_optimum(types, layers, g
             continue
         assert res["best"] is not None, cfg
         assert res["best"][0] == pytest.approx(exact[0], rel=1e-12)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(type_st, min_size=2, max_size=3), st.integers(4, 10), st.sampled_from([4, 8, 16]),
+       st.sampled_from(["1f1b", "eager-1f1b", "gpipe"]), st.sampled_from([0.0, 0.003, 0.03]))
+def test_capacity_and_round_trip_cuts_keep_every_config_optimum(types, layers, gbs, sched,
+                                                                slack):
+    """Per configuration (V = 1, where the fill/drain and round-trip capacity cuts apply): the
+    bounded search with threshold = that configuration's exhaustive optimum (x (1 + slack))
+    finds a plan of exactly that time, with the cuts on and off."""
+    cluster, model = make_instance(types, layers, None)
+    cm = CostModel(cluster, model, None, seq_length=128)
+    cfgs = [c for c in enumerate_configs(cm, global_batch_size=gbs, schedules=(sched,),
+                                         tp_mode="uniform", micro_batch_sizes=(1,),
+                                         max_virtual_stages=1)
+            if 2 <= c.num_stages <= 4]
+    _assert_cut_search_finds_optimum(cm, cfgs, slack)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
@@ -387,23 +393,13 @@ def test_positional_round_trip_and_fill_drain_cuts_keep_every_config_optimum(
     the round-trip cut's positional caps (own a_j, lmax[o, j], type counts by LP duality) and
     the fill/drain recursion's W limit are exercised: per configuration the bounded search at
     threshold = the exhaustive optimum (x (1 + slack)) still finds a plan of exactly that time."""
-    from poseidon_plugin.search import run_config
     cluster, model = make_instance(types, layers, None)
     cm = CostModel(cluster, model, None, seq_length=128)
     cfgs = [c for c in enumerate_configs(cm, global_batch_size=gbs, schedules=(sched,),
                                          tp_mode="uniform", micro_batch_sizes=(1,),
                                          max_virtual_stages=1)
             if 3 <= c.num_stages <= 6]
-    for cfg in cfgs:
-        kw = dict(type_order="any", type_sequence_limit=3 ** 20, deadline=0.0)
-        exact = run_config(cm, cfg, pruning="none", threshold_ms=math.inf, **kw)["best"]
-        thr = math.inf if exact is None else exact[0] * (1 + slack)
-        res = run_config(cm, cfg, pruning="safe", threshold_ms=thr, **kw)
-        if exact is None:
-            assert res["best"] is None
-            continue
-        assert res["best"] is not None, cfg
-        assert res["best"][0] == pytest.approx(exact[0], rel=1e-12)
+    _assert_cut_search_finds_optimum(cm, cfgs, slack)
 
 
 def test_threaded_search_really_splits():
@@ -495,20 +491,10 @@ def test_per_stage_tp_capacity_cuts_keep_every_config_optimum(types, layers, gbs
     type's layers by its free devices times the best layers-per-device ratio): per
     configuration the bounded search at threshold = the exhaustive optimum (x (1 + slack))
     still finds a plan of exactly that time."""
-    from poseidon_plugin.search import run_config
     cluster, model = make_instance(types, layers, None)
     cm = CostModel(cluster, model, None, seq_length=128)
     cfgs = [c for c in enumerate_configs(cm, global_batch_size=gbs, schedules=(sched,),
                                          tp_mode="per-stage", micro_batch_sizes=(1,),
                                          max_virtual_stages=1)
             if 2 <= c.num_stages <= 5]
-    for cfg in cfgs[:6]:
-        kw = dict(type_order="any", type_sequence_limit=3 ** 20, deadline=0.0)
-        exact = run_config(cm, cfg, pruning="none", threshold_ms=math.inf, **kw)["best"]
-        thr = math.inf if exact is None else exact[0] * (1 + slack)
-        res = run_config(cm, cfg, pruning="safe", threshold_ms=thr, **kw)
-        if exact is None:
-            assert res["best"] is None
-            continue
-        assert res["best"] is not None, cfg
-        assert res["best"][0] == pytest.approx(exact[0], rel=1e-12)
+    _assert_cut_search_finds_optimum(cm, cfgs[:6], slack)
