@@ -12,7 +12,7 @@ PIP   := $(VENV)/bin/pip
 PYTHON312 ?= $(shell for p in python3.12 $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 /usr/bin/python3.12 /usr/local/bin/python3.12; do \
 	if $$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then echo $$p; break; fi; done)
 
-PYX := $(wildcard poseidon_plugin/*.pyx poseidon_plugin/*.pxd)
+PYX := $(wildcard poseidon_plugin/*/*.pyx poseidon_plugin/*/*.pxd)
 
 .PHONY: all venv build test test-core demo bench validate clean
 
@@ -53,4 +53,4 @@ validate: build
 	$(PY) -m poseidon_plugin.cli validate
 
 clean:
-	rm -rf build *.egg-info poseidon_plugin/*.so poseidon_plugin/*.c $(VENV)/.stamp-build
+	rm -rf build *.egg-info poseidon_plugin/*/*.so poseidon_plugin/*/*.c $(VENV)/.stamp-build

@@ -1,4 +1,4 @@
-"""Build script: the Cython hot paths are compiled from poseidon_plugin/*.pyx."""
+"""Build script: the Cython hot paths are compiled from every poseidon_plugin/**/*.pyx."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ _checks = os.environ.get("POSEIDON_CHECKS", "0") == "1"
 
 extensions = [
     Extension(
-        "poseidon_plugin." + os.path.splitext(os.path.basename(path))[0],
+        os.path.splitext(path)[0].replace(os.sep, "."),
         [path],
         include_dirs=[np.get_include()],
         extra_compile_args=["-O3"],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     )
-    for path in sorted(glob.glob("poseidon_plugin/*.pyx"))
+    for path in sorted(glob.glob(os.path.join("poseidon_plugin", "**", "*.pyx"), recursive=True))
 ]
 
 setup(
@@ -31,7 +31,7 @@ setup(
     "(Megatron-LM / MindSpeed-LLM plugin)",
     python_requires=">=3.12",
     packages=find_packages(include=["poseidon_plugin", "poseidon_plugin.*"]),
-    package_data={"poseidon_plugin": ["*.pxd", "*.pyx"]},
+    package_data={"poseidon_plugin": ["**/*.pxd", "**/*.pyx"]},
     ext_modules=cythonize(
         extensions,
         language_level=3,

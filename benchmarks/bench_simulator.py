@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 
-from poseidon_plugin import _core
-from poseidon_plugin import simulator_reference as ref
+from poseidon_plugin.simulator import _core
+from poseidon_plugin.simulator import reference as ref
 from poseidon_plugin.simulator import SCHEDULES, iteration_time_ms, normalize_inputs
 from _machine import cpu_model  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
@@ -89,7 +89,7 @@ def main() -> None:
 def engine_rows(rng: np.random.Generator) -> None:
     """interleaved-1f1b timed as megatron-core runs it (``_core.EngineDAG``, what the search
     uses) next to the paper's DAG, checked against the Python engine model."""
-    from poseidon_plugin.engine import EngineCosts, simulate_engine
+    from poseidon_plugin.simulator.engine import EngineCosts, simulate_engine
     print()
     print("| interleaved (V=2), as megatron-core runs it | N | M | engine C (µs) "
           "| paper DAG C (µs) | ratio | engine.py (ms) |")

@@ -115,14 +115,14 @@ def _draw_plan_gantt(cluster, model, plan, profiles, path: str) -> None:
     from .costs import plan_simulator_inputs
     from .gantt import draw_gantt
     from .simulator import simulate_pipeline
-    from .timeline import timeline_from_sim
+    from .simulator.timeline import timeline_from_sim
 
     F, B, Pf, Pb, R = plan_simulator_inputs(cluster, model, plan, profiles)
     if plan.schedule == "interleaved-1f1b":
         # the search timed it as megatron-core runs it (bundled p2p calls): draw that schedule
         import numpy as np
 
-        from .engine import EngineCosts, simulate_engine, timeline_from_engine
+        from .simulator.engine import EngineCosts, simulate_engine, timeline_from_engine
         res = simulate_engine(EngineCosts.from_profiles(F, B, Pf, R, np.zeros(len(R))),
                               plan.num_microbatches, plan.schedule, plan.virtual_stages)
         timeline = timeline_from_engine(res, label="predicted (as megatron-core runs it)")

@@ -11,7 +11,7 @@ import os
 from typing import Sequence
 
 from poseidon_plugin.errors import PoseidonError
-from poseidon_plugin.timeline import Timeline
+from poseidon_plugin.simulator.timeline import Timeline
 
 _FORWARD = ("#9ecae1", "#4292c6", "#c6dbef", "#2171b5")   # one shade per chunk
 _BACKWARD = ("#fdae6b", "#e6550d", "#fdd0a2", "#a63603")

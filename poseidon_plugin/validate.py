@@ -24,7 +24,7 @@ micro-batch count) the harness
    ``poseidon_plugin.megatron.recorder``;
 5. predicts the iteration time with (a) the paper's DAG (``simulator.simulate_pipeline``),
    (b) Eq. (1) (``simulator.static_estimate_ms``) and (c) the engine-aware model
-   (``poseidon_plugin.engine``), and prints a table with the relative errors, their median and max.
+   (``poseidon_plugin.simulator.engine``), and prints a table with the relative errors, their median and max.
 
 The per-stage tail R[s] given to (a) and (b) is the measured finalize + optimizer time of stage s
 (what the plugin would profile as the stage's all-reduce); (c) models the tail as megatron runs it.
@@ -229,8 +229,8 @@ def predict_eq1(case: Case, profiles: Sequence[StageProfile]) -> float:
 
 
 def predict_engine(case: Case, profiles: Sequence[StageProfile]):
-    """The engine-aware model (``poseidon_plugin.engine``); returns its result."""
-    from .engine import EngineCosts, simulate_engine
+    """The engine-aware model (``poseidon_plugin.simulator.engine``); returns its result."""
+    from .simulator.engine import EngineCosts, simulate_engine
 
     fwd, bwd, send, _ = _profile_arrays(case, profiles)
     costs = EngineCosts.from_profiles(fwd, bwd, send,
@@ -703,10 +703,10 @@ def _assemble(case: Case, per_rank: list[dict]) -> CaseResult:
 
 def draw_case(result: CaseResult, path: str) -> str:
     """Measured timeline (a late iteration) above the engine-aware and the DAG prediction."""
-    from .engine import timeline_from_engine
+    from .simulator.engine import timeline_from_engine
     from .gantt import draw_gantt
     from .megatron.recorder import IterationRecord, timeline_from_records
-    from .timeline import timeline_from_sim
+    from .simulator.timeline import timeline_from_sim
 
     recs = [IterationRecord.from_dict(d) for d in result.measured_records]
     measured = timeline_from_records(recs, label="measured (megatron-core, CPU emulation)")

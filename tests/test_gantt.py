@@ -10,7 +10,7 @@ pytest.importorskip("matplotlib")
 from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.gantt import draw_gantt
 from poseidon_plugin.simulator import simulate_pipeline
-from poseidon_plugin.timeline import timeline_from_sim
+from poseidon_plugin.simulator.timeline import timeline_from_sim
 
 
 def _tl(n=4, m=8, schedule="1f1b", v=1, label="predicted"):

@@ -1,11 +1,11 @@
-"""Per-stage op orders (poseidon_plugin.schedules) against DESIGN.md and hand-written tables."""
+"""Per-stage op orders (poseidon_plugin.simulator.schedules) against DESIGN.md and hand-written tables."""
 
 from __future__ import annotations
 
 import pytest
 
 from poseidon_plugin.errors import PoseidonError
-from poseidon_plugin.schedules import (SCHEDULES, interleaved_table, op_orders, stage_op_order,
+from poseidon_plugin.simulator.schedules import (SCHEDULES, interleaved_table, op_orders, stage_op_order,
                                        validate_schedule)
 
 

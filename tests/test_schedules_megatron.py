@@ -10,7 +10,7 @@ For each pipeline rank in turn, megatron-core's own schedule function
 - a ``forward_step_func`` recording (chunk, micro-batch) and ``backward_step`` patched to
   record the backward of whichever forward produced the output tensor it is handed.
 
-The recorded sequence per rank is compared with ``poseidon_plugin.schedules``.
+The recorded sequence per rank is compared with ``poseidon_plugin.simulator.schedules``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import warnings
 
 import pytest
 
-from poseidon_plugin.schedules import stage_op_order
+from poseidon_plugin.simulator.schedules import stage_op_order
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")

@@ -279,7 +279,7 @@ def test_error_messages_name_cli_flag_and_parameter():
 def test_statistics_timing_flag(monkeypatch):
     """Statistics are reproducible unless a configuration was split over threads (then the
     flag says so); the plan is the same either way."""
-    import poseidon_plugin.search as search_mod
+    import poseidon_plugin.search.driver as search_mod
     cluster, model = make_instance([(100.0, 2, 4, 1.0), (50.0, 2, 4, 1.0)], 12, None)
     kw = dict(global_batch_size=8, seq_length=128, micro_batch_sizes=(1, 2), warmup_samples=30)
     a = search_plan(cluster, model, workers=1, **kw)
@@ -450,7 +450,7 @@ def test_interleaved_plans_are_timed_as_megatron_core_runs_them():
     paper's DAG for the same inputs."""
     import numpy as np
     from poseidon_plugin.costs import plan_simulator_inputs
-    from poseidon_plugin.engine import EngineCosts, simulate_engine
+    from poseidon_plugin.simulator.engine import EngineCosts, simulate_engine
     cluster, model = make_instance([(100.0, 2, 2, 1.0), (50.0, 2, 2, 1.0)], 8, None)
     p = search_plan(cluster, model, global_batch_size=16, seq_length=128, workers=1,
                     schedules=("interleaved-1f1b",), micro_batch_sizes=(1,), warmup_samples=20)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from poseidon_plugin import simulator_reference as ref
+from poseidon_plugin.simulator import reference as ref
 from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.simulator import (SCHEDULES, get_dag, iteration_time_ms, normalize_inputs,
                                        simulate_pipeline, static_estimate_ms)
@@ -305,8 +305,8 @@ def test_engine_dag_equals_engine_model_and_bounds_paper_dag(n, v, k, schedule, 
     """``get_dag(..., engine=True)`` (the C sweep the search uses) gives exactly
     ``engine.simulate_engine``'s time with zero call / op overheads (megatron-core's blocking
     p2p calls), is never below the paper's DAG, equals it for 1f1b, and its copy agrees."""
-    from poseidon_plugin._core import EngineDAG, get_dag as core_dag
-    from poseidon_plugin.engine import EngineCosts, simulate_engine
+    from poseidon_plugin.simulator._core import EngineDAG, get_dag as core_dag
+    from poseidon_plugin.simulator.engine import EngineCosts, simulate_engine
     if schedule == "1f1b":
         v = 1
     elif v == 1:

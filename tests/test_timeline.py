@@ -7,9 +7,9 @@ import pytest
 
 from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.megatron.recorder import IterationRecord, timeline_from_records
-from poseidon_plugin.schedules import op_orders
+from poseidon_plugin.simulator.schedules import op_orders
 from poseidon_plugin.simulator import simulate_pipeline
-from poseidon_plugin.timeline import Timeline, timeline_from_sim
+from poseidon_plugin.simulator.timeline import Timeline, timeline_from_sim
 
 
 def test_from_sim_marks_critical_path_and_span():

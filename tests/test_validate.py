@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from poseidon_plugin.engine import EngineCosts, device_program, simulate_engine
+from poseidon_plugin.simulator.engine import EngineCosts, device_program, simulate_engine
 from poseidon_plugin.errors import PoseidonError
-from poseidon_plugin.schedules import op_orders
+from poseidon_plugin.simulator.schedules import op_orders
 from poseidon_plugin.simulator import iteration_time_ms
 from poseidon_plugin.validate import (DEFAULT_CASES, FULL_EXTRA, Row, StageProfile, error_stats,
                                       format_table, main, predict_dag, predict_engine,

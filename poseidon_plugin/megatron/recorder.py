@@ -31,7 +31,7 @@ Usage (one rank)::
     rows = rec.iterations[k]          # IterationRecord: ops, allreduce window, start/end
 
 ``timeline_from_records([rank0_iter, rank1_iter, ...])`` turns one iteration of every stage into a
-:class:`poseidon_plugin.timeline.Timeline` (times in ms from the iteration's earliest start).
+:class:`poseidon_plugin.simulator.timeline.Timeline` (times in ms from the iteration's earliest start).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from ..timeline import Timeline
+from ..simulator.timeline import Timeline
 
 clock = time.perf_counter
 

@@ -146,12 +146,12 @@ from functools import lru_cache
 import numpy as np
 
 from . import _search
-from ._core import get_dag
-from .costs import CostModel, chunk_layers, simulator_arrays
-from .errors import InfeasibleError, PoseidonError
-from .plan import DeviceSlot, Plan, StagePlan
-from .schedules import op_orders, validate_schedule
-from .simulator import iteration_time_ms
+from ..simulator._core import get_dag
+from ..costs import CostModel, chunk_layers, simulator_arrays
+from ..errors import InfeasibleError, PoseidonError
+from ..plan import DeviceSlot, Plan, StagePlan
+from ..simulator.schedules import op_orders, validate_schedule
+from ..simulator.pipeline import iteration_time_ms
 
 log = logging.getLogger("poseidon")
 

@@ -26,7 +26,7 @@ from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy
 
 from poseidon_plugin.errors import PoseidonError
-from poseidon_plugin import schedules as _schedules
+from poseidon_plugin.simulator import schedules as _schedules
 
 
 cdef inline double _sweep(const OpLink* lk, int total, const double* w, double* fin,
@@ -398,7 +398,7 @@ cdef class EngineDAG(PipelineDAG):
     def __init__(self, str schedule, int num_stages, int num_microbatches,
                  int virtual_stages=1):
         super().__init__(schedule, num_stages, num_microbatches, virtual_stages)
-        from poseidon_plugin.engine import device_program, walk_programs
+        from poseidon_plugin.simulator.engine import device_program, walk_programs
         cdef int n = self.num_stages, m = self.num_microbatches, v = self.virtual_stages
         cdef int nv = n * v, L = self.num_links
         progs = [device_program(schedule, n, m, s, v) for s in range(n)]
@@ -473,7 +473,7 @@ cdef class EngineDAG(PipelineDAG):
 def _engine_edge(tuple msg, int n, int nv, int L):
     """Weight-buffer index of a message's link time (``engine.link_index``): activations use
     Pf, gradients Pb."""
-    from poseidon_plugin.engine import link_index
+    from poseidon_plugin.simulator.engine import link_index
     lo = link_index(msg, n)
     if lo >= L:
         return 0

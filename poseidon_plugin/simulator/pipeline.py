@@ -9,7 +9,7 @@ For interleaved-1f1b with V chunks each chunk costs ``forward_ms[s] / V`` unless
 arrays (shape (V, N)) are passed.
 
 The per-device op orders come from ``poseidon_plugin.schedules``; the DAG is documented in
-``_core.pyx`` and built literally in ``simulator_reference.py``. The structure of the DAG is
+``_core.pyx`` and built literally in ``reference.py``. The structure of the DAG is
 precomputed and cached per (schedule, N, M, V) (``_core.get_dag``); each call here validates the
 inputs once and runs one ``nogil`` sweep. Other Cython modules use the C API in ``_core.pxd``.
 """
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from poseidon_plugin import _core
+from poseidon_plugin.simulator import _core
 from poseidon_plugin.errors import PoseidonError
-from poseidon_plugin.schedules import SCHEDULES, validate_schedule
+from poseidon_plugin.simulator.schedules import SCHEDULES, validate_schedule
 
 __all__ = ["SCHEDULES", "SimResult", "SimInputs", "normalize_inputs", "simulate_pipeline",
            "iteration_time_ms", "static_estimate_ms", "get_dag"]

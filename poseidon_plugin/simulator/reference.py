@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from poseidon_plugin.schedules import op_orders, validate_schedule
+from poseidon_plugin.simulator.schedules import op_orders, validate_schedule
 
 Node = tuple  # ("start",), ("end",), ("F"|"B", device, chunk, microbatch), ("R", device)
 

@@ -37,7 +37,7 @@ import threading
 import numpy as np
 cimport numpy as cnp
 
-from poseidon_plugin._core cimport PipelineDAG
+from poseidon_plugin.simulator._core cimport PipelineDAG
 
 cnp.import_array()
 

@@ -44,7 +44,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import PoseidonError
+from ..errors import PoseidonError
 from .schedules import Op, interleaved_table, op_orders, validate_schedule
 from .timeline import Timeline
 
