@@ -45,8 +45,7 @@ import math
 from dataclasses import dataclass
 
 from .errors import PoseidonError
-
-SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "interleaved-1f1b")
+from .simulator.schedules import SCHEDULES
 
 BYTES_BF16 = 2
 BYTES_FP32 = 4

@@ -25,9 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import PoseidonError
-
-# Schedules megatron-core 0.19 executes (eager-1f1b and gpipe are analysis-only here).
-EXECUTABLE_SCHEDULES = ("1f1b", "interleaved-1f1b")
+from .simulator.schedules import LAUNCHABLE_SCHEDULES as EXECUTABLE_SCHEDULES
 
 PLAN_FORMAT_VERSION = 1
 

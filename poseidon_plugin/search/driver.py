@@ -623,7 +623,25 @@ def _normalize_tp_mode(tp_mode: str) -> str:
     return aliases[tp_mode]
 
 
-def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, profiles=None,
+def search_plan(cluster, model, options=None, profiles=None, **kw):
+    """New entry point: ``search_plan(cluster, model, SearchOptions(...), profiles)``."""
+    from .options import SearchOptions
+    if options is None:
+        options = SearchOptions(**{k: v for k, v in kw.items() if k != "profiles"})
+        profiles = kw.get("profiles", profiles)
+    o = options
+    return _search_plan_old(cluster, model, global_batch_size=o.global_batch_size,
+                            seq_length=o.seq_length, profiles=profiles, schedules=o.schedules,
+                            pruning=o.pruning, tp_mode=o.tp_mode,
+                            micro_batch_sizes=o.micro_batch_sizes,
+                            max_virtual_stages=o.max_virtual_stages,
+                            warmup_samples=o.warmup_samples, time_budget_s=o.time_budget_s,
+                            workers=o.workers, progress=o.progress, seed=o.seed,
+                            type_order=o.type_order, type_sequence_limit=o.type_sequence_limit,
+                            tp_degrees=o.tp_degrees)
+
+
+def _search_plan_old(cluster, model, *, global_batch_size: int, seq_length: int, profiles=None,
                 schedules=("1f1b", "eager-1f1b", "interleaved-1f1b"), pruning: str = "safe",
                 tp_mode: str = "uniform", micro_batch_sizes=None, max_virtual_stages: int = 2,
                 warmup_samples: int = 500, time_budget_s: float | None = None,
@@ -710,7 +728,7 @@ def search_plan(cluster, model, *, global_batch_size: int, seq_length: int, prof
         # returns a plan worse than the uniform one
         left = None if deadline_wall is None else max(1e-3, deadline_wall - time.monotonic())
         try:
-            sb, sst = search_plan(
+            sb, sst = _search_plan_old(
                 cluster, model, global_batch_size=global_batch_size, seq_length=seq_length,
                 profiles=profiles, schedules=schedules, pruning=pruning, tp_mode="uniform",
                 micro_batch_sizes=mbs, max_virtual_stages=max_virtual_stages,

@@ -33,7 +33,11 @@ from typing import NamedTuple
 
 from poseidon_plugin.errors import PoseidonError
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "eager-1f1b", "interleaved-1f1b")
+SCHEDULES: tuple[str, ...] = ("1f1b", "eager-1f1b", "interleaved-1f1b", "gpipe")
+"""Every schedule the simulator and the search know: the one list of schedule names. Its order
+is the search's tie-break between plans of equal time (earlier wins)."""
+LAUNCHABLE_SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved-1f1b")
+"""The schedules megatron-core 0.19 executes (eager-1f1b and gpipe give analysis-only plans)."""
 
 
 class Op(NamedTuple):

@@ -1,0 +1,151 @@
+"""``SearchOptions``: everything that shapes one plan search, validated once.
+
+The CLI (``poseidon plan``), the launch runner (``--poseidon-auto``) and the baselines build one
+``SearchOptions`` value and pass it down; nothing re-threads keyword arguments. A bad value is a
+``PoseidonError`` naming the CLI flag and the field (``--pruning / pruning: ...``).
+
+Checks that need the cluster and the model (is any allowed TP degree valid there?) are done by
+``SearchOptions.check_against`` when the search starts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from ..errors import PoseidonError
+from ..simulator.schedules import LAUNCHABLE_SCHEDULES, SCHEDULES
+
+SEARCH_SCHEDULES: tuple[str, ...] = SCHEDULES   # every schedule the simulator times
+DEFAULT_SCHEDULES: tuple[str, ...] = ("1f1b", "eager-1f1b", "interleaved-1f1b")
+PRUNING_MODES: tuple[str, ...] = ("safe", "ridge", "none")
+TP_MODES: tuple[str, ...] = ("uniform", "per-stage")
+TYPE_ORDERS: tuple[str, ...] = ("auto", "any", "blocks")
+DEFAULT_MICRO_BATCH_SIZES: tuple[int, ...] = (1, 2, 4)
+TYPE_SEQUENCE_LIMIT = 3 ** 20
+"""``type_order="auto"``: every type sequence while (#usable types)^N <= this (3 types: N <= 20;
+with the capacity bound the interleaved orders cost ~2x, and on paper-setting6 (288 NPUs) the
+contiguous ``blocks`` orders lose 2.1 %), contiguous blocks beyond."""
+
+_TP_MODE_ALIASES = {"uniform": "uniform", "uniform-tp": "uniform", "per-stage": "per-stage",
+                    "per-stage-tp": "per-stage"}
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PoseidonError(f"{name}: expected an integer >= 1, got {value!r}")
+    return value
+
+
+def _int_tuple(name: str, values: object) -> tuple[int, ...]:
+    try:
+        out = tuple(values)  # type: ignore[arg-type]
+    except TypeError:
+        raise PoseidonError(f"{name}: expected a list of integers >= 1, got {values!r}") from None
+    if not out or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in out):
+        raise PoseidonError(f"{name}: expected integers >= 1, got {list(out)!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """One plan search's settings (see ``docs/search.md`` for what each changes).
+
+    ``global_batch_size`` and ``seq_length`` are the training setup; the rest shape the search:
+    the schedules, the pruning mode (``safe`` = exact, ``ridge`` = the paper's heuristic cut,
+    ``none`` = exhaustive), uniform or per-stage TP and the TP degrees allowed (None: every
+    valid one), the micro-batch sizes, the largest interleaving depth V, which device-type
+    sequences are searched (``auto``/``any``/``blocks``), the warm-up samples and their seed,
+    the wall-clock budget in seconds (None: none), the search threads (None: one per core).
+    """
+
+    global_batch_size: int
+    seq_length: int
+    schedules: tuple[str, ...] = DEFAULT_SCHEDULES
+    pruning: str = "safe"
+    tp_mode: str = "uniform"
+    tp_degrees: tuple[int, ...] | None = None
+    micro_batch_sizes: tuple[int, ...] = DEFAULT_MICRO_BATCH_SIZES
+    max_virtual_stages: int = 2
+    type_order: str = "auto"
+    type_sequence_limit: int = TYPE_SEQUENCE_LIMIT
+    warmup_samples: int = 500
+    seed: int = 0
+    time_budget_s: float | None = None
+    workers: int | None = None
+    progress: bool = field(default=False, compare=False)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        _positive_int("global batch size (--global-batch-size / global_batch_size)",
+                      self.global_batch_size)
+        _positive_int("sequence length (--seq-length / seq_length)", self.seq_length)
+        _positive_int("max virtual stages (--max-virtual-stages / max_virtual_stages)",
+                      self.max_virtual_stages)
+        if isinstance(self.schedules, str):
+            set_(self, "schedules", (self.schedules,))
+        set_(self, "schedules", tuple(self.schedules))
+        if not self.schedules:
+            raise PoseidonError("schedules (--schedules / schedules): expected at least one "
+                                "schedule")
+        for s in self.schedules:
+            if s not in SEARCH_SCHEDULES:
+                raise PoseidonError(f"schedules (--schedules / schedules): expected some of "
+                                    f"{', '.join(SEARCH_SCHEDULES)}, got {s!r}")
+        if self.pruning not in PRUNING_MODES:
+            raise PoseidonError(f"pruning (--pruning / pruning): expected one of "
+                                f"{', '.join(PRUNING_MODES)}, got {self.pruning!r}")
+        if self.tp_mode not in _TP_MODE_ALIASES:
+            raise PoseidonError(f"TP mode (--uniform-tp / --per-stage-tp, tp_mode): expected "
+                                f"'uniform' or 'per-stage', got {self.tp_mode!r}")
+        set_(self, "tp_mode", _TP_MODE_ALIASES[self.tp_mode])
+        if self.type_order not in TYPE_ORDERS:
+            raise PoseidonError(f"type order (--type-order / type_order): expected one of "
+                                f"{', '.join(TYPE_ORDERS)}, got {self.type_order!r}")
+        set_(self, "micro_batch_sizes", _int_tuple(
+            "micro-batch sizes (--micro-batch-sizes / micro_batch_sizes)",
+            DEFAULT_MICRO_BATCH_SIZES if self.micro_batch_sizes is None
+            else self.micro_batch_sizes))
+        if self.tp_degrees is not None:
+            set_(self, "tp_degrees", _int_tuple("TP degrees (--tp / tp_degrees)",
+                                                self.tp_degrees))
+        if (isinstance(self.warmup_samples, bool) or not isinstance(self.warmup_samples, int)
+                or self.warmup_samples < 0):
+            raise PoseidonError(f"--warmup-samples / warmup_samples: expected an integer >= 0, "
+                                f"got {self.warmup_samples!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise PoseidonError(f"--seed / seed: expected an integer, got {self.seed!r}")
+        if self.time_budget_s is not None:
+            b = self.time_budget_s
+            if (isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b)
+                    or b <= 0):
+                raise PoseidonError(f"time budget (--time-budget / time_budget_s): expected a "
+                                    f"finite number > 0, got {b!r}")
+        if self.workers is not None:
+            _positive_int("--workers / workers", self.workers)
+        _positive_int("type_sequence_limit", self.type_sequence_limit)
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def num_workers(self) -> int:
+        """Search threads: ``workers``, or one per core."""
+        import os
+
+        return self.workers if self.workers is not None else max(1, os.cpu_count() or 1)
+
+    def replace(self, **changes) -> "SearchOptions":
+        """A copy with ``changes`` (validated again)."""
+        return replace(self, **changes)
+
+    def check_against(self, cluster, model) -> None:
+        """Errors that need the cluster and the model: some allowed TP degree must be valid."""
+        if self.tp_degrees is None:
+            return
+        from .configs import tp_candidates
+
+        valid = sorted({t for n in cluster.type_names for t in tp_candidates(cluster, model, n)})
+        if not set(self.tp_degrees) & set(valid):
+            raise PoseidonError(f"TP degrees (--tp / tp_degrees): none of "
+                                f"{sorted(self.tp_degrees)} is valid on this cluster for "
+                                f"{model.name} (valid: {valid}; a TP group stays in one node "
+                                f"and divides the attention heads and query groups)")
