@@ -1,3 +1,30 @@
-"""The plan search (temporary re-export while the package is split)."""
-from .driver import *  # noqa: F401,F403
-from .driver import (_lmax, _option_arrays, _random_assignment, _safe_ridge_applies)  # noqa: F401
+"""The plan search: the fastest plan for a cluster, a model and a training setup.
+
+======================  =================================================================
+``options``             ``SearchOptions``: every setting of one search, validated once
+``configs``             outer configurations (schedule, V, b, d, N, TP), their root bounds
+                        and the schedule constants the bounds need
+``instance``            ``SearchContext``: per-configuration data and caches, the calls into
+                        the branch and bound
+``_search`` (Cython)    the branch and bound over (stage option, layers); typed boundary in
+                        ``_search.pxd``
+``_bounds`` (Cython)    the lower bounds and capacity cuts it prunes with
+``driver``              ``SearchDriver``: order, seed, warm-up, passes and rounds, result;
+                        ``search_plan``
+``build``               the ``Plan`` value of a searched assignment
+``baselines``           Megatron's even split and the best single-type plan; why nothing fits
+======================  =================================================================
+
+Method and proofs: ``docs/search.md``.
+"""
+
+from .baselines import baseline_plans, explain_infeasible
+from .build import build_plan
+from .configs import OuterConfig, enumerate_configs, root_bound, tp_candidates
+from .driver import SearchDriver, SearchStats, search_plan
+from .instance import SearchContext
+from .options import SearchOptions
+
+__all__ = ["SearchOptions", "SearchStats", "SearchDriver", "SearchContext", "OuterConfig",
+           "search_plan", "baseline_plans", "build_plan", "enumerate_configs", "root_bound",
+           "tp_candidates", "explain_infeasible"]

@@ -2,34 +2,27 @@
 """Hot loop of the plan search: stage-by-stage branch and bound over (stage option, layers).
 
 One call of :func:`search_config` explores every plan of one *outer configuration*
-(schedule, V, d, b, N, M, the allowed stage options) and returns the best one whose time does
-not exceed the incumbent threshold. Everything inside the recursion is typed C, ``nogil``.
+(schedule, V, d, b, N, M, the allowed stage options; a :class:`ConfigInstance`) and returns the
+best one whose time does not exceed the incumbent threshold (a :class:`ConfigResult`).
+Everything inside the recursion is typed C, ``nogil``; the types are declared in
+``_search.pxd`` (the read-only ``ConfigData``, the per-thread ``SearchState``, the
+``SearchStats`` counters) and the bounds live in ``_bounds.pyx``.
 
 Stage option o = (device type, TP degree). For stage x the search chooses an option o and a
 layer count l. Placement is the deterministic per-type cursor of ``placement.py``: stage x takes
 the next d*t devices of its type (cursor aligned up to a multiple of t inside a node so that no
 TP group spans nodes); DP replica r of the stage is the TP group starting at start + r*t.
 
-Iteration time: list scheduling over a precomputed topological op order (``OpStructure``),
-exactly the DAG semantics of DESIGN.md ("The simulator's semantics").
+Iteration time: the simulator's ``PipelineDAG`` (``simulator/_core.pyx``), exactly the DAG
+semantics of the simulator. :func:`replay_assignment` evaluates one given assignment through the
+same cost and bound code (the tests' check of the bound's validity), outside the recursion.
 
-Lower bound g (valid for every completion; proof in ``search.py`` and tested by hypothesis):
-for every decided stage i
-
-    E_i >= max(head_i + sum_c acnt[i,c] fc[i,c],  head_i + sum_c t1cnt[i,c] fc[i,c] + RT_i)
-           + M sum_c bc[i,c] + sum_c (M - acnt[i,c]) fc[i,c]
-    T   >= E_i + tail_i
-
-with head_i the earliest arrival of the first forward, RT_i the round trip of micro-batch 0
-through the later stages (undecided ones bounded below by the remaining layers times the
-cheapest per-layer cost), tail_i the backward chain of the last micro-batch down to a stage k
-followed by its all-reduce R_k; and, for the undecided stage with the most layers,
-    T >= head_{x+1} + M * ceil(L_rem / K) * min(f+b) + tail via stage x.
+Cost formulas here are twins of the Python originals (each names its original; a test pins each
+pair): ``_send_ms``, ``_allreduce_ms`` and ``_chunk_layers``.
 """
 
 from libc.stdlib cimport malloc, free, realloc
-from libc.string cimport memcpy
-from libc.math cimport ceil
+from libc.string cimport memcpy, memset
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 
 import threading
@@ -38,13 +31,13 @@ import numpy as np
 cimport numpy as cnp
 
 from poseidon_plugin.simulator._core cimport PipelineDAG
+from poseidon_plugin.search._bounds cimport bound, capacity, cap_path, wcut
 
 cnp.import_array()
 
-DEF MAXN = 256
-DEF MAXV = 8
-DEF MAXO = 64
-DEF MAXT = 16
+PREFIXES_PER_THREAD = 8   # threads > 1: split at the first depth with this many subtrees per thread
+LIMITS = dict(stages=MAXN, virtual_stages=MAXV, options=MAXO, device_types=MAXT)
+RIDGE_MODES = dict(off=RIDGE_OFF, cut=RIDGE_CUT, safe=RIDGE_SAFE)   # ``RidgeMode`` by name
 
 cdef extern from *:
     """
@@ -70,106 +63,51 @@ cdef extern from *:
     void psn_min_d(double* p, double v) noexcept nogil
 
 
-cdef struct Shared:
-    # subtrees (prefixes of the first D stages) handed out to the threads, and the incumbent
-    int next
-    int nprefix
-    int D
-    int* buf           # nprefix * 2D: options then layers of each prefix
-    double thr
-
-
-RIDGE_OFF = 0
-RIDGE_CUT = 1
-RIDGE_SAFE = 2
-
-
-cdef inline double dmax(double a, double b) noexcept nogil:
-    return a if a > b else b
-
-
-cdef inline double dmin(double a, double b) noexcept nogil:
-    return a if a < b else b
-
-
-cdef inline int _topk_layers(const int* tcap, const int* tcnt, int nt, int K,
-                             int* taken) noexcept nogil:
-    """Most layers K stages can hold: take the largest caps first (``tcap`` sorted descending,
-    ``tcnt[i]`` stages available at ``tcap[i]``). ``taken`` gets how many stages were found."""
-    cdef int total = 0, t = 0, i, j
-    for i in range(nt):
-        if t >= K:
-            break
-        j = tcnt[i]
-        if j > K - t:
-            j = K - t
-        t += j
-        total += j * tcap[i]
-    taken[0] = t
-    return total
-
-
-cdef inline int _layers_within(double budget, double coef) noexcept nogil:
-    """Most whole layers of cost ``coef`` within ``budget`` (rounded up by a relative 1e-9, so
-    float noise never cuts a plan at the threshold), 10^9 for a free layer or a huge budget,
-    -1 when the budget is negative."""
-    cdef double q
-    if coef <= 0.0:
-        return 1000000000
-    q = budget / coef
-    if q < 0:
-        return -1
-    q = q * (1.0 + 1e-9) + 1e-9
-    if q > 1e9:
-        return 1000000000
-    return <int> q
-
-
-cdef inline int _insert_group(int* tcap, int* tcnt, int ng, int cap, int cnt) noexcept nogil:
-    """Insert (cap, cnt) into the groups sorted by cap descending; returns the new count."""
-    cdef int i = ng
-    while i > 0 and tcap[i - 1] < cap:
-        tcap[i] = tcap[i - 1]
-        tcnt[i] = tcnt[i - 1]
-        i -= 1
-    tcap[i] = cap
-    tcnt[i] = cnt
-    return ng + 1
-
-
-cdef inline int _type_groups(int* tcap, int* tcnt, int ng, int best, int cnt,
-                             double lbk) noexcept nogil:
-    """Insert one type's stage slots: ``cnt`` stages of at most ``best`` layers, and at most
-    ``lbk`` layers for the whole type (its free devices times the best layers-per-device ratio
-    cap_o / (d t_o) of its options: stages of different TP degrees share the devices). As up to
-    three groups: q stages at ``best``, one at the remainder, the rest at 0 layers. The K
-    largest slots then give exactly max sum_k min(n_k best_k, lbk_k) over n_k <= cnt_k,
-    sum n_k = K (each term is concave in n_k, so the greedy on marginal gains is optimal), and
-    the count of slots still tells whether K stages fit at all. Returns the new group count."""
-    cdef double full = <double> best * cnt
-    cdef int qn, r
-    if lbk >= full:
-        return _insert_group(tcap, tcnt, ng, best, cnt)
-    qn = <int> (lbk / best) if best > 0 else cnt
-    if qn > cnt:
-        qn = cnt
-    r = <int> (lbk - <double> qn * best)
-    if r < 0:
-        r = 0
-    if qn > 0:
-        ng = _insert_group(tcap, tcnt, ng, best, qn)
-    if qn < cnt:
-        ng = _insert_group(tcap, tcnt, ng, r, 1)
-        if cnt - qn - 1 > 0:
-            ng = _insert_group(tcap, tcnt, ng, 0, cnt - qn - 1)
-    return ng
-
-
 cdef double _now() noexcept nogil:
     cdef timespec ts
     clock_gettime(CLOCK_MONOTONIC, &ts)
     return ts.tv_sec + ts.tv_nsec * 1e-9
 
+
+# --------------------------------------------------------------------------- cost twins
+
+cdef inline double _send_ms(double num_bytes, double gbps, double latency_ms) noexcept nogil:
+    """Twin of ``poseidon_plugin.comm.send_ms`` (0 bytes -> 0 ms)."""
+    if num_bytes <= 0.0:
+        return 0.0
+    return num_bytes * 8.0 / (gbps * 1e6) + latency_ms
+
+
+cdef inline double _allreduce_ms(double num_bytes, int ranks, double gbps,
+                                 double latency_ms) noexcept nogil:
+    """Twin of ``poseidon_plugin.comm.allreduce_ms`` (ring: 2(d-1) steps)."""
+    if ranks <= 1 or num_bytes <= 0.0:
+        return 0.0
+    return (2.0 * (ranks - 1) * latency_ms
+            + 2.0 * (ranks - 1) / ranks * num_bytes * 8.0 / (gbps * 1e6))
+
+
+cdef inline int _chunk_layers(int layers, int virtual_stages, int chunk) noexcept nogil:
+    """Twin of ``poseidon_plugin.costs.chunk_layers`` (one chunk's share)."""
+    return layers // virtual_stages + (1 if chunk < layers % virtual_stages else 0)
+
+
+def twin_send_ms(double num_bytes, double gbps, double latency_ms):
+    """``_send_ms`` from Python (the tests pin it to its original)."""
+    return _send_ms(num_bytes, gbps, latency_ms)
+
+
+def twin_allreduce_ms(double num_bytes, int ranks, double gbps, double latency_ms):
+    """``_allreduce_ms`` from Python (the tests pin it to its original)."""
+    return _allreduce_ms(num_bytes, ranks, gbps, latency_ms)
+
+
+def twin_chunk_layers(int layers, int virtual_stages):
+    """``_chunk_layers`` of every chunk, from Python (the tests pin it to its original)."""
+    return tuple(_chunk_layers(layers, virtual_stages, c) for c in range(virtual_stages))
+
+
+# --------------------------------------------------------------------------- the instance
 
 cdef class BoundStructure:
     """Per-stage constants of one (N, M, schedule, V) that the lower bound needs.
@@ -177,7 +115,7 @@ cdef class BoundStructure:
     acnt[s*V + c]: forward ops of chunk c that device s runs before its first backward;
     t1cnt[s*V + c]: forward ops of chunk c up to and including F(s, V-1, mb 0);
     clast: chunk of every device's last op (a backward of the last micro-batch).
-    Built by ``search.bound_structure`` from ``schedules.op_orders``.
+    Built by ``search.configs.bound_structure`` from ``schedules.op_orders``.
     """
 
     cdef public int N, M, V, clast
@@ -197,118 +135,220 @@ cdef class BoundStructure:
         return list(self.acnt), list(self.t1cnt)
 
 
-cdef struct Ctx:
-    # configuration
-    int N, M, V, d, L, O, T, ridge_mode, ridge_ends, blocks, clast, use_bound, fill_cut
-    double act_bytes, latency_ms, cross_gbps, minsend, minfb, minb, outmin, alpha, thr
-    double deadline
-    # per option
-    int opt_type[MAXO]
-    int opt_tp[MAXO]
-    double of_[MAXO]
-    double ob_[MAXO]
-    double oef[MAXO]
-    double oeb[MAXO]
-    double oof[MAXO]
-    double oob[MAXO]
-    double ogl[MAXO]
-    double oge[MAXO]
-    double ogo[MAXO]
-    int* lmax          # O * N
-    int* suffix_lmax   # N + 1: sum over j >= x of max_o lmax[o, j]
-    int* suf_omax      # O * (N + 1): max over j >= x of lmax[o, j]
-    double ofb[MAXO]   # f + b of one layer, per option
-    # per type
-    int ndev[MAXT]
-    int* node_of       # per type offset + device -> global node
-    int* local_of      # local index inside the node
-    int type_off[MAXT]
-    double intra[MAXT]
-    double inter[MAXT]
-    int min_dt[MAXT]   # d * min tp usable on this type (0 = unusable)
-    # state
-    int cursor[MAXT]
-    int used[MAXT]
-    int st_opt[MAXN]
-    int st_l[MAXN]
-    int st_start[MAXN]
-    double fc[MAXN * MAXV]
-    double bc[MAXN * MAXV]
-    double Fst[MAXN]
-    double Pf[MAXN]
-    double Pb[MAXN]
-    double R[MAXN]
-    double head[MAXN]
-    double tail[MAXN]
-    double P[MAXN]
-    double MA[MAXN]
-    double MC[MAXN]
-    int rl[MAXO]
-    int rdec[MAXO]
-    # bound structure
-    int* acnt
-    int* t1cnt
-    int acnt_sufmax[MAXN + 1]   # V = 1: max over j >= x of acnt[j]
-    # evaluation buffers (simulator layout: chunk-major c*N + s)
-    double* WF
-    double* WB
-    double* EF
-    double* EB
-    # best
-    int have_best
-    double best_T
-    int best_opt[MAXN]
-    int best_l[MAXN]
-    # forced path (tests: bound trace of one assignment)
-    int forced
-    int f_opt[MAXN]
-    int f_l[MAXN]
-    double gtrace[MAXN]
-    double forced_T
-    # subtree prefix (threads): stages x < plen are fixed to (p_opt[x], p_l[x])
-    int plen
-    int p_opt[MAXN]
-    int p_l[MAXN]
-    # prefix collection: recurse(collect_D) stores the prefix and returns
-    int collect_D
-    int* cbuf
-    int ncollect
-    int ccap
-    int coverflow
-    Shared* sh
-    # stats
-    long long nodes, simulated, cut_bound, cut_memory, cut_ridge, cut_devices, improved
-    long long cut_capacity
-    int timed_out
+def _i32(a):
+    return np.ascontiguousarray(a, dtype=np.int32).reshape(-1)
 
 
-cdef inline double _send_ms(Ctx* c, double gbps) noexcept nogil:
-    return c.act_bytes * 8.0 / (gbps * 1e6) + c.latency_ms
+cdef class ConfigInstance:
+    """The read-only ``ConfigData`` of one outer configuration, built once in Python
+    (``search/instance.py``) and shared by every search of it (any threshold, any thread).
+
+    Every argument is required (keyword-only); per option o: the (device type, TP) and the
+    costs of one layer / the embedding / the output layer (ms, gradient bytes); ``lmax`` (O x N)
+    the most layers option o fits at stage x; per device type: device count, offset into the
+    flat per-device ``node_of`` / ``local_of`` (global node, index inside the node), intra- and
+    inter-node Gbit/s.
+    """
+
+    cdef ConfigData data
+    cdef readonly BoundStructure structure
+    cdef object _keep          # arrays the data points into
+
+    def __init__(self, BoundStructure structure, *, int dp, int num_layers,
+                 double act_bytes, double latency_ms, double cross_gbps, double minsend,
+                 double minfb, double outmin, double alpha, int ridge_mode, int ridge_ends,
+                 int blocks, int use_bound, opt_type, opt_tp, f, b, ef, eb, of, ob, gl, ge, go,
+                 lmax, ndev, type_off, intra, inter, node_of, local_of):
+        cdef ConfigData* I = &self.data
+        cdef int N = structure.N, V = structure.V, O = len(opt_type), T = len(ndev), o, x, k
+        if N > MAXN or V > MAXV or O > MAXO or T > MAXT:
+            raise ValueError(f"ConfigInstance: N={N}, V={V}, {O} options, {T} types exceed the "
+                             f"compiled limits {LIMITS}")
+        self.structure = structure
+        I.N, I.M, I.V, I.clast = N, structure.M, V, structure.clast
+        I.d, I.L, I.O, I.T = dp, num_layers, O, T
+        I.act_bytes, I.latency_ms, I.cross_gbps = act_bytes, latency_ms, cross_gbps
+        I.minsend, I.minfb, I.outmin, I.alpha = minsend, minfb, outmin, alpha
+        I.ridge_mode, I.ridge_ends, I.blocks, I.use_bound = ridge_mode, ridge_ends, blocks, use_bound
+        for o in range(O):
+            I.opt_type[o] = opt_type[o]
+            I.opt_tp[o] = opt_tp[o]
+            I.of_[o] = f[o]
+            I.ob_[o] = b[o]
+            I.ofb[o] = I.of_[o] + I.ob_[o]
+            I.oef[o] = ef[o]
+            I.oeb[o] = eb[o]
+            I.oof[o] = of[o]
+            I.oob[o] = ob[o]
+            I.ogl[o] = gl[o]
+            I.oge[o] = ge[o]
+            I.ogo[o] = go[o]
+        for k in range(T):
+            I.ndev[k] = ndev[k]
+            I.type_off[k] = type_off[k]
+            I.intra[k] = intra[k]
+            I.inter[k] = inter[k]
+            I.min_dt[k] = 0
+        for o in range(O):
+            k = I.opt_type[o]
+            if I.min_dt[k] == 0 or dp * I.opt_tp[o] < I.min_dt[k]:
+                I.min_dt[k] = dp * I.opt_tp[o]
+        lm = _i32(lmax)
+        if lm.shape[0] != O * N:
+            raise ValueError("ConfigInstance: lmax must have O*N entries")
+        lm2 = lm.reshape(O, N)
+        per_stage = lm2.max(axis=0) if O > 0 else np.zeros(N, dtype=np.int32)
+        suffix = np.zeros(N + 1, dtype=np.int32)
+        somax = np.zeros((O, N + 1), dtype=np.int32)
+        for x in range(N - 1, -1, -1):
+            suffix[x] = suffix[x + 1] + max(int(per_stage[x]), 0)
+            somax[:, x] = np.maximum(somax[:, x + 1], lm2[:, x])
+        arrays = (lm, suffix, _i32(somax), _i32(node_of), _i32(local_of))
+        self._keep = arrays
+        I.lmax = _int_ptr(arrays[0])
+        I.suffix_lmax = _int_ptr(arrays[1])
+        I.suf_omax = _int_ptr(arrays[2])
+        I.node_of = _int_ptr(arrays[3])
+        I.local_of = _int_ptr(arrays[4])
+        I.acnt = &structure.acnt[0]
+        I.t1cnt = &structure.t1cnt[0]
+        I.acnt_sufmax[N] = 0
+        for x in range(N - 1, -1, -1):
+            I.acnt_sufmax[x] = I.acnt_sufmax[x + 1]
+            if V == 1 and structure.acnt[x] > I.acnt_sufmax[x]:
+                I.acnt_sufmax[x] = structure.acnt[x]
+
+    @property
+    def num_stages(self):
+        return self.data.N
 
 
-cdef double _link_send(Ctx* c, int o1, int s1, int o2, int s2) noexcept nogil:
+cdef const int* _int_ptr(cnp.ndarray a):
+    return <const int*> a.data
+
+
+cdef class ConfigResult:
+    """What one :func:`search_config` call found: ``best`` (None or (time ms, [option per
+    stage], [layers per stage])), the ``SearchStats`` counters, whether the deadline stopped
+    it, and the thread split (depth and number of subtrees; 0 when searched by one thread)."""
+
+    cdef readonly object best
+    cdef readonly long long nodes, simulated, improved
+    cdef readonly long long cut_bound, cut_memory, cut_ridge, cut_devices, cut_capacity
+    cdef readonly bint timed_out
+    cdef readonly int split_depth, subtrees
+
+    def counters(self):
+        """The statistics as a dict (for ``SearchStats``)."""
+        return dict(nodes=self.nodes, plans_simulated=self.simulated, cut_bound=self.cut_bound,
+                    cut_memory=self.cut_memory, cut_ridge=self.cut_ridge,
+                    cut_devices=self.cut_devices, cut_capacity=self.cut_capacity)
+
+
+cdef ConfigResult _result(SearchState* S, SearchStats* st, int N, int D, int ncollect):
+    cdef ConfigResult r = ConfigResult.__new__(ConfigResult)
+    cdef int x
+    r.best = None
+    if S.have_best:
+        r.best = (S.best_T, [S.best_opt[x] for x in range(N)], [S.best_l[x] for x in range(N)])
+    r.nodes, r.simulated, r.improved = st.nodes, st.simulated, st.improved
+    r.cut_bound, r.cut_memory, r.cut_ridge = st.cut_bound, st.cut_memory, st.cut_ridge
+    r.cut_devices, r.cut_capacity = st.cut_devices, st.cut_capacity
+    r.timed_out = S.timed_out != 0
+    r.split_depth = D if D > 0 else 0
+    r.subtrees = ncollect if D > 0 else 0
+    return r
+
+
+# --------------------------------------------------------------------------- stage costs
+
+cdef double _link_send(const ConfigData* I, int o1, int s1, int o2, int s2) noexcept nogil:
     """Slowest replica link between two stages (activation send time, ms)."""
-    cdef int k1 = c.opt_type[o1], k2 = c.opt_type[o2]
-    cdef int t1 = c.opt_tp[o1], t2 = c.opt_tp[o2]
+    cdef int k1 = I.opt_type[o1], k2 = I.opt_type[o2]
+    cdef int t1 = I.opt_tp[o1], t2 = I.opt_tp[o2]
     cdef int r, n1, n2
     cdef double g, gmin = 1e300
     if k1 != k2:
-        return _send_ms(c, c.cross_gbps)
-    for r in range(c.d):
-        n1 = c.node_of[c.type_off[k1] + s1 + r * t1]
-        n2 = c.node_of[c.type_off[k2] + s2 + r * t2]
-        g = c.intra[k1] if n1 == n2 else c.inter[k1]
+        return _send_ms(I.act_bytes, I.cross_gbps, I.latency_ms)
+    for r in range(I.d):
+        n1 = I.node_of[I.type_off[k1] + s1 + r * t1]
+        n2 = I.node_of[I.type_off[k2] + s2 + r * t2]
+        g = I.intra[k1] if n1 == n2 else I.inter[k1]
         if g < gmin:
             gmin = g
-    return _send_ms(c, gmin)
+    return _send_ms(I.act_bytes, gmin, I.latency_ms)
 
 
-cdef inline int _ridge_stage(Ctx* c, int x) noexcept nogil:
-    if c.ridge_mode == 0:
+cdef inline int _aligned_start(const ConfigData* I, SearchState* S, int o) noexcept nogil:
+    """First device of the next stage of option o's type (cursor aligned so that its TP
+    groups stay in a node); -1 when the type's free devices cannot host the stage."""
+    cdef int k = I.opt_type[o], t = I.opt_tp[o], start = S.cursor[k], local
+    if start < I.ndev[k]:
+        local = I.local_of[I.type_off[k] + start]
+        if local % t != 0:
+            start += t - local % t
+    if start + I.d * t > I.ndev[k]:
+        return -1
+    return start
+
+
+cdef inline double _place_stage(const ConfigData* I, SearchState* S, int x, int o,
+                                int start) noexcept nogil:
+    """Decide stage x's option and devices: its send link from stage x-1 (and the wrap-around
+    link of an interleaved last stage); returns the Gbit/s of its DP all-reduce ring."""
+    cdef int k = I.opt_type[o], dt = I.d * I.opt_tp[o]
+    cdef double Pfx
+    S.st_opt[x] = o
+    S.st_start[x] = start
+    if x > 0:
+        Pfx = _link_send(I, S.st_opt[x - 1], S.st_start[x - 1], o, start)
+        S.Pf[x - 1] = Pfx
+        S.Pb[x - 1] = Pfx
+    if x == I.N - 1:
+        if I.V > 1:
+            Pfx = _link_send(I, o, start, S.st_opt[0], S.st_start[0])
+            S.Pf[x] = Pfx
+            S.Pb[x] = Pfx
+        else:
+            S.Pf[x] = 0.0
+            S.Pb[x] = 0.0
+    if I.d <= 1:
+        return 0.0
+    if I.node_of[I.type_off[k] + start] == I.node_of[I.type_off[k] + start + dt - 1]:
+        return I.intra[k]
+    return I.inter[k]
+
+
+cdef void _set_stage(const ConfigData* I, SearchState* S, int x, int o, int l,
+                     double ring) noexcept nogil:
+    """Chunk costs, forward total and all-reduce time of stage x with option o and l layers
+    (the embedding on chunk 0 of stage 0, the output layer on chunk V-1 of the last stage)."""
+    cdef int V = I.V, cc
+    cdef double G, F = 0.0
+    for cc in range(V):
+        S.fc[x * V + cc] = _chunk_layers(l, V, cc) * I.of_[o]
+        S.bc[x * V + cc] = _chunk_layers(l, V, cc) * I.ob_[o]
+    G = l * I.ogl[o]
+    if x == 0:
+        S.fc[0] += I.oef[o]
+        S.bc[0] += I.oeb[o]
+        G += I.oge[o]
+    if x == I.N - 1:
+        S.fc[x * V + V - 1] += I.oof[o]
+        S.bc[x * V + V - 1] += I.oob[o]
+        G += I.ogo[o]
+    for cc in range(V):
+        F += S.fc[x * V + cc]
+    S.Fst[x] = F
+    S.R[x] = _allreduce_ms(G, I.d, ring, I.latency_ms) if I.d > 1 else 0.0
+
+
+cdef inline int _ridge_stage(const ConfigData* I, int x) noexcept nogil:
+    if I.ridge_mode == RIDGE_OFF:
         return 0
-    if c.ridge_ends:
+    if I.ridge_ends:
         return 1
-    return 1 if (x > 0 and x < c.N - 1) else 0
+    return 1 if (x > 0 and x < I.N - 1) else 0
 
 
 cdef int _lex_less(const int* ao, const int* al, const int* bo, const int* bl,
@@ -324,442 +364,27 @@ cdef int _lex_less(const int* ao, const int* al, const int* bo, const int* bl,
     return 0
 
 
-cdef inline int _less_key(Ctx* c) noexcept nogil:
-    """Current full assignment lexicographically smaller than the best one?"""
-    return _lex_less(c.st_opt, c.st_l, c.best_opt, c.best_l, c.N)
+cdef double _evaluate(const ConfigData* I, SearchState* S, PipelineDAG dag) noexcept nogil:
+    """Iteration time of the fully decided assignment in S (the simulator's DAG)."""
+    cdef int x, cc, N = I.N, V = I.V
+    for x in range(N):
+        for cc in range(V):
+            S.WF[cc * N + x] = S.fc[x * V + cc]
+            S.WB[cc * N + x] = S.bc[x * V + cc]
+        S.EF[x] = S.Pf[x]
+        S.EB[x] = S.Pb[x]
+    return dag.iteration_time(S.WF, S.WB, S.EF, S.EB, S.R)
 
 
-cdef void _stage_costs(Ctx* c, int x, int o, int l) noexcept nogil:
-    cdef int V = c.V, cc, lc, N = c.N
-    cdef double f = c.of_[o], b = c.ob_[o]
-    cdef double F = 0.0
-    for cc in range(V):
-        lc = l // V + (1 if cc < l % V else 0)
-        c.fc[x * V + cc] = lc * f
-        c.bc[x * V + cc] = lc * b
-    if x == 0:
-        c.fc[0] += c.oef[o]
-        c.bc[0] += c.oeb[o]
-    if x == N - 1:
-        c.fc[x * V + V - 1] += c.oof[o]
-        c.bc[x * V + V - 1] += c.oob[o]
-    for cc in range(V):
-        F += c.fc[x * V + cc]
-    c.Fst[x] = F
-
-
-cdef inline void _set_stage(Ctx* c, int x, int o, int l, double ring) noexcept nogil:
-    """Chunk costs and all-reduce time of stage x with option o and l layers."""
-    cdef double G
-    _stage_costs(c, x, o, l)
-    if c.d > 1:
-        G = l * c.ogl[o]
-        if x == 0:
-            G += c.oge[o]
-        if x == c.N - 1:
-            G += c.ogo[o]
-        c.R[x] = (2.0 * (c.d - 1) * c.latency_ms
-                  + 2.0 * (c.d - 1) / c.d * G * 8.0 / (ring * 1e6))
-    else:
-        c.R[x] = 0.0
-
-
-cdef double _bound(Ctx* c, int x, int Lrem) noexcept nogil:
-    """Update the incremental bound state of stage x (costs, Pf/Pb[x-1], R[x] set) and return g."""
-    cdef int V = c.V, M = c.M, N = c.N, cc, K
-    cdef double A, C, Z, fut, g, gy, lay
-    cdef int clast = c.clast
-    if x == 0:
-        c.head[0] = 0.0
-        c.tail[0] = c.R[0]
-        c.P[0] = 0.0
-    else:
-        c.head[x] = c.head[x - 1] + c.fc[(x - 1) * V] + c.Pf[x - 1]
-        c.tail[x] = dmax(c.R[x], c.Pb[x - 1] + c.bc[(x - 1) * V + clast] + c.tail[x - 1])
-        c.P[x] = (c.P[x - 1] + c.Pf[x - 1] + c.fc[x * V + V - 1] + c.bc[x * V + V - 1]
-                  + c.Pb[x - 1])
-    A = c.head[x]
-    C = c.head[x]
-    Z = 0.0
-    for cc in range(V):
-        A += c.acnt[x * V + cc] * c.fc[x * V + cc]
-        C += c.t1cnt[x * V + cc] * c.fc[x * V + cc]
-        Z += M * c.bc[x * V + cc] + (M - c.acnt[x * V + cc]) * c.fc[x * V + cc]
-    if x == 0:
-        c.MA[0] = A + Z + c.tail[0]
-        c.MC[0] = C - c.P[0] + Z + c.tail[0]
-    else:
-        c.MA[x] = dmax(c.MA[x - 1], A + Z + c.tail[x])
-        c.MC[x] = dmax(c.MC[x - 1], C - c.P[x] + Z + c.tail[x])
-    K = N - 1 - x
-    if K == 0:
-        return dmax(c.MA[x], c.MC[x] + c.P[x])
-    if V == 1:
-        lay = Lrem
-    else:
-        lay = (Lrem - K * (V - 1)) / <double> V
-        if lay < 0:
-            lay = 0
-    fut = 2.0 * c.minsend * K + lay * c.minfb + c.outmin
-    g = dmax(c.MA[x], c.MC[x] + c.P[x] + fut)
-    gy = (c.head[x] + c.fc[x * V] + 2.0 * c.minsend + M * ceil(Lrem / <double> K) * c.minfb
-          + c.bc[x * V + clast] + c.tail[x])
-    return dmax(g, gy)
-
-
-cdef struct TypeCaps:
-    # per usable type of the K later stages: top-K slots (cap descending, 3 groups per type)
-    int tcap[3 * MAXT]
-    int tcnt[3 * MAXT]
-    int ng
-    # and the fill/drain knapsack's list ((f + b) ascending): cap, count (<= K), type, layers
-    double tfb[MAXT]
-    int fcap[MAXT]
-    int fcnt[MAXT]
-    int ftype[MAXT]
-    double flb[MAXT]
-    int nt
-
-
-cdef inline void _type_caps(Ctx* c, int x, int K, double budget, int amax,
-                     TypeCaps* tc) noexcept nogil:
-    """Per type: the most layers one later stage (after x) can hold, cap_o = budget / coef_o
-    (coef_o = M (f + b)_o when amax < 0, else (M-1) b_o + (M - amax) f_o: the round-trip
-    cut's), clipped to the option's largest memory limit after x and dropped below V; how many
-    later stages the type can still host (free devices // the smallest d t, <= K); its cheapest
-    (f + b); and the type's layer total bound (free devices x the best cap_o / (d t_o)). Fills
-    the top-K slot groups (``_type_groups``) and the knapsack list of ``tc``."""
-    cdef int k, o, cap, best, dtmin, cnt, i
-    cdef double coef, fbk, ratio, lbk
-    tc.nt = 0
-    tc.ng = 0
-    for k in range(c.T):
-        best = -1
-        dtmin = 0
-        fbk = 0.0
-        ratio = 0.0
-        for o in range(c.O):
-            if c.opt_type[o] != k:
-                continue
-            if amax < 0:
-                coef = c.M * c.ofb[o]
-            else:
-                coef = (c.M - 1) * c.ob_[o] + (c.M - amax) * c.of_[o]
-            cap = _layers_within(budget, coef)
-            if cap < 0:
-                continue
-            if cap > c.suf_omax[o * (c.N + 1) + x + 1]:
-                cap = c.suf_omax[o * (c.N + 1) + x + 1]
-            if cap < c.V:
-                continue
-            if cap > best:
-                best = cap
-            if dtmin == 0 or c.d * c.opt_tp[o] < dtmin:
-                dtmin = c.d * c.opt_tp[o]
-            if fbk == 0.0 or c.ofb[o] < fbk:
-                fbk = c.ofb[o]
-            if <double> cap / (c.d * c.opt_tp[o]) > ratio:
-                ratio = <double> cap / (c.d * c.opt_tp[o])
-        if best < 0:
-            continue
-        cnt = (c.ndev[k] - c.cursor[k]) // dtmin
-        if cnt <= 0:
-            continue
-        if cnt > K:
-            cnt = K
-        lbk = (c.ndev[k] - c.cursor[k]) * ratio * (1.0 + 1e-9) + 1e-9
-        tc.ng = _type_groups(tc.tcap, tc.tcnt, tc.ng, best, cnt, lbk)
-        i = tc.nt
-        while i > 0 and tc.tfb[i - 1] > fbk:
-            tc.tfb[i] = tc.tfb[i - 1]
-            tc.fcap[i] = tc.fcap[i - 1]
-            tc.fcnt[i] = tc.fcnt[i - 1]
-            tc.ftype[i] = tc.ftype[i - 1]
-            tc.flb[i] = tc.flb[i - 1]
-            i -= 1
-        tc.tfb[i] = fbk
-        tc.fcap[i] = best
-        tc.fcnt[i] = cnt
-        tc.ftype[i] = k
-        tc.flb[i] = lbk
-        tc.nt += 1
-
-
-cdef int _capacity(Ctx* c, int x, double avail, int K, double whi) noexcept nogil:
-    """Most layers the K stages after x can hold in a completion with T <= thr (-1: none).
-
-    ``avail`` = thr - (a path every later stage j's work lies on besides its own ops):
-    head_x + fc[x, 0] + 2 minsend + bc[x, clast] + tail_x (the path of ``gy`` in ``_bound``).
-    Stage j with option o and l_j layers runs M l_j (f_o + b_o) of work serially, so
-    T >= avail-path + M l_j (f_o + b_o): l_j <= (thr - path) / (M (f_o + b_o)), and l_j <= its
-    memory limit. Per type k, a stage takes >= d * t_min(k) of the D_k devices left (alignment
-    only wastes more), so at most D_k // (d t_min) stages of type k, each holding at most the
-    largest cap of the type's options. Greedy over types (caps descending) gives the maximum of
-    this relaxation; fewer than K stages possible -> -1.
-
-    Fill/drain (V = 1 schedules only, where every stage's first op is F(s, 0) and its last op
-    B(s, M-1)): the later stage at position p (p = 0..K-1 after x) starts its first forward
-    after micro-batch 0's forward through the later stages before it, and after its last
-    backward the backward of micro-batch M-1 runs back through them, so with w_i = F_i + B_i
-    (>= l_i (f + b)_i) and U_p = sum of w over the later stages before position p:
-    M w_p + U_p <= avail - 2 minsend p, i.e. U_{p+1} <= U_p (1 - 1/M) + (avail - 2 minsend p)/M.
-    The right side is increasing in U_p, so U_K <= the recursion's value from U_0 = 0 (greedy).
-    The layers then satisfy sum_j l_j (f + b)_j <= U_K with per type <= min(cnt_k, K) stages
-    of <= cap_k layers and (f + b) >= the type's cheapest: a fractional knapsack, filled
-    cheapest (f + b) first, bounds them from above; the smaller of the two bounds is returned.
-    ``whi``: an upper limit on U_K = W (``_wcut``'s, from the decided stages' RT term); as
-    U_p <= U_K <= whi for every p (w >= 0) and the step is increasing in U_p,
-    U_{p+1} <= step(min(U_p bound, whi)) by induction, and U_K <= whi. The last later stage
-    holds the output layer (x < N - 1), whose w is >= its layers' (f + b) + outmin, so the
-    knapsack's budget is U_K - outmin.
-    """
-    cdef int total, taken, i, j, p
-    cdef double U, lay, room, take
-    cdef TypeCaps tc
-    _type_caps(c, x, K, avail, -1, &tc)
-    total = _topk_layers(tc.tcap, tc.tcnt, tc.ng, K, &taken)
-    if taken < K:
-        return -1
-    if c.V == 1 and c.fill_cut and K > 1:
-        U = 0.0
-        for p in range(K):
-            if U > whi:
-                U = whi
-            U = U + (avail - 2.0 * c.minsend * p - U) / c.M
-        if U > whi:
-            U = whi
-        U = (U - c.outmin) * (1.0 + 1e-9)
-        if U <= 0.0:
-            return 0
-        lay = 0.0
-        for i in range(tc.nt):
-            if U <= 0.0:
-                break
-            room = tc.fcnt[i] * <double> tc.fcap[i]
-            if tc.flb[i] < room:
-                room = tc.flb[i]
-            take = U / tc.tfb[i]
-            if take >= room:
-                lay += room
-                U -= room * tc.tfb[i]
-            else:
-                lay += take
-                U = 0.0
-        lay = lay * (1.0 + 1e-9) + 1e-9
-        if lay < total:
-            total = <int> lay
-    return total
-
-
-cdef double _wpos(Ctx* c, int x, int K, double R, int* pc, double* troom) noexcept nogil:
-    """Positional round-trip capacity (V = 1) for W >= Wa, R = A - Wa: an upper bound on the
-    layers the K stages after x hold (-1: no completion), and troom[k] = the most layers the
-    stages of type k can hold (the sum of its best min(cnt_k, K) positional caps).
-
-    Stage j = x + 1 + p with option o obeys l_j ((M-1) b_o + (M - a_j) f_o) <= A - W <= R
-    (``_wcut``'s inequality with its own a_j = acnt[j] <= M) and l_j <= lmax[o, j], so
-    l_j <= pc[p, k] = max over the options o of its type k of those caps (-1: no option with
-    l_j >= 1 fits). Type k serves at most cnt_k = (D_k) // (d t_min(k)) of the later stages.
-    The best assignment sigma of types to positions (each position one type, type k at most
-    cnt_k positions) is bounded by weak LP duality: for any u >= 0,
-      sum_p pc[p, sigma(p)] = sum_p (pc[p, sigma(p)] - u_sigma(p)) + sum_k n_k u_k
-                           <= sum_p max_k (pc[p, k] - u_k) + sum_k cnt_k u_k = D(u)
-    (n_k <= cnt_k, u_k >= 0). u is chosen by two sweeps of exact coordinate minimisation
-    (u_k = max(0, the (cnt_k + 1)-th largest of pc[p, k] - max_{k' != k} (pc[p, k'] - u_k'))),
-    but any u >= 0 gives a valid bound. A position no type can serve, or more than cnt_k
-    positions only type k can serve, means no completion.
-    """
-    cdef int p, j, o, k, k2, cap, aj, T = c.T, M = c.M, N = c.N, n, i, m, sweep, ninf
-    cdef double coef, best, other, D, v
-    cdef int tav[MAXT]
-    cdef double u[MAXT]
-    cdef double dl[MAXN]
-    for k in range(T):
-        if c.min_dt[k] > 0:
-            tav[k] = (c.ndev[k] - c.cursor[k]) // c.min_dt[k]
-        else:
-            tav[k] = 0
-        if tav[k] > K:
-            tav[k] = K
-        u[k] = 0.0
-        troom[k] = 0.0
-    for p in range(K):
-        j = x + 1 + p
-        aj = c.acnt[j]
-        if aj > M:
-            aj = M
-        for k in range(T):
-            pc[p * T + k] = -1
-        for o in range(c.O):
-            k = c.opt_type[o]
-            if tav[k] <= 0:
-                continue
-            coef = (M - 1) * c.ob_[o] + (M - aj) * c.of_[o]
-            cap = _layers_within(R, coef)
-            if cap < 0:
-                continue
-            if cap > c.lmax[o * N + j]:
-                cap = c.lmax[o * N + j]
-            if cap < 1:
-                continue
-            if cap > pc[p * T + k]:
-                pc[p * T + k] = cap
-    # per type room: the best min(cnt_k, K) positional caps
-    for k in range(T):
-        if tav[k] <= 0:
-            continue
-        n = 0
-        for p in range(K):
-            if pc[p * T + k] >= 0:
-                v = pc[p * T + k]
-                i = n
-                while i > 0 and dl[i - 1] < v:
-                    dl[i] = dl[i - 1]
-                    i -= 1
-                dl[i] = v
-                n += 1
-        m = tav[k] if tav[k] < n else n
-        for i in range(m):
-            troom[k] += dl[i]
-    # dual sweeps
-    for sweep in range(2):
-        for k in range(T):
-            if tav[k] <= 0:
-                continue
-            n = 0
-            ninf = 0
-            for p in range(K):
-                if pc[p * T + k] < 0:
-                    continue
-                other = -1e300
-                for k2 in range(T):
-                    if k2 != k and pc[p * T + k2] >= 0 and pc[p * T + k2] - u[k2] > other:
-                        other = pc[p * T + k2] - u[k2]
-                if other <= -1e299:
-                    ninf += 1
-                    continue
-                v = pc[p * T + k] - other
-                i = n
-                while i > 0 and dl[i - 1] < v:
-                    dl[i] = dl[i - 1]
-                    i -= 1
-                dl[i] = v
-                n += 1
-            if ninf > tav[k]:
-                return -1.0
-            # the (cnt_k + 1)-th largest delta overall (the ninf infinite ones come first)
-            m = tav[k] - ninf
-            if m < n and dl[m] > 0.0:
-                u[k] = dl[m]
-            else:
-                u[k] = 0.0
-    D = 0.0
-    for k in range(T):
-        D += tav[k] * u[k]
-    for p in range(K):
-        best = -1e300
-        for k in range(T):
-            if pc[p * T + k] >= 0 and pc[p * T + k] - u[k] > best:
-                best = pc[p * T + k] - u[k]
-        if best <= -1e299:
-            return -1.0
-        D += best
-    return D * (1.0 + 1e-12) + 1e-9
-
-
-cdef int _wcut(Ctx* c, int x, double avail, int K, int need, double whi) noexcept nogil:
-    """Round-trip capacity cut (V = 1): 1 when no completion with T <= thr places ``need``
-    layers on the K stages after x.
-
-    For a later stage j (V = 1: its first op is F(j, 0), its last B(j, M-1), a_j forwards
-    before its first backward B(j, 0)), the path of ``_bound``'s RT term through the stages
-    after x: micro-batch 0's forward from stage x to j, then its round trip through every stage
-    after j, then stage j's remaining M B_j + (M - a_j) F_j, then micro-batch M-1's backward
-    from j down to x and ``tail_x``. With w_i = F_i + B_i and W = sum of w over the K later
-    stages, T >= cap_path(x) + 2 minsend (K - 1) + W - w_j + M B_j + (M - a_j + 1) F_j,
-    so l_j ((M-1) b_o + (M - a_j) f_o) <= A - W with A = avail - 2 minsend (K - 1).
-    Write R = A - W. Every per-stage cap below is non-increasing in W:
-      g(W)  = min(top-K capacity with caps at R and a_j <= max acnt after x,
-                  the positional capacity ``_wpos(R)`` (own a_j, lmax[o, j], LP duality));
-      h(W)  = the fractional knapsack: the layers whose (f + b) cost fits the budget W - outmin
-              (the last stage's w also holds the output layer, >= outmin), cheapest first, per
-              type at most min(cnt_k, K) stages of <= cap_k(R) layers and <= troom_k(R) (the
-              type's best positional caps).
-    A completion with round trip W_c places need <= min(g(W_c), h(W_c)) layers and has
-    W_c <= A2 = min(A, whi) (``whi``: ``_bound``'s RT term with the later stages' round trip
-    written as 2 minsend K + W gives W <= thr - MC[x] - P[x] - 2 minsend K).
-    Fixpoint: W_0 = need min(f + b) + outmin <= W_c. If W_i <= W_c, the rooms at W_c are <= the
-    rooms at W_i, so h's budget must be at least the cheapest cost of ``need`` layers with
-    the rooms at W_i: W_c >= W_{i+1} = outmin + that cost. And g(W_c) <= g(W_i). So the cut
-    holds as soon as some W_i > A2, g(W_i) < need or the rooms at W_i hold < need layers; the
-    iteration stops (no cut) when W stops growing. At the fixpoint W*, min(g, h)(W*) >= need,
-    so a piecewise split of [W_0, A2] could not cut either: this is the strongest form of the
-    cut with these relaxations, at one positional evaluation per step.
-    """
-    cdef int o, total, taken, i, it
-    cdef int amax = c.acnt_sufmax[x + 1]
-    cdef double A, A2, W, Wn, room, cost, rest, fbmin
-    cdef TypeCaps tc
-    cdef int pc[MAXN * MAXT]
-    cdef double troom[MAXT]
-    if amax > c.M:
-        amax = c.M
-    A = avail - 2.0 * c.minsend * (K - 1)
-    if A > 1e200:
-        return 0
-    if A <= 0.0:
-        return 1
-    fbmin = 1e300
-    for o in range(c.O):
-        if c.ofb[o] < fbmin:
-            fbmin = c.ofb[o]
-    if whi < A:
-        A2 = whi
-    else:
-        A2 = A
-    W = (need * fbmin + c.outmin) * (1.0 - 1e-9)
-    for it in range(16):
-        if W > A2:
-            return 1
-        _type_caps(c, x, K, A - W, amax, &tc)
-        total = _topk_layers(tc.tcap, tc.tcnt, tc.ng, K, &taken)
-        if taken < K or total < need:
-            return 1
-        # positional caps: stage j = x + 1 + p with its own a_j (not amax) and lmax[o, j]
-        if _wpos(c, x, K, A - W, pc, troom) < need:
-            return 1
-        # cheapest (f + b) cost of ``need`` layers within the rooms (inverse knapsack)
-        rest = need
-        cost = 0.0
-        for i in range(tc.nt):
-            room = tc.fcnt[i] * <double> tc.fcap[i]
-            if troom[tc.ftype[i]] < room:
-                room = troom[tc.ftype[i]]
-            if tc.flb[i] < room:
-                room = tc.flb[i]
-            if room >= rest:
-                cost += rest * tc.tfb[i]
-                rest = 0.0
-                break
-            cost += room * tc.tfb[i]
-            rest -= room
-        if rest > 1e-9:
-            return 1
-        Wn = (c.outmin + cost) * (1.0 - 1e-9) - 1e-9
-        if Wn <= W * (1.0 + 1e-12):
-            return 0
-        W = Wn
-    return 0
-
-
-cdef inline double _cap_path(Ctx* c, int x) noexcept nogil:
-    return (c.head[x] + c.fc[x * c.V] + 2.0 * c.minsend + c.bc[x * c.V + c.clast] + c.tail[x])
-
+# --------------------------------------------------------------------------- the recursion
 
 cdef class Searcher:
-    """Holds the context of one search_config call; the recursion runs as nogil methods."""
+    """One searcher (one thread) of a search_config call: the shared read-only instance, its
+    own state and counters; the recursion runs as nogil methods."""
 
-    cdef Ctx* c
+    cdef const ConfigData* cfg
+    cdef SearchState* state
+    cdef SearchStats st
     cdef PipelineDAG dag
     cdef object dag_factory
     cdef int have_dag
@@ -771,224 +396,193 @@ cdef class Searcher:
             return 1
         with gil:
             try:
-                self.dag = self.dag_factory()
-                if (self.dag.num_stages != self.c.N or self.dag.num_microbatches != self.c.M
-                        or self.dag.virtual_stages != self.c.V):
-                    raise ValueError("search_config: dag and bound structure disagree")
+                self.dag = _checked_dag(self.dag_factory(), self.cfg)
                 self.have_dag = 1
             except BaseException:
                 self.dag_error = 1
-                self.c.timed_out = 1
+                self.state.timed_out = 1
                 return 0
         return 1
 
     cdef void leaf(self, int nonridge) noexcept nogil:
-        cdef Ctx* c = self.c
-        cdef int x, cc, N = c.N, V = c.V
+        cdef const ConfigData* I = self.cfg
+        cdef SearchState* S = self.state
+        cdef int x, N = I.N
         cdef double T, fmin, fmax
         if nonridge:
             fmin = 1e300
             fmax = 0.0
             for x in range(N):
-                fmin = dmin(fmin, c.Fst[x])
-                fmax = dmax(fmax, c.Fst[x])
-            if fmin >= c.alpha * fmax:
+                fmin = dmin(fmin, S.Fst[x])
+                fmax = dmax(fmax, S.Fst[x])
+            if fmin >= I.alpha * fmax:
                 # covered by Theorem 2: a ridge allocation is at least as good
-                c.cut_ridge += 1
+                self.st.cut_ridge += 1
                 return
-        for x in range(N):
-            for cc in range(V):
-                c.WF[cc * N + x] = c.fc[x * V + cc]
-                c.WB[cc * N + x] = c.bc[x * V + cc]
-            c.EF[x] = c.Pf[x]
-            c.EB[x] = c.Pb[x]
         if not self.ensure_dag():
             return
-        c.simulated += 1
-        T = self.dag.iteration_time(c.WF, c.WB, c.EF, c.EB, c.R)
-        if c.forced:
-            c.forced_T = T
-        if T > c.thr:
+        self.st.simulated += 1
+        T = _evaluate(I, S, self.dag)
+        if T > S.thr:
             return
-        if (not c.have_best) or T < c.best_T or (T == c.best_T and _less_key(c)):
-            c.have_best = 1
-            c.best_T = T
-            c.improved += 1
+        if (not S.have_best) or T < S.best_T or (
+                T == S.best_T and _lex_less(S.st_opt, S.st_l, S.best_opt, S.best_l, N)):
+            S.have_best = 1
+            S.best_T = T
+            self.st.improved += 1
             for x in range(N):
-                c.best_opt[x] = c.st_opt[x]
-                c.best_l[x] = c.st_l[x]
-            if T < c.thr:
-                c.thr = T
-            if c.sh != NULL:
-                psn_min_d(&c.sh.thr, T)
+                S.best_opt[x] = S.st_opt[x]
+                S.best_l[x] = S.st_l[x]
+            if T < S.thr:
+                S.thr = T
+            if S.sh != NULL:
+                psn_min_d(&S.sh.thr, T)
 
     cdef void collect(self, int D) noexcept nogil:
         """Store the current prefix (stages < D) in cbuf (grown as needed; ccap in ints)."""
-        cdef Ctx* c = self.c
-        cdef int x, ncap, need = (c.ncollect + 1) * 2 * D
+        cdef SearchState* S = self.state
+        cdef int x, ncap, need = (S.ncollect + 1) * 2 * D
         cdef int* nb
-        if c.coverflow:
+        if S.coverflow:
             return
-        if need > c.ccap:
-            ncap = 2 * c.ccap
+        if need > S.ccap:
+            ncap = 2 * S.ccap
             if ncap < need:
                 ncap = need
             if ncap < 1024:
                 ncap = 1024
             if ncap > (1 << 24):
-                c.coverflow = 1
+                S.coverflow = 1
                 return
-            nb = <int*> realloc(c.cbuf, ncap * sizeof(int))
+            nb = <int*> realloc(S.cbuf, ncap * sizeof(int))
             if nb == NULL:
-                c.coverflow = 1
+                S.coverflow = 1
                 return
-            c.cbuf = nb
-            c.ccap = ncap
+            S.cbuf = nb
+            S.ccap = ncap
         for x in range(D):
-            c.cbuf[c.ncollect * 2 * D + x] = c.st_opt[x]
-            c.cbuf[c.ncollect * 2 * D + D + x] = c.st_l[x]
-        c.ncollect += 1
+            S.cbuf[S.ncollect * 2 * D + x] = S.st_opt[x]
+            S.cbuf[S.ncollect * 2 * D + D + x] = S.st_l[x]
+        S.ncollect += 1
 
     cdef void run_shared(self) noexcept nogil:
         """Search the shared prefixes, one at a time, until none is left."""
-        cdef Ctx* c = self.c
-        cdef Shared* sh = c.sh
+        cdef SearchState* S = self.state
+        cdef Shared* sh = S.sh
         cdef int i, x, D = sh.D
-        c.plen = D
-        while not c.timed_out:
+        S.plen = D
+        while not S.timed_out:
             i = psn_fetch_add(&sh.next, 1)
             if i >= sh.nprefix:
                 break
             for x in range(D):
-                c.p_opt[x] = sh.buf[i * 2 * D + x]
-                c.p_l[x] = sh.buf[i * 2 * D + D + x]
-            self.recurse(0, c.L, 0)
-        c.plen = 0
+                S.p_opt[x] = sh.buf[i * 2 * D + x]
+                S.p_l[x] = sh.buf[i * 2 * D + D + x]
+            self.recurse(0, self.cfg.L, 0)
+        S.plen = 0
 
     def _thread_main(self):
         with nogil:
             self.run_shared()
 
-    cdef void recurse(self, int x, int Lrem, int nonridge) noexcept nogil:
-        cdef Ctx* c = self.c
-        cdef int N = c.N, o, k, t, dt, start, local, l, lo, hi, K, kk, avail, need
-        cdef int save_cursor, save_used, save_rl, save_rdec, nr, rstage, it, cap
-        cdef double Pfx, ring, g, G, thr_eps
-        if c.timed_out:
-            return
-        c.nodes += 1
-        if c.deadline > 0 and (c.nodes & 1023) == 0:
-            if _now() > c.deadline:
-                c.timed_out = 1
-                return
-        if c.collect_D > 0 and x == c.collect_D:
+    cdef int enter(self, int x) noexcept nogil:
+        """Node bookkeeping: count it, check the deadline, pick up the shared incumbent;
+        0 when the node is not expanded (timed out, or a prefix to collect)."""
+        cdef SearchState* S = self.state
+        cdef double g
+        if S.timed_out:
+            return 0
+        self.st.nodes += 1
+        if S.deadline > 0 and (self.st.nodes & 1023) == 0:
+            if _now() > S.deadline:
+                S.timed_out = 1
+                return 0
+        if S.collect_D > 0 and x == S.collect_D:
             self.collect(x)
+            return 0
+        if S.sh != NULL:
+            g = psn_load_d(&S.sh.thr)
+            if g < S.thr:
+                S.thr = g
+        return 1
+
+    cdef int later_stages_fit(self, int k, int start, int dt, int K) noexcept nogil:
+        """The devices left after this stage can host the K later stages (necessary)."""
+        cdef const ConfigData* I = self.cfg
+        cdef int kk, avail = 0
+        for kk in range(I.T):
+            if I.min_dt[kk] > 0:
+                if kk == k:
+                    avail += (I.ndev[kk] - start - dt) // I.min_dt[kk]
+                else:
+                    avail += (I.ndev[kk] - self.state.cursor[kk]) // I.min_dt[kk]
+        return avail >= K
+
+    cdef void recurse(self, int x, int Lrem, int nonridge) noexcept nogil:
+        """Branch on stage x's option o (device type, TP) and layer count l, larger l first;
+        see the module docstring and ``docs/search.md`` for the rules."""
+        cdef const ConfigData* I = self.cfg
+        cdef SearchState* S = self.state
+        cdef int N = I.N, o, k, dt, start, l, lo, hi, K = N - 1 - x
+        cdef int save_cursor, save_used, save_rl, save_rdec, nr, rstage, it, cap
+        cdef double ring, g, thr_eps
+        if not self.enter(x):
             return
-        if c.sh != NULL:
-            g = psn_load_d(&c.sh.thr)
-            if g < c.thr:
-                c.thr = g
-        K = N - 1 - x
-        for o in range(c.O):
-            if c.forced and o != c.f_opt[x]:
+        for o in range(I.O):
+            if x < S.plen and o != S.p_opt[x]:
                 continue
-            if x < c.plen and o != c.p_opt[x]:
+            k = I.opt_type[o]
+            if I.blocks and x > 0 and k != I.opt_type[S.st_opt[x - 1]] and S.used[k]:
                 continue
-            k = c.opt_type[o]
-            t = c.opt_tp[o]
-            if c.blocks and x > 0 and k != c.opt_type[c.st_opt[x - 1]] and c.used[k]:
+            dt = I.d * I.opt_tp[o]
+            start = _aligned_start(I, S, o)
+            if start < 0 or (K > 0 and not self.later_stages_fit(k, start, dt, K)):
+                self.st.cut_devices += 1
                 continue
-            dt = c.d * t
-            start = c.cursor[k]
-            if start < c.ndev[k]:
-                local = c.local_of[c.type_off[k] + start]
-                if local % t != 0:
-                    start += t - local % t
-            if start + dt > c.ndev[k]:
-                c.cut_devices += 1
-                continue
-            # remaining devices must host the K later stages (necessary condition)
-            if K > 0:
-                avail = 0
-                for kk in range(c.T):
-                    if c.min_dt[kk] > 0:
-                        if kk == k:
-                            avail += (c.ndev[kk] - start - dt) // c.min_dt[kk]
-                        else:
-                            avail += (c.ndev[kk] - c.cursor[kk]) // c.min_dt[kk]
-                if avail < K:
-                    c.cut_devices += 1
-                    continue
             # layers range: memory (lmax), later stages' minimum and maximum capacity
-            hi = c.lmax[o * N + x]
+            hi = I.lmax[o * N + x]
             if K == 0:
-                if Lrem > hi or Lrem < c.V:
-                    c.cut_memory += 1
+                if Lrem > hi or Lrem < I.V:
+                    self.st.cut_memory += 1
                     continue
                 lo = Lrem
                 hi = Lrem
             else:
-                if hi > Lrem - K * c.V:
-                    hi = Lrem - K * c.V
-                lo = Lrem - c.suffix_lmax[x + 1]
-                if lo < c.V:
-                    lo = c.V
+                if hi > Lrem - K * I.V:
+                    hi = Lrem - K * I.V
+                lo = Lrem - I.suffix_lmax[x + 1]
+                if lo < I.V:
+                    lo = I.V
                 if hi < lo:
-                    c.cut_memory += 1
+                    self.st.cut_memory += 1
                     continue
-            if c.forced:
-                if c.f_l[x] < lo or c.f_l[x] > hi:
+            if x < S.plen:
+                if S.p_l[x] < lo or S.p_l[x] > hi:
                     continue
-                lo = c.f_l[x]
-                hi = c.f_l[x]
-            if x < c.plen:
-                if c.p_l[x] < lo or c.p_l[x] > hi:
-                    continue
-                lo = c.p_l[x]
-                hi = c.p_l[x]
-            rstage = _ridge_stage(c, x)
-            if rstage and c.ridge_mode == 1 and c.rl[o] > 0 and c.rdec[o] and hi > c.rl[o]:
-                c.cut_ridge += hi - c.rl[o] if c.rl[o] >= lo else hi - lo + 1
-                hi = c.rl[o]
+                lo = S.p_l[x]
+                hi = S.p_l[x]
+            rstage = _ridge_stage(I, x)
+            if rstage and I.ridge_mode == RIDGE_CUT and S.rl[o] > 0 and S.rdec[o] and hi > S.rl[o]:
+                self.st.cut_ridge += hi - S.rl[o] if S.rl[o] >= lo else hi - lo + 1
+                hi = S.rl[o]
                 if hi < lo:
                     continue
-            # placement-dependent quantities
-            c.st_opt[x] = o
-            c.st_start[x] = start
-            if x > 0:
-                Pfx = _link_send(c, c.st_opt[x - 1], c.st_start[x - 1], o, start)
-                c.Pf[x - 1] = Pfx
-                c.Pb[x - 1] = Pfx
-            if K == 0:
-                if c.V > 1:
-                    Pfx = _link_send(c, o, start, c.st_opt[0], c.st_start[0])
-                    c.Pf[x] = Pfx
-                    c.Pb[x] = Pfx
-                else:
-                    c.Pf[x] = 0.0
-                    c.Pb[x] = 0.0
-            if c.d > 1:
-                if c.node_of[c.type_off[k] + start] == c.node_of[c.type_off[k] + start + dt - 1]:
-                    ring = c.intra[k]
-                else:
-                    ring = c.inter[k]
-            else:
-                ring = 0.0
-            save_cursor = c.cursor[k]
-            save_used = c.used[k]
-            save_rl = c.rl[o]
-            save_rdec = c.rdec[o]
-            c.cursor[k] = start + dt
-            c.used[k] = 1
-            thr_eps = c.thr * (1.0 + 1e-9)
-            if c.use_bound and K > 0:
+            ring = _place_stage(I, S, x, o, start)
+            save_cursor = S.cursor[k]
+            save_used = S.used[k]
+            save_rl = S.rl[o]
+            save_rdec = S.rdec[o]
+            S.cursor[k] = start + dt
+            S.used[k] = 1
+            thr_eps = S.thr * (1.0 + 1e-9)
+            if I.use_bound and K > 0:
                 # capacity: the K later stages hold at most cap(l) layers, cap non-increasing in
                 # l (the path grows with l), so l >= Lrem - cap(lo) for every l >= lo: iterate.
                 for it in range(6):
-                    _set_stage(c, x, o, lo, ring)
-                    _bound(c, x, Lrem - lo)
-                    cap = _capacity(c, x, thr_eps - _cap_path(c, x), K,
-                                    thr_eps - c.MC[x] - c.P[x] - 2.0 * c.minsend * K)
+                    _set_stage(I, S, x, o, lo, ring)
+                    bound(I, S, x, Lrem - lo)
+                    cap = capacity(I, S, x, thr_eps - cap_path(I, S, x), K,
+                                   thr_eps - S.MC[x] - S.P[x] - 2.0 * I.minsend * K)
                     if cap < 0:
                         lo = hi + 1
                         break
@@ -998,7 +592,7 @@ cdef class Searcher:
                     if lo > hi:
                         break
                 if lo > hi:
-                    c.cut_capacity += 1
+                    self.st.cut_capacity += 1
             l = hi
             while l >= lo:
                 nr = nonridge
@@ -1006,81 +600,203 @@ cdef class Searcher:
                     if save_rl > 0:
                         if save_rdec and l > save_rl:
                             nr = 1   # only reachable in safe mode (ridge mode clipped hi)
-                        c.rdec[o] = 1 if (save_rdec or l < save_rl) else 0
-                    c.rl[o] = l
-                c.st_l[x] = l
-                _set_stage(c, x, o, l, ring)
-                g = _bound(c, x, Lrem - l)
-                if c.forced:
-                    c.gtrace[x] = g
-                if c.use_bound and g > thr_eps:
-                    c.cut_bound += 1
-                elif (c.use_bound and K > 0
-                      and _capacity(c, x, thr_eps - _cap_path(c, x), K,
-                                    thr_eps - c.MC[x] - c.P[x] - 2.0 * c.minsend * K)
+                        S.rdec[o] = 1 if (save_rdec or l < save_rl) else 0
+                    S.rl[o] = l
+                S.st_l[x] = l
+                _set_stage(I, S, x, o, l, ring)
+                g = bound(I, S, x, Lrem - l)
+                if I.use_bound and g > thr_eps:
+                    self.st.cut_bound += 1
+                elif (I.use_bound and K > 0
+                      and capacity(I, S, x, thr_eps - cap_path(I, S, x), K,
+                                   thr_eps - S.MC[x] - S.P[x] - 2.0 * I.minsend * K)
                       < Lrem - l):
-                    c.cut_capacity += 1
-                elif (c.use_bound and c.fill_cut and c.V == 1 and K > 1
-                      and _wcut(c, x, thr_eps - _cap_path(c, x), K, Lrem - l,
-                                thr_eps - c.MC[x] - c.P[x] - 2.0 * c.minsend * K)):
-                    c.cut_capacity += 1
+                    self.st.cut_capacity += 1
+                elif (I.use_bound and I.V == 1 and K > 1
+                      and wcut(I, S, x, thr_eps - cap_path(I, S, x), K, Lrem - l,
+                               thr_eps - S.MC[x] - S.P[x] - 2.0 * I.minsend * K)):
+                    self.st.cut_capacity += 1
                 elif K == 0:
                     self.leaf(nr)
                 else:
                     self.recurse(x + 1, Lrem - l, nr)
-                if c.timed_out:
+                if S.timed_out:
                     break
-                thr_eps = c.thr * (1.0 + 1e-9)
+                thr_eps = S.thr * (1.0 + 1e-9)
                 l -= 1
-            c.cursor[k] = save_cursor
-            c.used[k] = save_used
-            c.rl[o] = save_rl
-            c.rdec[o] = save_rdec
-            if c.timed_out:
+            S.cursor[k] = save_cursor
+            S.used[k] = save_used
+            S.rl[o] = save_rl
+            S.rdec[o] = save_rdec
+            if S.timed_out:
                 return
 
 
-PREFIXES_PER_THREAD = 8   # threads > 1: split at the first depth with this many subtrees per thread
+cdef PipelineDAG _checked_dag(object dag, const ConfigData* I):
+    if not isinstance(dag, PipelineDAG):
+        raise TypeError("search_config: expected a PipelineDAG")
+    if (dag.num_stages != I.N or dag.num_microbatches != I.M or dag.virtual_stages != I.V):
+        raise ValueError("search_config: dag and bound structure disagree")
+    return dag
 
 
-cdef inline int _less_best(Ctx* a, Ctx* b) noexcept nogil:
-    """a's best assignment lexicographically smaller than b's?"""
-    return _lex_less(a.best_opt, a.best_l, b.best_opt, b.best_l, a.N)
+# --------------------------------------------------------------------------- state and threads
+
+cdef SearchState* _new_state(const ConfigData* I, double thr, double deadline) except NULL:
+    """A zeroed state with its evaluation buffers (free with ``_free_state``)."""
+    cdef SearchState* S = <SearchState*> malloc(sizeof(SearchState))
+    if S == NULL:
+        raise MemoryError()
+    memset(S, 0, sizeof(SearchState))
+    S.thr = thr
+    S.deadline = deadline
+    S.WF = <double*> malloc(I.N * I.V * sizeof(double))
+    S.WB = <double*> malloc(I.N * I.V * sizeof(double))
+    S.EF = <double*> malloc(I.N * sizeof(double))
+    S.EB = <double*> malloc(I.N * sizeof(double))
+    if S.WF == NULL or S.WB == NULL or S.EF == NULL or S.EB == NULL:
+        _free_state(S)
+        raise MemoryError()
+    return S
 
 
-cdef void _absorb(Ctx* c, Ctx* h) noexcept nogil:
-    """Fold helper h's statistics and best plan into c."""
+cdef SearchState* _clone_state(const ConfigData* I, SearchState* S) except NULL:
+    """A helper thread's state: a copy of S (decided prefix, cursors, threshold, the shared
+    block) with its own buffers and no best plan yet."""
+    cdef SearchState* h = _new_state(I, S.thr, S.deadline)
+    cdef double* wf = h.WF
+    cdef double* wb = h.WB
+    cdef double* ef = h.EF
+    cdef double* eb = h.EB
+    memcpy(h, S, sizeof(SearchState))
+    h.WF, h.WB, h.EF, h.EB = wf, wb, ef, eb
+    h.cbuf = NULL
+    h.ccap = 0
+    h.have_best = 0
+    return h
+
+
+cdef void _free_state(SearchState* S) noexcept nogil:
+    if S == NULL:
+        return
+    free(S.WF)
+    free(S.WB)
+    free(S.EF)
+    free(S.EB)
+    free(S.cbuf)
+    free(S)
+
+
+cdef Searcher _searcher(ConfigInstance inst, SearchState* S, dag):
+    cdef Searcher se = Searcher.__new__(Searcher)
+    se.cfg = &inst.data
+    se.state = S
+    memset(&se.st, 0, sizeof(SearchStats))
+    if isinstance(dag, PipelineDAG):
+        se.dag = _checked_dag(dag, se.cfg)
+        se.have_dag = 1
+    else:
+        se.dag_factory = dag
+        se.have_dag = 0
+    se.dag_error = 0
+    return se
+
+
+cdef void _absorb(Searcher main, Searcher h) noexcept nogil:
+    """Fold helper h's counters and best plan into the main searcher."""
+    cdef SearchState* c = main.state
+    cdef SearchState* hs = h.state
     cdef int x
-    c.nodes += h.nodes
-    c.simulated += h.simulated
-    c.cut_bound += h.cut_bound
-    c.cut_memory += h.cut_memory
-    c.cut_ridge += h.cut_ridge
-    c.cut_devices += h.cut_devices
-    c.cut_capacity += h.cut_capacity
-    c.improved += h.improved
-    if h.timed_out:
+    main.st.nodes += h.st.nodes
+    main.st.simulated += h.st.simulated
+    main.st.improved += h.st.improved
+    main.st.cut_bound += h.st.cut_bound
+    main.st.cut_memory += h.st.cut_memory
+    main.st.cut_ridge += h.st.cut_ridge
+    main.st.cut_devices += h.st.cut_devices
+    main.st.cut_capacity += h.st.cut_capacity
+    if hs.timed_out:
         c.timed_out = 1
-    if h.have_best and ((not c.have_best) or h.best_T < c.best_T
-                        or (h.best_T == c.best_T and _less_best(h, c))):
+    if hs.have_best and ((not c.have_best) or hs.best_T < c.best_T or (
+            hs.best_T == c.best_T
+            and _lex_less(hs.best_opt, hs.best_l, c.best_opt, c.best_l, main.cfg.N))):
         c.have_best = 1
-        c.best_T = h.best_T
-        for x in range(c.N):
-            c.best_opt[x] = h.best_opt[x]
-            c.best_l[x] = h.best_l[x]
+        c.best_T = hs.best_T
+        for x in range(main.cfg.N):
+            c.best_opt[x] = hs.best_opt[x]
+            c.best_l[x] = hs.best_l[x]
 
 
-def search_config(BoundStructure st, dag, dict cfg, int threads=1, thread_dag=None):
+cdef int _split_depth(Searcher se, int threads):
+    """Collect the surviving prefixes of the first D stages, D growing until there are
+    PREFIXES_PER_THREAD per thread; 0: no split (timed out, too many, or N too small),
+    -1: no prefix survives (no plan)."""
+    cdef SearchState* S = se.state
+    cdef int D = 0, Dtry
+    for Dtry in range(1, se.cfg.N - 1):
+        S.collect_D = Dtry
+        S.ncollect = 0
+        with nogil:
+            se.recurse(0, se.cfg.L, 0)
+        if S.timed_out or S.coverflow:
+            D = 0
+            break
+        D = Dtry
+        if S.ncollect >= PREFIXES_PER_THREAD * threads:
+            break
+    S.collect_D = 0
+    if D > 0 and S.ncollect < 2:
+        D = 0 if S.ncollect == 1 else -1   # one subtree: search it alone; none: no plan
+    return D
+
+
+cdef void _run_threads(ConfigInstance inst, Searcher se, int D, int threads, thread_dag) except *:
+    """Search the collected prefixes with ``threads`` searchers sharing the incumbent."""
+    cdef SearchState* S = se.state
+    cdef Shared sh
+    cdef Searcher h
+    cdef int slot
+    helpers = []
+    sh.next = 0
+    sh.nprefix = S.ncollect
+    sh.D = D
+    sh.buf = S.cbuf
+    sh.thr = S.thr
+    S.sh = &sh
+    try:
+        for slot in range(1, threads):
+            h = _searcher(inst, _clone_state(se.cfg, S), (lambda s=slot: thread_dag(s)))
+            helpers.append(h)
+        workers = [threading.Thread(target=h._thread_main, daemon=True) for h in helpers]
+        for w in workers:
+            w.start()
+        try:
+            with nogil:
+                se.run_shared()
+        finally:
+            for w in workers:
+                w.join()
+        for h in helpers:
+            _absorb(se, h)
+            if h.dag_error:
+                h.dag_factory()
+                raise RuntimeError("search_config: the DAG factory failed")
+    finally:
+        S.sh = NULL
+        for h in helpers:
+            _free_state(h.state)
+            h.state = NULL
+
+
+def search_config(ConfigInstance inst, dag, double threshold_ms, double deadline=0.0,
+                  int threads=1, thread_dag=None):
     """Branch and bound over one outer configuration; see the module docstring.
 
-    ``cfg`` keys: d, L, act_bytes, latency_ms, cross_gbps, minsend, minfb, outmin, alpha,
-    ridge_mode, ridge_ends, blocks, threshold_ms, deadline (monotonic seconds, 0 = none),
-    opt_type, opt_tp, f, b, ef, eb, of, ob, gl, ge, go (per option), lmax (O x N),
-    ndev, type_off, intra, inter (per type), node_of, local_of (flat per type devices).
-    ``dag`` is the simulator's ``PipelineDAG`` of the same (schedule, N, M, V), or a callable
-    returning it (called, with the GIL, when the first leaf is reached); its workspace is
-    used, so it must not be shared with another thread during the call.
-    Returns a dict with best (None or (time, [opt], [layers])) and statistics.
+    ``threshold_ms``: plans slower than this are not returned (inf: none); ``deadline``:
+    monotonic seconds after which the search stops (0 = none). ``dag`` is the simulator's
+    ``PipelineDAG`` of the instance's (schedule, N, M, V), or a callable returning it (called,
+    with the GIL, when the first leaf is reached); its workspace is used, so it must not be
+    shared with another thread during the call.
 
     ``threads`` > 1 (and N >= 3): the tree is cut at the first depth D with at least
     PREFIXES_PER_THREAD * threads surviving prefixes (stages < D decided, collected by the
@@ -1093,268 +809,55 @@ def search_config(BoundStructure st, dag, dict cfg, int threads=1, thread_dag=No
     assignment is reached, and the results are merged by (time, assignment). Only the
     statistics depend on the interleaving.
     """
-    cdef Searcher se = Searcher.__new__(Searcher)
-    cdef Searcher h
-    cdef Ctx* c = <Ctx*> malloc(sizeof(Ctx))
-    cdef Ctx* hc
-    cdef Shared* sh = NULL
-    cdef int D, Dtry, slot
-    if c == NULL:
-        raise MemoryError()
-    se.c = c
-    c.cbuf = NULL
-    c.sh = NULL
-    helpers = []
-    if isinstance(dag, PipelineDAG):
-        se.dag = dag
-        se.have_dag = 1
-    else:
-        se.dag_factory = dag
-        se.have_dag = 0
-    se.dag_error = 0
-    cdef int N = st.N, V = st.V, O, T, o, x, k
-    cdef cnp.ndarray[cnp.int32_t, ndim=1] lmax_a
-    cdef cnp.ndarray[cnp.int32_t, ndim=1] suf_a
-    cdef cnp.ndarray[cnp.int32_t, ndim=1] somax_a
-    cdef cnp.ndarray[cnp.int32_t, ndim=1] node_a
-    cdef cnp.ndarray[cnp.int32_t, ndim=1] local_a
-    c.WF = NULL
-    c.WB = NULL
-    c.EF = NULL
-    c.EB = NULL
+    cdef SearchState* S = _new_state(&inst.data, threshold_ms, deadline)
+    cdef Searcher se
+    cdef int D = 0
     try:
-        if se.have_dag and (dag.num_stages != N or dag.num_microbatches != st.M
-                            or dag.virtual_stages != V):
-            raise ValueError("search_config: dag and bound structure disagree")
-        O = len(cfg["opt_type"])
-        T = len(cfg["ndev"])
-        if N > MAXN or V > MAXV or O > MAXO or T > MAXT:
-            raise ValueError("search_config: instance too large for the compiled limits")
-        c.N = N
-        c.M = st.M
-        c.V = V
-        c.clast = st.clast
-        c.acnt = &st.acnt[0]
-        c.t1cnt = &st.t1cnt[0]
-        c.d = cfg["d"]
-        c.L = cfg["L"]
-        c.O = O
-        c.T = T
-        c.ridge_mode = cfg["ridge_mode"]
-        c.ridge_ends = cfg["ridge_ends"]
-        c.blocks = cfg["blocks"]
-        c.use_bound = cfg.get("use_bound", 1)
-        c.fill_cut = cfg.get("fill_cut", 1)
-        c.acnt_sufmax[N] = 0
-        if V == 1:
-            for x in range(N - 1, -1, -1):
-                c.acnt_sufmax[x] = c.acnt_sufmax[x + 1]
-                if st.acnt[x] > c.acnt_sufmax[x]:
-                    c.acnt_sufmax[x] = st.acnt[x]
-        forced = cfg.get("forced")
-        c.forced = 0
-        c.forced_T = -1.0
-        if forced is not None:
-            c.forced = 1
-            c.use_bound = 0
-            c.ridge_mode = 0
-            c.blocks = 0
-            for x in range(N):
-                c.f_opt[x] = forced[0][x]
-                c.f_l[x] = forced[1][x]
-                c.gtrace[x] = -1.0
-        c.act_bytes = cfg["act_bytes"]
-        c.latency_ms = cfg["latency_ms"]
-        c.cross_gbps = cfg["cross_gbps"]
-        c.minsend = cfg["minsend"]
-        c.minfb = cfg["minfb"]
-        c.outmin = cfg["outmin"]
-        c.alpha = cfg["alpha"]
-        c.thr = cfg["threshold_ms"]
-        c.deadline = cfg["deadline"]
-        for o in range(O):
-            c.opt_type[o] = cfg["opt_type"][o]
-            c.opt_tp[o] = cfg["opt_tp"][o]
-            c.of_[o] = cfg["f"][o]
-            c.ob_[o] = cfg["b"][o]
-            c.oef[o] = cfg["ef"][o]
-            c.oeb[o] = cfg["eb"][o]
-            c.oof[o] = cfg["of"][o]
-            c.oob[o] = cfg["ob"][o]
-            c.ogl[o] = cfg["gl"][o]
-            c.oge[o] = cfg["ge"][o]
-            c.ogo[o] = cfg["go"][o]
-            c.ofb[o] = c.of_[o] + c.ob_[o]
-            c.rl[o] = 0
-            c.rdec[o] = 0
-        lmax_a = np.ascontiguousarray(cfg["lmax"], dtype=np.int32).reshape(-1)
-        if lmax_a.shape[0] != O * N:
-            raise ValueError("lmax must have O*N entries")
-        c.lmax = <int*> lmax_a.data
-        suf = np.zeros(N + 1, dtype=np.int32)
-        lm = lmax_a.reshape(O, N).max(axis=0) if O > 0 else np.zeros(N, dtype=np.int32)
-        for x in range(N - 1, -1, -1):
-            suf[x] = suf[x + 1] + max(int(lm[x]), 0)
-        suf_a = suf
-        c.suffix_lmax = <int*> suf_a.data
-        somax = np.zeros((O, N + 1), dtype=np.int32)
-        lm2 = lmax_a.reshape(O, N)
-        for x in range(N - 1, -1, -1):
-            somax[:, x] = np.maximum(somax[:, x + 1], lm2[:, x])
-        somax_a = np.ascontiguousarray(somax).reshape(-1)
-        c.suf_omax = <int*> somax_a.data
-        node_a = np.ascontiguousarray(cfg["node_of"], dtype=np.int32)
-        local_a = np.ascontiguousarray(cfg["local_of"], dtype=np.int32)
-        c.node_of = <int*> node_a.data
-        c.local_of = <int*> local_a.data
-        for k in range(T):
-            c.ndev[k] = cfg["ndev"][k]
-            c.type_off[k] = cfg["type_off"][k]
-            c.intra[k] = cfg["intra"][k]
-            c.inter[k] = cfg["inter"][k]
-            c.cursor[k] = 0
-            c.used[k] = 0
-            c.min_dt[k] = 0
-        for o in range(O):
-            k = c.opt_type[o]
-            if c.min_dt[k] == 0 or c.d * c.opt_tp[o] < c.min_dt[k]:
-                c.min_dt[k] = c.d * c.opt_tp[o]
-        c.WF = <double*> malloc(N * V * sizeof(double))
-        c.WB = <double*> malloc(N * V * sizeof(double))
-        c.EF = <double*> malloc(N * sizeof(double))
-        c.EB = <double*> malloc(N * sizeof(double))
-        if c.WF == NULL or c.WB == NULL or c.EF == NULL or c.EB == NULL:
-            raise MemoryError()
-        for x in range(N):
-            c.Pf[x] = 0.0
-            c.Pb[x] = 0.0
-        c.have_best = 0
-        c.best_T = 0.0
-        c.nodes = 0
-        c.simulated = 0
-        c.cut_bound = 0
-        c.cut_memory = 0
-        c.cut_ridge = 0
-        c.cut_devices = 0
-        c.cut_capacity = 0
-        c.improved = 0
-        c.timed_out = 0
-        c.plen = 0
-        c.collect_D = 0
-        c.ncollect = 0
-        c.ccap = 0
-        c.coverflow = 0
-        D = 0
-        if threads > 1 and N >= 3 and not c.forced:
+        se = _searcher(inst, S, dag)
+        if threads > 1 and inst.data.N >= 3:
             if thread_dag is None:
                 raise ValueError("search_config: threads > 1 needs thread_dag")
-            for Dtry in range(1, N - 1):
-                c.collect_D = Dtry
-                c.ncollect = 0
-                with nogil:
-                    se.recurse(0, c.L, 0)
-                if c.timed_out or c.coverflow:
-                    D = 0
-                    break
-                D = Dtry
-                if c.ncollect >= PREFIXES_PER_THREAD * threads:
-                    break
-            c.collect_D = 0
-        if D > 0 and c.ncollect < 2:
-            D = 0 if c.ncollect == 1 else -1   # one subtree: search it alone; none: no plan
+            D = _split_depth(se, threads)
         if D > 0:
-            sh = <Shared*> malloc(sizeof(Shared))
-            if sh == NULL:
-                raise MemoryError()
-            sh.next = 0
-            sh.nprefix = c.ncollect
-            sh.D = D
-            sh.buf = c.cbuf
-            sh.thr = c.thr
-            c.sh = sh
-            for slot in range(1, threads):
-                h = Searcher.__new__(Searcher)
-                hc = <Ctx*> malloc(sizeof(Ctx))
-                if hc == NULL:
-                    raise MemoryError()
-                memcpy(hc, c, sizeof(Ctx))
-                h.c = hc
-                hc.cbuf = NULL
-                hc.WF = NULL
-                hc.WB = NULL
-                hc.EF = NULL
-                hc.EB = NULL
-                helpers.append(h)
-                hc.WF = <double*> malloc(N * V * sizeof(double))
-                hc.WB = <double*> malloc(N * V * sizeof(double))
-                hc.EF = <double*> malloc(N * sizeof(double))
-                hc.EB = <double*> malloc(N * sizeof(double))
-                if hc.WF == NULL or hc.WB == NULL or hc.EF == NULL or hc.EB == NULL:
-                    raise MemoryError()
-                hc.nodes = 0
-                hc.simulated = 0
-                hc.cut_bound = 0
-                hc.cut_memory = 0
-                hc.cut_ridge = 0
-                hc.cut_devices = 0
-                hc.cut_capacity = 0
-                hc.improved = 0
-                hc.have_best = 0
-                h.dag_factory = (lambda s=slot: thread_dag(s))
-                h.have_dag = 0
-                h.dag_error = 0
-            workers = [threading.Thread(target=h._thread_main, daemon=True) for h in helpers]
-            for w in workers:
-                w.start()
-            try:
-                with nogil:
-                    se.run_shared()
-            finally:
-                for w in workers:
-                    w.join()
-            for h in helpers:
-                _absorb(c, h.c)
-                if h.dag_error:
-                    h.dag_factory()
-                    raise RuntimeError("search_config: the DAG factory failed")
+            _run_threads(inst, se, D, threads, thread_dag)
         elif D == 0:
             with nogil:
-                se.recurse(0, c.L, 0)
+                se.recurse(0, inst.data.L, 0)
         if se.dag_error:
             se.dag_factory()   # re-raise the factory's error with its traceback
             raise RuntimeError("search_config: the DAG factory failed")
-        best = None
-        if c.have_best:
-            best = (c.best_T, [c.best_opt[x] for x in range(N)], [c.best_l[x] for x in range(N)])
-        return {
-            "best": best,
-            "nodes": c.nodes,
-            "simulated": c.simulated,
-            "cut_bound": c.cut_bound,
-            "cut_memory": c.cut_memory,
-            "cut_ridge": c.cut_ridge,
-            "cut_devices": c.cut_devices,
-            "cut_capacity": c.cut_capacity,
-            "timed_out": bool(c.timed_out),
-            "gtrace": [c.gtrace[x] for x in range(N)] if c.forced else None,
-            "forced_T": c.forced_T if c.forced else None,
-            "split_depth": D if D > 0 else 0,
-            "subtrees": c.ncollect if D > 0 else 0,
-        }
+        return _result(S, &se.st, inst.data.N, D, S.ncollect)
     finally:
-        for h in helpers:
-            if h.c != NULL:
-                free(h.c.WF)
-                free(h.c.WB)
-                free(h.c.EF)
-                free(h.c.EB)
-                free(h.c)
-                h.c = NULL
-        free(sh)
-        free(c.cbuf)
-        se.c = NULL
-        free(c.WF)
-        free(c.WB)
-        free(c.EF)
-        free(c.EB)
-        free(c)
+        _free_state(S)
+
+
+def replay_assignment(ConfigInstance inst, PipelineDAG dag, opts, layers):
+    """(g after each stage, simulated time) of one complete assignment through the search's own
+    placement, cost and bound code (the tests hold every g <= the time). ValueError when the
+    assignment does not fit the devices or a stage's memory limit."""
+    cdef const ConfigData* I = &inst.data
+    cdef SearchState* S = _new_state(I, 1e300, 0.0)
+    cdef int x, o, l, start, N = I.N, Lrem = I.L
+    cdef double ring
+    _checked_dag(dag, I)
+    if len(opts) != N or len(layers) != N or sum(layers) != I.L:
+        _free_state(S)
+        raise ValueError("replay_assignment: expected N options and N layer counts summing "
+                         "to the layers")
+    trace = []
+    try:
+        for x in range(N):
+            o, l = opts[x], layers[x]
+            start = _aligned_start(I, S, o)
+            if start < 0 or l < I.V or l > I.lmax[o * N + x]:
+                raise ValueError(f"replay_assignment: stage {x} (option {o}, {l} layers) does "
+                                 f"not fit")
+            ring = _place_stage(I, S, x, o, start)
+            S.cursor[I.opt_type[o]] = start + I.d * I.opt_tp[o]
+            S.st_l[x] = l
+            _set_stage(I, S, x, o, l, ring)
+            Lrem -= l
+            trace.append(bound(I, S, x, Lrem))
+        return trace, _evaluate(I, S, dag)
+    finally:
+        _free_state(S)

@@ -1,0 +1,33 @@
+# cython: language_level=3
+"""Lower bounds and capacity cuts of the branch and bound (implemented in ``_bounds.pyx``).
+
+Every function reads the read-only instance ``I`` and the decided stages of the searcher's
+state ``S`` (x = the stage just decided); each returns a bound valid for every completion of the
+current prefix. The proofs are in ``docs/search.md``; ``tests/test_search.py`` checks them
+against the exhaustive search on random instances.
+"""
+
+from poseidon_plugin.search._search cimport ConfigData, SearchState
+
+
+# Update the incremental bound terms of stage x (its costs, Pf/Pb[x-1] and R[x] already set in
+# S) and return the stage-level lower bound g on the iteration time of every completion.
+cdef double bound(const ConfigData* I, SearchState* S, int x, int Lrem) noexcept nogil
+
+# Most layers the K stages after x can hold in a completion with time <= the threshold
+# (-1: no completion places K stages). ``avail`` = threshold - cap_path(x); ``whi`` bounds the
+# later stages' round-trip work (fill/drain cut, V = 1).
+cdef int capacity(const ConfigData* I, SearchState* S, int x, double avail, int K,
+                  double whi) noexcept nogil
+
+# Round-trip capacity cut (V = 1): 1 when no completion with time <= the threshold places
+# ``need`` layers on the K stages after x.
+cdef int wcut(const ConfigData* I, SearchState* S, int x, double avail, int K, int need,
+              double whi) noexcept nogil
+
+
+cdef inline double cap_path(const ConfigData* I, SearchState* S, int x) noexcept nogil:
+    """The path every later stage's work lies on besides its own ops (``bound``'s gy path):
+    stage x's first forward arrives, its first-chunk forward, two sends, the backward of its
+    last chunk and the tail down to stage 0's all-reduce."""
+    return (S.head[x] + S.fc[x * I.V] + 2.0 * I.minsend + S.bc[x * I.V + I.clast] + S.tail[x])

@@ -1,0 +1,492 @@
+# cython: language_level=3
+"""Lower bounds and capacity cuts of the plan search's branch and bound.
+
+Declared in ``_bounds.pxd``; used by ``_search.pyx``'s recursion after it decides stage x
+(option and layer count). All are valid for every completion of the decided prefix: the
+iteration time is a longest path in a DAG with non-negative weights, so any path is a lower
+bound. The derivations (stage-level bound, capacity, fill/drain and round-trip cuts) are in
+``docs/search.md``; ``tests/test_search.py`` holds them to the exhaustive search.
+
+Stage-level bound g (``bound``): for every decided stage i
+
+    E_i >= max(head_i + sum_c acnt[i,c] fc[i,c],  head_i + sum_c t1cnt[i,c] fc[i,c] + RT_i)
+           + M sum_c bc[i,c] + sum_c (M - acnt[i,c]) fc[i,c]
+    T   >= E_i + tail_i
+
+with head_i the earliest arrival of the first forward, RT_i the round trip of micro-batch 0
+through the later stages (undecided ones bounded below by the remaining layers times the
+cheapest per-layer cost), tail_i the backward chain of the last micro-batch down to a stage k
+followed by its all-reduce R_k; and, for the undecided stage with the most layers,
+    T >= head_{x+1} + M * ceil(L_rem / K) * min(f+b) + tail via stage x.
+"""
+
+from libc.math cimport ceil
+
+from poseidon_plugin.search._search cimport (MAXN, MAXT, ConfigData, SearchState, dmax,
+                                             dmin)
+
+
+cdef inline int _topk_layers(const int* tcap, const int* tcnt, int nt, int K,
+                             int* taken) noexcept nogil:
+    """Most layers K stages can hold: take the largest caps first (``tcap`` sorted descending,
+    ``tcnt[i]`` stages available at ``tcap[i]``). ``taken`` gets how many stages were found."""
+    cdef int total = 0, t = 0, i, j
+    for i in range(nt):
+        if t >= K:
+            break
+        j = tcnt[i]
+        if j > K - t:
+            j = K - t
+        t += j
+        total += j * tcap[i]
+    taken[0] = t
+    return total
+
+
+cdef inline int _layers_within(double budget, double coef) noexcept nogil:
+    """Most whole layers of cost ``coef`` within ``budget`` (rounded up by a relative 1e-9, so
+    float noise never cuts a plan at the threshold), 10^9 for a free layer or a huge budget,
+    -1 when the budget is negative."""
+    cdef double q
+    if coef <= 0.0:
+        return 1000000000
+    q = budget / coef
+    if q < 0:
+        return -1
+    q = q * (1.0 + 1e-9) + 1e-9
+    if q > 1e9:
+        return 1000000000
+    return <int> q
+
+
+cdef inline int _insert_group(int* tcap, int* tcnt, int ng, int cap, int cnt) noexcept nogil:
+    """Insert (cap, cnt) into the groups sorted by cap descending; returns the new count."""
+    cdef int i = ng
+    while i > 0 and tcap[i - 1] < cap:
+        tcap[i] = tcap[i - 1]
+        tcnt[i] = tcnt[i - 1]
+        i -= 1
+    tcap[i] = cap
+    tcnt[i] = cnt
+    return ng + 1
+
+
+cdef inline int _type_groups(int* tcap, int* tcnt, int ng, int best, int cnt,
+                             double lbk) noexcept nogil:
+    """Insert one type's stage slots: ``cnt`` stages of at most ``best`` layers, and at most
+    ``lbk`` layers for the whole type (its free devices times the best layers-per-device ratio
+    cap_o / (d t_o) of its options: stages of different TP degrees share the devices). As up to
+    three groups: q stages at ``best``, one at the remainder, the rest at 0 layers. The K
+    largest slots then give exactly max sum_k min(n_k best_k, lbk_k) over n_k <= cnt_k,
+    sum n_k = K (each term is concave in n_k, so the greedy on marginal gains is optimal), and
+    the count of slots still tells whether K stages fit at all. Returns the new group count."""
+    cdef double full = <double> best * cnt
+    cdef int qn, r
+    if lbk >= full:
+        return _insert_group(tcap, tcnt, ng, best, cnt)
+    qn = <int> (lbk / best) if best > 0 else cnt
+    if qn > cnt:
+        qn = cnt
+    r = <int> (lbk - <double> qn * best)
+    if r < 0:
+        r = 0
+    if qn > 0:
+        ng = _insert_group(tcap, tcnt, ng, best, qn)
+    if qn < cnt:
+        ng = _insert_group(tcap, tcnt, ng, r, 1)
+        if cnt - qn - 1 > 0:
+            ng = _insert_group(tcap, tcnt, ng, 0, cnt - qn - 1)
+    return ng
+
+
+cdef double bound(const ConfigData* I, SearchState* S, int x, int Lrem) noexcept nogil:
+    """Update the incremental bound state of stage x (costs, Pf/Pb[x-1], R[x] set) and return g."""
+    cdef int V = I.V, M = I.M, N = I.N, cc, K
+    cdef double A, C, Z, fut, g, gy, lay
+    cdef int clast = I.clast
+    if x == 0:
+        S.head[0] = 0.0
+        S.tail[0] = S.R[0]
+        S.P[0] = 0.0
+    else:
+        S.head[x] = S.head[x - 1] + S.fc[(x - 1) * V] + S.Pf[x - 1]
+        S.tail[x] = dmax(S.R[x], S.Pb[x - 1] + S.bc[(x - 1) * V + clast] + S.tail[x - 1])
+        S.P[x] = (S.P[x - 1] + S.Pf[x - 1] + S.fc[x * V + V - 1] + S.bc[x * V + V - 1]
+                  + S.Pb[x - 1])
+    A = S.head[x]
+    C = S.head[x]
+    Z = 0.0
+    for cc in range(V):
+        A += I.acnt[x * V + cc] * S.fc[x * V + cc]
+        C += I.t1cnt[x * V + cc] * S.fc[x * V + cc]
+        Z += M * S.bc[x * V + cc] + (M - I.acnt[x * V + cc]) * S.fc[x * V + cc]
+    if x == 0:
+        S.MA[0] = A + Z + S.tail[0]
+        S.MC[0] = C - S.P[0] + Z + S.tail[0]
+    else:
+        S.MA[x] = dmax(S.MA[x - 1], A + Z + S.tail[x])
+        S.MC[x] = dmax(S.MC[x - 1], C - S.P[x] + Z + S.tail[x])
+    K = N - 1 - x
+    if K == 0:
+        return dmax(S.MA[x], S.MC[x] + S.P[x])
+    if V == 1:
+        lay = Lrem
+    else:
+        lay = (Lrem - K * (V - 1)) / <double> V
+        if lay < 0:
+            lay = 0
+    fut = 2.0 * I.minsend * K + lay * I.minfb + I.outmin
+    g = dmax(S.MA[x], S.MC[x] + S.P[x] + fut)
+    gy = (S.head[x] + S.fc[x * V] + 2.0 * I.minsend + M * ceil(Lrem / <double> K) * I.minfb
+          + S.bc[x * V + clast] + S.tail[x])
+    return dmax(g, gy)
+
+
+cdef struct TypeCaps:
+    # per usable type of the K later stages: top-K slots (cap descending, 3 groups per type)
+    int tcap[3 * MAXT]
+    int tcnt[3 * MAXT]
+    int ng
+    # and the fill/drain knapsack's list ((f + b) ascending): cap, count (<= K), type, layers
+    double tfb[MAXT]
+    int fcap[MAXT]
+    int fcnt[MAXT]
+    int ftype[MAXT]
+    double flb[MAXT]
+    int nt
+
+
+cdef inline void _type_caps(const ConfigData* I, SearchState* S, int x, int K, double budget,
+                            int amax, TypeCaps* tc) noexcept nogil:
+    """Per type: the most layers one later stage (after x) can hold, cap_o = budget / coef_o
+    (coef_o = M (f + b)_o when amax < 0, else (M-1) b_o + (M - amax) f_o: the round-trip
+    cut's), clipped to the option's largest memory limit after x and dropped below V; how many
+    later stages the type can still host (free devices // the smallest d t, <= K); its cheapest
+    (f + b); and the type's layer total bound (free devices x the best cap_o / (d t_o)). Fills
+    the top-K slot groups (``_type_groups``) and the knapsack list of ``tc``."""
+    cdef int k, o, cap, best, dtmin, cnt, i
+    cdef double coef, fbk, ratio, lbk
+    tc.nt = 0
+    tc.ng = 0
+    for k in range(I.T):
+        best = -1
+        dtmin = 0
+        fbk = 0.0
+        ratio = 0.0
+        for o in range(I.O):
+            if I.opt_type[o] != k:
+                continue
+            if amax < 0:
+                coef = I.M * I.ofb[o]
+            else:
+                coef = (I.M - 1) * I.ob_[o] + (I.M - amax) * I.of_[o]
+            cap = _layers_within(budget, coef)
+            if cap < 0:
+                continue
+            if cap > I.suf_omax[o * (I.N + 1) + x + 1]:
+                cap = I.suf_omax[o * (I.N + 1) + x + 1]
+            if cap < I.V:
+                continue
+            if cap > best:
+                best = cap
+            if dtmin == 0 or I.d * I.opt_tp[o] < dtmin:
+                dtmin = I.d * I.opt_tp[o]
+            if fbk == 0.0 or I.ofb[o] < fbk:
+                fbk = I.ofb[o]
+            if <double> cap / (I.d * I.opt_tp[o]) > ratio:
+                ratio = <double> cap / (I.d * I.opt_tp[o])
+        if best < 0:
+            continue
+        cnt = (I.ndev[k] - S.cursor[k]) // dtmin
+        if cnt <= 0:
+            continue
+        if cnt > K:
+            cnt = K
+        lbk = (I.ndev[k] - S.cursor[k]) * ratio * (1.0 + 1e-9) + 1e-9
+        tc.ng = _type_groups(tc.tcap, tc.tcnt, tc.ng, best, cnt, lbk)
+        i = tc.nt
+        while i > 0 and tc.tfb[i - 1] > fbk:
+            tc.tfb[i] = tc.tfb[i - 1]
+            tc.fcap[i] = tc.fcap[i - 1]
+            tc.fcnt[i] = tc.fcnt[i - 1]
+            tc.ftype[i] = tc.ftype[i - 1]
+            tc.flb[i] = tc.flb[i - 1]
+            i -= 1
+        tc.tfb[i] = fbk
+        tc.fcap[i] = best
+        tc.fcnt[i] = cnt
+        tc.ftype[i] = k
+        tc.flb[i] = lbk
+        tc.nt += 1
+
+
+cdef int capacity(const ConfigData* I, SearchState* S, int x, double avail, int K,
+                  double whi) noexcept nogil:
+    """Most layers the K stages after x can hold in a completion with T <= thr (-1: none).
+
+    ``avail`` = thr - (a path every later stage j's work lies on besides its own ops):
+    head_x + fc[x, 0] + 2 minsend + bc[x, clast] + tail_x (the path of ``gy`` in ``bound``).
+    Stage j with option o and l_j layers runs M l_j (f_o + b_o) of work serially, so
+    T >= avail-path + M l_j (f_o + b_o): l_j <= (thr - path) / (M (f_o + b_o)), and l_j <= its
+    memory limit. Per type k, a stage takes >= d * t_min(k) of the D_k devices left (alignment
+    only wastes more), so at most D_k // (d t_min) stages of type k, each holding at most the
+    largest cap of the type's options. Greedy over types (caps descending) gives the maximum of
+    this relaxation; fewer than K stages possible -> -1.
+
+    Fill/drain (V = 1 schedules only, where every stage's first op is F(s, 0) and its last op
+    B(s, M-1)): the later stage at position p (p = 0..K-1 after x) starts its first forward
+    after micro-batch 0's forward through the later stages before it, and after its last
+    backward the backward of micro-batch M-1 runs back through them, so with w_i = F_i + B_i
+    (>= l_i (f + b)_i) and U_p = sum of w over the later stages before position p:
+    M w_p + U_p <= avail - 2 minsend p, i.e. U_{p+1} <= U_p (1 - 1/M) + (avail - 2 minsend p)/M.
+    The right side is increasing in U_p, so U_K <= the recursion's value from U_0 = 0 (greedy).
+    The layers then satisfy sum_j l_j (f + b)_j <= U_K with per type <= min(cnt_k, K) stages
+    of <= cap_k layers and (f + b) >= the type's cheapest: a fractional knapsack, filled
+    cheapest (f + b) first, bounds them from above; the smaller of the two bounds is returned.
+    ``whi``: an upper limit on U_K = W (``wcut``'s, from the decided stages' RT term); as
+    U_p <= U_K <= whi for every p (w >= 0) and the step is increasing in U_p,
+    U_{p+1} <= step(min(U_p bound, whi)) by induction, and U_K <= whi. The last later stage
+    holds the output layer (x < N - 1), whose w is >= its layers' (f + b) + outmin, so the
+    knapsack's budget is U_K - outmin.
+    """
+    cdef int total, taken, i, j, p
+    cdef double U, lay, room, take
+    cdef TypeCaps tc
+    _type_caps(I, S, x, K, avail, -1, &tc)
+    total = _topk_layers(tc.tcap, tc.tcnt, tc.ng, K, &taken)
+    if taken < K:
+        return -1
+    if I.V == 1 and K > 1:
+        U = 0.0
+        for p in range(K):
+            if U > whi:
+                U = whi
+            U = U + (avail - 2.0 * I.minsend * p - U) / I.M
+        if U > whi:
+            U = whi
+        U = (U - I.outmin) * (1.0 + 1e-9)
+        if U <= 0.0:
+            return 0
+        lay = 0.0
+        for i in range(tc.nt):
+            if U <= 0.0:
+                break
+            room = tc.fcnt[i] * <double> tc.fcap[i]
+            if tc.flb[i] < room:
+                room = tc.flb[i]
+            take = U / tc.tfb[i]
+            if take >= room:
+                lay += room
+                U -= room * tc.tfb[i]
+            else:
+                lay += take
+                U = 0.0
+        lay = lay * (1.0 + 1e-9) + 1e-9
+        if lay < total:
+            total = <int> lay
+    return total
+
+
+cdef double _wpos(const ConfigData* I, SearchState* S, int x, int K, double R, int* pc,
+                  double* troom) noexcept nogil:
+    """Positional round-trip capacity (V = 1) for W >= Wa, R = A - Wa: an upper bound on the
+    layers the K stages after x hold (-1: no completion), and troom[k] = the most layers the
+    stages of type k can hold (the sum of its best min(cnt_k, K) positional caps).
+
+    Stage j = x + 1 + p with option o obeys l_j ((M-1) b_o + (M - a_j) f_o) <= A - W <= R
+    (``wcut``'s inequality with its own a_j = acnt[j] <= M) and l_j <= lmax[o, j], so
+    l_j <= pc[p, k] = max over the options o of its type k of those caps (-1: no option with
+    l_j >= 1 fits). Type k serves at most cnt_k = (D_k) // (d t_min(k)) of the later stages.
+    The best assignment sigma of types to positions (each position one type, type k at most
+    cnt_k positions) is bounded by weak LP duality: for any u >= 0,
+      sum_p pc[p, sigma(p)] = sum_p (pc[p, sigma(p)] - u_sigma(p)) + sum_k n_k u_k
+                           <= sum_p max_k (pc[p, k] - u_k) + sum_k cnt_k u_k = D(u)
+    (n_k <= cnt_k, u_k >= 0). u is chosen by two sweeps of exact coordinate minimisation
+    (u_k = max(0, the (cnt_k + 1)-th largest of pc[p, k] - max_{k' != k} (pc[p, k'] - u_k'))),
+    but any u >= 0 gives a valid bound. A position no type can serve, or more than cnt_k
+    positions only type k can serve, means no completion.
+    """
+    cdef int p, j, o, k, k2, cap, aj, T = I.T, M = I.M, N = I.N, n, i, m, sweep, ninf
+    cdef double coef, best, other, D, v
+    cdef int tav[MAXT]
+    cdef double u[MAXT]
+    cdef double dl[MAXN]
+    for k in range(T):
+        if I.min_dt[k] > 0:
+            tav[k] = (I.ndev[k] - S.cursor[k]) // I.min_dt[k]
+        else:
+            tav[k] = 0
+        if tav[k] > K:
+            tav[k] = K
+        u[k] = 0.0
+        troom[k] = 0.0
+    for p in range(K):
+        j = x + 1 + p
+        aj = I.acnt[j]
+        if aj > M:
+            aj = M
+        for k in range(T):
+            pc[p * T + k] = -1
+        for o in range(I.O):
+            k = I.opt_type[o]
+            if tav[k] <= 0:
+                continue
+            coef = (M - 1) * I.ob_[o] + (M - aj) * I.of_[o]
+            cap = _layers_within(R, coef)
+            if cap < 0:
+                continue
+            if cap > I.lmax[o * N + j]:
+                cap = I.lmax[o * N + j]
+            if cap < 1:
+                continue
+            if cap > pc[p * T + k]:
+                pc[p * T + k] = cap
+    # per type room: the best min(cnt_k, K) positional caps
+    for k in range(T):
+        if tav[k] <= 0:
+            continue
+        n = 0
+        for p in range(K):
+            if pc[p * T + k] >= 0:
+                v = pc[p * T + k]
+                i = n
+                while i > 0 and dl[i - 1] < v:
+                    dl[i] = dl[i - 1]
+                    i -= 1
+                dl[i] = v
+                n += 1
+        m = tav[k] if tav[k] < n else n
+        for i in range(m):
+            troom[k] += dl[i]
+    # dual sweeps
+    for sweep in range(2):
+        for k in range(T):
+            if tav[k] <= 0:
+                continue
+            n = 0
+            ninf = 0
+            for p in range(K):
+                if pc[p * T + k] < 0:
+                    continue
+                other = -1e300
+                for k2 in range(T):
+                    if k2 != k and pc[p * T + k2] >= 0 and pc[p * T + k2] - u[k2] > other:
+                        other = pc[p * T + k2] - u[k2]
+                if other <= -1e299:
+                    ninf += 1
+                    continue
+                v = pc[p * T + k] - other
+                i = n
+                while i > 0 and dl[i - 1] < v:
+                    dl[i] = dl[i - 1]
+                    i -= 1
+                dl[i] = v
+                n += 1
+            if ninf > tav[k]:
+                return -1.0
+            # the (cnt_k + 1)-th largest delta overall (the ninf infinite ones come first)
+            m = tav[k] - ninf
+            if m < n and dl[m] > 0.0:
+                u[k] = dl[m]
+            else:
+                u[k] = 0.0
+    D = 0.0
+    for k in range(T):
+        D += tav[k] * u[k]
+    for p in range(K):
+        best = -1e300
+        for k in range(T):
+            if pc[p * T + k] >= 0 and pc[p * T + k] - u[k] > best:
+                best = pc[p * T + k] - u[k]
+        if best <= -1e299:
+            return -1.0
+        D += best
+    return D * (1.0 + 1e-12) + 1e-9
+
+
+cdef int wcut(const ConfigData* I, SearchState* S, int x, double avail, int K, int need,
+              double whi) noexcept nogil:
+    """Round-trip capacity cut (V = 1): 1 when no completion with T <= thr places ``need``
+    layers on the K stages after x.
+
+    For a later stage j (V = 1: its first op is F(j, 0), its last B(j, M-1), a_j forwards
+    before its first backward B(j, 0)), the path of ``bound``'s RT term through the stages
+    after x: micro-batch 0's forward from stage x to j, then its round trip through every stage
+    after j, then stage j's remaining M B_j + (M - a_j) F_j, then micro-batch M-1's backward
+    from j down to x and ``tail_x``. With w_i = F_i + B_i and W = sum of w over the K later
+    stages, T >= cap_path(x) + 2 minsend (K - 1) + W - w_j + M B_j + (M - a_j + 1) F_j,
+    so l_j ((M-1) b_o + (M - a_j) f_o) <= A - W with A = avail - 2 minsend (K - 1).
+    Write R = A - W. Every per-stage cap below is non-increasing in W:
+      g(W)  = min(top-K capacity with caps at R and a_j <= max acnt after x,
+                  the positional capacity ``_wpos(R)`` (own a_j, lmax[o, j], LP duality));
+      h(W)  = the fractional knapsack: the layers whose (f + b) cost fits the budget W - outmin
+              (the last stage's w also holds the output layer, >= outmin), cheapest first, per
+              type at most min(cnt_k, K) stages of <= cap_k(R) layers and <= troom_k(R) (the
+              type's best positional caps).
+    A completion with round trip W_c places need <= min(g(W_c), h(W_c)) layers and has
+    W_c <= A2 = min(A, whi) (``whi``: ``bound``'s RT term with the later stages' round trip
+    written as 2 minsend K + W gives W <= thr - MC[x] - P[x] - 2 minsend K).
+    Fixpoint: W_0 = need min(f + b) + outmin <= W_c. If W_i <= W_c, the rooms at W_c are <= the
+    rooms at W_i, so h's budget must be at least the cheapest cost of ``need`` layers with
+    the rooms at W_i: W_c >= W_{i+1} = outmin + that cost. And g(W_c) <= g(W_i). So the cut
+    holds as soon as some W_i > A2, g(W_i) < need or the rooms at W_i hold < need layers; the
+    iteration stops (no cut) when W stops growing. At the fixpoint W*, min(g, h)(W*) >= need,
+    so a piecewise split of [W_0, A2] could not cut either: this is the strongest form of the
+    cut with these relaxations, at one positional evaluation per step.
+    """
+    cdef int o, total, taken, i, it
+    cdef int amax = I.acnt_sufmax[x + 1]
+    cdef double A, A2, W, Wn, room, cost, rest, fbmin
+    cdef TypeCaps tc
+    cdef int pc[MAXN * MAXT]
+    cdef double troom[MAXT]
+    if amax > I.M:
+        amax = I.M
+    A = avail - 2.0 * I.minsend * (K - 1)
+    if A > 1e200:
+        return 0
+    if A <= 0.0:
+        return 1
+    fbmin = 1e300
+    for o in range(I.O):
+        if I.ofb[o] < fbmin:
+            fbmin = I.ofb[o]
+    if whi < A:
+        A2 = whi
+    else:
+        A2 = A
+    W = (need * fbmin + I.outmin) * (1.0 - 1e-9)
+    for it in range(16):
+        if W > A2:
+            return 1
+        _type_caps(I, S, x, K, A - W, amax, &tc)
+        total = _topk_layers(tc.tcap, tc.tcnt, tc.ng, K, &taken)
+        if taken < K or total < need:
+            return 1
+        # positional caps: stage j = x + 1 + p with its own a_j (not amax) and lmax[o, j]
+        if _wpos(I, S, x, K, A - W, pc, troom) < need:
+            return 1
+        # cheapest (f + b) cost of ``need`` layers within the rooms (inverse knapsack)
+        rest = need
+        cost = 0.0
+        for i in range(tc.nt):
+            room = tc.fcnt[i] * <double> tc.fcap[i]
+            if troom[tc.ftype[i]] < room:
+                room = troom[tc.ftype[i]]
+            if tc.flb[i] < room:
+                room = tc.flb[i]
+            if room >= rest:
+                cost += rest * tc.tfb[i]
+                rest = 0.0
+                break
+            cost += room * tc.tfb[i]
+            rest -= room
+        if rest > 1e-9:
+            return 1
+        Wn = (I.outmin + cost) * (1.0 - 1e-9) - 1e-9
+        if Wn <= W * (1.0 + 1e-12):
+            return 0
+        W = Wn
+    return 0
+
+

@@ -1,0 +1,150 @@
+# cython: language_level=3
+"""The typed boundary of the branch and bound (``_search.pyx``) and its bounds (``_bounds.pyx``).
+
+Three structs, one concern each:
+
+``ConfigData``   the read-only instance of one outer configuration (schedule, V, d, b, N, M and
+                 the stage options): per-option costs, memory limits, the devices of each type
+                 and their nodes, the schedule's bound structure. Built once in Python
+                 (``search/instance.py`` -> ``_search.ConfigInstance``), shared by every thread.
+``SearchState``  what one searcher (one thread) changes while it walks the tree: the incumbent
+                 threshold, the decided stages and their costs, the incremental bound terms, the
+                 device cursors, its best assignment, the subtree prefix it works on.
+``SearchStats``  counters (nodes, plans simulated, branches cut by each rule).
+
+Compile-time limits (an instance beyond them is refused in Python before the search).
+"""
+
+cdef enum:
+    MAXN = 256     # pipeline stages
+    MAXV = 8       # virtual stages (interleaving depth)
+    MAXO = 64      # stage options (device type, TP degree)
+    MAXT = 16      # device types
+
+
+cdef enum RidgeMode:
+    RIDGE_OFF = 0      # no layer-level rule
+    RIDGE_CUT = 1      # the paper's ridge-like cut (heuristic: may lose the optimum)
+    RIDGE_SAFE = 2     # its provably safe form (eager-1f1b, Theorem 2's conditions)
+
+
+cdef struct Shared:
+    # threads of one search_config call: the subtrees (prefixes of the first D stages) handed
+    # out from a shared counter, and the incumbent time (an atomic minimum)
+    int next
+    int nprefix
+    int D
+    int* buf           # nprefix * 2D: options then layers of each prefix
+    double thr
+
+
+cdef struct ConfigData:
+    # ---- the configuration
+    int N, M, V, d, L
+    int O                          # stage options
+    int T                          # device types
+    int ridge_mode, ridge_ends     # RidgeMode; ridge rule on the end stages too
+    int blocks                     # 1: only contiguous device-type blocks
+    int use_bound                  # 0: exhaustive (pruning 'none')
+    double act_bytes               # activation bytes of one micro-batch (one send)
+    double latency_ms, cross_gbps
+    double minsend                 # fastest possible activation send (ms)
+    double minfb                   # cheapest f + b of one layer over the options
+    double outmin                  # cheapest output-layer f + b over the options
+    double alpha                   # safe ridge: Theorem 2's balance factor
+    # ---- per option o = (device type, TP degree)
+    int opt_type[MAXO]
+    int opt_tp[MAXO]
+    double of_[MAXO]               # one layer's forward / backward (ms)
+    double ob_[MAXO]
+    double ofb[MAXO]               # of_ + ob_
+    double oef[MAXO]               # embedding forward / backward (stage 0)
+    double oeb[MAXO]
+    double oof[MAXO]               # output layer forward / backward (last stage)
+    double oob[MAXO]
+    double ogl[MAXO]               # gradient bytes of one layer / the embedding / the output
+    double oge[MAXO]
+    double ogo[MAXO]
+    const int* lmax                # O * N: most layers option o fits at stage x (memory)
+    const int* suffix_lmax         # N + 1: sum over j >= x of max_o lmax[o, j]
+    const int* suf_omax            # O * (N + 1): max over j >= x of lmax[o, j]
+    # ---- per device type
+    int ndev[MAXT]
+    int type_off[MAXT]             # offset of the type's devices in node_of / local_of
+    double intra[MAXT]             # intra- / inter-node link (Gbit/s)
+    double inter[MAXT]
+    int min_dt[MAXT]               # d * smallest TP of the type's options (0: unusable)
+    const int* node_of             # per type offset + device -> global node
+    const int* local_of            # device -> local index inside its node
+    # ---- the schedule's bound structure (``BoundStructure``)
+    int clast                      # chunk of every device's last op
+    const int* acnt                # N * V: forwards of chunk c before the first backward
+    const int* t1cnt               # N * V: forwards of chunk c up to F(s, V-1, mb 0)
+    int acnt_sufmax[MAXN + 1]      # V = 1: max over j >= x of acnt[j]
+
+
+cdef struct SearchState:
+    double thr                     # incumbent threshold: plans slower than this are cut
+    double deadline                # monotonic seconds, 0 = none
+    int timed_out
+    # decided stages x < current depth
+    int cursor[MAXT]               # next free device of each type
+    int used[MAXT]                 # type already serves a stage (blocks mode)
+    int st_opt[MAXN]
+    int st_l[MAXN]
+    int st_start[MAXN]
+    double fc[MAXN * MAXV]         # per (stage, chunk) forward / backward of one micro-batch
+    double bc[MAXN * MAXV]
+    double Fst[MAXN]               # stage forward total
+    double Pf[MAXN]                # link sends (Pf[N-1]: the interleaved wrap-around)
+    double Pb[MAXN]
+    double R[MAXN]                 # DP all-reduce
+    # incremental bound terms (``_bounds.stage_bound``)
+    double head[MAXN]
+    double tail[MAXN]
+    double P[MAXN]
+    double MA[MAXN]
+    double MC[MAXN]
+    # ridge rule memory per option
+    int rl[MAXO]
+    int rdec[MAXO]
+    # evaluation buffers in the simulator's layout (chunk-major c*N + s)
+    double* WF
+    double* WB
+    double* EF
+    double* EB
+    # best assignment found (time <= thr)
+    int have_best
+    double best_T
+    int best_opt[MAXN]
+    int best_l[MAXN]
+    # subtree prefix (threads): stages x < plen are fixed to (p_opt[x], p_l[x])
+    int plen
+    int p_opt[MAXN]
+    int p_l[MAXN]
+    # prefix collection: the recursion stores prefixes of depth collect_D and returns
+    int collect_D
+    int* cbuf
+    int ncollect
+    int ccap
+    int coverflow
+    Shared* sh
+
+
+cdef struct SearchStats:
+    long long nodes
+    long long simulated            # plans timed by the DAG
+    long long improved             # incumbent improvements
+    long long cut_bound            # stage-level lower bound above the threshold
+    long long cut_memory           # no layer count fits memory / the later stages
+    long long cut_ridge            # layer-level ridge rule
+    long long cut_devices          # not enough devices left
+    long long cut_capacity         # capacity / fill-drain / round-trip cuts
+
+
+cdef inline double dmax(double a, double b) noexcept nogil:
+    return a if a > b else b
+
+
+cdef inline double dmin(double a, double b) noexcept nogil:
+    return a if a < b else b

@@ -1,0 +1,299 @@
+"""Outer configurations and their root bounds.
+
+An outer configuration fixes what the branch and bound does not choose: schedule, interleaving
+depth V, micro-batch size b, DP degree d (M = G / (d b) micro-batches), pipeline depth N and the
+stage options (device type, TP degree) a stage may use (one TP for every stage, or per stage).
+``enumerate_configs`` lists them; ``root_bound`` bounds every plan of one from below (the search
+visits configurations by it and skips those whose bound passes the incumbent);
+``bound_structure`` gives the per-stage schedule constants the stage-level bound needs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from ..costs import CostModel
+from ..errors import PoseidonError
+from ..simulator.schedules import SCHEDULES, op_orders, validate_schedule
+from . import _search
+from .options import SearchOptions
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    schedule: str
+    virtual_stages: int
+    micro_batch_size: int
+    dp: int
+    num_microbatches: int
+    num_stages: int
+    tp: int                       # 0 = per-stage TP
+    options: tuple[tuple[int, int], ...]   # (type index, tp) a stage may use
+
+    @property
+    def key(self) -> tuple:
+        """Deterministic order between configurations (the tie-break of equal plans)."""
+        return (SCHEDULES.index(self.schedule), self.virtual_stages,
+                self.micro_batch_size, self.dp, self.tp, self.num_stages)
+
+    @property
+    def usable_types(self) -> int:
+        return len({k for k, _ in self.options})
+
+    def type_sequences_restricted(self, type_order: str, type_sequence_limit: int) -> bool:
+        """Whether this configuration's type sequences are only contiguous blocks under
+        ``type_order`` (and that is a real restriction: >= 2 usable types, N >= 2)."""
+        if self.num_stages < 2 or self.usable_types < 2:
+            return False
+        if type_order == "auto":
+            return self.usable_types ** self.num_stages > type_sequence_limit
+        return type_order == "blocks"
+
+
+# --------------------------------------------------------------------------- enumeration
+
+def tp_candidates(cluster, model, type_name: str, allowed=None) -> tuple[int, ...]:
+    """TP degrees a stage of this type may use: powers of two dividing every node's device
+    count, the attention heads and the query groups (and in ``allowed`` when given)."""
+    sizes = [n.num_devices for n in cluster.nodes_of_type(type_name)]
+    out = []
+    t = 1
+    while sizes and t <= min(sizes):
+        if (all(s % t == 0 for s in sizes) and model.num_attention_heads % t == 0
+                and model.num_query_groups % t == 0 and (allowed is None or t in allowed)):
+            out.append(t)
+        t *= 2
+    return tuple(out)
+
+
+def _divisors(x: int) -> list[int]:
+    return [d for d in range(1, x + 1) if x % d == 0]
+
+
+def _option_groups(tps: list[tuple[int, ...]], tp_mode: str) -> list[tuple[int, tuple]]:
+    """(tp, stage options) per TP group: one group per TP degree (uniform TP, tp > 0) or one
+    group with every (type, tp) pair (per-stage TP, tp = 0)."""
+    if tp_mode == "uniform":
+        all_t = sorted({t for ts in tps for t in ts})
+        return [(t, tuple((k, t) for k in range(len(tps)) if t in tps[k])) for t in all_t]
+    return [(0, tuple((k, t) for k in range(len(tps)) for t in tps[k]))]
+
+
+def enumerate_configs(cm: CostModel, options: SearchOptions) -> list[OuterConfig]:
+    """Every outer configuration of the search space ``options`` describes on ``cm``'s
+    cluster: G = d b M, N up to what the devices (d x smallest TP per stage) and the layers
+    (V per stage) allow, interleaving only where megatron-core accepts (N, M, V)."""
+    cluster, model = cm.cluster, cm.model
+    L = model.num_layers
+    tps = [tp_candidates(cluster, model, name, options.tp_degrees) for name in cm.type_names]
+    ndev = [p.size for p in cm.pools]
+    G = options.global_batch_size
+    out: list[OuterConfig] = []
+    for sched in options.schedules:
+        vs = range(2, options.max_virtual_stages + 1) if sched == "interleaved-1f1b" else (1,)
+        for v in vs:
+            for b in options.micro_batch_sizes:
+                for d in _divisors(G):
+                    if G % (d * b):
+                        continue
+                    m = G // (d * b)
+                    for t, opts in _option_groups(tps, options.tp_mode):
+                        if not opts:
+                            continue
+                        cap = 0
+                        for k in range(len(tps)):
+                            tk = [tt for (kk, tt) in opts if kk == k]
+                            if tk:
+                                cap += ndev[k] // (d * min(tk))
+                        for n in range(1, min(cap, L // v) + 1):
+                            if v > 1:
+                                try:
+                                    validate_schedule(sched, n, m, v)
+                                except PoseidonError:
+                                    continue
+                            out.append(OuterConfig(sched, v, b, d, m, n, t, opts))
+    return out
+
+
+# --------------------------------------------------------------------------- option costs
+
+@dataclass(frozen=True)
+class OptionCosts:
+    """Per stage option of a configuration (same order as ``OuterConfig.options``): one
+    layer's forward/backward ms and gradient bytes, and the embedding / output-layer extras."""
+
+    f: tuple[float, ...]
+    b: tuple[float, ...]
+    ef: tuple[float, ...]
+    eb: tuple[float, ...]
+    of: tuple[float, ...]
+    ob: tuple[float, ...]
+    gl: tuple[float, ...]
+    ge: tuple[float, ...]
+    go: tuple[float, ...]
+
+    @classmethod
+    def of_config(cls, cm: CostModel, cfg: OuterConfig) -> "OptionCosts":
+        lcs = [cm.layer_costs(k, t, cfg.micro_batch_size) for (k, t) in cfg.options]
+        return cls(f=tuple(lc.forward_ms for lc in lcs), b=tuple(lc.backward_ms for lc in lcs),
+                   ef=tuple(lc.embedding_forward_ms for lc in lcs),
+                   eb=tuple(lc.embedding_backward_ms for lc in lcs),
+                   of=tuple(lc.output_forward_ms for lc in lcs),
+                   ob=tuple(lc.output_backward_ms for lc in lcs),
+                   gl=tuple(lc.grad_bytes for lc in lcs),
+                   ge=tuple(lc.embedding_grad_bytes for lc in lcs),
+                   go=tuple(lc.output_grad_bytes for lc in lcs))
+
+    @property
+    def min_layer_fb(self) -> float:
+        """The cheapest f + b of one layer over the options."""
+        return min(f + b for f, b in zip(self.f, self.b))
+
+    @property
+    def min_output_fb(self) -> float:
+        return min(f + b for f, b in zip(self.of, self.ob))
+
+
+def layer_limits(cm: CostModel, cfg: OuterConfig) -> np.ndarray:
+    """lmax[o, x]: the most layers option o fits at stage x (memory; <= L - (N-1) V)."""
+    n, L = cfg.num_stages, cm.model.num_layers
+    limit = L - (n - 1) * cfg.virtual_stages
+    out = np.zeros((len(cfg.options), n), dtype=np.int32)
+    for o, (k, t) in enumerate(cfg.options):
+        for x in range(n):
+            out[o, x] = cm.max_layers(
+                capacity_bytes=cm.capacity_bytes[k], stage=x, num_stages=n, tp=t, dp=cfg.dp,
+                micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
+                schedule=cfg.schedule, virtual_stages=cfg.virtual_stages, limit=limit)
+    return out
+
+
+# --------------------------------------------------------------------------- root bound
+
+def _capacity_types(cm: CostModel, cfg: OuterConfig, costs: OptionCosts
+                    ) -> list[tuple[float, int]]:
+    """Per usable device type: (M x cheapest per-layer f + b, most stages of the type)."""
+    m, d = cfg.num_microbatches, cfg.dp
+    per_type: dict[int, tuple[float, int]] = {}
+    for o, (k, t) in enumerate(cfg.options):
+        a = m * (costs.f[o] + costs.b[o])
+        best, dtmin = per_type.get(k, (math.inf, 0))
+        per_type[k] = (min(best, a), d * t if dtmin == 0 else min(dtmin, d * t))
+    return [(a, cm.pools[k].size // dt) for k, (a, dt) in sorted(per_type.items())]
+
+
+def _capacity_at(types: list[tuple[float, int]], cfg: OuterConfig, L: int, t_ms: float) -> int:
+    n, v = cfg.num_stages, cfg.virtual_stages
+    limit = L - (n - 1) * v
+    caps = []
+    for a, cnt in types:
+        q = t_ms / a if a > 0 else math.inf
+        cap = limit if q >= limit else min(limit, int(q * (1 + 1e-9) + 1e-9))
+        if cap >= v and cnt > 0:
+            caps.append((cap, cnt))
+    caps.sort(reverse=True)
+    total = taken = 0
+    for cap, cnt in caps:
+        j = min(cnt, n - taken)
+        taken += j
+        total += j * cap
+    return total if taken >= n else -1
+
+
+def capacity_layers(cm: CostModel, cfg: OuterConfig, t_ms: float,
+                    costs: OptionCosts | None = None) -> int:
+    """Most layers the N stages can hold when every stage's serial work M l (f + b) <= t_ms.
+
+    A stage of type k takes >= d * t_min(k) devices, so at most ndev_k // (d t_min(k)) stages
+    are of type k, each holding <= floor(t_ms / (M min_t (f + b))) layers (and <= L - (N-1) V).
+    The best N of those stages (caps descending) bound the layers any plan of this
+    configuration with iteration time <= t_ms can place from above; -1 if fewer than N stages
+    can hold V layers each.
+    """
+    costs = OptionCosts.of_config(cm, cfg) if costs is None else costs
+    return _capacity_at(_capacity_types(cm, cfg, costs), cfg, cm.model.num_layers, t_ms)
+
+
+def root_bound(cm: CostModel, cfg: OuterConfig, costs: OptionCosts | None = None) -> float:
+    """Lower bound on every plan of ``cfg``: the larger of the per-stage work bound and the
+    capacity bound (the smallest t with ``capacity_layers(t) >= L``; capacity only changes at
+    t = M (f + b)_k n, so that t is found by bisection over those values, and returned
+    1e-9 below); inf when no plan of ``cfg`` can hold the layers."""
+    costs = OptionCosts.of_config(cm, cfg) if costs is None else costs
+    minfb = costs.min_layer_fb
+    L, n, m, v = cm.model.num_layers, cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages
+    base = max(m * math.ceil(L / n) * minfb, L * minfb)
+    types = _capacity_types(cm, cfg, costs)
+    limit = L - (n - 1) * v
+    cands = sorted({a * j for a, _ in types for j in range(v, limit + 1)})
+    if not cands or _capacity_at(types, cfg, L, cands[-1]) < L:
+        return math.inf
+    lo, hi = 0, len(cands) - 1          # smallest index with capacity >= L
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _capacity_at(types, cfg, L, cands[mid]) >= L:
+            hi = mid
+        else:
+            lo = mid + 1
+    return max(base, cands[lo] * (1 - 1e-9))
+
+
+# --------------------------------------------------------------------------- bound structure
+
+def _closed_form_structure(schedule: str, n: int, m: int) -> tuple | None:
+    """(acnt, t1cnt, clast) of the V = 1 schedules without building the op orders.
+
+    Forwards before stage s's first backward: ``1f1b`` min(N - s, M) (N-1-s warm-up forwards
+    and the first steady-state forward), ``eager-1f1b`` min(2(N-1-s)+1, M) (warm-up only),
+    ``gpipe`` M. F(s, mb 0) is every stage's first op (t1cnt = 1); the last op is B(s, M-1) of
+    chunk 0. ``tests/test_search.py`` checks these against ``schedules.op_orders``."""
+    if schedule == "1f1b":
+        acnt = [min(n - s, m) for s in range(n)]
+    elif schedule == "eager-1f1b":
+        acnt = [min(2 * (n - 1 - s) + 1, m) for s in range(n)]
+    elif schedule == "gpipe":
+        acnt = [m] * n
+    else:
+        return None
+    return np.array(acnt, dtype=np.int32), np.ones(n, dtype=np.int32), 0
+
+
+@lru_cache(maxsize=512)
+def bound_structure(schedule: str, n: int, m: int, v: int) -> "_search.BoundStructure":
+    """acnt / t1cnt / clast of ``_search.BoundStructure`` from the schedule's op orders."""
+    if v == 1:
+        cf = _closed_form_structure(schedule, n, m)
+        if cf is not None:
+            return _search.BoundStructure(n, m, v, *cf)
+    return bound_structure_from_orders(schedule, n, m, v)
+
+
+def bound_structure_from_orders(schedule: str, n: int, m: int, v: int
+                                ) -> "_search.BoundStructure":
+    """``bound_structure`` derived from ``schedules.op_orders`` (reference for the tests)."""
+    orders = op_orders(schedule, n, m, v)
+    acnt = np.zeros(n * v, dtype=np.int32)
+    t1cnt = np.zeros(n * v, dtype=np.int32)
+    clast = None
+    for s, ops in enumerate(orders):
+        first_b = next(i for i, op in enumerate(ops) if op.is_backward)
+        if (ops[first_b].chunk, ops[first_b].microbatch) != (v - 1, 0):
+            raise AssertionError(f"{schedule}: first backward of stage {s} is not (V-1, 0)")
+        t1 = next(i for i, op in enumerate(ops)
+                  if not op.is_backward and op.chunk == v - 1 and op.microbatch == 0)
+        for i in range(first_b):
+            acnt[s * v + ops[i].chunk] += 1
+        for i in range(t1 + 1):
+            t1cnt[s * v + ops[i].chunk] += 1
+        last = ops[-1]
+        if not last.is_backward or last.microbatch != m - 1:
+            raise AssertionError(f"{schedule}: last op of stage {s} is not B(., M-1)")
+        if clast is None:
+            clast = last.chunk
+        elif clast != last.chunk:
+            raise AssertionError(f"{schedule}: last chunk differs between stages")
+    return _search.BoundStructure(n, m, v, acnt, t1cnt, clast)

@@ -1,0 +1,223 @@
+"""Per-configuration data of one search, and the calls into the Cython branch and bound.
+
+A ``SearchContext`` wraps the ``CostModel`` of one (cluster, model, profiles, sequence length)
+and owns the search's caches: per configuration its option costs, memory limits (``lmax``),
+root bound and typed ``_search.ConfigInstance``; per (schedule, N, M, V) the simulator DAG.
+Everything here is derived once and read many times (every round of iterative deepening
+searches a configuration again with a lower threshold).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from ..comm import send_ms
+from ..costs import CostModel, simulator_arrays
+from ..simulator._core import get_dag
+from ..simulator.pipeline import iteration_time_ms
+from . import _search
+from .configs import OptionCosts, OuterConfig, bound_structure, layer_limits, root_bound
+
+ENGINE_TIMING = True
+"""Plans are timed as megatron-core runs them (``_core.EngineDAG``: blocking, bundled p2p
+calls); the paper's DAG under-predicts interleaved plans by ~4 % (see docs/search.md)."""
+
+
+@lru_cache(maxsize=64)
+def cached_dag(schedule: str, n: int, m: int, v: int, slot: int = 0):
+    """The simulator's ``PipelineDAG`` of (schedule, N, M, V), built once per process and
+    ``slot`` (each thread of a split search uses its own slot: the DAG's workspace)."""
+    dag = get_dag(schedule, n, m, v, ENGINE_TIMING)
+    return dag if slot == 0 else dag.copy()
+
+
+def time_assignment(cm: CostModel, cfg: OuterConfig, stage_opts, layers):
+    """(stage costs, placements, unused devices, iteration time ms) of one assignment of
+    ``cfg`` (an option index and a layer count per stage) through ``CostModel.stage_costs``
+    and the simulator: the Python path every plan is checked and reported with."""
+    stages, placements, unused = cm.stage_costs(
+        stage_types=[cfg.options[o][0] for o in stage_opts],
+        stage_tps=[cfg.options[o][1] for o in stage_opts], layers=list(layers), dp=cfg.dp,
+        micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
+        schedule=cfg.schedule, virtual_stages=cfg.virtual_stages)
+    wrap = cm.wrap_send_ms(placements, cfg.micro_batch_size) if cfg.virtual_stages > 1 else 0.0
+    F, B, Pf, Pb, R = simulator_arrays(stages, cfg.virtual_stages, wrap)
+    t = iteration_time_ms(F, B, Pf, Pb, R, cfg.num_microbatches, cfg.schedule,
+                          cfg.virtual_stages, engine=ENGINE_TIMING)
+    return stages, placements, unused, t
+
+
+@dataclass(frozen=True)
+class RidgeRule:
+    """Which layer-level rule a configuration's search applies (``_search.RidgeMode``)."""
+
+    mode: int
+    ends: int = 0
+    alpha: float = 0.0
+
+
+class SearchContext:
+    """The cost model plus what the search derives from it per outer configuration."""
+
+    def __init__(self, cm: CostModel) -> None:
+        self.cm = cm
+        self._costs: dict[OuterConfig, OptionCosts] = {}
+        self._lmax: dict[OuterConfig, np.ndarray] = {}
+        self._roots: dict[OuterConfig, float] = {}
+        self._instances: dict[tuple, tuple[_search.ConfigInstance, bool]] = {}
+
+    # ------------------------------------------------------------------ derived data
+    def option_costs(self, cfg: OuterConfig) -> OptionCosts:
+        hit = self._costs.get(cfg)
+        if hit is None:
+            hit = self._costs[cfg] = OptionCosts.of_config(self.cm, cfg)
+        return hit
+
+    def lmax(self, cfg: OuterConfig) -> np.ndarray:
+        """lmax[o, x] (read-only): the most layers option o fits at stage x."""
+        hit = self._lmax.get(cfg)
+        if hit is None:
+            hit = self._lmax[cfg] = layer_limits(self.cm, cfg)
+            hit.setflags(write=False)
+        return hit
+
+    def root_bound(self, cfg: OuterConfig) -> float:
+        hit = self._roots.get(cfg)
+        if hit is None:
+            hit = self._roots[cfg] = root_bound(self.cm, cfg, self.option_costs(cfg))
+        return hit
+
+    def send_range_ms(self, micro_batch_size: int) -> tuple[float, float]:
+        """(fastest, slowest) activation send of one micro-batch over any link."""
+        cm = self.cm
+        act = cm.activation_bytes(micro_batch_size)
+        best = max(max(cm.intra_gbps), max(cm.inter_gbps), cm.cross_gbps)
+        worst = min(min(cm.intra_gbps), min(cm.inter_gbps), cm.cross_gbps)
+        return send_ms(act, best, cm.latency_ms), send_ms(act, worst, cm.latency_ms)
+
+    def ridge_rule(self, cfg: OuterConfig, pruning: str) -> RidgeRule:
+        """``ridge``: the paper's cut everywhere; ``safe``: its provably safe form where
+        Theorem 2's conditions hold (eager-1F1B, d = 1, M >= 2N, N >= 3, one b/f ratio r > 1
+        over the options, sends <= (r-1)/2 min f, no memory limit below L - (N-1)); else off."""
+        if pruning == "ridge":
+            return RidgeRule(_search.RIDGE_MODES["cut"], 1)
+        if pruning != "safe" or cfg.schedule != "eager-1f1b" or cfg.dp != 1:
+            return RidgeRule(_search.RIDGE_MODES["off"])
+        n, m = cfg.num_stages, cfg.num_microbatches
+        if m < 2 * n or n < 3:
+            return RidgeRule(_search.RIDGE_MODES["off"])
+        costs = self.option_costs(cfg)
+        ratios = [b / f for f, b in zip(costs.f, costs.b) if f > 0]
+        if len(ratios) != len(costs.f):
+            return RidgeRule(_search.RIDGE_MODES["off"])
+        r = ratios[0]
+        if r <= 1.0 or any(abs(x - r) > 1e-9 * r for x in ratios):
+            return RidgeRule(_search.RIDGE_MODES["off"])
+        if self.send_range_ms(cfg.micro_batch_size)[1] > (r - 1.0) / 2.0 * min(costs.f):
+            return RidgeRule(_search.RIDGE_MODES["off"])
+        if int(self.lmax(cfg).min()) < self.cm.model.num_layers - (n - 1):
+            return RidgeRule(_search.RIDGE_MODES["off"])
+        return RidgeRule(_search.RIDGE_MODES["safe"], 0, max(2.0 / 3.0, r / (1.0 + r)))
+
+    def instance(self, cfg: OuterConfig, *, pruning: str, blocks: bool
+                 ) -> _search.ConfigInstance:
+        """The typed read-only instance ``_search.search_config`` walks (cached)."""
+        key = (cfg, pruning, blocks)
+        hit = self._instances.get(key)
+        if hit is None:
+            hit = self._instances[key] = self._build_instance(cfg, pruning, blocks)
+        return hit
+
+    def _build_instance(self, cfg: OuterConfig, pruning: str, blocks: bool
+                        ) -> _search.ConfigInstance:
+        cm, costs = self.cm, self.option_costs(cfg)
+        rule = self.ridge_rule(cfg, pruning)
+        node_of, local_of, type_off = [], [], []
+        for p in cm.pools:
+            type_off.append(len(node_of))
+            node_of.extend(p.node_of)
+            local_of.extend(p.local_of)
+        st = bound_structure(cfg.schedule, cfg.num_stages, cfg.num_microbatches,
+                             cfg.virtual_stages)
+        return _search.ConfigInstance(
+            st, dp=cfg.dp, num_layers=cm.model.num_layers,
+            act_bytes=cm.activation_bytes(cfg.micro_batch_size), latency_ms=cm.latency_ms,
+            cross_gbps=cm.cross_gbps, minsend=self.send_range_ms(cfg.micro_batch_size)[0],
+            minfb=costs.min_layer_fb, outmin=costs.min_output_fb, alpha=rule.alpha,
+            ridge_mode=rule.mode, ridge_ends=rule.ends, blocks=int(blocks),
+            use_bound=0 if pruning == "none" else 1,
+            opt_type=[k for k, _ in cfg.options], opt_tp=[t for _, t in cfg.options],
+            f=costs.f, b=costs.b, ef=costs.ef, eb=costs.eb, of=costs.of, ob=costs.ob,
+            gl=costs.gl, ge=costs.ge, go=costs.go, lmax=self.lmax(cfg),
+            ndev=[p.size for p in cm.pools], type_off=type_off, intra=list(cm.intra_gbps),
+            inter=list(cm.inter_gbps), node_of=node_of, local_of=local_of)
+
+    # ------------------------------------------------------------------ searching
+    def run(self, cfg: OuterConfig, *, pruning: str, blocks: bool, threshold_ms: float,
+            deadline: float = 0.0, threads: int = 1) -> _search.ConfigResult:
+        """Branch and bound over ``cfg``: the best plan with time <= ``threshold_ms``.
+        The DAG is built only when the search reaches its first leaf (most configurations are
+        settled by the bounds alone); threads > 1: one DAG per thread (its own workspace)."""
+        key = (cfg.schedule, cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages)
+        return _search.search_config(self.instance(cfg, pruning=pruning, blocks=blocks),
+                                     lambda: cached_dag(*key), threshold_ms, deadline, threads,
+                                     lambda slot: cached_dag(*key, slot))
+
+    def replay(self, cfg: OuterConfig, opts, layers) -> tuple[list[float], float]:
+        """(g after each stage, simulated time) of one complete assignment through the
+        search's own cost and bound code (for the tests)."""
+        dag = cached_dag(cfg.schedule, cfg.num_stages, cfg.num_microbatches,
+                         cfg.virtual_stages)
+        return _search.replay_assignment(self.instance(cfg, pruning="none", blocks=False), dag,
+                                         list(opts), list(layers))
+
+    def evaluate(self, cfg: OuterConfig, stage_opts, layers) -> float:
+        """Iteration time of one assignment through the Python cost path and the simulator
+        (the independent check of the Cython path)."""
+        return time_assignment(self.cm, cfg, stage_opts, layers)[3]
+
+    def random_assignment(self, cfg: OuterConfig, rng: random.Random):
+        """A random (stage options, layers) of ``cfg`` that fits the devices and memory, or
+        None (the warm-up samples and the tests' random plans)."""
+        cm, lmax = self.cm, self.lmax(cfg)
+        n, v, d = cfg.num_stages, cfg.virtual_stages, cfg.dp
+        cursors = [0] * len(cm.pools)
+        opts = []
+        for x in range(n):
+            cand = []
+            for o, (k, t) in enumerate(cfg.options):
+                pool = cm.pools[k]
+                start = cursors[k]
+                if start < pool.size and pool.local_of[start] % t:
+                    start += t - pool.local_of[start] % t
+                if start + d * t <= pool.size and lmax[o, x] >= v:
+                    cand.append((o, start + d * t))
+            if not cand:
+                return None
+            o, nxt = rng.choice(cand)
+            cursors[cfg.options[o][0]] = nxt
+            opts.append(o)
+        return self._random_layers(cfg, opts, rng)
+
+    def _random_layers(self, cfg: OuterConfig, opts: list[int], rng: random.Random):
+        lmax, n, v = self.lmax(cfg), cfg.num_stages, cfg.virtual_stages
+        caps = [int(lmax[o, x]) for x, o in enumerate(opts)]
+        L = self.cm.model.num_layers
+        if sum(caps) < L or v * n > L:
+            return None
+        layers = []
+        rem = L
+        for x in range(n):
+            lo = max(v, rem - sum(caps[x + 1:]))
+            hi = min(caps[x], rem - (n - 1 - x) * v)
+            if hi < lo:
+                return None
+            layers.append(lo if x == n - 1 and lo == hi else rng.randint(lo, hi))
+            rem -= layers[-1]
+        if rem != 0:
+            return None
+        return opts, layers
