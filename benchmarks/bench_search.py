@@ -35,7 +35,7 @@ if ROOT not in sys.path:
 from poseidon_plugin.cluster import load_cluster  # noqa: E402
 from poseidon_plugin.errors import PoseidonError  # noqa: E402
 from poseidon_plugin.model import get_model  # noqa: E402
-from poseidon_plugin.search import baseline_plans, search_plan  # noqa: E402
+from poseidon_plugin.search import SearchOptions, baseline_plans, search_plan  # noqa: E402
 from _machine import cpu_model  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 # case -> (cluster file stem, model preset, the paper's Poseidon search time in s or None)
@@ -79,7 +79,7 @@ def run_case(case: str, ns) -> list[str]:
                   time_budget_s=ns.max_seconds, workers=ns.workers)
     t0 = time.perf_counter()
     try:
-        plan = search_plan(cluster, model, pruning=ns.pruning, **common)
+        plan = search_plan(cluster, model, SearchOptions(pruning=ns.pruning, **common))
     except PoseidonError as exc:
         wall = time.perf_counter() - t0
         msg = " ".join(str(exc).split())
@@ -93,7 +93,7 @@ def run_case(case: str, ns) -> list[str]:
     t = plan.predicted_iteration_time_ms
     speed = {"megatron-default": "skipped", "best-single-type": "skipped"}
     if not ns.no_baselines:
-        base = baseline_plans(cluster, model, **common)
+        base = baseline_plans(cluster, model, SearchOptions(**common))
         for name, bp in base.items():
             speed[name] = "n/a" if bp is None else f"x{bp.predicted_iteration_time_ms / t:.2f}"
     exhaustive = "yes" if s.get("exhaustive") else "not exhaustive"

@@ -9,7 +9,8 @@ from test_search import make_instance  # noqa: E402
 
 from poseidon_plugin.costs import CostModel  # noqa: E402
 from poseidon_plugin.errors import InfeasibleError  # noqa: E402
-from poseidon_plugin.search import (_lmax, _option_arrays, _safe_ridge_applies,  # noqa: E402
+from poseidon_plugin.search import _search  # noqa: E402
+from poseidon_plugin.search import (SearchContext, SearchOptions,  # noqa: E402
                                     enumerate_configs, search_plan)
 
 
@@ -28,21 +29,19 @@ def main(n=200, seed=0):
         kw = dict(global_batch_size=gbs, seq_length=128, schedules=scheds, workers=1,
                   micro_batch_sizes=(1, 2), warmup_samples=20, type_order="any")
         try:
-            exact = search_plan(cluster, model, pruning="none", **kw)
+            exact = search_plan(cluster, model, SearchOptions(pruning="none", **kw))
         except InfeasibleError:
             continue
-        ridge = search_plan(cluster, model, pruning="ridge", **kw)
+        ridge = search_plan(cluster, model, SearchOptions(pruning="ridge", **kw))
         total += 1
         gap = ridge.predicted_iteration_time_ms / exact.predicted_iteration_time_ms - 1
         if gap > 1e-9:
             miss += 1
             worst = max(worst, gap)
-        cm = CostModel(cluster, model, None, seq_length=128)
-        for cfg in enumerate_configs(cm, global_batch_size=gbs, schedules=scheds,
-                                     tp_mode="uniform", micro_batch_sizes=(1, 2),
-                                     max_virtual_stages=2):
+        ctx = SearchContext(CostModel(cluster, model, None, seq_length=128))
+        for cfg in enumerate_configs(ctx.cm, SearchOptions(**{**kw, "pruning": "safe"})):
             all_cfgs += 1
-            safe_cfgs += _safe_ridge_applies(cm, cfg, _option_arrays(cm, cfg), _lmax(cm, cfg))[0]
+            safe_cfgs += ctx.ridge_rule(cfg, "safe").mode == _search.RIDGE_MODES["safe"]
     print(f"instances: {total}, ridge missed the optimum on {miss} "
           f"({100.0 * miss / max(total, 1):.1f}%), worst excess {100 * worst:.2f}%")
     print(f"outer configurations where `safe` may apply Theorem 2: {safe_cfgs}/{all_cfgs}")

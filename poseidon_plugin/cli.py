@@ -11,6 +11,8 @@ import logging
 import sys
 
 from .errors import PoseidonError
+from .search.options import PRUNING_MODES, TYPE_ORDERS, SearchOptions
+from .simulator.schedules import LAUNCHABLE_SCHEDULES, SCHEDULES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -29,11 +31,11 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--global-batch-size", type=int, required=True)
     pl.add_argument("--seq-length", type=int, required=True)
     pl.add_argument("--profiles", default=None, help="profile DB (JSON); estimates otherwise")
-    pl.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved-1f1b"],
-                    choices=["1f1b", "eager-1f1b", "interleaved-1f1b", "gpipe"],
+    pl.add_argument("--schedules", nargs="+", default=list(LAUNCHABLE_SCHEDULES),
+                    choices=list(SCHEDULES),
                     help="schedules to search (default: the ones megatron-core executes; "
                     "eager-1f1b and gpipe give analysis-only plans without launch flags)")
-    pl.add_argument("--pruning", choices=["safe", "ridge", "none"], default="safe")
+    pl.add_argument("--pruning", choices=list(PRUNING_MODES), default="safe")
     g = pl.add_mutually_exclusive_group()
     g.add_argument("--uniform-tp", dest="tp_mode", action="store_const", const="uniform")
     g.add_argument("--per-stage-tp", dest="tp_mode", action="store_const", const="per-stage")
@@ -42,7 +44,7 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--tp", dest="tp_degrees", type=int, nargs="+", default=None,
                     metavar="T", help="TP degrees allowed (default: every valid one)")
     pl.add_argument("--max-virtual-stages", type=int, default=2)
-    pl.add_argument("--type-order", choices=["auto", "any", "blocks"], default="auto")
+    pl.add_argument("--type-order", choices=list(TYPE_ORDERS), default="auto")
     pl.add_argument("--warmup-samples", type=int, default=500)
     pl.add_argument("--time-budget", type=float, default=None, metavar="S")
     pl.add_argument("--workers", type=int, default=None,
@@ -58,31 +60,30 @@ def _build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def search_options(ns) -> SearchOptions:
+    """The one ``SearchOptions`` of a ``poseidon plan`` command line (validated there)."""
+    return SearchOptions(
+        global_batch_size=ns.global_batch_size, seq_length=ns.seq_length,
+        schedules=tuple(ns.schedules), pruning=ns.pruning, tp_mode=ns.tp_mode,
+        tp_degrees=ns.tp_degrees, micro_batch_sizes=ns.micro_batch_sizes,
+        max_virtual_stages=ns.max_virtual_stages, type_order=ns.type_order,
+        warmup_samples=ns.warmup_samples, seed=ns.seed, time_budget_s=ns.time_budget,
+        workers=ns.workers, progress=sys.stderr.isatty())
+
+
 def _cmd_plan(ns) -> int:
     from .cluster import load_cluster
     from .model import get_model
     from .search import baseline_plans, search_plan
 
-    if ns.global_batch_size < 1 or ns.seq_length < 1:
-        raise PoseidonError("--global-batch-size and --seq-length must be >= 1")
-    if ns.warmup_samples < 0:
-        raise PoseidonError(f"--warmup-samples: expected an integer >= 0, got {ns.warmup_samples}")
-    if ns.workers is not None and ns.workers < 1:
-        raise PoseidonError(f"--workers: expected an integer >= 1, got {ns.workers}")
+    options = search_options(ns)
     cluster = load_cluster(ns.cluster)
     model = get_model(ns.model)
     profiles = None
     if ns.profiles:
         from .profiles import ProfileDB
         profiles = ProfileDB.load(ns.profiles)
-    common = dict(global_batch_size=ns.global_batch_size, seq_length=ns.seq_length,
-                  profiles=profiles, micro_batch_sizes=ns.micro_batch_sizes,
-                  tp_degrees=ns.tp_degrees)
-    plan = search_plan(cluster, model, schedules=tuple(ns.schedules), pruning=ns.pruning,
-                       tp_mode=ns.tp_mode, max_virtual_stages=ns.max_virtual_stages,
-                       warmup_samples=ns.warmup_samples, time_budget_s=ns.time_budget,
-                       workers=ns.workers, progress=sys.stderr.isatty(), seed=ns.seed,
-                       type_order=ns.type_order, **common)
+    plan = search_plan(cluster, model, options, profiles)
     text = plan.to_json()
     if ns.gantt:
         _draw_plan_gantt(cluster, model, plan, profiles, ns.gantt)
@@ -97,18 +98,19 @@ def _cmd_plan(ns) -> int:
         return 0
     sys.stdout.write(plan.table())
     if not ns.no_baselines:
-        base = baseline_plans(cluster, model, workers=ns.workers, schedules=tuple(ns.schedules),
-                              tp_mode=ns.tp_mode, warmup_samples=ns.warmup_samples,
-                              type_order=ns.type_order, **common)
-        t = plan.predicted_iteration_time_ms
-        for name, bp in base.items():
-            if bp is None:
-                sys.stdout.write(f"baseline {name}: no feasible plan\n")
-            else:
-                bt = bp.predicted_iteration_time_ms
-                sys.stdout.write(f"baseline {name}: {bt:.2f} ms (pp={bp.pp}, dp={bp.dp}, "
-                                 f"tp={bp.stages[0].tp}) -> speed-up x{bt / t:.2f}\n")
+        _write_baselines(baseline_plans(cluster, model, options.replace(progress=False),
+                                        profiles), plan.predicted_iteration_time_ms)
     return 0
+
+
+def _write_baselines(base: dict, t_ms: float) -> None:
+    for name, bp in base.items():
+        if bp is None:
+            sys.stdout.write(f"baseline {name}: no feasible plan\n")
+        else:
+            bt = bp.predicted_iteration_time_ms
+            sys.stdout.write(f"baseline {name}: {bt:.2f} ms (pp={bp.pp}, dp={bp.dp}, "
+                             f"tp={bp.stages[0].tp}) -> speed-up x{bt / t_ms:.2f}\n")
 
 
 def _draw_plan_gantt(cluster, model, plan, profiles, path: str) -> None:

@@ -232,8 +232,8 @@ def error_cases(tmp_path, write=True):
         ("missing-model-file", plan(model=str(tmp_path / "m.yaml")), r"m\.yaml: .*readable"),
         ("batch-not-divisible", plan(gbs="6", extra=["--micro-batch-sizes", "4"]),
          r"global batch size 6 is not divisible by any micro-batch size in \[4\]"),
-        ("batch-zero", plan(gbs="0"), r"--global-batch-size .* must be >= 1"),
-        ("seq-negative", plan(seq="-1"), r"--seq-length must be >= 1"),
+        ("batch-zero", plan(gbs="0"), r"--global-batch-size.*>= 1"),
+        ("seq-negative", plan(seq="-1"), r"--seq-length.*>= 1"),
         ("nothing-fits", plan(cluster=tiny_mem, extra=["--no-baselines"]),
          r"no plan fits in device memory: the closest \(pp=\d+, tp=\S+, dp=\d+, micro-batch \d+,"
          r" [a-z0-9-]+\) lacks [0-9.]+ GiB on stage \d+ \((fast|slow): needs [0-9.]+ GiB of "
@@ -243,7 +243,7 @@ def error_cases(tmp_path, write=True):
          r"argument --schedules: invalid choice: 'foo'"),
         ("bad-pruning", plan(extra=["--pruning", "maybe"]), r"argument --pruning: invalid"),
         ("bad-type-order", plan(extra=["--type-order", "x"]), r"argument --type-order"),
-        ("workers-zero", plan(extra=["--workers", "0"]), r"--workers: expected an integer >= 1"),
+        ("workers-zero", plan(extra=["--workers", "0"]), r"--workers.*expected an integer >= 1"),
         ("time-budget-negative", plan(extra=["--time-budget", "-1"]), r"time.budget"),
         ("mbs-zero", plan(extra=["--micro-batch-sizes", "0"]), r"micro.batch.sizes"),
         ("virtual-zero", plan(extra=["--max-virtual-stages", "0"]), r"virtual.stages"),

@@ -13,8 +13,8 @@ from poseidon_plugin.cluster import cluster_from_dict
 from poseidon_plugin.costs import CostModel
 from poseidon_plugin.errors import InfeasibleError, PoseidonError
 from poseidon_plugin.model import model_from_dict
-from poseidon_plugin.search import (_lmax, _random_assignment, bound_trace, enumerate_configs,
-                                    evaluate_plan_time, search_plan)
+from poseidon_plugin.search import (SearchContext, SearchOptions, enumerate_configs,
+                                    search_plan)
 from poseidon_plugin.simulator import iteration_time_ms
 
 SCHEDS = ("1f1b", "eager-1f1b", "interleaved-1f1b")
@@ -50,10 +50,10 @@ def _run(inst, pruning, **kw):
     types, layers, gbs, scheds, tp_mode = inst
     cluster, model = make_instance(types, layers, None)
     try:
-        return search_plan(cluster, model, global_batch_size=gbs, seq_length=128,
-                           schedules=tuple(scheds), pruning=pruning, tp_mode=tp_mode,
-                           micro_batch_sizes=(1, 2), workers=1, warmup_samples=20,
-                           type_order="any", **kw)
+        return search_plan(cluster, model, SearchOptions(
+            global_batch_size=gbs, seq_length=128, schedules=tuple(scheds), pruning=pruning,
+            tp_mode=tp_mode, micro_batch_sizes=(1, 2), workers=1, warmup_samples=20,
+            type_order="any", **kw))
     except InfeasibleError:
         return None
 
@@ -77,9 +77,11 @@ def test_safe_and_ridge_free_bound_match_exhaustive(inst):
 def _brute_force(cluster, model, gbs, scheds, tp_mode):
     """Independent enumeration: every config, every type/tp sequence, every composition."""
     cm = CostModel(cluster, model, None, seq_length=128)
+    ctx = SearchContext(cm)
     best = math.inf
-    for cfg in enumerate_configs(cm, global_batch_size=gbs, schedules=scheds, tp_mode=tp_mode,
-                                 micro_batch_sizes=(1, 2), max_virtual_stages=2):
+    for cfg in enumerate_configs(cm, SearchOptions(
+            global_batch_size=gbs, seq_length=128, schedules=scheds, tp_mode=tp_mode,
+            micro_batch_sizes=(1, 2), max_virtual_stages=2)):
         n, v, L = cfg.num_stages, cfg.virtual_stages, model.num_layers
         for opts in itertools.product(range(len(cfg.options)), repeat=n):
             types = [cfg.options[o][0] for o in opts]
@@ -104,7 +106,7 @@ def _brute_force(cluster, model, gbs, scheds, tp_mode):
                     virtual_stages=v)
                 if any(s.memory_bytes > s.memory_capacity_bytes for s in stages):
                     continue
-                best = min(best, evaluate_plan_time(cm, cfg, list(opts), layers))
+                best = min(best, ctx.evaluate(cfg, list(opts), layers))
     return best
 
 
@@ -128,21 +130,26 @@ def test_lower_bound_never_exceeds_any_completion(inst, seed):
     import random
     types, layers, gbs, scheds, tp_mode = inst
     cluster, model = make_instance(types, layers, None)
-    cm = CostModel(cluster, model, None, seq_length=128)
-    cfgs = enumerate_configs(cm, global_batch_size=gbs, schedules=tuple(scheds), tp_mode=tp_mode,
-                             micro_batch_sizes=(1, 2), max_virtual_stages=3)
+    ctx = SearchContext(CostModel(cluster, model, None, seq_length=128))
+    cfgs = _configs(ctx, gbs, tuple(scheds), tp_mode, max_virtual_stages=3)
     rng = random.Random(seed)
     for _ in range(5):
         if not cfgs:
             return
         cfg = rng.choice(cfgs)
-        a = _random_assignment(cm, cfg, _lmax(cm, cfg), rng)
+        a = ctx.random_assignment(cfg, rng)
         if a is None:
             continue
-        trace, T = bound_trace(cm, cfg, *a)
-        assert T == pytest.approx(evaluate_plan_time(cm, cfg, *a), rel=1e-9)
+        trace, T = ctx.replay(cfg, *a)
+        assert T == pytest.approx(ctx.evaluate(cfg, *a), rel=1e-9)
         for g in trace:
             assert g <= T * (1 + 1e-9), (cfg, a, trace, T)
+
+
+def _configs(ctx, gbs, scheds, tp_mode, *, max_virtual_stages=2, micro_batch_sizes=(1, 2)):
+    return enumerate_configs(ctx.cm, SearchOptions(
+        global_batch_size=gbs, seq_length=128, schedules=scheds, tp_mode=tp_mode,
+        micro_batch_sizes=micro_batch_sizes, max_virtual_stages=max_virtual_stages))
 
 
 def _small():
@@ -152,9 +159,9 @@ def _small():
 def test_deterministic_over_workers_and_runs():
     cluster, model = _small()
     kw = dict(global_batch_size=8, seq_length=128, micro_batch_sizes=(1, 2), warmup_samples=30)
-    a = search_plan(cluster, model, workers=1, **kw)
-    b = search_plan(cluster, model, workers=2, **kw)
-    c = search_plan(cluster, model, workers=1, **kw)
+    a = search_plan(cluster, model, SearchOptions(workers=1, **kw))
+    b = search_plan(cluster, model, SearchOptions(workers=2, **kw))
+    c = search_plan(cluster, model, SearchOptions(workers=1, **kw))
     assert a.predicted_iteration_time_ms == b.predicted_iteration_time_ms
     assert a.stages == b.stages == c.stages
     strip = lambda p: {k: v for k, v in p.to_dict().items() if k != "search"}
@@ -164,14 +171,14 @@ def test_deterministic_over_workers_and_runs():
 def test_impossible_batch_size():
     cluster, model = _small()
     with pytest.raises(InfeasibleError, match="not divisible"):
-        search_plan(cluster, model, global_batch_size=3, seq_length=128,
-                    micro_batch_sizes=(2, 4), workers=1)
+        search_plan(cluster, model, SearchOptions(
+            global_batch_size=3, seq_length=128, micro_batch_sizes=(2, 4), workers=1))
 
 
 def test_nothing_fits_memory_names_closest_plan():
     cluster, model = make_instance([(100.0, 2, 1, 0.001), (50.0, 2, 1, 0.001)], 4, None)
     with pytest.raises(InfeasibleError, match=r"closest .* lacks [0-9.]+ GiB"):
-        search_plan(cluster, model, global_batch_size=4, seq_length=128, workers=1)
+        search_plan(cluster, model, SearchOptions(global_batch_size=4, seq_length=128, workers=1))
 
 
 def test_closest_infeasible_respects_device_counts():
@@ -181,7 +188,7 @@ def test_closest_infeasible_respects_device_counts():
     import re
     cluster, model = make_instance([(100.0, 1, 1, 0.1), (50.0, 2, 2, 0.004)], 8, None)
     with pytest.raises(InfeasibleError) as ei:
-        search_plan(cluster, model, global_batch_size=4, seq_length=128, workers=1)
+        search_plan(cluster, model, SearchOptions(global_batch_size=4, seq_length=128, workers=1))
     msg = str(ei.value)
     m = re.search(r"lacks ([0-9.]+) GiB on stage \d+ \((\w+): needs ([0-9.]+) GiB of "
                   r"([0-9.]+) GiB\)", msg)
@@ -193,8 +200,8 @@ def test_closest_infeasible_respects_device_counts():
 
 def test_time_budget_flags_non_exhaustive():
     cluster, model = _small()
-    p = search_plan(cluster, model, global_batch_size=8, seq_length=128, workers=1,
-                    time_budget_s=1e-6)
+    p = search_plan(cluster, model, SearchOptions(
+        global_batch_size=8, seq_length=128, workers=1, time_budget_s=1e-6))
     assert p.search["exhaustive"] is False
     assert p.lower_bound_ms <= p.predicted_iteration_time_ms
 
@@ -202,11 +209,13 @@ def test_time_budget_flags_non_exhaustive():
 def test_bad_arguments():
     cluster, model = _small()
     with pytest.raises(PoseidonError):
-        search_plan(cluster, model, global_batch_size=8, seq_length=128, pruning="fast")
+        search_plan(cluster, model, SearchOptions(
+            global_batch_size=8, seq_length=128, pruning="fast"))
     with pytest.raises(PoseidonError):
-        search_plan(cluster, model, global_batch_size=8, seq_length=128, tp_mode="x")
+        search_plan(cluster, model, SearchOptions(
+            global_batch_size=8, seq_length=128, tp_mode="x"))
     with pytest.raises(PoseidonError):
-        search_plan(cluster, model, global_batch_size=0, seq_length=128)
+        search_plan(cluster, model, SearchOptions(global_batch_size=0, seq_length=128))
 
 
 # --------------------------------------------------------------------------- performance work
@@ -215,7 +224,7 @@ def test_bad_arguments():
 
 @pytest.mark.parametrize("schedule", ["1f1b", "eager-1f1b", "gpipe"])
 def test_closed_form_bound_structure_matches_op_orders(schedule):
-    from poseidon_plugin.search import bound_structure, bound_structure_from_orders
+    from poseidon_plugin.search.configs import bound_structure, bound_structure_from_orders
     for n in range(1, 9):
         for m in (1, 2, 3, 5, 8, 16, 17):
             a = bound_structure.__wrapped__(schedule, n, m, 1)
@@ -228,21 +237,21 @@ def test_closed_form_bound_structure_matches_op_orders(schedule):
 @given(instance_st, st.integers(0, 10_000))
 def test_root_bound_never_exceeds_any_plan(inst, seed):
     import random
-    from poseidon_plugin.search import capacity_layers, root_bound
+    from poseidon_plugin.search.configs import capacity_layers, root_bound
     types, layers, gbs, scheds, tp_mode = inst
     cluster, model = make_instance(types, layers, None)
     cm = CostModel(cluster, model, None, seq_length=128)
-    cfgs = enumerate_configs(cm, global_batch_size=gbs, schedules=tuple(scheds), tp_mode=tp_mode,
-                             micro_batch_sizes=(1, 2), max_virtual_stages=3)
+    ctx = SearchContext(cm)
+    cfgs = _configs(ctx, gbs, tuple(scheds), tp_mode, max_virtual_stages=3)
     rng = random.Random(seed)
     for _ in range(5):
         if not cfgs:
             return
         cfg = rng.choice(cfgs)
-        a = _random_assignment(cm, cfg, _lmax(cm, cfg), rng)
+        a = ctx.random_assignment(cfg, rng)
         if a is None:
             continue
-        T = evaluate_plan_time(cm, cfg, *a)
+        T = ctx.evaluate(cfg, *a)
         assert root_bound(cm, cfg) <= T * (1 + 1e-9)
         assert capacity_layers(cm, cfg, T * (1 + 1e-9)) >= model.num_layers
 
@@ -250,7 +259,7 @@ def test_root_bound_never_exceeds_any_plan(inst, seed):
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(instance_st, st.sampled_from([1e-4, 0.02, 0.5]))
 def test_iterative_deepening_step_does_not_change_the_optimum(inst, step):
-    from poseidon_plugin import search as search_mod
+    from poseidon_plugin.search import driver as search_mod
     exact = _run(inst, "none")
     old = search_mod.ROUND_STEP
     search_mod.ROUND_STEP = step
@@ -269,11 +278,14 @@ def test_iterative_deepening_step_does_not_change_the_optimum(inst, step):
 def test_error_messages_name_cli_flag_and_parameter():
     cluster, model = _small()
     with pytest.raises(PoseidonError, match=r"--time-budget / time_budget_s.*> 0, got -1"):
-        search_plan(cluster, model, global_batch_size=8, seq_length=128, time_budget_s=-1)
+        search_plan(cluster, model, SearchOptions(
+            global_batch_size=8, seq_length=128, time_budget_s=-1))
     with pytest.raises(PoseidonError, match=r"--max-virtual-stages / max_virtual_stages"):
-        search_plan(cluster, model, global_batch_size=8, seq_length=128, max_virtual_stages=0)
+        search_plan(cluster, model, SearchOptions(
+            global_batch_size=8, seq_length=128, max_virtual_stages=0))
     with pytest.raises(PoseidonError, match=r"--micro-batch-sizes / micro_batch_sizes"):
-        search_plan(cluster, model, global_batch_size=8, seq_length=128, micro_batch_sizes=(0,))
+        search_plan(cluster, model, SearchOptions(
+            global_batch_size=8, seq_length=128, micro_batch_sizes=(0,)))
 
 
 def test_statistics_timing_flag(monkeypatch):
@@ -282,10 +294,10 @@ def test_statistics_timing_flag(monkeypatch):
     import poseidon_plugin.search.driver as search_mod
     cluster, model = make_instance([(100.0, 2, 4, 1.0), (50.0, 2, 4, 1.0)], 12, None)
     kw = dict(global_batch_size=8, seq_length=128, micro_batch_sizes=(1, 2), warmup_samples=30)
-    a = search_plan(cluster, model, workers=1, **kw)
-    c = search_plan(cluster, model, workers=1, **kw)
+    a = search_plan(cluster, model, SearchOptions(workers=1, **kw))
+    c = search_plan(cluster, model, SearchOptions(workers=1, **kw))
     monkeypatch.setattr(search_mod, "SPLIT_NODES", 0)   # split every configuration
-    b = search_plan(cluster, model, workers=2, **kw)
+    b = search_plan(cluster, model, SearchOptions(workers=2, **kw))
     assert a.search["statistics_depend_on_timing"] is False
     assert b.search["statistics_depend_on_timing"] is True
     drop = ("seconds",)
@@ -305,21 +317,19 @@ def test_threaded_config_search_matches_one_thread(types, layers, gbs, sched, pr
     """A configuration searched by several threads (subtrees shared, incumbent shared) returns
     exactly the single-thread result: same time and same assignment (the tie-break), for
     thresholds at, above and far above the optimum."""
-    from poseidon_plugin.search import run_config
     cluster, model = make_instance(types, layers, None)
-    cm = CostModel(cluster, model, None, seq_length=128)
-    cfgs = [c for c in enumerate_configs(cm, global_batch_size=gbs, schedules=(sched,),
-                                         tp_mode="uniform", micro_batch_sizes=(1,),
-                                         max_virtual_stages=2)
+    ctx = SearchContext(CostModel(cluster, model, None, seq_length=128))
+    cfgs = [c for c in _configs(ctx, gbs, (sched,), "uniform",
+                             micro_batch_sizes=(1,), max_virtual_stages=2)
             if c.num_stages >= 3]
-    kw = dict(pruning=pruning, type_order="any", type_sequence_limit=3 ** 20, deadline=0.0)
+    kw = dict(pruning=pruning, blocks=False)
     for cfg in cfgs[:4]:
-        ref = run_config(cm, cfg, threshold_ms=math.inf, **kw)
-        thr = math.inf if ref["best"] is None else ref["best"][0] * (1 + slack)
-        one = run_config(cm, cfg, threshold_ms=thr, **kw)
-        many = run_config(cm, cfg, threshold_ms=thr, threads=threads, **kw)
-        assert one["best"] == many["best"], cfg
-        assert many["timed_out"] is False
+        ref = ctx.run(cfg, threshold_ms=math.inf, **kw)
+        thr = math.inf if ref.best is None else ref.best[0] * (1 + slack)
+        one = ctx.run(cfg, threshold_ms=thr, **kw)
+        many = ctx.run(cfg, threshold_ms=thr, threads=threads, **kw)
+        assert one.best == many.best, cfg
+        assert many.timed_out is False
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
@@ -332,10 +342,10 @@ def test_blocks_seeded_full_search_matches_exhaustive(inst):
     types, layers, gbs, scheds, tp_mode = inst
     cluster, model = make_instance(types, layers, None)
     try:
-        blk = search_plan(cluster, model, global_batch_size=gbs, seq_length=128,
-                          schedules=tuple(scheds), pruning="safe", tp_mode=tp_mode,
-                          micro_batch_sizes=(1, 2), workers=1, warmup_samples=20,
-                          type_order="blocks")
+        blk = search_plan(cluster, model, SearchOptions(
+            global_batch_size=gbs, seq_length=128, schedules=tuple(scheds), pruning="safe",
+            tp_mode=tp_mode, micro_batch_sizes=(1, 2), workers=1, warmup_samples=20,
+            type_order="blocks"))
     except InfeasibleError:
         blk = None
     if exact is None:
@@ -348,20 +358,19 @@ def test_blocks_seeded_full_search_matches_exhaustive(inst):
         assert blk.predicted_iteration_time_ms >= got.predicted_iteration_time_ms * (1 - 1e-9)
 
 
-def _assert_cut_search_finds_optimum(cm, cfgs, slack):
+def _assert_cut_search_finds_optimum(ctx, cfgs, slack):
     """Per configuration: the bounded search (every cut on) at threshold = the exhaustive
     optimum x (1 + slack) finds a plan of exactly that time (none when nothing fits)."""
-    from poseidon_plugin.search import run_config
     for cfg in cfgs:
-        kw = dict(type_order="any", type_sequence_limit=3 ** 20, deadline=0.0)
-        exact = run_config(cm, cfg, pruning="none", threshold_ms=math.inf, **kw)["best"]
+        kw = dict(blocks=False)
+        exact = ctx.run(cfg, pruning="none", threshold_ms=math.inf, **kw).best
         thr = math.inf if exact is None else exact[0] * (1 + slack)
-        res = run_config(cm, cfg, pruning="safe", threshold_ms=thr, **kw)
+        res = ctx.run(cfg, pruning="safe", threshold_ms=thr, **kw)
         if exact is None:
-            assert res["best"] is None
+            assert res.best is None
             continue
-        assert res["best"] is not None, cfg
-        assert res["best"][0] == pytest.approx(exact[0], rel=1e-12)
+        assert res.best is not None, cfg
+        assert res.best[0] == pytest.approx(exact[0], rel=1e-12)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
@@ -373,12 +382,11 @@ def test_capacity_and_round_trip_cuts_keep_every_config_optimum(types, layers, g
     bounded search with threshold = that configuration's exhaustive optimum (x (1 + slack))
     finds a plan of exactly that time, with the cuts on and off."""
     cluster, model = make_instance(types, layers, None)
-    cm = CostModel(cluster, model, None, seq_length=128)
-    cfgs = [c for c in enumerate_configs(cm, global_batch_size=gbs, schedules=(sched,),
-                                         tp_mode="uniform", micro_batch_sizes=(1,),
-                                         max_virtual_stages=1)
+    ctx = SearchContext(CostModel(cluster, model, None, seq_length=128))
+    cfgs = [c for c in _configs(ctx, gbs, (sched,), "uniform",
+                             micro_batch_sizes=(1,), max_virtual_stages=1)
             if 2 <= c.num_stages <= 4]
-    _assert_cut_search_finds_optimum(cm, cfgs, slack)
+    _assert_cut_search_finds_optimum(ctx, cfgs, slack)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
@@ -394,33 +402,29 @@ def test_positional_round_trip_and_fill_drain_cuts_keep_every_config_optimum(
     the fill/drain recursion's W limit are exercised: per configuration the bounded search at
     threshold = the exhaustive optimum (x (1 + slack)) still finds a plan of exactly that time."""
     cluster, model = make_instance(types, layers, None)
-    cm = CostModel(cluster, model, None, seq_length=128)
-    cfgs = [c for c in enumerate_configs(cm, global_batch_size=gbs, schedules=(sched,),
-                                         tp_mode="uniform", micro_batch_sizes=(1,),
-                                         max_virtual_stages=1)
+    ctx = SearchContext(CostModel(cluster, model, None, seq_length=128))
+    cfgs = [c for c in _configs(ctx, gbs, (sched,), "uniform",
+                             micro_batch_sizes=(1,), max_virtual_stages=1)
             if 3 <= c.num_stages <= 6]
-    _assert_cut_search_finds_optimum(cm, cfgs, slack)
+    _assert_cut_search_finds_optimum(ctx, cfgs, slack)
 
 
 def test_threaded_search_really_splits():
     """The threaded path is exercised: a deep configuration is cut into subtrees, searched
     by 3 threads, and gives the single-thread result."""
-    from poseidon_plugin.search import run_config
     cluster, model = make_instance([(100.0, 2, 4, 1.0), (50.0, 2, 4, 1.0)], 12, None)
-    cm = CostModel(cluster, model, None, seq_length=128)
-    cfgs = [c for c in enumerate_configs(cm, global_batch_size=16, schedules=("1f1b",),
-                                         tp_mode="uniform", micro_batch_sizes=(1,),
-                                         max_virtual_stages=1) if c.num_stages >= 6]
+    ctx = SearchContext(CostModel(cluster, model, None, seq_length=128))
+    cfgs = [c for c in _configs(ctx, 16, ("1f1b",), "uniform",
+                             micro_batch_sizes=(1,), max_virtual_stages=1) if c.num_stages >= 6]
     assert cfgs
-    kw = dict(pruning="safe", type_order="any", type_sequence_limit=3 ** 20, deadline=0.0,
-              threshold_ms=math.inf)
+    kw = dict(pruning="safe", blocks=False, threshold_ms=math.inf)
     split = 0
     for cfg in cfgs:
-        one = run_config(cm, cfg, **kw)
-        many = run_config(cm, cfg, threads=3, **kw)
-        assert one["best"] == many["best"]
-        assert one["split_depth"] == 0
-        split += many["split_depth"] > 0 and many["subtrees"] >= 2
+        one = ctx.run(cfg, **kw)
+        many = ctx.run(cfg, threads=3, **kw)
+        assert one.best == many.best
+        assert one.split_depth == 0
+        split += many.split_depth > 0 and many.subtrees >= 2
     assert split >= 1
 
 
@@ -430,18 +434,18 @@ def test_tp_degrees_restrict_the_search():
     cluster, model = make_instance([(100.0, 4, 1, 1.0), (50.0, 4, 1, 1.0)], 8, None)
     kw = dict(global_batch_size=8, seq_length=128, micro_batch_sizes=(1,), workers=1,
               warmup_samples=20)
-    free = search_plan(cluster, model, **kw)
+    free = search_plan(cluster, model, SearchOptions(**kw))
     for mode in ("uniform", "per-stage"):
         for allowed in ((1,), (2,), (1, 4)):
-            p = search_plan(cluster, model, tp_mode=mode, tp_degrees=allowed, **kw)
+            p = search_plan(cluster, model, SearchOptions(tp_mode=mode, tp_degrees=allowed, **kw))
             assert {s.tp for s in p.stages} <= set(allowed)
             if mode == "uniform":
                 assert (p.predicted_iteration_time_ms
                         >= free.predicted_iteration_time_ms * (1 - 1e-9))
     with pytest.raises(PoseidonError, match=r"--tp / tp_degrees.*none of \[3\] is valid"):
-        search_plan(cluster, model, tp_degrees=(3,), **kw)
+        search_plan(cluster, model, SearchOptions(tp_degrees=(3,), **kw))
     with pytest.raises(PoseidonError, match=r"--tp / tp_degrees.*expected integers >= 1"):
-        search_plan(cluster, model, tp_degrees=(0,), **kw)
+        search_plan(cluster, model, SearchOptions(tp_degrees=(0,), **kw))
 
 
 def test_interleaved_plans_are_timed_as_megatron_core_runs_them():
@@ -452,8 +456,9 @@ def test_interleaved_plans_are_timed_as_megatron_core_runs_them():
     from poseidon_plugin.costs import plan_simulator_inputs
     from poseidon_plugin.simulator.engine import EngineCosts, simulate_engine
     cluster, model = make_instance([(100.0, 2, 2, 1.0), (50.0, 2, 2, 1.0)], 8, None)
-    p = search_plan(cluster, model, global_batch_size=16, seq_length=128, workers=1,
-                    schedules=("interleaved-1f1b",), micro_batch_sizes=(1,), warmup_samples=20)
+    p = search_plan(cluster, model, SearchOptions(
+        global_batch_size=16, seq_length=128, workers=1, schedules=("interleaved-1f1b",),
+        micro_batch_sizes=(1,), warmup_samples=20))
     assert p.schedule == "interleaved-1f1b" and p.virtual_stages == 2
     F, B, Pf, Pb, R = plan_simulator_inputs(cluster, model, p)
     eng = simulate_engine(EngineCosts.from_profiles(F, B, Pf, R, np.zeros(len(R))),
@@ -469,9 +474,9 @@ def test_per_stage_tp_is_seeded_by_the_uniform_optimum():
     cluster, model = make_instance([(100.0, 4, 1, 1.0), (50.0, 4, 1, 0.1)], 8, None)
     kw = dict(global_batch_size=8, seq_length=128, micro_batch_sizes=(1,), workers=1,
               warmup_samples=20)
-    uni = search_plan(cluster, model, tp_mode="uniform", **kw)
-    per = search_plan(cluster, model, tp_mode="per-stage", **kw)
-    exact = search_plan(cluster, model, tp_mode="per-stage", pruning="none", **kw)
+    uni = search_plan(cluster, model, SearchOptions(tp_mode="uniform", **kw))
+    per = search_plan(cluster, model, SearchOptions(tp_mode="per-stage", **kw))
+    exact = search_plan(cluster, model, SearchOptions(tp_mode="per-stage", pruning="none", **kw))
     assert per.search["uniform_tp_seed_ms"] == pytest.approx(uni.predicted_iteration_time_ms,
                                                              abs=1e-3)
     assert per.predicted_iteration_time_ms <= uni.predicted_iteration_time_ms * (1 + 1e-12)
@@ -492,9 +497,102 @@ def test_per_stage_tp_capacity_cuts_keep_every_config_optimum(types, layers, gbs
     configuration the bounded search at threshold = the exhaustive optimum (x (1 + slack))
     still finds a plan of exactly that time."""
     cluster, model = make_instance(types, layers, None)
-    cm = CostModel(cluster, model, None, seq_length=128)
-    cfgs = [c for c in enumerate_configs(cm, global_batch_size=gbs, schedules=(sched,),
-                                         tp_mode="per-stage", micro_batch_sizes=(1,),
-                                         max_virtual_stages=1)
+    ctx = SearchContext(CostModel(cluster, model, None, seq_length=128))
+    cfgs = [c for c in _configs(ctx, gbs, (sched,), "per-stage",
+                             micro_batch_sizes=(1,), max_virtual_stages=1)
             if 2 <= c.num_stages <= 5]
-    _assert_cut_search_finds_optimum(cm, cfgs[:6], slack)
+    _assert_cut_search_finds_optimum(ctx, cfgs[:6], slack)
+
+
+# --------------------------------------------------------------------------- the typed boundary
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(-1e3, 1e12, allow_nan=False), st.floats(0.1, 1e4), st.floats(0.0, 1.0),
+       st.integers(1, 64), st.integers(0, 200), st.integers(1, 8))
+def test_cython_cost_twins_equal_their_python_originals(num_bytes, gbps, latency, ranks, layers,
+                                                        v):
+    """Each Cython twin names its Python original; the pair gives the same doubles."""
+    from poseidon_plugin.comm import allreduce_ms, send_ms
+    from poseidon_plugin.costs import chunk_layers
+    from poseidon_plugin.search import _search
+    assert _search.twin_send_ms(num_bytes, gbps, latency) == send_ms(num_bytes, gbps, latency)
+    assert (_search.twin_allreduce_ms(num_bytes, ranks, gbps, latency)
+            == allreduce_ms(num_bytes, ranks, gbps, latency))
+    assert _search.twin_chunk_layers(layers, v) == tuple(chunk_layers(layers, v))
+
+
+def test_cython_twins_name_their_originals():
+    import pathlib
+
+    import poseidon_plugin.search as pkg
+    src = (pathlib.Path(pkg.__file__).parent / "_search.pyx").read_text()
+    for twin, original in (("_send_ms", "poseidon_plugin.comm.send_ms"),
+                           ("_allreduce_ms", "poseidon_plugin.comm.allreduce_ms"),
+                           ("_chunk_layers", "poseidon_plugin.costs.chunk_layers")):
+        body = src.split(f" {twin}(", 1)[1][:400]
+        assert f"Twin of ``{original}``" in body, twin
+
+
+def test_replay_refuses_an_assignment_that_does_not_fit():
+    cluster, model = _small()
+    ctx = SearchContext(CostModel(cluster, model, None, seq_length=128))
+    cfg = next(c for c in _configs(ctx, 8, ("1f1b",), "uniform") if c.num_stages == 2)
+    with pytest.raises(ValueError, match="does not fit|summing"):
+        ctx.replay(cfg, [0, 0], [model.num_layers, 0])
+    with pytest.raises(ValueError, match="summing"):
+        ctx.replay(cfg, [0], [model.num_layers])
+
+
+def test_config_instance_beyond_compiled_limits_is_refused():
+    from poseidon_plugin.search import _search
+    n = _search.LIMITS["stages"] + 1
+    st_ = _search.BoundStructure(n, 4, 1, np.ones(n, np.int32), np.ones(n, np.int32), 0)
+    with pytest.raises(ValueError, match="compiled limits"):
+        _search.ConfigInstance(
+            st_, dp=1, num_layers=n, act_bytes=1.0, latency_ms=0.0, cross_gbps=1.0, minsend=0.0,
+            minfb=1.0, outmin=0.0, alpha=0.0, ridge_mode=0, ridge_ends=0, blocks=0,
+            use_bound=1, opt_type=[0], opt_tp=[1], f=[1.0], b=[1.0], ef=[0.0], eb=[0.0],
+            of=[0.0], ob=[0.0], gl=[0.0], ge=[0.0], go=[0.0], lmax=np.ones(n), ndev=[n],
+            type_off=[0], intra=[1.0], inter=[1.0], node_of=np.zeros(n), local_of=np.zeros(n))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(time_budget_s=float("nan")), "time budget"),
+    (dict(time_budget_s=float("inf")), "time budget"),
+    (dict(time_budget_s=0), "time budget"),
+    (dict(schedules=()), "at least one schedule"),
+    (dict(schedules=("zb-v",)), "schedules"),
+    (dict(type_order="random"), "type order"),
+    (dict(tp_degrees=(2, True)), "TP degrees"),
+    (dict(micro_batch_sizes=()), "micro-batch sizes"),
+    (dict(warmup_samples=-1), "warm-up samples"),
+    (dict(workers=0), "--workers"),
+    (dict(seed=1.5), "seed"),
+])
+def test_search_options_refuse_bad_values(bad, match):
+    with pytest.raises(PoseidonError, match=match):
+        SearchOptions(global_batch_size=8, seq_length=128, **bad)
+
+
+def test_search_options_normalise_and_replace():
+    o = SearchOptions(global_batch_size=8, seq_length=128, schedules=["1f1b"],
+                      tp_mode="per-stage-tp", micro_batch_sizes=None, tp_degrees=[1, 2])
+    assert o.schedules == ("1f1b",) and o.tp_mode == "per-stage"
+    assert o.micro_batch_sizes == (1, 2, 4) and o.tp_degrees == (1, 2)
+    assert o.replace(tp_mode="uniform").tp_mode == "uniform"
+    with pytest.raises(PoseidonError, match="pruning"):
+        o.replace(pruning="fast")
+
+
+def test_plan_search_statistics_are_a_search_stats_record():
+    from poseidon_plugin.search import SearchStats
+    cluster, model = _small()
+    p = search_plan(cluster, model, SearchOptions(global_batch_size=8, seq_length=128,
+                                                  workers=1, warmup_samples=10))
+    fields = set(SearchStats().as_dict())
+    assert set(p.search) == fields     # no seed field outside per-stage TP
+    assert p.search["nodes"] > 0 and p.search["configs"] >= p.search["configs_cut_root"]
+    per = search_plan(cluster, model, SearchOptions(global_batch_size=8, seq_length=128,
+                                                    workers=1, warmup_samples=10,
+                                                    tp_mode="per-stage"))
+    assert set(per.search) == fields | {"uniform_tp_seed_ms"}

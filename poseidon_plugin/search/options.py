@@ -111,10 +111,10 @@ class SearchOptions:
                                                 self.tp_degrees))
         if (isinstance(self.warmup_samples, bool) or not isinstance(self.warmup_samples, int)
                 or self.warmup_samples < 0):
-            raise PoseidonError(f"--warmup-samples / warmup_samples: expected an integer >= 0, "
-                                f"got {self.warmup_samples!r}")
+            raise PoseidonError(f"warm-up samples (--warmup-samples / warmup_samples): "
+                                f"expected an integer >= 0, got {self.warmup_samples!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise PoseidonError(f"--seed / seed: expected an integer, got {self.seed!r}")
+            raise PoseidonError(f"seed (--seed / seed): expected an integer, got {self.seed!r}")
         if self.time_budget_s is not None:
             b = self.time_budget_s
             if (isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b)
@@ -122,7 +122,7 @@ class SearchOptions:
                 raise PoseidonError(f"time budget (--time-budget / time_budget_s): expected a "
                                     f"finite number > 0, got {b!r}")
         if self.workers is not None:
-            _positive_int("--workers / workers", self.workers)
+            _positive_int("search threads (--workers / workers)", self.workers)
         _positive_int("type_sequence_limit", self.type_sequence_limit)
 
     # ------------------------------------------------------------------ derived values
