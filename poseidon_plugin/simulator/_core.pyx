@@ -78,53 +78,13 @@ cdef class PipelineDAG:
         cdef int n = self.num_stages, m = self.num_microbatches, v = self.virtual_stages
         cdef int nv = n * v, L = self.num_links
         cdef int total = 2 * n * m * v
-        # --- Kahn-style sweep over the devices' fixed orders -> some topological order ---------
-        # key of an op: (is_backward, virtual stage, micro-batch)
-        placed = {}          # key -> index in `topo`
-        topo = []            # (device, position, key)
-        ptr = [0] * n
-        waiting = {}         # key -> devices blocked on it
-        work = list(range(n - 1, -1, -1))
-        while work:
-            s = work.pop()
-            order = orders[s]
-            while ptr[s] < len(order):
-                op = order[ptr[s]]
-                vs = op.chunk * n + s
-                key = (op.is_backward, vs, op.microbatch)
-                dep = _dependency_key(key, nv)
-                if dep is not None and dep not in placed:
-                    waiting.setdefault(dep, []).append(s)
-                    break
-                placed[key] = len(topo)
-                topo.append((s, ptr[s], key))
-                ptr[s] += 1
-                woken = waiting.pop(key, None)
-                if woken:
-                    work.extend(woken)
+        topo = _topological_order(orders, n, nv)
         if len(topo) != total:
             raise PoseidonError(
                 f"internal: schedule {self.schedule!r} (N={n}, M={m}, V={v}) deadlocks: "
                 f"{len(topo)} of {total} ops can run")
-        # --- levels (hops from the start), then a stable sort by level --------------------------
-        prev_of = {}
-        for s in range(n):
-            order = orders[s]
-            for pos in range(1, len(order)):
-                a, b = order[pos - 1], order[pos]
-                prev_of[(b.is_backward, b.chunk * n + s, b.microbatch)] = (
-                    a.is_backward, a.chunk * n + s, a.microbatch)
-        level = {}
-        for s, pos, key in topo:
-            lv = 0
-            p = prev_of.get(key)
-            if p is not None:
-                lv = level[p] + 1
-            d = _dependency_key(key, nv)
-            if d is not None and level[d] + 1 > lv:
-                lv = level[d] + 1
-            level[key] = lv
-        topo.sort(key=lambda item: level[item[2]])  # stable: keeps a valid order within levels
+        prev_of = _previous_ops(orders, n)
+        _sort_by_level(topo, prev_of, nv)
         slot = {item[2]: i + 1 for i, item in enumerate(topo)}   # finish-slot, 0 = start
         # --- flatten ------------------------------------------------------------------------
         self._wlen = 1 + 2 * nv + 2 * L
@@ -365,6 +325,61 @@ def _dependency_key(tuple key, int nv):
     if vs < nv - 1:
         return (True, vs + 1, mb)
     return (False, vs, mb)
+
+def _topological_order(list orders, int n, int nv):
+    """Kahn-style sweep over the devices' fixed orders: (device, position, key) of every op
+    that can run, in some topological order; key = (is_backward, virtual stage, micro-batch).
+    Fewer ops than the schedule has means it deadlocks."""
+    placed = {}          # key -> index in `topo`
+    topo = []
+    ptr = [0] * n
+    waiting = {}         # key -> devices blocked on it
+    work = list(range(n - 1, -1, -1))
+    while work:
+        s = work.pop()
+        order = orders[s]
+        while ptr[s] < len(order):
+            op = order[ptr[s]]
+            key = (op.is_backward, op.chunk * n + s, op.microbatch)
+            dep = _dependency_key(key, nv)
+            if dep is not None and dep not in placed:
+                waiting.setdefault(dep, []).append(s)
+                break
+            placed[key] = len(topo)
+            topo.append((s, ptr[s], key))
+            ptr[s] += 1
+            woken = waiting.pop(key, None)
+            if woken:
+                work.extend(woken)
+    return topo
+
+
+def _previous_ops(list orders, int n):
+    """key -> key of the op before it on the same device."""
+    prev_of = {}
+    for s in range(n):
+        order = orders[s]
+        for pos in range(1, len(order)):
+            a, b = order[pos - 1], order[pos]
+            prev_of[(b.is_backward, b.chunk * n + s, b.microbatch)] = (
+                a.is_backward, a.chunk * n + s, a.microbatch)
+    return prev_of
+
+
+def _sort_by_level(list topo, dict prev_of, int nv):
+    """Stable sort of a topological order by level (hops from the start): still topological,
+    and ops of one level are independent (the sweep's cache-friendly order)."""
+    level = {}
+    for s, pos, key in topo:
+        lv = 0
+        p = prev_of.get(key)
+        if p is not None:
+            lv = level[p] + 1
+        d = _dependency_key(key, nv)
+        if d is not None and level[d] + 1 > lv:
+            lv = level[d] + 1
+        level[key] = lv
+    topo.sort(key=lambda item: level[item[2]])
 
 
 cdef class EngineDAG(PipelineDAG):
