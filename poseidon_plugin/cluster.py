@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping
 
-import yaml
-
+from .comm import send_ms
 from .errors import SpecError
-from .units import BYTES_PER_GIB, parse_quantity, positive_quantity, transfer_ms
+from .specfile import load_yaml_mapping, require_mapping
+from .units import BYTES_PER_GIB, parse_quantity, positive_quantity
 
 DEFAULT_EFFICIENCY = 0.5  # fraction of peak dense bf16 TFLOP/s a transformer layer reaches
 
@@ -102,9 +102,6 @@ class Cluster:
     def total_devices(self) -> int:
         return sum(n.num_devices for n in self.nodes)
 
-    def device_type_of_node(self, node: int) -> DeviceType:
-        return self.device_types[self.nodes[node].device_type]
-
     def link_gbps(self, node_a: int, node_b: int) -> float:
         """Bandwidth between a device on node_a and one on node_b (intra if equal)."""
         a = self.nodes[node_a]
@@ -116,8 +113,9 @@ class Cluster:
         return self.links.cross_type_gbps
 
     def transfer_ms(self, num_bytes: float, node_a: int, node_b: int) -> float:
-        """Point-to-point time for ``num_bytes`` from node_a to node_b, latency included."""
-        return transfer_ms(num_bytes, self.link_gbps(node_a, node_b), self.links.latency_ms)
+        """Point-to-point time for ``num_bytes`` from node_a to node_b, latency included
+        (``comm.send_ms``: 0 ms for 0 bytes)."""
+        return send_ms(num_bytes, self.link_gbps(node_a, node_b), self.links.latency_ms)
 
     def max_intra_node_devices(self, device_type: str) -> int:
         """Largest number of devices of one node of ``device_type`` (0 if the type has none)."""
@@ -131,12 +129,6 @@ _DEVICE_KEYS = {"memory_gib", "peak_tflops", "intra_node_gbps", "efficiency"}
 _DEVICE_REQUIRED = ("memory_gib", "peak_tflops", "intra_node_gbps")
 _NODE_KEYS = {"device_type", "devices_per_node", "count"}
 _LINK_KEYS = {"inter_node_gbps", "cross_type_gbps", "latency_ms"}
-
-
-def _check_mapping(value: object, source: str, field: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise SpecError(source, field, "a mapping", type(value).__name__)
-    return value
 
 
 def _check_keys(data: Mapping[str, Any], allowed: set[str], required: tuple[str, ...],
@@ -158,7 +150,7 @@ def _positive_int(value: object, source: str, field: str) -> int:
 
 def _device_type(name: str, data: object, source: str) -> DeviceType:
     path = f"device_types.{name}"
-    data = _check_mapping(data, source, path)
+    data = require_mapping(data, source, path)
     _check_keys(data, _DEVICE_KEYS, _DEVICE_REQUIRED, source, path + ".")
     efficiency = None
     if data.get("efficiency") is not None:
@@ -181,7 +173,7 @@ def _device_type(name: str, data: object, source: str) -> DeviceType:
 
 def cluster_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Cluster:
     """Validate a parsed cluster spec; raises SpecError naming ``source`` and the field path."""
-    data = _check_mapping(data, source, "<top level>")
+    data = require_mapping(data, source, "<top level>")
     _check_keys(data, _TOP_KEYS, ("device_types", "nodes", "links"), source, "")
 
     name = data.get("name")
@@ -190,7 +182,7 @@ def cluster_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Cluste
     elif not isinstance(name, str) or not name:
         raise SpecError(source, "name", "a non-empty string", name)
 
-    raw_types = _check_mapping(data["device_types"], source, "device_types")
+    raw_types = require_mapping(data["device_types"], source, "device_types")
     if not raw_types:
         raise SpecError(source, "device_types", "at least one device type", "an empty mapping")
     device_types: dict[str, DeviceType] = {}
@@ -207,7 +199,7 @@ def cluster_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Cluste
     nodes: list[Node] = []
     for i, group in enumerate(raw_nodes):
         path = f"nodes[{i}]"
-        group = _check_mapping(group, source, path)
+        group = require_mapping(group, source, path)
         _check_keys(group, _NODE_KEYS, ("device_type", "devices_per_node"), source, path + ".")
         dtype = group["device_type"]
         if not isinstance(dtype, str) or dtype not in device_types:
@@ -219,7 +211,7 @@ def cluster_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Cluste
             nodes.append(Node(index=len(nodes), device_type=dtype, num_devices=per_node))
     used_types = tuple(dict.fromkeys(n.device_type for n in nodes))
 
-    raw_links = _check_mapping(data["links"], source, "links")
+    raw_links = require_mapping(data["links"], source, "links")
     _check_keys(raw_links, _LINK_KEYS, ("inter_node_gbps", "cross_type_gbps"), source, "links.")
     raw_inter = raw_links["inter_node_gbps"]
     inter: dict[str, float] = {}
@@ -258,18 +250,7 @@ def cluster_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Cluste
 
 def load_cluster(path: str) -> Cluster:
     """Load and validate a YAML cluster file; raises SpecError naming file and field path."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = yaml.safe_load(handle)
-    except OSError as exc:
-        raise SpecError(path, "<file>", "a readable cluster YAML file", exc.strerror) from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}" if mark is not None else "<file>"
-        raise SpecError(path, where, "valid YAML", getattr(exc, "problem", str(exc))) from None
-    if data is None:
-        raise SpecError(path, "<top level>", "a cluster mapping", "an empty file")
-    return cluster_from_dict(data, source=path)
+    return cluster_from_dict(load_yaml_mapping(path, "cluster"), source=path)
 
 
 def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:

@@ -5,40 +5,32 @@ Per stage s of a plan (type k, TP t, l layers, micro-batch b, sequence S, DP d):
 * forward F_s = l * f(k, t, b) (+ embedding forward on stage 0, + output layer forward on the
   last stage); backward likewise. f comes from ``profiles.lookup_profile`` (measured record of the
   profile DB, else the analytic estimate). For interleaved-1f1b a device's l layers are split into
-  V chunks, chunk c holding l // V + (1 if c < l % V else 0) layers (Megatron layout order), the
-  embedding on chunk 0 of stage 0 and the output layer on chunk V-1 of the last stage.
-* activation send s -> s+1 (and the gradient back) = b * S * h * 2 bytes (bf16) over the
-  placement's slowest replica link, plus the cluster's per-message latency.
-* DP all-reduce R_s = ring over d ranks of the stage's gradient bytes: 2(d-1)/d * bytes / bw +
-  2(d-1) * latency, gradient bytes = the stage's bf16 parameter bytes on one device (Megatron's
-  default reduces gradients in the parameter dtype, bf16 = 2 bytes/gradient; the fp32 main-grad
-  copy is optimizer-local). bw = the ring's slowest link (``placement.ring_gbps``).
+  V chunks by ``chunk_layers`` (chunk c holds l // V + (1 if c < l % V else 0) layers, Megatron
+  layout order), the embedding on chunk 0 of stage 0 and the output layer on chunk V-1 of the
+  last stage.
+* activation send s -> s+1 (and the gradient back) = ``comm.send_ms`` of b * S * h * 2 bytes
+  (bf16) over the placement's slowest replica link, plus the cluster's per-message latency.
+* DP all-reduce R_s = ``comm.allreduce_ms``, a ring over d ranks of the stage's gradient bytes:
+  2(d-1)/d * bytes / bw + 2(d-1) * latency, gradient bytes = the stage's bf16 parameter bytes on
+  one device (Megatron's default reduces gradients in the parameter dtype, bf16 = 2
+  bytes/gradient; the fp32 main-grad copy is optimizer-local). bw = the ring's slowest link
+  (``placement.ring_gbps``).
 * memory: ``memory.stage_memory`` of the stage against the device type's capacity.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
 from . import memory as memory_mod
+from .comm import allreduce_ms, send_ms
 from .placement import Pool, StagePlacement, place_stages, ring_gbps, send_link_gbps, type_pools
 from .profiles import ProfileKey, lookup_profile
 
 BYTES_PER_ACTIVATION = 2   # bf16
 BYTES_PER_GRADIENT = 2     # bf16 gradient all-reduce (Megatron default)
-
-
-def send_ms(num_bytes: float, gbps: float, latency_ms: float) -> float:
-    return num_bytes * 8.0 / (gbps * 1e6) + latency_ms
-
-
-def allreduce_ms(grad_bytes: float, dp: int, gbps: float, latency_ms: float) -> float:
-    if dp <= 1:
-        return 0.0
-    return 2.0 * (dp - 1) * latency_ms + 2.0 * (dp - 1) / dp * grad_bytes * 8.0 / (gbps * 1e6)
 
 
 @dataclass(frozen=True)
@@ -70,6 +62,13 @@ class StageCosts:
 
 
 def chunk_layers(layers: int, virtual_stages: int) -> tuple[int, ...]:
+    """Decoder layers of each of a device's ``virtual_stages`` model chunks, chunk order.
+
+    Chunk c holds ``layers // V + (1 if c < layers % V else 0)``: the counts sum to ``layers``,
+    differ by at most one, and the larger chunks come first (Megatron's layout order). The one
+    definition of the split: the plan's layout (``Plan.layout_segments``), the per-chunk costs
+    here, and the search's Cython twin (``_search.pyx``) all follow it.
+    """
     return tuple(layers // virtual_stages + (1 if c < layers % virtual_stages else 0)
                  for c in range(virtual_stages))
 
@@ -207,8 +206,9 @@ class CostModel:
         for s in range(n):
             k, t, l = stage_types[s], stage_tps[s], layers[s]
             lc = self.layer_costs(k, t, micro_batch_size)
-            fc = [c * lc.forward_ms for c in chunk_layers(l, v)]
-            bc = [c * lc.backward_ms for c in chunk_layers(l, v)]
+            chunks = chunk_layers(l, v)
+            fc = [c * lc.forward_ms for c in chunks]
+            bc = [c * lc.backward_ms for c in chunks]
             grad = l * lc.grad_bytes
             if s == 0:
                 fc[0] += lc.embedding_forward_ms

@@ -25,9 +25,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-import yaml
-
 from .errors import SpecError
+from .specfile import load_yaml_mapping, require_mapping
 
 _NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 _POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
@@ -270,12 +269,12 @@ PRESETS: dict[str, ModelSpec] = {
 _FIELD_NAMES = {f.name for f in fields(ModelSpec)}
 _REQUIRED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size",
              "seq_length")
+_TOP_LEVEL = "a mapping of model fields"   # what a model spec's top level must be
 
 
 def model_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> ModelSpec:
     """Validate a parsed model spec (``ModelSpec`` field names); SpecError on a bad field."""
-    if not isinstance(data, Mapping):
-        raise SpecError(source, "<top level>", "a mapping of model fields", type(data).__name__)
+    data = require_mapping(data, source, "<top level>", _TOP_LEVEL)
     for key in data:
         if key not in _FIELD_NAMES:
             raise SpecError(source, str(key),
@@ -298,18 +297,8 @@ def model_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> ModelSpe
 
 
 def load_model(path: str) -> ModelSpec:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = yaml.safe_load(handle)
-    except OSError as exc:
-        raise SpecError(path, "<file>", "a readable model YAML file", exc.strerror) from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}" if mark is not None else "<file>"
-        raise SpecError(path, where, "valid YAML", getattr(exc, "problem", str(exc))) from None
-    if data is None:
-        raise SpecError(path, "<top level>", "a model mapping", "an empty file")
-    return model_from_dict(data, source=path)
+    """Load and validate a YAML model file; raises SpecError naming file and field."""
+    return model_from_dict(load_yaml_mapping(path, "model", _TOP_LEVEL), source=path)
 
 
 def get_model(name_or_path: str) -> ModelSpec:

@@ -24,6 +24,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from .costs import chunk_layers
 from .errors import PoseidonError
 from .simulator.schedules import LAUNCHABLE_SCHEDULES as EXECUTABLE_SCHEDULES
 
@@ -103,13 +104,10 @@ class Plan:
         return tuple(s.layers for s in self.stages)
 
     def layout_segments(self) -> list[int]:
-        """Decoder layers of each virtual pipeline stage, model order (chunk-major: c*N + s)."""
-        v = self.virtual_stages
-        seg = []
-        for c in range(v):
-            for s in self.stages:
-                seg.append(s.layers // v + (1 if c < s.layers % v else 0))
-        return seg
+        """Decoder layers of each virtual pipeline stage, model order (chunk-major: c*N + s);
+        stage s's V chunks split its layers by ``costs.chunk_layers``."""
+        splits = [chunk_layers(s.layers, self.virtual_stages) for s in self.stages]
+        return [split[c] for c in range(self.virtual_stages) for split in splits]
 
     def pipeline_layout(self) -> str:
         """Megatron's ``--pipeline-model-parallel-layout``, e.g. ``Et*3|t*5|t*2L``."""

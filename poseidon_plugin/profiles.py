@@ -21,8 +21,9 @@ Analytic estimator (``estimate_profile``), per TP rank, for one micro-batch:
 * output: logits GEMM 2*b*s*h*V/tp + cross-entropy (~5 ops per logit, /tp) forward; the
   vocab-parallel loss all-reduces three b*s fp32 vectors; backward = 2 x GEMM + loss + 1
   all-reduce of b*s*h (the output layer's input gradient).
-* all-reduce cost: ring over t ranks, 2(t-1)/t x bytes / bandwidth + 2(t-1) x latency. The link is
-  the device type's intra-node link when t ranks fit in one node, else its inter-node link.
+* all-reduce cost: ``comm.allreduce_ms``, a ring over t ranks, 2(t-1)/t x bytes / bandwidth +
+  2(t-1) x latency. The link is the device type's intra-node link when t ranks fit in one node,
+  else its inter-node link.
 * activation bytes: ``memory.layer_activation_bytes`` (flash / selective assumption), embedding and
   output terms from ``memory``; parameter bytes: bf16 params per TP rank (output: final norm + the
   output weight, which the last stage holds even when tied, if the pipeline has several stages).
@@ -38,8 +39,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Literal, get_args
 
 from . import memory
+from .comm import allreduce_ms
 from .errors import ProfileDBError, SpecError
-from .units import gbps_to_bytes_per_ms
 
 LayerKind = Literal["decoder", "embedding", "output"]
 Source = Literal["measured", "estimated"]
@@ -256,14 +257,6 @@ class ProfileDB:
 
 # --------------------------------------------------------------------------- estimator
 
-def allreduce_ms(num_bytes: float, ranks: int, gbps: float, latency_ms: float) -> float:
-    """Ring all-reduce of ``num_bytes`` over ``ranks``: 2(t-1)/t x bytes / bw + 2(t-1) latency."""
-    if ranks <= 1 or num_bytes <= 0:
-        return 0.0
-    steps = 2 * (ranks - 1)
-    return steps / ranks * num_bytes / gbps_to_bytes_per_ms(gbps) + steps * latency_ms
-
-
 def tp_link_gbps(cluster, device_type: str, tp: int) -> float:
     """The link TP collectives of ``device_type`` run on: intra-node if tp ranks fit in a node."""
     if device_type not in cluster.device_types:
@@ -336,5 +329,5 @@ def profile_key(model, device_type: str, layer_kind: LayerKind, tp: int, micro_b
 
 __all__ = [
     "LayerKind", "Source", "ProfileKey", "LayerProfile", "ProfileDB", "estimate_profile",
-    "lookup_profile", "profile_key", "allreduce_ms", "tp_link_gbps",
+    "lookup_profile", "profile_key", "tp_link_gbps",
 ]

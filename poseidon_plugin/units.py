@@ -1,4 +1,4 @@
-"""Parsing numbers with units, and the unit conversions the cost models share.
+"""Parsing numbers with units (the communication cost formulas are in ``comm.py``).
 
 A spec field carries its unit in its name (``memory_gib``, ``intra_node_gbps``, ``latency_ms``,
 ``peak_tflops``). Its value may be a bare number, read in that unit, or a string with an explicit
@@ -94,14 +94,3 @@ def positive_quantity(value: object, kind: Quantity, *, source: str, field: str)
         raise SpecError(source, field, "a number > 0", value)
     return number
 
-
-def gbps_to_bytes_per_ms(gbps: float) -> float:
-    """Gbit/s -> bytes per millisecond."""
-    return gbps * 1e9 / 8 / 1e3
-
-
-def transfer_ms(num_bytes: float, gbps: float, latency_ms: float = 0.0) -> float:
-    """Time to move ``num_bytes`` over a link of ``gbps`` with a per-message latency."""
-    if num_bytes <= 0:
-        return 0.0
-    return latency_ms + num_bytes / gbps_to_bytes_per_ms(gbps)

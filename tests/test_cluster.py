@@ -12,8 +12,11 @@ from hypothesis import given, strategies as st
 from poseidon_plugin.cluster import (
     DEFAULT_EFFICIENCY, Cluster, cluster_from_dict, cluster_to_dict, load_cluster,
 )
+from poseidon_plugin.comm import send_ms
 from poseidon_plugin.errors import PoseidonError, SpecError
-from poseidon_plugin.units import BYTES_PER_GIB, parse_quantity, transfer_ms
+from poseidon_plugin.model import load_model
+from poseidon_plugin.specfile import load_yaml_mapping
+from poseidon_plugin.units import BYTES_PER_GIB, parse_quantity
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "clusters"
 
@@ -122,7 +125,12 @@ def test_parse_quantity_rejects(text, kind):
 
 
 def test_transfer_ms_zero_bytes():
-    assert transfer_ms(0, 100, 5.0) == 0.0
+    assert send_ms(0, 100, 5.0) == 0.0
+    # Cluster.transfer_ms is comm.send_ms on the node pair's link: 0 bytes -> 0 ms too
+    cluster = cluster_from_dict(BASE)
+    assert cluster.transfer_ms(0, 0, 1) == 0.0
+    assert cluster.transfer_ms(1e9, 0, 1) == send_ms(1e9, 200, 0.02)
+    assert cluster.transfer_ms(1e9, 1, 2) == send_ms(1e9, 50, 0.02)
 
 
 def test_scalar_inter_node_applies_to_all_types():
@@ -227,6 +235,45 @@ def test_error_file_level(tmp_path):
     assert info.value.field.startswith("line ")
     with pytest.raises(SpecError, match="<top level>: expected a mapping"):
         load_cluster(write(tmp_path, "- 1\n- 2\n"))
+
+
+# one loader (specfile.load_yaml_mapping) for cluster and model files: the same file-level errors,
+# word for word, naming the kind of file
+@pytest.mark.parametrize("load,what,mapping", [
+    (load_cluster, "cluster", "a mapping"),
+    (load_model, "model", "a mapping of model fields"),
+])
+def test_file_level_errors_are_shared(tmp_path, load, what, mapping):
+    missing = str(tmp_path / "missing.yaml")
+    with pytest.raises(SpecError) as info:
+        load(missing)
+    assert str(info.value) == (f"{missing}: <file>: expected a readable {what} YAML file, "
+                               f"got 'No such file or directory'")
+    with pytest.raises(SpecError) as info:
+        load(str(tmp_path))                       # a directory
+    assert str(info.value).startswith(f"{tmp_path}: <file>: expected a readable {what} YAML file")
+    empty = write(tmp_path, "", name="empty.yaml")
+    with pytest.raises(SpecError) as info:
+        load(empty)
+    assert str(info.value) == f"{empty}: <top level>: expected a {what} mapping, got 'an empty file'"
+    listed = write(tmp_path, "- 1\n- 2\n", name="list.yaml")
+    with pytest.raises(SpecError) as info:
+        load(listed)
+    assert str(info.value) == f"{listed}: <top level>: expected {mapping}, got 'list'"
+    bad = write(tmp_path, "a: [1, 2\nb: {", name="bad.yaml")
+    with pytest.raises(SpecError) as info:
+        load(bad)
+    assert info.value.source == bad and info.value.field.startswith("line ")
+    assert info.value.expected == "valid YAML"
+
+
+def test_load_yaml_mapping_returns_the_mapping(tmp_path):
+    path = write(tmp_path, {"a": 1, "b": {"c": [2, 3]}})
+    assert load_yaml_mapping(path, "thing") == {"a": 1, "b": {"c": [2, 3]}}
+    with pytest.raises(SpecError, match="expected a readable thing YAML file"):
+        load_yaml_mapping(str(tmp_path / "nope.yaml"), "thing")
+    with pytest.raises(SpecError, match="<top level>: expected a list of things, got 'int'"):
+        load_yaml_mapping(write(tmp_path, "3\n"), "thing", "a list of things")
 
 
 # --------------------------------------------------------------------------- shipped examples

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import pytest
 
-from poseidon_plugin import memory
+from poseidon_plugin import comm, costs, memory, profiles
 from poseidon_plugin.cluster import cluster_from_dict, load_cluster
-from poseidon_plugin.costs import CostModel, allreduce_ms, chunk_layers, send_ms, simulator_arrays
+from poseidon_plugin.comm import allreduce_ms, send_ms
+from poseidon_plugin.costs import CostModel, chunk_layers, simulator_arrays
 from poseidon_plugin.model import get_model
 from poseidon_plugin.profiles import ProfileKey, lookup_profile
 from poseidon_plugin.search import search_plan
@@ -47,7 +48,8 @@ def prof(cm, type_name, kind, tp, b):
 def test_send_formula_by_hand():
     assert send_ms(1_000_000, 100, 0.0) == pytest.approx(1_000_000 / 12_500_000)   # 0.08 ms
     assert send_ms(1_000_000, 100, 0.5) == pytest.approx(0.58)
-    assert send_ms(0, 100, 0.5) == pytest.approx(0.5)
+    # the documented rule (comm.py): 0 bytes -> 0 ms, no latency either (no message is sent)
+    assert send_ms(0, 100, 0.5) == 0.0
 
 
 def test_allreduce_formula_by_hand():
@@ -58,11 +60,97 @@ def test_allreduce_formula_by_hand():
     assert allreduce_ms(1e9, 4, 100, 0.01) == pytest.approx(120.0 + 0.06)
 
 
+# One definition per formula (comm.send_ms, comm.allreduce_ms, costs.chunk_layers): every Python
+# caller uses it, and its floating-point arithmetic is the one the Cython search repeats, so the
+# values are pinned bit for bit, not approximately.
+
+SEND_CASES = [(1_000_000.0, 100.0, 0.0), (1_000_000.0, 100.0, 0.5), (3 * 2**20, 75.0, 0.01),
+              (2.0 * 4 * 4096 * 8192, 1400.0, 0.003), (1.0, 0.1, 0.0), (123_456.789, 37.5, 1e-4)]
+
+
+@pytest.mark.parametrize("num_bytes,gbps,latency", SEND_CASES)
+def test_send_ms_arithmetic_is_pinned(num_bytes, gbps, latency):
+    assert send_ms(num_bytes, gbps, latency) == num_bytes * 8.0 / (gbps * 1e6) + latency
+
+
+def test_send_ms_zero_bytes_is_zero():
+    for latency in (0.0, 0.01, 5.0):
+        assert send_ms(0, 100, latency) == 0.0
+        assert send_ms(0.0, 0.5, latency) == 0.0
+        assert send_ms(-1.0, 100, latency) == 0.0
+
+
+@pytest.mark.parametrize("num_bytes,gbps,latency", SEND_CASES)
+@pytest.mark.parametrize("ranks", [2, 3, 4, 7, 8, 96])
+def test_allreduce_ms_arithmetic_is_pinned(num_bytes, gbps, latency, ranks):
+    want = (2.0 * (ranks - 1) * latency
+            + 2.0 * (ranks - 1) / ranks * num_bytes * 8.0 / (gbps * 1e6))
+    assert allreduce_ms(num_bytes, ranks, gbps, latency) == want
+
+
+def test_allreduce_ms_one_rank_or_zero_bytes_is_zero():
+    for ranks in (0, 1):
+        assert allreduce_ms(1e9, ranks, 100, 0.01) == 0.0
+        assert allreduce_ms(1e9, ranks, 100, 0.0) == 0.0
+    for ranks in (2, 8):
+        assert allreduce_ms(0, ranks, 100, 0.01) == 0.0   # nothing to reduce: no latency either
+        assert allreduce_ms(-5.0, ranks, 100, 0.01) == 0.0
+
+
+def test_allreduce_ms_is_two_sends_of_a_share_per_step():
+    # ring: 2(d-1) steps, each moving bytes/d and paying one latency
+    for d in (2, 4, 8):
+        step = send_ms(1e8 / d, 200, 0.02)
+        assert allreduce_ms(1e8, d, 200, 0.02) == pytest.approx(2 * (d - 1) * step, rel=1e-12)
+
+
+def test_one_definition_per_formula():
+    # the cost model and the profile estimator call the same functions, not copies
+    assert costs.send_ms is comm.send_ms
+    assert costs.allreduce_ms is comm.allreduce_ms
+    assert profiles.allreduce_ms is comm.allreduce_ms
+    assert not hasattr(profiles, "send_ms")
+
+
 def test_chunk_layers():
     assert chunk_layers(7, 1) == (7,)
     assert chunk_layers(7, 2) == (4, 3)
     assert chunk_layers(8, 3) == (3, 3, 2)
     assert sum(chunk_layers(13, 4)) == 13
+
+
+def test_chunk_layers_split_rule():
+    for layers in range(0, 41):
+        for v in range(1, 9):
+            split = chunk_layers(layers, v)
+            assert isinstance(split, tuple) and len(split) == v
+            assert sum(split) == layers                       # every layer in one chunk
+            assert max(split) - min(split) <= 1               # as even as possible
+            assert list(split) == sorted(split, reverse=True)  # the larger chunks first
+            assert split == tuple(layers // v + (1 if c < layers % v else 0) for c in range(v))
+    assert chunk_layers(5, 4) == (2, 1, 1, 1)
+    assert chunk_layers(3, 4) == (1, 1, 1, 0)
+
+
+def test_stage_costs_split_chunks_by_chunk_layers(cm):
+    # interleaved stage costs: chunk c of a stage costs chunk_layers(l, V)[c] decoder layers
+    # (+ the embedding on chunk 0 of stage 0, the output layer on chunk V-1 of the last stage)
+    layers, v = [5, 7], 3
+    stages, _, _ = cm.stage_costs(stage_types=[0, 0], stage_tps=[1, 1], layers=layers, dp=1,
+                                  micro_batch_size=1, num_microbatches=4,
+                                  schedule="interleaved-1f1b", virtual_stages=v)
+    lc = cm.layer_costs(0, 1, 1)
+    for s, st in enumerate(stages):
+        want_f = [c * lc.forward_ms for c in chunk_layers(layers[s], v)]
+        want_b = [c * lc.backward_ms for c in chunk_layers(layers[s], v)]
+        if s == 0:
+            want_f[0] += lc.embedding_forward_ms
+            want_b[0] += lc.embedding_backward_ms
+        if s == len(layers) - 1:
+            want_f[v - 1] += lc.output_forward_ms
+            want_b[v - 1] += lc.output_backward_ms
+        assert st.chunk_forward_ms == tuple(want_f)
+        assert st.chunk_backward_ms == tuple(want_b)
 
 
 # --------------------------------------------------------------------------- layer costs

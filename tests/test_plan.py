@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from poseidon_plugin.cluster import load_cluster
+from poseidon_plugin.costs import chunk_layers
 from poseidon_plugin.model import get_model
 from poseidon_plugin.plan import DeviceSlot, Plan, StagePlan
 from poseidon_plugin.search import search_plan
@@ -41,6 +42,19 @@ def test_interleaved_layout_has_n_times_v_segments():
     p = _plan("interleaved-1f1b", 2, layers=(4, 3))
     assert p.pipeline_layout() == "Et*2|t*2|t*2|tL"
     assert p.pipeline_layout().count("|") == 3
+
+
+def test_layout_segments_split_stages_by_chunk_layers():
+    # one split rule (costs.chunk_layers) for the layout; segments chunk-major: c*N + s
+    for layers, v in (((4, 3), 2), ((7, 5, 6), 3), ((3, 9), 4), ((8,), 3)):
+        p = _plan("interleaved-1f1b", v, layers=layers)
+        segs = p.layout_segments()
+        assert len(segs) == len(layers) * v
+        for s, n in enumerate(layers):
+            assert tuple(segs[c * len(layers) + s] for c in range(v)) == chunk_layers(n, v)
+        assert sum(segs) == sum(layers)
+    assert _plan("interleaved-1f1b", 2, layers=(4, 3)).layout_segments() == [2, 2, 2, 1]
+    assert _plan(layers=(3, 5, 2)).layout_segments() == [3, 5, 2]
 
 
 def test_rank_order_is_tp_dp_pp():

@@ -13,11 +13,11 @@ from hypothesis import given, settings, strategies as st
 
 from poseidon_plugin import memory
 from poseidon_plugin.cluster import cluster_from_dict, load_cluster
+from poseidon_plugin.comm import allreduce_ms
 from poseidon_plugin.errors import PoseidonError, ProfileDBError, SpecError
 from poseidon_plugin.model import PRESETS, ModelSpec
 from poseidon_plugin.profiles import (
-    LayerProfile, ProfileDB, ProfileKey, allreduce_ms, estimate_profile, lookup_profile,
-    profile_key,
+    LayerProfile, ProfileDB, ProfileKey, estimate_profile, lookup_profile, profile_key,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,6 +67,21 @@ def test_decoder_estimate_by_hand():
     assert p2.forward_ms == pytest.approx(compute + 2 * ring)
     assert p2.backward_ms == pytest.approx(2 * compute + 2 * ring)
     assert p2.param_bytes == pytest.approx(2 * TINY.layer_param_split().per_device(2), abs=1)
+
+
+def test_estimator_tp_all_reduce_is_comm_allreduce_ms():
+    # the estimator's TP all-reduces are the one ring formula (comm.allreduce_ms), bit for bit
+    c = cluster()
+    for tp, b in ((2, 1), (4, 2)):
+        p = estimate_profile(c, TINY, key(tp=tp, mbs=b))
+        compute = TINY.layer_forward_flops(b, 128) / tp / ((200 * 0.5) * 1e12) * 1e3
+        ring = allreduce_ms(2 * b * 128 * 256, tp, 800, 0.01)
+        assert ring == (2.0 * (tp - 1) * 0.01
+                        + 2.0 * (tp - 1) / tp * (2 * b * 128 * 256) * 8.0 / (800 * 1e6))
+        assert p.forward_ms == compute + 2 * ring
+        assert p.backward_ms == 2 * compute + 2 * ring
+    one = estimate_profile(c, TINY, key(tp=1))
+    assert one.forward_ms == TINY.layer_forward_flops(1, 128) / ((200 * 0.5) * 1e12) * 1e3
 
 
 def test_default_efficiency_used_for_slow():
