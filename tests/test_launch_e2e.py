@@ -56,9 +56,9 @@ def ok(proc, out: str) -> str:
     return "\n".join(errors[-40:]) + "\n----- tail -----\n" + out[-5000:]
 
 
-def write_emulation(path, ranks: list[str]) -> str:
+def write_emulation(path, ranks: list[str], slow_memory_gib: float = 16) -> str:
     path.write_text("device_types:\n  emu-fast: {speed: 1.0, memory_gib: 16}\n"
-                    "  emu-slow: {speed: 0.5, memory_gib: 16}\n"
+                    f"  emu-slow: {{speed: 0.5, memory_gib: {slow_memory_gib}}}\n"
                     f"ranks: [{', '.join(ranks)}]\n")
     return str(path)
 
@@ -202,13 +202,14 @@ def test_global_batch_no_plan_can_divide(tmp_path):
 
 
 def test_ranks_the_plan_does_not_use_exit_0_and_megatron_sees_only_the_used_ones(tmp_path):
-    emu = write_emulation(tmp_path / "emu.yaml", ["emu-slow", "emu-fast", "emu-fast"])
+    # the real search on a 3-device launch: the slow device (1 MiB of memory) holds no stage, so
+    # the plan is DP=2 on the two fast ones (TP pinned to 1: a TP=2 plan would be estimated only)
+    emu = write_emulation(tmp_path / "emu.yaml", ["emu-slow", "emu-fast", "emu-fast"],
+                          slow_memory_gib=0.001)
     report = tmp_path / "report"
-    env = {"POSEIDON_PROFILE_DIR": str(tmp_path / "profiles"), "POSEIDON_EXAMPLE_REPORT": str(report),
-           "POSEIDON_PLANNER": "poseidon_plugin.megatron._testing",
-           "POSEIDON_FAKE_PLAN": "fastest-node"}
+    env = {"POSEIDON_PROFILE_DIR": str(tmp_path / "profiles"), "POSEIDON_EXAMPLE_REPORT": str(report)}
     proc, out, _ = torchrun(3, [*GPT_ARGS, "--train-iters", "2", "--poseidon-auto",
-                                "--poseidon-emulate", emu], env)
+                                "--poseidon-emulate", emu, "--poseidon-tp", "1"], env)
     assert proc.returncode == 0, ok(proc, out)
     assert re.search(r"\[poseidon rank 0\] this device \(rank 0 \(host [^,]+, local rank 0, emu-slow\)\) "
                      r"is not used by the plan \(2 of 3 devices train\); exiting with 0", out), out[-4000:]

@@ -9,15 +9,21 @@ import pytest
 
 from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.megatron import argv as A
-from poseidon_plugin.megatron._testing import FakePlan, FakeSlot, FakeStage
 from poseidon_plugin.megatron.options import extract_options
+from poseidon_plugin.plan import DeviceSlot, Plan, StagePlan
 
 
-def fake_plan(layers=(6, 2), tp=1, dp=2, mbs=1, gbs=16, vpp=1) -> FakePlan:
-    stages = tuple(FakeStage(i, f"t{i}", tp, dp, n,
-                             tuple(tuple(FakeSlot(i, d * tp + t) for t in range(tp)) for d in range(dp)))
+def make_plan(layers=(6, 2), tp=1, dp=2, mbs=1, gbs=16, vpp=1, types=None, nodes=None) -> Plan:
+    """A real ``Plan`` (no search): stage i of type ``types[i]`` on cluster node ``nodes[i]``,
+    devices[dp_rank][tp_rank] = slot (node, dp_rank * tp + tp_rank)."""
+    types = types or [f"t{i}" for i in range(len(layers))]
+    nodes = nodes or list(range(len(layers)))
+    stages = tuple(StagePlan(i, types[i], tp, dp, n, 1.0, 2.0, 0.0, 0.0, 0.0, 1, 1,
+                             tuple(tuple(DeviceSlot(nodes[i], d * tp + t) for t in range(tp))
+                                   for d in range(dp)))
                    for i, n in enumerate(layers))
-    return FakePlan("1f1b", vpp, dp, mbs, gbs // (mbs * dp), gbs, 128, stages)
+    schedule = "interleaved-1f1b" if vpp > 1 else "1f1b"
+    return Plan(schedule, vpp, dp, mbs, gbs // (mbs * dp), gbs, 128, stages, 10.0)
 
 
 # ------------------------------------------------------------------------------------- options
@@ -75,9 +81,10 @@ def test_refuses_context_and_expert_parallelism_but_not_size_one():
 # ------------------------------------------------------------------------------------ rewrite
 
 def test_layout_string():
-    assert A.layout_string([3, 5, 1]) == "Et*3|t*5|tL"
-    assert A.layout_string([0, 6, 6, 1]) == "E|t*6|t*6|tL"
-    assert A.layout_string([8]) == "Et*8L"
+    """The layout is the plan's own (``Plan.pipeline_layout``), no second derivation here."""
+    assert make_plan(layers=(3, 5, 1)).pipeline_layout() == "Et*3|t*5|tL"
+    assert make_plan(layers=(0, 6, 6, 1)).pipeline_layout() == "E|t*6|t*6|tL"
+    assert make_plan(layers=(8,)).pipeline_layout() == "Et*8L"
 
 
 def test_rewrite_strips_conflicts_and_appends_plan():
@@ -85,27 +92,22 @@ def test_rewrite_strips_conflicts_and_appends_plan():
             "--decoder-first-pipeline-num-layers", "3", "--account-for-loss-in-pipeline-split",
             "--num-layers-per-virtual-pipeline-stage", "2", "--sequence-parallel",
             "--use-tp-pp-dp-mapping", "--micro-batch-size", "4", "--global-batch-size", "16", "--bf16"]
-    out = A.rewrite_argv(argv, fake_plan(), "megatron")
+    out = A.rewrite_argv(argv, make_plan(), "megatron")
     assert out == ["--num-layers", "8", "--bf16",
                    "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
-                   "--micro-batch-size", "1", "--global-batch-size", "16",
-                   "--pipeline-model-parallel-layout", "Et*6|t*2L"]
+                   "--pipeline-model-parallel-layout", "Et*6|t*2L",
+                   "--micro-batch-size", "1", "--global-batch-size", "16"]
 
 
 def test_rewrite_keeps_sequence_parallel_with_tp():
-    out = A.rewrite_argv(["--sequence-parallel"], fake_plan(tp=2), "megatron")
+    out = A.rewrite_argv(["--sequence-parallel"], make_plan(tp=2), "megatron")
     assert "--sequence-parallel" in out
 
 
-def test_rewrite_uses_the_plans_own_flags_when_it_has_them():
-    class P:
-        tp, pp, virtual_stages, micro_batch_size, global_batch_size = 1, 2, 2, 1, 8
-
-        def megatron_args(self):
-            return ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
-                    "--pipeline-model-parallel-layout", "Et*3|t|t*3|tL"]
-
-    out = A.rewrite_argv(["--lr", "1"], P(), "megatron")
+def test_rewrite_uses_the_plans_own_flags():
+    plan = make_plan(layers=(6, 2), dp=1, gbs=8, vpp=2)  # interleaved: chunks 3+3 and 1+1
+    out = A.rewrite_argv(["--lr", "1"], plan, "megatron")
+    assert out[2:] == plan.megatron_args() == A.backend_flags(plan, "megatron")
     assert out[:2] == ["--lr", "1"] and "Et*3|t|t*3|tL" in out
     assert A.flag_value(out, "--micro-batch-size") == "1"
     assert A.flag_value(out, "--global-batch-size") == "8"
@@ -121,7 +123,7 @@ def test_flag_value_last_wins():
 def test_mindspeed_translation_uses_num_layer_list():
     argv = ["--num-layers", "8", "--pipeline-model-parallel-layout", "Et*4|t*4L",
             "--num-layer-list", "4,4", "--pipeline-num-transformer-layers", "[[4],[4]]"]
-    out = A.rewrite_argv(argv, fake_plan(), "mindspeed-llm")
+    out = A.rewrite_argv(argv, make_plan(), "mindspeed-llm")
     assert A.flag_value(out, "--num-layer-list") == "6,2"
     assert "--pipeline-model-parallel-layout" not in out
     assert "--pipeline-num-transformer-layers" not in out
@@ -130,15 +132,15 @@ def test_mindspeed_translation_uses_num_layer_list():
 
 def test_mindspeed_refuses_what_num_layer_list_cannot_do():
     with pytest.raises(PoseidonError, match="noop-layers"):
-        A.rewrite_argv(["--noop-layers", "7"], fake_plan(), "mindspeed-llm")
+        A.rewrite_argv(["--noop-layers", "7"], make_plan(), "mindspeed-llm")
     with pytest.raises(PoseidonError, match="dualpipev"):
-        A.rewrite_argv(["--schedules-method", "dualpipev"], fake_plan(), "mindspeed-llm")
+        A.rewrite_argv(["--schedules-method", "dualpipev"], make_plan(), "mindspeed-llm")
     with pytest.raises(PoseidonError, match="interleaved"):
-        A.rewrite_argv([], fake_plan(vpp=2), "mindspeed-llm")
+        A.rewrite_argv([], make_plan(vpp=2), "mindspeed-llm")
 
 
 def test_mindspeed_single_stage_has_no_layer_list():
-    out = A.rewrite_argv([], fake_plan(layers=(8,)), "mindspeed-llm")
+    out = A.rewrite_argv([], make_plan(layers=(8,)), "mindspeed-llm")
     assert "--num-layer-list" not in out
 
 
@@ -151,7 +153,7 @@ def test_mindspeed_repatch_called_when_adaptor_already_imported(monkeypatch):
     for name, mod in (("mindspeed_llm", pkg), ("mindspeed_llm.tasks", tasks),
                       ("mindspeed_llm.tasks.megatron_adaptor_v2", adaptor)):
         monkeypatch.setitem(sys.modules, name, mod)
-    out = A.rewrite_argv(["--tensor-model-parallel-size", "8"], fake_plan(), "mindspeed-llm")
+    out = A.rewrite_argv(["--tensor-model-parallel-size", "8"], make_plan(), "mindspeed-llm")
     assert A.apply_mindspeed_llm(out) is True
     (d,) = calls
     assert {k: d[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from poseidon_plugin.cluster import cluster_from_dict
+from test_megatron_argv import make_plan
+
 from poseidon_plugin.errors import PoseidonError, SpecError
 from poseidon_plugin.megatron import discovery as D
+from poseidon_plugin.megatron import profile_gather as G
 from poseidon_plugin.megatron import renumber as R
-from poseidon_plugin.megatron._testing import FakePlan, FakeSlot, FakeStage
+from poseidon_plugin.plan import DeviceSlot
 
 
 def infos(spec):
@@ -41,13 +43,12 @@ def test_probe_pairs_one_per_link_class():
     assert [(c, t) for c, t, _, _ in skipped] == [("intra", "fast"), ("inter", "fast")]
 
 
-def test_cluster_dict_is_a_valid_cluster_and_overrides_win():
+def test_discovered_cluster_is_a_valid_cluster_and_overrides_win():
     topo = D.group_nodes(infos([("a", "slow"), ("a", "slow"), ("b", "fast"), ("b", "fast")]))
     links = D.LinkMeasurements(intra_gbps={"slow": 50.0, "fast": 60.0}, cross_gbps=5.0, latency_ms=0.02)
     over = {"name": "lab", "device_types": {"fast": {"intra_node_gbps": 999}},
             "links": {"inter_node_gbps": {"slow": 7}}}
-    data = D.cluster_dict(topo, links, over)
-    cluster = cluster_from_dict(data)
+    cluster = D.discover_cluster(topo, links, over)
     assert cluster.name == "lab"
     assert [n.device_type for n in cluster.nodes] == ["slow", "fast"]
     assert cluster.device_types["fast"].intra_node_gbps == 999
@@ -55,6 +56,8 @@ def test_cluster_dict_is_a_valid_cluster_and_overrides_win():
     assert cluster.links.cross_type_gbps == 5.0
     assert cluster.links.inter_node_gbps["slow"] == 7
     assert D.links_given(over, ["slow", "fast"]) == {"intra:fast", "inter:slow"}
+    assert D.speed_given({"device_types": {"fast": {"efficiency": 0.4}, "slow": {"memory_gib": 8}}}) \
+        == {"fast"}
 
 
 def test_rename_and_override_file(tmp_path):
@@ -75,24 +78,26 @@ def test_calibrate_sets_measured_speed():
 
     model = get_model("llama3-8b")
     topo = D.group_nodes(infos([("a", "slow"), ("a", "slow"), ("b", "fast"), ("b", "fast")]))
-    data = D.cluster_dict(topo, D.LinkMeasurements())
+    cluster = D.discover_cluster(topo, D.LinkMeasurements())
     db = ProfileDB(None)
     flops = model.layer_forward_flops(1, 128)
     for t, ms in (("slow", 20.0), ("fast", 10.0)):
         db.put(LayerProfile(ProfileKey(t, "decoder", 1, 1, 128, model.signature()), ms, 2 * ms, 1, 1,
                             source="measured"))
-    out = D.calibrate(data, db, model, [1], [1], 128, estimated_peak=["slow", "fast"])
-    assert out["device_types"]["fast"]["peak_tflops"] == pytest.approx(flops / 10e-3 / 1e12, rel=1e-5)
-    assert out["device_types"]["slow"]["efficiency"] == 1.0
-    cluster = cluster_from_dict(out)
-    assert cluster.device_types["fast"].effective_tflops == pytest.approx(
-        2 * cluster.device_types["slow"].effective_tflops, rel=1e-5)
+    out = G.calibrate(cluster, db, model, [1], [1], 128, estimated_peak=["slow", "fast"])
+    assert out.device_types["fast"].peak_tflops == pytest.approx(flops / 10e-3 / 1e12, rel=1e-5)
+    assert out.device_types["slow"].efficiency == 1.0
+    assert out.device_types["fast"].effective_tflops == pytest.approx(
+        2 * out.device_types["slow"].effective_tflops, rel=1e-5)
+    # a type whose speed the cluster file fixes is left alone
+    kept = G.calibrate(cluster, db, model, [1], [1], 128, fixed={"fast"},
+                       estimated_peak=["slow", "fast"])
+    assert kept.device_types["fast"] == cluster.device_types["fast"]
+    assert kept.device_types["slow"] == out.device_types["slow"]
 
 
 def two_stage_plan(dp=2):
-    stages = (FakeStage(0, "fast", 1, dp, 6, tuple((FakeSlot(1, d),) for d in range(dp))),
-              FakeStage(1, "slow", 1, dp, 2, tuple((FakeSlot(0, d),) for d in range(dp))))
-    return FakePlan("1f1b", 1, dp, 1, 8, 16, 128, stages)
+    return make_plan(layers=(6, 2), dp=dp, types=["fast", "slow"], nodes=[1, 0])
 
 
 def test_renumber_moves_fast_devices_to_stage_zero():
@@ -108,17 +113,17 @@ def test_renumber_moves_fast_devices_to_stage_zero():
 
 def test_renumber_reports_unused_ranks():
     topo = D.group_nodes(infos([("a", "slow"), ("a", "slow"), ("a", "fast"), ("a", "fast")]))
-    stages = (FakeStage(0, "fast", 1, 2, 8, ((FakeSlot(1, 0),), (FakeSlot(1, 1),))),)
-    ren = R.renumber(FakePlan("1f1b", 1, 2, 1, 8, 16, 128, stages).rank_order(), topo, 4)
+    plan = make_plan(layers=(8,), dp=2, types=["fast"], nodes=[1])
+    ren = R.renumber(plan.rank_order(), topo, 4)
     assert ren.launch_rank_of == (2, 3) and ren.unused == (0, 1) and ren.world_size == 2
 
 
 def test_renumber_rejects_a_plan_for_another_cluster():
     topo = D.group_nodes(infos([("a", "slow"), ("a", "fast")]))
     with pytest.raises(PoseidonError, match="does not have"):
-        R.renumber([FakeSlot(3, 0)], topo, 2)
+        R.renumber([DeviceSlot(3, 0)], topo, 2)
     with pytest.raises(PoseidonError, match="twice"):
-        R.renumber([FakeSlot(0, 0), FakeSlot(0, 0)], topo, 2)
+        R.renumber([DeviceSlot(0, 0), DeviceSlot(0, 0)], topo, 2)
 
 
 def test_aggregate_takes_the_median_per_type_and_names_stragglers():

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from ..errors import PoseidonError
+
+if TYPE_CHECKING:
+    from ..plan import Plan
 
 # Flags the plan owns. Every one takes exactly one value.
 PLAN_VALUE_FLAGS: tuple[str, ...] = (
@@ -107,73 +110,23 @@ def check_refused(argv: Sequence[str]) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def layout_string(layers_per_stage: Sequence[int]) -> str:
-    """Megatron's ``--pipeline-model-parallel-layout`` for a non-interleaved plan: ``Et*3|t*5|tL``."""
-    if not layers_per_stage:
-        raise PoseidonError("a plan needs at least one pipeline stage")
-    parts = []
-    last = len(layers_per_stage) - 1
-    for k, n in enumerate(layers_per_stage):
-        body = "" if n == 0 else ("t" if n == 1 else f"t*{n}")
-        parts.append(("E" if k == 0 else "") + body + ("L" if k == last else ""))
-    return "|".join(parts)
+def backend_flags(plan: Plan, backend: str) -> list[str]:
+    """The flags that set ``plan`` on ``backend``: the plan's own ``mindspeed_llm_args()`` for
+    'mindspeed-llm', ``megatron_args()`` otherwise."""
+    return plan.mindspeed_llm_args() if backend == "mindspeed-llm" else plan.megatron_args()
 
 
-def _call_plan_method(plan: Any, name: str) -> list[str] | None:
-    method = getattr(plan, name, None)
-    if method is None:
-        return None
-    try:
-        tokens = method()
-    except NotImplementedError:
-        return None
-    if tokens is None:  # an unimplemented interface stub
-        return None
-    return [str(t) for t in tokens]
-
-
-def plan_flags(plan: Any, backend: str) -> list[str]:
-    """The flags that set ``plan`` on ``backend`` ('megatron' or 'mindspeed-llm').
-
-    Uses the plan's own ``megatron_args()`` / ``mindspeed_llm_args()``; a plan without them (or a stub
-    returning None) gets the flags derived here from its TP, PP, layers per stage and batch sizes.
-    """
-    method = "mindspeed_llm_args" if backend == "mindspeed-llm" else "megatron_args"
-    tokens = _call_plan_method(plan, method)
-    if tokens is not None:
-        if "--micro-batch-size" not in tokens:
-            tokens += ["--micro-batch-size", str(plan.micro_batch_size)]
-        if "--global-batch-size" not in tokens:
-            tokens += ["--global-batch-size", str(plan.global_batch_size)]
-        return tokens
-    tp, pp = int(plan.tp), int(plan.pp)
-    layers = [int(n) for n in plan.layers_per_stage]
-    vpp = int(getattr(plan, "virtual_stages", 1) or 1)
-    if vpp > 1:
-        raise PoseidonError("this plan object does not provide megatron_args(); the derived flags "
-                            "cover non-interleaved plans only")
-    tokens = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-              "--micro-batch-size", str(plan.micro_batch_size),
-              "--global-batch-size", str(plan.global_batch_size)]
-    if pp > 1:
-        if backend == "mindspeed-llm":
-            tokens += ["--num-layer-list", ",".join(str(n) for n in layers)]
-        else:
-            tokens += ["--pipeline-model-parallel-layout", layout_string(layers)]
-    return tokens
-
-
-def rewrite_argv(argv: Sequence[str], plan: Any, backend: str) -> list[str]:
+def rewrite_argv(argv: Sequence[str], plan: Plan, backend: str) -> list[str]:
     """``argv`` (script arguments, no program name) with the plan applied; deterministic."""
     if backend not in ("megatron", "mindspeed-llm"):
         raise PoseidonError(f"unknown backend {backend!r}; expected megatron or mindspeed-llm")
-    if backend == "mindspeed-llm" and int(getattr(plan, "virtual_stages", 1) or 1) > 1:
+    if backend == "mindspeed-llm" and plan.virtual_stages > 1:
         raise PoseidonError("MindSpeed-LLM's --num-layer-list cannot express an interleaved "
                             "(virtual-stage) plan; search with --poseidon-max-virtual-stages 1")
     bool_flags = list(PLAN_BOOL_FLAGS)
-    if int(plan.tp) == 1:
+    if plan.tp == 1:
         bool_flags.append("--sequence-parallel")  # Megatron rejects SP without TP
-    if backend == "mindspeed-llm" and int(plan.pp) > 1:
+    if backend == "mindspeed-llm" and plan.pp > 1:
         if find_flag(argv, "--noop-layers"):
             raise PoseidonError("MindSpeed-LLM disables --num-layer-list when --noop-layers is set; "
                                 "remove --noop-layers to let Poseidon split the layers")
@@ -181,7 +134,7 @@ def rewrite_argv(argv: Sequence[str], plan: Any, backend: str) -> list[str]:
             raise PoseidonError("MindSpeed-LLM's dualpipev schedule cannot take a --num-layer-list; "
                                 "remove --schedules-method dualpipev")
     out = strip_flags(argv, PLAN_VALUE_FLAGS, bool_flags)
-    return out + plan_flags(plan, backend)
+    return out + backend_flags(plan, backend)
 
 
 # ----------------------------------------------------------------------------------------------

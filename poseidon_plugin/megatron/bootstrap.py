@@ -222,10 +222,9 @@ class Bootstrap:
         import torch.distributed as dist
 
         self.finish_probe()
-        kwargs: dict[str, Any] = {}
         dist.init_process_group(backend, store=dist.PrefixStore(f"{self.prefix}/main", self.store),
                                 rank=new_rank, world_size=new_world,
-                                timeout=timedelta(minutes=timeout_minutes), **kwargs)
+                                timeout=timedelta(minutes=timeout_minutes))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -6,9 +6,8 @@ API (the ``--poseidon-auto`` runner installs it after the plan is applied, befor
     from poseidon_plugin.megatron.calibration import install_calibration
 
     cal = install_calibration(
-        plan,                                  # poseidon_plugin.plan.Plan (or anything with the
-                                               #   same fields: stages[i].layers/.device_type/.tp,
-                                               #   micro_batch_size, seq_length,
+        plan,                                  # poseidon_plugin.plan.Plan (read: stages[i].layers/
+                                               #   .device_type/.tp, micro_batch_size, seq_length,
                                                #   predicted_iteration_time_ms)
         model_signature=model.signature(),     # ProfileKey.model_signature of the run's model
         profile_db_path=cache_path,            # JSON ProfileDB; None = do not write back
@@ -46,9 +45,13 @@ from __future__ import annotations
 import logging
 import statistics
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .recorder import OpRecorder
+
+if TYPE_CHECKING:
+    from ..plan import Plan
+    from ..profiles import LayerProfile, ProfileDB
 
 log = logging.getLogger("poseidon")
 
@@ -102,8 +105,8 @@ def stage_timing(recorder: OpRecorder, stage: int, skip: int) -> StageTiming | N
                        statistics.median(bwd) * 1e3 if bwd else 0.0, wall * 1e3)
 
 
-def measured_profiles(plan: Any, timings: list[StageTiming], model_signature: str,
-                      existing: Any = None) -> list:
+def measured_profiles(plan: Plan, timings: list[StageTiming], model_signature: str,
+                      existing: ProfileDB | None = None) -> list[LayerProfile]:
     """Per-layer measured ``LayerProfile``s, one per (device type, tp) of the plan."""
     from ..profiles import LayerProfile, ProfileKey
 
@@ -132,7 +135,7 @@ def measured_profiles(plan: Any, timings: list[StageTiming], model_signature: st
 class LiveCalibration:
     """Times iterations, reports once, writes measured profiles (see the module docstring)."""
 
-    def __init__(self, plan: Any, *, model_signature: str = "", profile_db_path: str | None = None,
+    def __init__(self, plan: Plan, *, model_signature: str = "", profile_db_path: str | None = None,
                  warmup_iterations: int = 3, measure_iterations: int = 5, stage: int | None = None,
                  emit: Callable[[str], None] | None = None) -> None:
         self.plan = plan
@@ -140,7 +143,7 @@ class LiveCalibration:
         self.profile_db_path = profile_db_path
         self.warmup = int(warmup_iterations)
         self.measure = int(measure_iterations)
-        self.predicted_ms = float(getattr(plan, "predicted_iteration_time_ms", 0.0))
+        self.predicted_ms = float(plan.predicted_iteration_time_ms)
         self.stage = stage
         self.recorder: OpRecorder | None = None
         self.result: CalibrationReport | None = None
@@ -226,7 +229,7 @@ class LiveCalibration:
             (self._emit or log.warning)(line)
 
 
-def install_calibration(plan: Any, *, model_signature: str = "",
+def install_calibration(plan: Plan, *, model_signature: str = "",
                         profile_db_path: str | None = None, warmup_iterations: int = 3,
                         measure_iterations: int = 5, wrap_train_step: bool = True,
                         emit: Callable[[str], None] | None = None) -> LiveCalibration:

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from ..cluster import Cluster, cluster_from_dict
 from ..errors import SpecError
 
 log = logging.getLogger("poseidon")
@@ -191,7 +192,7 @@ def measure_links(boot: Any, topo: Topology, device: Any, skip: set[str] = froze
 
 
 # ----------------------------------------------------------------------------------------------
-# the Cluster
+# the Cluster (calibrating its compute speed to the profiles is profile_gather.calibrate)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -211,8 +212,25 @@ def links_given(overrides: Mapping[str, Any], types: Sequence[str]) -> set[str]:
     return skip
 
 
-def cluster_dict(topo: Topology, links: LinkMeasurements, overrides: Mapping[str, Any] | None = None,
-                 source: str = "<discovered>") -> dict[str, Any]:
+def speed_given(overrides: Mapping[str, Any]) -> set[str]:
+    """Device types whose compute speed the cluster file fixes (profiles do not calibrate them)."""
+    dtypes = overrides.get("device_types") or {}
+    if not isinstance(dtypes, Mapping):
+        return set()
+    return {t for t, body in dtypes.items()
+            if isinstance(body, Mapping) and ("efficiency" in body or "peak_tflops" in body)}
+
+
+def discover_cluster(topo: Topology, links: LinkMeasurements,
+                     overrides: Mapping[str, Any] | None = None,
+                     source: str = "<discovered>") -> Cluster:
+    """The ``Cluster`` of the discovered launch: devices and measured links, the cluster file's
+    overrides on top, validated once by ``cluster_from_dict`` (errors name ``source``)."""
+    return cluster_from_dict(_cluster_spec(topo, links, overrides, source), source=source)
+
+
+def _cluster_spec(topo: Topology, links: LinkMeasurements, overrides: Mapping[str, Any] | None,
+                  source: str) -> dict[str, Any]:
     """The YAML-shaped cluster dict (see poseidon_plugin.cluster) for the discovered launch."""
     overrides = dict(overrides or {})
     types: dict[str, dict[str, Any]] = {}
@@ -282,41 +300,3 @@ def load_overrides(path: str | None) -> dict[str, Any]:
     if unknown:
         raise SpecError(path, "<root>", f"only the keys {sorted(allowed)}", sorted(unknown))
     return data
-
-
-def calibrate(data: Mapping[str, Any], db: Any, model: Any, tps: Sequence[int],
-              micro_batch_sizes: Sequence[int], seq_length: int,
-              overrides: Mapping[str, Any] | None = None,
-              estimated_peak: Sequence[str] = ()) -> dict[str, Any]:
-    """Set each type's compute speed from its measured decoder layer, so that what the search
-    still estimates (embedding, output layer, unprofiled TP degrees) is on the same scale.
-
-    Real devices keep their peak and get ``efficiency`` = measured / peak; CPU and emulated types
-    get ``peak_tflops`` = measured and ``efficiency`` 1. Values the cluster file sets win.
-    """
-    from ..profiles import ProfileKey
-
-    out = {**data, "device_types": {k: dict(v) for k, v in data["device_types"].items()}}
-    fixed = (overrides or {}).get("device_types") or {}
-    sig = model.signature()
-    for name, body in out["device_types"].items():
-        user = fixed.get(name) or {}
-        if "efficiency" in user or "peak_tflops" in user:
-            continue
-        rates = []
-        for tp in tps:
-            for mbs in micro_batch_sizes:
-                p = db.get(ProfileKey(name, "decoder", tp, mbs, seq_length, sig))
-                if p is not None and p.source == "measured" and p.forward_ms > 0:
-                    flops = model.layer_forward_flops(mbs, seq_length) / tp
-                    rates.append(flops / (p.forward_ms * 1e-3) / 1e12)
-        if not rates:
-            continue
-        measured = max(rates)  # TFLOP/s actually reached (communication included for tp > 1)
-        peak = float(body.get("peak_tflops") or 0)
-        if name in estimated_peak or peak <= 0 or measured > peak:
-            body["peak_tflops"] = round(measured, 6)
-            body["efficiency"] = 1.0
-        else:
-            body["efficiency"] = round(max(1e-6, measured / peak), 6)
-    return out

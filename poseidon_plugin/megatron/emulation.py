@@ -222,11 +222,28 @@ def install_cpu_shims(*, local_rank: int = 0, device_count: int = 1, device_name
         return
     import torch
 
-    cuda = torch.cuda
+    state = {"device": local_rank}
+    patches = _cuda_patches(state, device_count, device_name, memory_bytes)
+    for name, value in patches.items():
+        setattr(torch.cuda, name, value)
+    for name in ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all",
+                 "get_rng_state_all", "set_rng_state_all"):
+        setattr(torch.cuda.random, name, patches[name])
+    _keep_off_the_accelerator(state)
+    _MODE = _make_mode()
+    _MODE.__enter__()  # stays active for the whole process
+    _patch_megatron_rng()
+    _SHIMS_INSTALLED = True
+
+
+def _cuda_patches(state: dict[str, Any], device_count: int, device_name: str,
+                  memory_bytes: int) -> dict[str, Any]:
+    """``torch.cuda`` attribute -> CPU stand-in (``state["device"]``: the current device)."""
+    import torch
+
     props = types.SimpleNamespace(name=device_name, total_memory=int(memory_bytes), major=9, minor=0,
                                   multi_processor_count=1, gcnArchName="", uuid="emulated")
     cpu_gen = torch.default_generator
-    state = {"device": local_rank}
 
     def set_device(dev: Any) -> None:
         state["device"] = dev.index if isinstance(dev, torch.device) and dev.index is not None else (
@@ -285,17 +302,19 @@ def install_cpu_shims(*, local_rank: int = 0, device_count: int = 1, device_name
         _lazy_init=lambda: None,
         nvtx=nvtx,
     )
-    for name, value in patches.items():
-        setattr(cuda, name, value)
+    return patches
+
+
+def _keep_off_the_accelerator(state: dict[str, Any]) -> None:
+    """No CUDA context, no torch.accelerator probe, no torch.compile probing the real device."""
+    import torch
+
     # torch.accelerator (DataLoader pinning, dynamo) must not reach the CUDA runtime either.
     accel = getattr(torch, "accelerator", None)
     if accel is not None:
         accel.is_available = lambda: False
         accel.current_device_index = lambda: state["device"] if isinstance(state["device"], int) else 0
         accel.synchronize = lambda *a, **k: None
-    for name in ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all",
-                 "get_rng_state_all", "set_rng_state_all"):
-        setattr(cuda.random, name, patches[name])
     # A CUDA context must never be created; a stray accelerator call should fail loudly, not hang.
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
@@ -307,11 +326,6 @@ def install_cpu_shims(*, local_rank: int = 0, device_count: int = 1, device_name
         torch._dynamo.config.disable = True
     except Exception:  # pragma: no cover - very old torch
         pass
-
-    _MODE = _make_mode()
-    _MODE.__enter__()  # stays active for the whole process
-    _patch_megatron_rng()
-    _SHIMS_INSTALLED = True
 
 
 def _patch_megatron_rng() -> None:
@@ -346,10 +360,6 @@ def _patch_megatron_rng() -> None:
     rnd._lazy_call = lambda cb, **k: cb()
     rnd._lazy_init = lambda: None
     rnd.device_ctx_manager = lambda *a, **k: contextlib.nullcontext()
-
-
-def shims_installed() -> bool:
-    return _SHIMS_INSTALLED
 
 
 # ----------------------------------------------------------------------------------------------
@@ -425,6 +435,3 @@ def install_slowdown(factor: float) -> None:
     TransformerLayer.forward = forward
     _SLOWDOWN_INSTALLED = True
 
-
-def slowdown_factor() -> float:
-    return _SLOWDOWN["factor"]

@@ -9,9 +9,13 @@ back to launch ranks. Launch ranks absent from the order are not used by the pla
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from ..errors import PoseidonError
+
+if TYPE_CHECKING:
+    from ..plan import DeviceSlot, Plan
+    from .discovery import Topology
 
 
 @dataclass(frozen=True)
@@ -25,20 +29,12 @@ class Renumbering:
         return len(self.launch_rank_of)
 
 
-def _slots(rank_order: Sequence[Any]) -> list[tuple[int, int]]:
-    out = []
-    for s in rank_order:
-        if isinstance(s, (tuple, list)):
-            out.append((int(s[0]), int(s[1])))
-        else:
-            out.append((int(s.node), int(s.local_device)))
-    return out
-
-
-def renumber(rank_order: Sequence[Any], topo: Any, world_size: int) -> Renumbering:
-    """Map the plan's new-rank order onto launch ranks; PoseidonError if it does not fit the launch."""
+def renumber(rank_order: Sequence[DeviceSlot], topo: Topology, world_size: int) -> Renumbering:
+    """Map the plan's new-rank order (``Plan.rank_order()``) onto launch ranks; PoseidonError if
+    it does not fit the launch."""
     launch_of: list[int] = []
-    for new_rank, (node, dev) in enumerate(_slots(rank_order)):
+    for new_rank, slot in enumerate(rank_order):
+        node, dev = slot.node, slot.local_device
         if not 0 <= node < len(topo.nodes) or not 0 <= dev < len(topo.nodes[node]):
             raise PoseidonError(f"the plan places new rank {new_rank} on node {node} device {dev}, "
                                 "which this launch does not have (was it made for another cluster?)")
@@ -52,9 +48,9 @@ def renumber(rank_order: Sequence[Any], topo: Any, world_size: int) -> Renumberi
     return Renumbering(new_of, tuple(launch_of), unused)
 
 
-def stage_map(plan: Any, renum: Renumbering, topo: Any) -> list[str]:
+def stage_map(plan: Plan, renum: Renumbering, topo: Topology) -> list[str]:
     """Human-readable new rank -> stage lines (for the dry-run and the log)."""
-    per_stage = max(1, renum.world_size // max(1, int(plan.pp)))
+    per_stage = max(1, renum.world_size // max(1, plan.pp))
     lines = []
     for new_rank, launch in enumerate(renum.launch_rank_of):
         stage = new_rank // per_stage

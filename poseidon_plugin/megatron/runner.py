@@ -4,6 +4,10 @@
       -> gather -> search on rank 0 -> broadcast plan + checksum -> [dry-run: print, exit 0]
       -> renumber ranks + real process group -> rewrite argv -> the user's script
 
+:func:`plan_and_apply` is that line, one phase function per step over a :class:`LaunchContext`.
+``_all_ranks_*`` phases run on every rank (most of them meet in a collective); ``_rank0_*`` phases
+run on rank 0 only (calibration, search, the report).
+
 Entry points: :func:`launch_main` (``python -m poseidon_plugin.launch script.py ...``) and
 :func:`auto_main` (``import poseidon_plugin.auto`` at the top of the script).
 """
@@ -11,23 +15,34 @@ Entry points: :func:`launch_main` (``python -m poseidon_plugin.launch script.py 
 from __future__ import annotations
 
 import hashlib
-import importlib
 import logging
 import os
 import runpy
+import shlex
 import sys
 import time
-from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 from ..errors import DistributedError, PoseidonError
 from . import argv as argvmod
-from .options import PoseidonOptions, default_profile_dir, extract_options
+from . import bootstrap, discovery, emulation, profile_gather, profiler, renumber
+from .compat import CPU_EMULATION_FLAGS, CPU_INCOMPATIBLE_BOOL_FLAGS, patch_dataset_helpers
+from .options import PoseidonOptions, extract_options
+
+if TYPE_CHECKING:
+    from ..cluster import Cluster
+    from ..model import ModelSpec
+    from ..plan import Plan
+    from ..profiles import ProfileDB
+    from ..search import SearchOptions
 
 log = logging.getLogger("poseidon")
 
 EXIT_USER_ERROR = 2
 EXIT_FAILURE = 1
+
+T = TypeVar("T")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -81,40 +96,12 @@ def _maybe_inject_fault(phase: str, rank: int) -> None:
     raise RuntimeError(f"injected fault in {phase}")
 
 
-def _planner() -> tuple[Callable[..., Any], Callable[[str], Any]]:
-    """(search_plan, plan_from_json). POSEIDON_PLANNER='module' swaps both (tests, experiments)."""
-    override = os.environ.get("POSEIDON_PLANNER")
-    if override:
-        mod = importlib.import_module(override)
-        return mod.search_plan, mod.plan_from_json
-    from ..plan import Plan
-    from ..search import search_plan
-
-    return search_plan, Plan.from_json
-
-
 def plan_checksum(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def versions_tag(extra: Sequence[str] = ()) -> str:
-    """What, besides the layer's shape, makes a profile stale: library versions, impl, dtype."""
-    import torch
-
-    try:
-        from importlib.metadata import version
-
-        mcore = version("megatron-core")
-    except Exception:  # noqa: BLE001 - a source checkout of Megatron-LM
-        mcore = "src"
-    from .. import __version__
-
-    parts = [f"torch{torch.__version__}", f"mcore{mcore}", f"poseidon{__version__}", *extra]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
-
-
 # ----------------------------------------------------------------------------------------------
-# the flow
+# the launch context
 # ----------------------------------------------------------------------------------------------
 
 
@@ -125,266 +112,374 @@ class AutoResult:
     argv: list[str]
     new_rank: int
     world_size: int
-    plan: Any
+    plan: Plan
 
 
-def _profile_cache_path(opts: PoseidonOptions, tag: str) -> str:
-    return os.path.join(opts.profile_dir or default_profile_dir(), f"profiles-{tag}.json")
+@dataclass(eq=False, repr=False)
+class LaunchContext:
+    """What one rank knows about the launch. Each phase fills in the fields under its name; a
+    field is read only by later phases (reading it earlier is an AttributeError)."""
+
+    script: str
+    argv: list[str]                  # the script's arguments (CPU flags appended under emulation)
+    opts: PoseidonOptions
+    env: bootstrap.LaunchEnv
+    t_start: float
+    # _all_ranks_setup_device
+    emu: emulation.EmulationSpec | None = field(init=False, default=None)
+    device: bootstrap.LocalDevice = field(init=False)
+    host: str = field(init=False)
+    backend: str = field(init=False)  # "megatron" | "mindspeed-llm"
+    # _all_ranks_read_model
+    args: Any = field(init=False)     # Megatron's argparse namespace (parsed, not validated)
+    model: ModelSpec = field(init=False)
+    global_batch_size: int = field(init=False)
+    micro_batch_sizes: tuple[int, ...] = field(init=False)
+    # _all_ranks_bootstrap: the rendezvous store, barriers and the probe gloo group
+    overrides: dict[str, Any] = field(init=False)
+    boot: bootstrap.Bootstrap = field(init=False)
+    # _all_ranks_discover (the cluster's compute speed: calibrated by _rank0_calibrate_cluster)
+    topo: discovery.Topology = field(init=False)
+    cluster: Cluster = field(init=False)
+    # _all_ranks_profile
+    tps: tuple[int, ...] = field(init=False)
+    cache_path: str = field(init=False)
+    profiles: ProfileDB | None = field(init=False, default=None)   # rank 0 only
+    stragglers: list[str] = field(init=False, default_factory=list)  # rank 0 only
+    # _all_ranks_share_plan
+    plan: Plan = field(init=False)
+    plan_text: str = field(init=False)
+    renum: renumber.Renumbering = field(init=False)
+    new_argv: list[str] = field(init=False)
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def seq_length(self) -> int:
+        return int(self.args.seq_length)
+
+    def guarded(self, phase: str, fn: Callable[[], T]) -> T:
+        """``fn`` run as ``phase``: an error is posted to the other ranks, which name this one
+        (``POSEIDON_FAULT_INJECT`` can make this rank misbehave here)."""
+        def body() -> T:
+            _maybe_inject_fault(phase, self.rank)
+            return fn()
+        return bootstrap.run_guarded(self.boot, phase, body)
 
 
-def _load_cache(path: str, reprofile: bool):
-    """The profile cache; a corrupt file is moved aside with a warning (profiles are re-measured)."""
-    from ..errors import ProfileDBError
-    from ..profiles import ProfileDB
-
-    if reprofile or not os.path.exists(path):
-        return ProfileDB(None)
-    try:
-        return ProfileDB.load(path)
-    except ProfileDBError as e:
-        aside = f"{path}.corrupt-{int(time.time())}"
-        try:
-            os.replace(path, aside)
-        except OSError:
-            aside = "(could not move it)"
-        log.warning("profile cache is unreadable, re-profiling: %s; old file kept as %s", e, aside)
-        return ProfileDB(None)
+# ----------------------------------------------------------------------------------------------
+# the flow
+# ----------------------------------------------------------------------------------------------
 
 
 def plan_and_apply(script: str, argv: list[str], opts: PoseidonOptions) -> AutoResult:
-    """Everything before the user's script. Returns on ranks that train; exits on the others."""
-    from . import bootstrap, discovery, emulation, profiler, renumber
-    from .compat import CPU_EMULATION_FLAGS, CPU_INCOMPATIBLE_BOOL_FLAGS, patch_dataset_helpers
+    """Everything before the user's script (the module docstring's line). Returns on ranks that
+    train; raises SystemExit(0) on ranks the plan leaves unused and after a dry run."""
+    ctx = _all_ranks_start(script, argv, opts)          # refuse, logging
+    _all_ranks_setup_device(ctx)                        # [emulation] or the real device; backend
+    _all_ranks_read_model(ctx)                          # Megatron's parser -> model, batch sizes
+    _all_ranks_bootstrap(ctx)
+    try:
+        _all_ranks_discover(ctx)                        # discovery + link probe -> Cluster
+        _all_ranks_profile(ctx)                         # profiling (or cache) -> gather
+        if ctx.rank == 0:
+            _rank0_calibrate_cluster(ctx)
+        _all_ranks_share_plan(ctx)                      # search on rank 0 -> broadcast + checksum
+        if ctx.rank == 0:
+            _rank0_report(ctx)
+        if ctx.opts.dry_run:
+            _all_ranks_leave_dry_run(ctx)               # exit 0 before any model is built
+        ctx.guarded("apply", lambda: ctx.boot.barrier("apply"))
+    except BaseException:
+        if ctx.boot.probe_up:
+            ctx.boot.finish_probe()
+        raise
+    return _all_ranks_apply(ctx)                        # renumber + real process group + argv
 
+
+def _all_ranks_start(script: str, argv: list[str], opts: PoseidonOptions) -> LaunchContext:
     argvmod.check_refused(argv)
     env = bootstrap.LaunchEnv.from_environ()
     _setup_logging(env.rank)
     _enable_stack_dumps()
-    t_start = time.perf_counter()
+    return LaunchContext(script, list(argv), opts, env, time.perf_counter())
 
-    # -- emulation and device ----------------------------------------------------------------
-    emu = emulation.load_emulation(opts.emulate_file) if opts.emulate_file else None
-    if emu is not None:
-        etype = emu.type_of(env.rank)
-        emulation.install_cpu_shims(local_rank=env.local_rank, device_count=env.local_world_size,
-                                    device_name=etype.name,
-                                    memory_bytes=int(etype.memory_gib * (1 << 30)))
-        emulation.install_slowdown(etype.slowdown)
-        import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, env.local_world_size)))
-        dropped = [f for f in CPU_INCOMPATIBLE_BOOL_FLAGS if argvmod.find_flag(argv, f)]
-        if dropped and env.rank == 0:
-            log.info("emulation: dropping CUDA-only %s; appending %s", " ".join(dropped),
-                     " ".join(CPU_EMULATION_FLAGS))
-        argv = argvmod.strip_flags(argv, bool_flags=CPU_INCOMPATIBLE_BOOL_FLAGS) + list(CPU_EMULATION_FLAGS)
-        device = bootstrap.setup_device(env.local_rank, emulated_name=etype.name,
-                                        emulated_memory_bytes=int(etype.memory_gib * (1 << 30)))
-        host = emu.host_of(env.rank) or bootstrap.hostname()
+def _all_ranks_setup_device(ctx: LaunchContext) -> None:
+    """This rank's device (emulated under ``--poseidon-emulate``) and the backend."""
+    if ctx.opts.emulate_file:
+        _setup_emulated_device(ctx)
     else:
         # TP > 1 may be chosen: Megatron asserts this before any CUDA context exists (pre-Blackwell)
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-        device = bootstrap.setup_device(env.local_rank)
-        if device.kind == "cpu":
+        ctx.device = bootstrap.setup_device(ctx.env.local_rank)
+        if ctx.device.kind == "cpu":
             raise PoseidonError("no GPU or NPU found on this rank; to rehearse the launch on CPU "
                                 "add --poseidon-emulate FILE (see examples/emulate-2types.yaml)")
-        host = bootstrap.hostname()
-    backend = argvmod.detect_backend(opts.backend, script)
-    if backend == "mindspeed-llm":
-        if opts.max_virtual_stages > 1:
-            opts = replace(opts, max_virtual_stages=1)  # --num-layer-list has no interleaving
-        if emu is None:
-            argvmod.import_mindspeed_llm(script, argv)
+        ctx.host = bootstrap.hostname()
+    ctx.backend = argvmod.detect_backend(ctx.opts.backend, ctx.script)
+    if ctx.backend == "mindspeed-llm":
+        if ctx.opts.max_virtual_stages > 1:  # --num-layer-list has no interleaving
+            ctx.opts = replace(ctx.opts, max_virtual_stages=1)
+        if ctx.emu is None:
+            argvmod.import_mindspeed_llm(ctx.script, ctx.argv)
 
-    # -- model hyper-parameters (Megatron's own parser, nothing validated) --------------------
-    args = profiler.parse_megatron_args(script, argv)
+
+def _setup_emulated_device(ctx: LaunchContext) -> None:
+    """CPU shims and slowdown for this rank's emulated type; CUDA-only flags swapped for CPU ones."""
+    import torch
+
+    env = ctx.env
+    ctx.emu = emu = emulation.load_emulation(ctx.opts.emulate_file)
+    etype = emu.type_of(env.rank)
+    memory_bytes = int(etype.memory_gib * (1 << 30))
+    emulation.install_cpu_shims(local_rank=env.local_rank, device_count=env.local_world_size,
+                                device_name=etype.name, memory_bytes=memory_bytes)
+    emulation.install_slowdown(etype.slowdown)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, env.local_world_size)))
+    dropped = [f for f in CPU_INCOMPATIBLE_BOOL_FLAGS if argvmod.find_flag(ctx.argv, f)]
+    if dropped and env.rank == 0:
+        log.info("emulation: dropping CUDA-only %s; appending %s", " ".join(dropped),
+                 " ".join(CPU_EMULATION_FLAGS))
+    ctx.argv = (argvmod.strip_flags(ctx.argv, bool_flags=CPU_INCOMPATIBLE_BOOL_FLAGS)
+                + list(CPU_EMULATION_FLAGS))
+    ctx.device = bootstrap.setup_device(env.local_rank, emulated_name=etype.name,
+                                        emulated_memory_bytes=memory_bytes)
+    ctx.host = emu.host_of(env.rank) or bootstrap.hostname()
+
+
+def _all_ranks_read_model(ctx: LaunchContext) -> None:
+    """The model's hyper-parameters from Megatron's own parser (nothing validated); the batch."""
     from ..model import model_from_megatron_args
 
-    model = model_from_megatron_args(args, name=os.path.basename(script))
+    args = profiler.parse_megatron_args(ctx.script, ctx.argv)
+    ctx.args = args
+    ctx.model = model_from_megatron_args(args, name=os.path.basename(ctx.script))
     gbs = args.global_batch_size
     if gbs is None:
         raise PoseidonError("--poseidon-auto needs --global-batch-size (the plan chooses DP and the "
                             "micro-batch size around it)")
-    mbs_list = opts.micro_batch_sizes or (int(args.micro_batch_size or 1),)
+    mbs_list = ctx.opts.micro_batch_sizes or (int(args.micro_batch_size or 1),)
     if not any(int(gbs) % b == 0 for b in mbs_list):
         raise PoseidonError(f"--global-batch-size {gbs} is not divisible by any micro-batch size "
                             f"candidate ({', '.join(map(str, mbs_list))}): no plan can split it; "
                             "change the global batch or --poseidon-micro-batch-sizes")
+    ctx.global_batch_size = int(gbs)
+    ctx.micro_batch_sizes = tuple(mbs_list)
 
-    # -- bootstrap ----------------------------------------------------------------------------
-    overrides = discovery.load_overrides(opts.cluster_file)
-    boot = bootstrap.Bootstrap(env, opts.timeout_s)
+
+def _all_ranks_bootstrap(ctx: LaunchContext) -> None:
+    """The rendezvous store, the deadline barriers and the probe gloo group."""
+    ctx.overrides = discovery.load_overrides(ctx.opts.cluster_file)
+    ctx.boot = bootstrap.Bootstrap(ctx.env, ctx.opts.timeout_s)
     t0 = time.perf_counter()
-    boot.start()
+    ctx.boot.start()
     log.debug("bootstrap: %.2f s", time.perf_counter() - t0)
 
-    def guarded(phase: str, fn: Callable[[], Any]) -> Any:
-        def body() -> Any:
-            _maybe_inject_fault(phase, env.rank)
-            return fn()
-        return bootstrap.run_guarded(boot, phase, body)
 
+def _all_ranks_discover(ctx: LaunchContext) -> None:
+    """Who runs where (all-gather), grouped into nodes; the link probe; the discovered Cluster."""
+    env, device, boot = ctx.env, ctx.device, ctx.boot
+    me = discovery.DeviceInfo(
+        rank=env.rank, local_rank=env.local_rank, host=ctx.host,
+        device_type=discovery.rename_type(device.name, ctx.overrides),
+        memory_bytes=device.memory_bytes, kind=device.kind,
+        speed_hint=(ctx.emu.type_of(env.rank).speed if ctx.emu is not None else 1.0))
+    infos = ctx.guarded("discovery", lambda: boot.all_gather_object(me, "discovery"))
+    ctx.topo = topo = discovery.group_nodes(infos)
+    assert boot.sync is not None
+    boot.sync.names = {i.rank: topo.describe(i.rank) for i in topo.infos}
+    t0 = time.perf_counter()
+    skip = discovery.links_given(ctx.overrides, topo.node_types)
+    links = ctx.guarded("link-probe", lambda: discovery.measure_links(boot, topo, device, skip))
+    ctx.cluster = cluster = discovery.discover_cluster(
+        topo, links, ctx.overrides, source=ctx.opts.cluster_file or "<discovered>")
+    if ctx.rank == 0:
+        log.info("discovered %d rank(s) on %d node(s): %s; link probe %.2f s", env.world_size,
+                 len(topo.nodes), ", ".join(f"{t} x{cluster.devices_of_type(t)}"
+                                            for t in cluster.type_names),
+                 time.perf_counter() - t0)
+
+
+def _all_ranks_profile(ctx: LaunchContext) -> None:
+    """Every (type, TP, micro-batch) the search may use: from the cache if rank 0 has them all,
+    else the user's layer timed on every rank at once and gathered to rank 0."""
+    args = ctx.args
+    ctx.tps = ctx.opts.tp_candidates or _profiled_tps(ctx.cluster, ctx.model, ctx.world_size)
+    emu_tag = ([f"emu:{n}={t.speed}" for n, t in sorted(ctx.emu.types.items())]
+               if ctx.emu is not None else [])
+    tag = profile_gather.versions_tag([f"impl:{getattr(args, 'transformer_impl', '')}",
+                                       f"bf16:{bool(args.bf16)}", f"fp16:{bool(args.fp16)}",
+                                       *emu_tag])
+    ctx.cache_path = profile_gather.cache_path(ctx.opts.profile_dir, tag)
+    needed = profile_gather.needed_keys(ctx.cluster, ctx.model, ctx.tps, ctx.micro_batch_sizes,
+                                        ctx.seq_length)
+    cached = False
+    if ctx.rank == 0:
+        ctx.profiles = profile_gather.load_cache(ctx.cache_path, ctx.opts.reprofile)
+        cached = profile_gather.all_measured(ctx.profiles, needed)
+    cached = ctx.guarded("profile-cache", lambda: ctx.boot.broadcast_object(cached, "profile-cache"))
+    if cached:
+        if ctx.rank == 0:
+            log.info("profiles: all %d from the cache %s (no profiling)", len(needed),
+                     ctx.cache_path)
+        return
+    t0 = time.perf_counter()
+    dev = _torch_device(ctx.device)
+    timings = ctx.guarded("profiling", lambda: profiler.profile_rank(
+        args, ctx.tps, ctx.micro_batch_sizes, world_size=ctx.world_size, rank=ctx.rank,
+        device=dev, iters=ctx.opts.profile_iters, checkpoint=ctx.boot.barrier))
+    gathered = ctx.guarded("profiling-gather",
+                           lambda: ctx.boot.all_gather_object(timings, "profiling-gather"))
+    if ctx.rank == 0:
+        _rank0_store_profiles(ctx, gathered, time.perf_counter() - t0)
+
+
+def _rank0_store_profiles(ctx: LaunchContext, gathered: list[list[profiler.LayerTiming]],
+                          took_s: float) -> None:
+    """Per-type medians of the gathered timings into the profile DB and its cache file; log them
+    and the stragglers."""
+    assert ctx.profiles is not None
+    aggs, ctx.stragglers = profiler.aggregate(dict(enumerate(gathered)),
+                                              {i.rank: i.device_type for i in ctx.topo.infos})
+    for record in profile_gather.measured_records(aggs, ctx.seq_length, ctx.model.signature()):
+        ctx.profiles.put(record)
     try:
-        # -- discovery ------------------------------------------------------------------------
-        me = discovery.DeviceInfo(
-            rank=env.rank, local_rank=env.local_rank, host=host,
-            device_type=discovery.rename_type(device.name, overrides),
-            memory_bytes=device.memory_bytes, kind=device.kind,
-            speed_hint=(emu.type_of(env.rank).speed if emu is not None else 1.0))
-        infos = guarded("discovery", lambda: boot.all_gather_object(me, "discovery"))
-        topo = discovery.group_nodes(infos)
-        assert boot.sync is not None
-        boot.sync.names = {i.rank: topo.describe(i.rank) for i in infos}
-        t0 = time.perf_counter()
-        skip = discovery.links_given(overrides, topo.node_types)
-        links = guarded("link-probe", lambda: discovery.measure_links(boot, topo, device, skip))
-        cluster_data = discovery.cluster_dict(topo, links, overrides,
-                                              source=opts.cluster_file or "<discovered>")
-        from ..cluster import cluster_from_dict
+        ctx.profiles.save(ctx.cache_path)
+    except PoseidonError as e:
+        log.warning("could not write the profile cache: %s", e)
+    log.info("profiling: %d config(s) x %d rank(s) in %.2f s; cache %s",
+             len(ctx.tps) * len(ctx.micro_batch_sizes), ctx.world_size, took_s, ctx.cache_path)
+    for a in aggs:
+        log.info("  %-12s tp=%d mbs=%d  fwd %8.2f ms  bwd %8.2f ms  act %6.1f MiB  "
+                 "(median of %d)", a.device_type, a.tp, a.micro_batch_size, a.forward_ms,
+                 a.backward_ms, a.activation_bytes / 2**20, a.ranks)
+    for s in ctx.stragglers:
+        log.warning("straggler: %s", s)
 
-        cluster = cluster_from_dict(cluster_data, source=opts.cluster_file or "<discovered>")
-        if env.rank == 0:
-            log.info("discovered %d rank(s) on %d node(s): %s; link probe %.2f s", env.world_size,
-                     len(topo.nodes), ", ".join(f"{t} x{cluster.devices_of_type(t)}"
-                                                for t in cluster.type_names),
-                     time.perf_counter() - t0)
 
-        # -- profiling (or the cache) ---------------------------------------------------------
-        tps = opts.tp_candidates or _search_tps(cluster, model, args, topo, env.world_size)
-        emu_tag = [f"emu:{n}={t.speed}" for n, t in sorted(emu.types.items())] if emu else []
-        tag = versions_tag([f"impl:{getattr(args, 'transformer_impl', '')}",
-                            f"bf16:{bool(args.bf16)}", f"fp16:{bool(args.fp16)}", *emu_tag])
-        cache_path = _profile_cache_path(opts, tag)
-        from ..profiles import LayerProfile, ProfileKey
+def _rank0_calibrate_cluster(ctx: LaunchContext) -> None:
+    """The cluster's compute speed set from the measured layers (rank 0 is the one that searches)."""
+    assert ctx.profiles is not None
+    ctx.cluster = profile_gather.calibrate(
+        ctx.cluster, ctx.profiles, ctx.model, ctx.tps, ctx.micro_batch_sizes, ctx.seq_length,
+        fixed=discovery.speed_given(ctx.overrides),
+        estimated_peak=[i.device_type for i in ctx.topo.infos if i.kind not in ("cuda", "npu")])
 
-        sig = model.signature()
-        needed = [ProfileKey(t, "decoder", tp, mbs, int(args.seq_length), sig)
-                  for t in cluster.type_names for tp in tps for mbs in mbs_list]
-        db = None
-        cached = False
-        if env.rank == 0:
-            db = _load_cache(cache_path, opts.reprofile)
-            cached = all((p := db.get(k)) is not None and p.source == "measured" for k in needed)
-        cached = guarded("profile-cache", lambda: boot.broadcast_object(cached, "profile-cache"))
-        stragglers: list[str] = []
-        t0 = time.perf_counter()
-        if cached:
-            if env.rank == 0:
-                log.info("profiles: all %d from the cache %s (no profiling)", len(needed), cache_path)
-        else:
-            dev = _torch_device(device)
-            timings = guarded("profiling", lambda: profiler.profile_rank(
-                args, tps, mbs_list, world_size=env.world_size, rank=env.rank, device=dev,
-                iters=opts.profile_iters, checkpoint=boot.barrier))
-            gathered = guarded("profiling-gather",
-                               lambda: boot.all_gather_object(timings, "profiling-gather"))
-            if env.rank == 0:
-                assert db is not None
-                aggs, stragglers = profiler.aggregate(dict(enumerate(gathered)),
-                                                      {i.rank: i.device_type for i in infos})
-                for a in aggs:
-                    db.put(LayerProfile(ProfileKey(a.device_type, "decoder", a.tp, a.micro_batch_size,
-                                                   int(args.seq_length), sig),
-                                        a.forward_ms, a.backward_ms, a.activation_bytes,
-                                        a.param_bytes, source="measured"))
-                try:
-                    db.save(cache_path)
-                except PoseidonError as e:
-                    log.warning("could not write the profile cache: %s", e)
-                log.info("profiling: %d config(s) x %d rank(s) in %.2f s; cache %s", len(tps) *
-                         len(mbs_list), env.world_size, time.perf_counter() - t0, cache_path)
-                for a in aggs:
-                    log.info("  %-12s tp=%d mbs=%d  fwd %8.2f ms  bwd %8.2f ms  act %6.1f MiB  "
-                             "(median of %d)", a.device_type, a.tp, a.micro_batch_size, a.forward_ms,
-                             a.backward_ms, a.activation_bytes / 2**20, a.ranks)
-                for s in stragglers:
-                    log.warning("straggler: %s", s)
 
-        # -- calibrate the cluster's compute speed to the measurements (rank 0 searches) -------
-        if env.rank == 0:
-            assert db is not None
-            cluster_data = discovery.calibrate(cluster_data, db, model, tps, mbs_list,
-                                               int(args.seq_length), overrides,
-                                               [i.device_type for i in infos
-                                                if i.kind not in ("cuda", "npu")])
-            cluster = cluster_from_dict(cluster_data, source=opts.cluster_file or "<discovered>")
+def _all_ranks_share_plan(ctx: LaunchContext) -> None:
+    """Rank 0 searches; every rank receives the plan (checksummed), renumbers, rewrites argv."""
+    payload: tuple[str, str] | None = None
+    if ctx.rank == 0:
+        payload = ctx.guarded("search", lambda: _rank0_search_plan(ctx))
+    else:
+        ctx.boot.phase("search")
+    text, digest = ctx.guarded("plan-broadcast",
+                               lambda: ctx.boot.broadcast_object(payload, "plan-broadcast"))
+    if plan_checksum(text) != digest:
+        raise DistributedError(f"rank {ctx.rank}: the plan received from rank 0 fails its "
+                               "checksum (corrupted broadcast)")
+    from ..plan import Plan
 
-        # -- search on rank 0, broadcast with checksum ----------------------------------------
-        search_plan, plan_from_json = _planner()
-        payload = None
-        if env.rank == 0:
-            def do_search() -> tuple[str, str]:
-                t1 = time.perf_counter()
-                kwargs: dict[str, Any] = dict(
-                    global_batch_size=int(gbs), seq_length=int(args.seq_length), profiles=db,
-                    pruning=opts.pruning, micro_batch_sizes=tuple(mbs_list),
-                    max_virtual_stages=opts.max_virtual_stages, time_budget_s=opts.time_budget_s,
-                    seed=opts.seed, tp_degrees=opts.tp_candidates or None,
-                    workers=opts.search_workers or max(1, (os.cpu_count() or 1)
-                                                       // max(1, env.local_world_size)))
-                kwargs["schedules"] = _launch_schedules(opts.schedules)
-                plan = search_plan(cluster, model, **kwargs)
-                log.info("search: %.2f s", time.perf_counter() - t1)
-                text = plan.to_json()
-                return text, plan_checksum(text)
-            payload = guarded("search", do_search)
-        else:
-            boot.phase("search")
-        text, digest = guarded("plan-broadcast", lambda: boot.broadcast_object(payload, "plan-broadcast"))
-        if plan_checksum(text) != digest:
-            raise DistributedError(f"rank {env.rank}: the plan received from rank 0 fails its "
-                                   "checksum (corrupted broadcast)")
-        plan = plan_from_json(text)
-        renum = renumber.renumber(plan.rank_order(), topo, env.world_size)
-        new_argv = argvmod.rewrite_argv(argv, plan, backend)
-        guarded("plan-verified", lambda: boot.barrier("plan-verified"))
+    ctx.plan_text = text
+    ctx.plan = Plan.from_json(text)
+    ctx.renum = renumber.renumber(ctx.plan.rank_order(), ctx.topo, ctx.world_size)
+    ctx.new_argv = argvmod.rewrite_argv(ctx.argv, ctx.plan, ctx.backend)
+    ctx.guarded("plan-verified", lambda: ctx.boot.barrier("plan-verified"))
 
-        if env.rank == 0:
-            if opts.save_plan:
-                with open(opts.save_plan, "w", encoding="utf-8") as f:
-                    f.write(text)
-            _report(plan, renum, topo, script, new_argv, backend, stragglers,
-                    time.perf_counter() - t_start, dry_run=opts.dry_run)
 
-        # -- dry-run: everyone leaves before any model is built --------------------------------
-        if opts.dry_run:
-            guarded("dry-run", lambda: boot.barrier("dry-run"))
-            boot.finish_probe()
-            raise SystemExit(0)
+def _rank0_search_plan(ctx: LaunchContext) -> tuple[str, str]:
+    """The plan's JSON and its checksum (what rank 0 broadcasts)."""
+    from ..search import search_plan
 
-        # -- apply ----------------------------------------------------------------------------
-        guarded("apply", lambda: boot.barrier("apply"))
-    except BaseException:
-        if boot.probe_up:
-            boot.finish_probe()
-        raise
+    t0 = time.perf_counter()
+    plan = search_plan(ctx.cluster, ctx.model, _search_options(ctx), ctx.profiles)
+    log.info("search: %.2f s", time.perf_counter() - t0)
+    text = plan.to_json()
+    return text, plan_checksum(text)
 
+
+def _search_options(ctx: LaunchContext) -> SearchOptions:
+    """The launch's one ``SearchOptions``: the script's batch and sequence, the ``--poseidon-*``
+    search options, schedules Megatron can run, threads = this host's cores / its ranks."""
+    from ..search import SearchOptions
+
+    opts = ctx.opts
+    return SearchOptions(
+        global_batch_size=ctx.global_batch_size, seq_length=ctx.seq_length,
+        schedules=_launch_schedules(opts.schedules), pruning=opts.pruning,
+        tp_degrees=opts.tp_candidates or None, micro_batch_sizes=ctx.micro_batch_sizes,
+        max_virtual_stages=opts.max_virtual_stages, seed=opts.seed,
+        time_budget_s=opts.time_budget_s,
+        workers=opts.search_workers or max(1, (os.cpu_count() or 1)
+                                           // max(1, ctx.env.local_world_size)))
+
+
+def _rank0_report(ctx: LaunchContext) -> None:
+    """``--poseidon-save-plan`` and what the user reads: the plan, the rank map, the flags."""
+    if ctx.opts.save_plan:
+        with open(ctx.opts.save_plan, "w", encoding="utf-8") as f:
+            f.write(ctx.plan_text)
+    dry = " -- dry run: exiting before any model is built" if ctx.opts.dry_run else ""
+    lines = ["", "=" * 78, f"Poseidon plan ({ctx.backend})", "=" * 78, ctx.plan.table(),
+             "", "rank -> stage:"]
+    lines += ["  " + s for s in renumber.stage_map(ctx.plan, ctx.renum, ctx.topo)]
+    if ctx.stragglers:
+        lines += ["", "stragglers (much slower than the rest of their device type):"]
+        lines += ["  " + s for s in ctx.stragglers]
+    lines += ["", "flags:", "  " + _shell_join(argvmod.backend_flags(ctx.plan, ctx.backend)),
+              "", "command line the script runs with:",
+              "  " + _shell_join([ctx.script, *ctx.new_argv]),
+              "", f"(planning took {time.perf_counter() - ctx.t_start:.1f} s){dry}", "=" * 78, ""]
+    _out("\n".join(lines))
+
+
+def _shell_join(tokens: Sequence[str]) -> str:
+    return " ".join(shlex.quote(a) for a in tokens)
+
+
+def _all_ranks_leave_dry_run(ctx: LaunchContext) -> None:
+    ctx.guarded("dry-run", lambda: ctx.boot.barrier("dry-run"))
+    ctx.boot.finish_probe()
+    raise SystemExit(0)
+
+
+def _all_ranks_apply(ctx: LaunchContext) -> AutoResult:
+    """Ranks the plan leaves unused exit 0; the others re-join the real process group under their
+    new rank, with the environment and (MindSpeed-LLM) patches the script expects."""
+    env, renum, plan = ctx.env, ctx.renum, ctx.plan
     if env.rank in renum.unused:
-        boot.finish_probe()
-        _out(f"[poseidon rank {env.rank}] this device ({topo.describe(env.rank)}) is not used by "
-             f"the plan ({renum.world_size} of {env.world_size} devices train); exiting with 0")
+        ctx.boot.finish_probe()
+        _out(f"[poseidon rank {env.rank}] this device ({ctx.topo.describe(env.rank)}) is not used "
+             f"by the plan ({renum.world_size} of {env.world_size} devices train); exiting with 0")
         raise SystemExit(0)
     new_rank = renum.new_rank_of[env.rank]
-    dist_backend = argvmod.flag_value(new_argv, "--distributed-backend") or (
-        "hccl" if device.kind == "npu" else "nccl")
-    timeout_min = float(getattr(args, "distributed_timeout_minutes", 10) or 10)
-    boot.init_main(new_rank, renum.world_size, dist_backend, timeout_min)
+    dist_backend = argvmod.flag_value(ctx.new_argv, "--distributed-backend") or (
+        "hccl" if ctx.device.kind == "npu" else "nccl")
+    timeout_min = float(getattr(ctx.args, "distributed_timeout_minutes", 10) or 10)
+    ctx.boot.init_main(new_rank, renum.world_size, dist_backend, timeout_min)
     os.environ["POSEIDON_LAUNCH_RANK"] = str(env.rank)
-    os.environ["POSEIDON_DEVICE_TYPE"] = me.device_type
+    os.environ["POSEIDON_DEVICE_TYPE"] = ctx.topo.infos[env.rank].device_type
     os.environ["RANK"] = str(new_rank)
     os.environ["WORLD_SIZE"] = str(renum.world_size)
     patch_dataset_helpers()
-    if backend == "mindspeed-llm":
-        sys.argv = [script, *new_argv]  # MindSpeed-LLM reads sys.argv
-        argvmod.apply_mindspeed_llm(new_argv)
+    if ctx.backend == "mindspeed-llm":
+        sys.argv = [ctx.script, *ctx.new_argv]  # MindSpeed-LLM reads sys.argv
+        argvmod.apply_mindspeed_llm(ctx.new_argv)
     log.info("launch rank %d -> rank %d of %d (stage %d); setup took %.2f s", env.rank, new_rank,
-             renum.world_size, new_rank // max(1, renum.world_size // int(plan.pp)),
-             time.perf_counter() - t_start)
-    _install_calibration(plan, model, cache_path)
-    return AutoResult(new_argv, new_rank, renum.world_size, plan)
+             renum.world_size, new_rank // max(1, renum.world_size // plan.pp),
+             time.perf_counter() - ctx.t_start)
+    _install_calibration(plan, ctx.model, ctx.cache_path)
+    return AutoResult(ctx.new_argv, new_rank, renum.world_size, plan)
 
 
-def _install_calibration(plan: Any, model: Any, cache_path: str) -> None:
+def _install_calibration(plan: Plan, model: ModelSpec, cache_path: str) -> None:
     """Live calibration (one log line predicted vs measured after the first iterations, measured
     per-layer times written back to the profile cache). ``POSEIDON_CALIBRATION=0`` turns it off;
     it never stops the training."""
@@ -397,21 +492,21 @@ def _install_calibration(plan: Any, model: Any, cache_path: str) -> None:
         log.warning("calibration not installed: %s", exc)
 
 
-# What Megatron's get_forward_backward_func can run: the plan may only pick these at launch.
-LAUNCH_SCHEDULES = ("1f1b", "interleaved-1f1b")
-
-
 def _launch_schedules(requested: Sequence[str]) -> tuple[str, ...]:
+    """The schedules the plan may pick at launch: what Megatron's get_forward_backward_func runs."""
+    from ..simulator.schedules import LAUNCHABLE_SCHEDULES
+
     if not requested:
-        return LAUNCH_SCHEDULES
-    bad = [s for s in requested if s not in LAUNCH_SCHEDULES]
+        return LAUNCHABLE_SCHEDULES
+    bad = [s for s in requested if s not in LAUNCHABLE_SCHEDULES]
     if bad:
-        raise PoseidonError(f"--poseidon-schedules: Megatron can run {', '.join(LAUNCH_SCHEDULES)}; "
-                            f"{', '.join(bad)} can only be planned offline (poseidon plan)")
+        raise PoseidonError(f"--poseidon-schedules: Megatron can run "
+                            f"{', '.join(LAUNCHABLE_SCHEDULES)}; {', '.join(bad)} can only be "
+                            "planned offline (poseidon plan)")
     return tuple(requested)
 
 
-def _torch_device(device: Any):
+def _torch_device(device: bootstrap.LocalDevice):
     import torch
 
     if device.kind in ("cuda", "npu"):
@@ -419,55 +514,12 @@ def _torch_device(device: Any):
     return torch.device("cpu")
 
 
-def _search_tps(cluster: Any, model: Any, args: Any, topo: Any, world_size: int) -> tuple[int, ...]:
+def _profiled_tps(cluster: Cluster, model: ModelSpec, world_size: int) -> tuple[int, ...]:
     """Every TP degree the search may pick for some device type (so none is only estimated)."""
-    try:
-        from ..search import tp_candidates
-    except ImportError:
-        return _default_tps(args, topo, world_size)
+    from ..search import tp_candidates
+
     out = sorted({t for name in cluster.type_names for t in tp_candidates(cluster, model, name)})
     return tuple(t for t in out if world_size % t == 0)
-
-
-def _default_tps(args: Any, topo: Any, world_size: int) -> tuple[int, ...]:
-    """Powers of two that fit in every node and divide heads, query groups and the world."""
-    heads = int(args.num_attention_heads)
-    groups = int(args.num_query_groups) if getattr(args, "group_query_attention", False) \
-        and args.num_query_groups else heads
-    smallest_node = min(len(n) for n in topo.nodes)
-    out = []
-    t = 1
-    while t <= smallest_node:
-        if heads % t == 0 and groups % t == 0 and world_size % t == 0:
-            out.append(t)
-        t *= 2
-    return tuple(out)
-
-
-def _report(plan: Any, renum: Any, topo: Any, script: str, new_argv: list[str], backend: str,
-            stragglers: list[str], setup_s: float, dry_run: bool) -> None:
-    from . import renumber
-
-    lines = ["", "=" * 78, f"Poseidon plan ({backend})", "=" * 78]
-    table = plan.table() if hasattr(plan, "table") else None
-    lines.append(table if table else repr(plan))
-    lines += ["", "rank -> stage:"]
-    lines += ["  " + s for s in renumber.stage_map(plan, renum, topo)]
-    if stragglers:
-        lines += ["", "stragglers (much slower than the rest of their device type):"]
-        lines += ["  " + s for s in stragglers]
-    lines += ["", "flags:", "  " + " ".join(_shell_quote(a) for a in argvmod.plan_flags(plan, backend)), "",
-              "command line the script runs with:",
-              "  " + " ".join(_shell_quote(a) for a in [script, *new_argv]),
-              "", f"(planning took {setup_s:.1f} s)" + (" -- dry run: exiting before any model is "
-                                                        "built" if dry_run else ""), "=" * 78, ""]
-    _out("\n".join(lines))
-
-
-def _shell_quote(s: str) -> str:
-    import shlex
-
-    return shlex.quote(s)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,132 @@
+"""Rank 0's side of profiling: which records a launch needs, the profile cache, the gathered
+per-rank timings as ``ProfileDB`` records, and the cluster's compute speed calibrated to them.
+
+The per-rank measurement itself is :mod:`.profiler`; this module only turns what it produced into
+``poseidon_plugin.profiles`` records (``ProfileKey`` / ``LayerProfile``) and reads them back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from dataclasses import replace
+from types import MappingProxyType
+from typing import Collection, Sequence
+
+from ..cluster import Cluster, DeviceType
+from ..errors import ProfileDBError
+from ..model import ModelSpec
+from ..profiles import LayerProfile, ProfileDB, ProfileKey
+from .options import default_profile_dir
+from .profiler import Aggregate
+
+log = logging.getLogger("poseidon")
+
+
+# ----------------------------------------------------------------------------------------------
+# the profile cache
+# ----------------------------------------------------------------------------------------------
+
+
+def versions_tag(extra: Sequence[str] = ()) -> str:
+    """What, besides the layer's shape, makes a profile stale: library versions, impl, dtype."""
+    import torch
+
+    try:
+        from importlib.metadata import version
+
+        mcore = version("megatron-core")
+    except Exception:  # noqa: BLE001 - a source checkout of Megatron-LM
+        mcore = "src"
+    from .. import __version__
+
+    parts = [f"torch{torch.__version__}", f"mcore{mcore}", f"poseidon{__version__}", *extra]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def cache_path(profile_dir: str | None, tag: str) -> str:
+    return os.path.join(profile_dir or default_profile_dir(), f"profiles-{tag}.json")
+
+
+def load_cache(path: str, reprofile: bool) -> ProfileDB:
+    """The profile cache; a corrupt file is moved aside with a warning (profiles are re-measured)."""
+    if reprofile or not os.path.exists(path):
+        return ProfileDB(None)
+    try:
+        return ProfileDB.load(path)
+    except ProfileDBError as e:
+        aside = f"{path}.corrupt-{int(time.time())}"
+        try:
+            os.replace(path, aside)
+        except OSError:
+            aside = "(could not move it)"
+        log.warning("profile cache is unreadable, re-profiling: %s; old file kept as %s", e, aside)
+        return ProfileDB(None)
+
+
+def needed_keys(cluster: Cluster, model: ModelSpec, tps: Sequence[int],
+                micro_batch_sizes: Sequence[int], seq_length: int) -> list[ProfileKey]:
+    """One decoder-layer record per (device type, TP degree, micro-batch size) of the launch."""
+    sig = model.signature()
+    return [ProfileKey(t, "decoder", tp, mbs, seq_length, sig)
+            for t in cluster.type_names for tp in tps for mbs in micro_batch_sizes]
+
+
+def all_measured(db: ProfileDB, keys: Sequence[ProfileKey]) -> bool:
+    """Whether ``db`` holds a measured record for every key (then nothing is profiled)."""
+    return all((p := db.get(k)) is not None and p.source == "measured" for k in keys)
+
+
+# ----------------------------------------------------------------------------------------------
+# gathered timings -> records
+# ----------------------------------------------------------------------------------------------
+
+
+def measured_records(aggs: Sequence[Aggregate], seq_length: int,
+                     model_signature: str) -> list[LayerProfile]:
+    """The per-type medians of :func:`.profiler.aggregate` as measured decoder-layer records."""
+    return [LayerProfile(ProfileKey(a.device_type, "decoder", a.tp, a.micro_batch_size, seq_length,
+                                    model_signature),
+                         a.forward_ms, a.backward_ms, a.activation_bytes, a.param_bytes,
+                         source="measured")
+            for a in aggs]
+
+
+# ----------------------------------------------------------------------------------------------
+# calibration of the cluster's compute speed
+# ----------------------------------------------------------------------------------------------
+
+
+def calibrate(cluster: Cluster, db: ProfileDB, model: ModelSpec, tps: Sequence[int],
+              micro_batch_sizes: Sequence[int], seq_length: int, *,
+              fixed: Collection[str] = (), estimated_peak: Collection[str] = ()) -> Cluster:
+    """``cluster`` with each type's compute speed set from its measured decoder layer, so that
+    what the search still estimates (embedding, output layer, unprofiled TP degrees) is on the
+    same scale.
+
+    Real devices keep their peak and get ``efficiency`` = measured / peak; types in
+    ``estimated_peak`` (CPU, emulated) get ``peak_tflops`` = measured and ``efficiency`` 1.
+    Types in ``fixed`` (the cluster file sets their speed) are left as they are.
+    """
+    sig = model.signature()
+    types: dict[str, DeviceType] = dict(cluster.device_types)
+    for name, dt in cluster.device_types.items():
+        if name in fixed:
+            continue
+        rates = []
+        for tp in tps:
+            for mbs in micro_batch_sizes:
+                p = db.get(ProfileKey(name, "decoder", tp, mbs, seq_length, sig))
+                if p is not None and p.source == "measured" and p.forward_ms > 0:
+                    flops = model.layer_forward_flops(mbs, seq_length) / tp
+                    rates.append(flops / (p.forward_ms * 1e-3) / 1e12)
+        if not rates:
+            continue
+        measured = max(rates)  # TFLOP/s actually reached (communication included for tp > 1)
+        if name in estimated_peak or measured > dt.peak_tflops:
+            types[name] = replace(dt, peak_tflops=round(measured, 6), efficiency=1.0)
+        else:
+            types[name] = replace(dt, efficiency=round(max(1e-6, measured / dt.peak_tflops), 6))
+    return replace(cluster, device_types=MappingProxyType(types))
