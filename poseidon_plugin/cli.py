@@ -117,21 +117,19 @@ def _draw_plan_gantt(cluster, model, plan, profiles, path: str) -> None:
     from .costs import plan_simulator_inputs
     from .gantt import draw_gantt
     from .simulator import simulate_pipeline
-    from .simulator.timeline import timeline_from_sim
 
     F, B, Pf, Pb, R = plan_simulator_inputs(cluster, model, plan, profiles)
     if plan.schedule == "interleaved-1f1b":
         # the search timed it as megatron-core runs it (bundled p2p calls): draw that schedule
         import numpy as np
 
-        from .simulator.engine import EngineCosts, simulate_engine, timeline_from_engine
-        res = simulate_engine(EngineCosts.from_profiles(F, B, Pf, R, np.zeros(len(R))),
-                              plan.num_microbatches, plan.schedule, plan.virtual_stages)
-        timeline = timeline_from_engine(res, label="predicted (as megatron-core runs it)")
+        from .simulator.engine import EngineCosts, simulate_engine
+        timeline = simulate_engine(EngineCosts.from_profiles(F, B, Pf, R, np.zeros(len(R))),
+                                   plan.num_microbatches, plan.schedule, plan.virtual_stages)
+        timeline = timeline.with_label("predicted (as megatron-core runs it)")
     else:
-        result = simulate_pipeline(F, B, Pf, Pb, R, plan.num_microbatches, plan.schedule,
-                                   plan.virtual_stages)
-        timeline = timeline_from_sim(result, label="predicted")
+        timeline = simulate_pipeline(F, B, Pf, Pb, R, plan.num_microbatches, plan.schedule,
+                                     plan.virtual_stages).with_label("predicted")
     title = (f"{plan.model_name} on {plan.cluster_name}: {plan.schedule}, PP={plan.pp}, "
              f"DP={plan.dp}, M={plan.num_microbatches}")
     draw_gantt([timeline], path, title=title)
@@ -139,12 +137,9 @@ def _draw_plan_gantt(cluster, model, plan, profiles, path: str) -> None:
 
 
 def _cmd_validate(ns) -> int:
-    try:
-        from . import validate  # noqa: F401  (written by another engineer)
-    except ImportError:
-        raise PoseidonError("the 'validate' command is not available in this build "
-                            "(module poseidon_plugin.validate is missing)") from None
-    return int(validate.main(ns.args) or 0)
+    from .fidelity import main as fidelity_main
+
+    return int(fidelity_main(ns.args) or 0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,7 +76,7 @@ def _draw_one(ax, tl: Timeline, px_per_ms: float) -> None:
         chunk = int(tl.op_chunk[i])
         backward = bool(tl.op_is_backward[i])
         colour = (_BACKWARD if backward else _FORWARD)[chunk % 4]
-        crit = bool(tl.critical[i])
+        crit = bool(tl.op_on_critical_path[i])
         ax.barh(s, dur, left=t0, height=0.8, color=colour,
                 edgecolor=_CRITICAL if crit else "white", linewidth=1.4 if crit else 0.4)
         if dur * px_per_ms >= 11:  # label only boxes wide enough to read

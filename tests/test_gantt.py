@@ -10,16 +10,15 @@ pytest.importorskip("matplotlib")
 from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.gantt import draw_gantt
 from poseidon_plugin.simulator import simulate_pipeline
-from poseidon_plugin.simulator.timeline import timeline_from_sim
 
 
 def _tl(n=4, m=8, schedule="1f1b", v=1, label="predicted"):
     rng = np.random.default_rng(n * 100 + m)
     f = rng.uniform(5, 10, n)
     links = n if schedule == "interleaved-1f1b" else n - 1
-    res = simulate_pipeline(f, 2 * f, np.full(links, 0.5), np.full(links, 0.5), np.full(n, 3.0),
-                            m, schedule, v)
-    return timeline_from_sim(res, label=label)
+    tl = simulate_pipeline(f, 2 * f, np.full(links, 0.5), np.full(links, 0.5), np.full(n, 3.0),
+                           m, schedule, v)
+    return tl.with_label(label)
 
 
 def _png_size(path):
@@ -59,3 +58,21 @@ def test_bad_suffix(tmp_path, name):
 def test_no_timeline(tmp_path):
     with pytest.raises(PoseidonError):
         draw_gantt([], str(tmp_path / "g.png"))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
+def test_plan_gantt_from_the_cli(tmp_path, capsys, schedule):
+    """``poseidon plan --gantt``: the paper's DAG for 1f1b, the engine model for interleaved."""
+    import os
+
+    from poseidon_plugin import cli
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = tmp_path / "plan.png"
+    cluster = os.path.join(root, "examples/clusters/small-two-type.yaml")
+    rc = cli.main(["plan", "--cluster", cluster,
+                   "--model", os.path.join(root, "examples/models/tiny-gpt.yaml"),
+                   "--global-batch-size", "16", "--seq-length", "128", "--workers", "1",
+                   "--schedules", schedule, "--no-baselines", "--gantt", str(path)])
+    assert rc == 0 and f"wrote {path}" in capsys.readouterr().err
+    assert _png_size(str(path))[0] > 1000 and path.stat().st_size > 10_000

@@ -1,4 +1,4 @@
-"""Timeline values: from the simulator, from recorded iterations, JSON round trip."""
+"""Timeline values: from both simulators, from recorded iterations, JSON round trip."""
 
 from __future__ import annotations
 
@@ -9,27 +9,65 @@ from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.megatron.recorder import IterationRecord, timeline_from_records
 from poseidon_plugin.simulator.schedules import op_orders
 from poseidon_plugin.simulator import simulate_pipeline
-from poseidon_plugin.simulator.timeline import Timeline, timeline_from_sim
+from poseidon_plugin.simulator.engine import EngineCosts, simulate_engine
+from poseidon_plugin.simulator.timeline import Timeline
 
 
-def test_from_sim_marks_critical_path_and_span():
+def test_simulate_pipeline_marks_critical_path_and_span():
     n, m = 3, 5
-    res = simulate_pipeline([1, 2, 1], [2, 4, 2], [0.1, 0.1], [0.1, 0.1], [0.5] * 3, m)
-    tl = timeline_from_sim(res)
+    tl = simulate_pipeline([1, 2, 1], [2, 4, 2], [0.1, 0.1], [0.1, 0.1], [0.5] * 3, m)
+    assert isinstance(tl, Timeline) and tl.label == "predicted"
     assert tl.num_stages == n and len(tl.op_stage) == 2 * n * m
-    assert tl.span_ms == pytest.approx(res.iteration_time_ms)
-    assert tl.critical.any()
+    assert tl.span_ms == pytest.approx(tl.iteration_time_ms)
+    assert tl.op_on_critical_path.any()
+    # the per-op flags are exactly the F/B nodes of the critical path
+    on_path = {lab for lab in tl.critical_path if lab[0] in ("F", "B")}
+    flagged = {("B" if b else "F", int(s), int(c), int(mb)) for s, c, mb, b, k in zip(
+        tl.op_stage, tl.op_chunk, tl.op_microbatch, tl.op_is_backward, tl.op_on_critical_path)
+        if k}
+    assert flagged == on_path
     assert np.all(tl.idle_ms() >= -1e-9)
+    assert tl.idle_ms() == pytest.approx(tl.span_ms - tl.stage_busy_ms)
+
+
+def test_simulate_engine_returns_a_timeline():
+    n, m = 3, 4
+    f = np.array([[1.0, 2.0, 1.0]])
+    costs = EngineCosts.from_profiles(f, 2 * f, [0.1, 0.1], [0.5] * n, [0.25] * n)
+    tl = simulate_engine(costs, m, "1f1b")
+    assert isinstance(tl, Timeline) and tl.label == "predicted (engine-aware)"
+    assert tl.num_stages == n and len(tl.op_stage) == 2 * n * m
+    assert tl.critical_path == () and not tl.op_on_critical_path.any()
+    # the iteration ends after the optimizer step, which the span (ops and all-reduce) omits
+    assert tl.iteration_time_ms == pytest.approx(tl.span_ms + 0.25)
+    # zero overheads and zero optimizer time: the paper's DAG, op for op
+    dag = simulate_pipeline(f[0], 2 * f[0], [0.1, 0.1], [0.1, 0.1], [0.5] * n, m)
+    costs0 = EngineCosts.from_profiles(f, 2 * f, [0.1, 0.1], [0.5] * n, [0.0] * n)
+    eng = simulate_engine(costs0, m, "1f1b")
+    assert eng.iteration_time_ms == pytest.approx(dag.iteration_time_ms)
+    assert eng.op_start_ms == pytest.approx(dag.op_start_ms)
+    assert (eng.op_stage == dag.op_stage).all() and (eng.op_microbatch == dag.op_microbatch).all()
 
 
 def test_json_round_trip_and_bad_file():
-    res = simulate_pipeline([1, 2], [2, 4], [0.1], [0.1], [0.5, 0.5], 4)
-    tl = timeline_from_sim(res, label="x")
+    tl = simulate_pipeline([1, 2], [2, 4], [0.1], [0.1], [0.5, 0.5], 4).with_label("x")
     back = Timeline.from_json(tl.to_json())
     assert back.label == "x" and np.allclose(back.op_start_ms, tl.op_start_ms)
-    assert (back.critical == tl.critical).all()
+    assert (back.op_on_critical_path == tl.op_on_critical_path).all()
+    assert back.critical_path == tl.critical_path
+    assert back.iteration_time_ms == pytest.approx(tl.iteration_time_ms)
     with pytest.raises(PoseidonError):
         Timeline.from_json("{}", "t.json")
+
+
+def test_json_without_iteration_time_gets_the_span():
+    import json
+
+    tl = simulate_pipeline([1, 2], [2, 4], [0.1], [0.1], [0.5, 0.5], 4)
+    data = json.loads(tl.to_json())
+    del data["iteration_time_ms"], data["critical_path"]
+    back = Timeline.from_json(json.dumps(data))
+    assert back.iteration_time_ms == pytest.approx(tl.span_ms) and back.critical_path == ()
 
 
 def test_from_records_aligns_on_earliest_start():
@@ -47,5 +85,7 @@ def test_from_records_aligns_on_earliest_start():
     assert tl.op_start_ms.min() == pytest.approx(0.0)
     assert tl.op_start_ms[6] == pytest.approx(1.0)   # stage 1 starts 1 ms later
     assert tl.allreduce_finish_ms.shape == (2,)
+    assert tl.iteration_time_ms == pytest.approx((recs[1].end_s - 100.0) * 1e3)
+    assert not tl.op_on_critical_path.any() and tl.critical_path == ()
     d = recs[1].to_dict()
     assert IterationRecord.from_dict(d) == recs[1]

@@ -1,9 +1,13 @@
-"""validate: table and statistics on synthetic rows, the engine-aware model's invariants, and
-one small real megatron-core run (integration)."""
+"""poseidon_plugin.fidelity (``poseidon validate``): table and statistics on synthetic rows, the
+engine-aware model's invariants, the torch-free modules importing without torch, and one small
+real megatron-core run (integration)."""
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,9 +17,11 @@ from poseidon_plugin.simulator.engine import EngineCosts, device_program, simula
 from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.simulator.schedules import op_orders
 from poseidon_plugin.simulator import iteration_time_ms
-from poseidon_plugin.validate import (DEFAULT_CASES, FULL_EXTRA, Row, StageProfile, error_stats,
-                                      format_table, main, predict_dag, predict_engine,
-                                      predict_eq1)
+from poseidon_plugin.fidelity import main
+from poseidon_plugin.fidelity.cases import DEFAULT_CASES, FULL_EXTRA
+from poseidon_plugin.fidelity.predict import (StageProfile, predict_dag, predict_engine,
+                                              predict_eq1)
+from poseidon_plugin.fidelity.report import Row, error_stats, format_table
 
 
 def _row(name, measured, dag, eq1, engine):
@@ -131,13 +137,64 @@ def test_main_list_and_errors(capsys):
         main(["--cases", "no-such-case"])
 
 
+def test_cli_validate_runs_the_fidelity_package(capsys):
+    from poseidon_plugin import cli
+
+    assert cli.main(["validate", "--list", "--cases", "pp2-int3-m6"]) == 0
+    assert capsys.readouterr().out.startswith("pp2-int3-m6")
+    assert cli.main(["validate", "--cases", "no-such-case"]) == 2
+    assert "unknown case(s) ['no-such-case']" in capsys.readouterr().err
+
+
+TORCH_FREE = ("poseidon_plugin.fidelity", "poseidon_plugin.fidelity.cases",
+              "poseidon_plugin.fidelity.predict", "poseidon_plugin.fidelity.report",
+              "poseidon_plugin.fidelity.command")
+
+
+def test_torch_free_modules_import_without_torch():
+    """Everything but ``fidelity.harness`` imports (and lists the cases) with torch and megatron
+    unimportable; the harness itself is where torch comes in."""
+    code = "\n".join([
+        "import importlib, sys",
+        "sys.modules['torch'] = None",
+        "sys.modules['megatron'] = None",
+        f"for name in {TORCH_FREE!r}:",
+        "    importlib.import_module(name)",
+        "from poseidon_plugin.fidelity import main",
+        "assert main(['--list']) == 0",
+        "loaded = [k for k, m in list(sys.modules.items())",
+        "          if k.split('.')[0] in ('torch', 'megatron') and m is not None]",
+        "assert not loaded, loaded",
+        "print('TORCH-FREE OK')",
+    ])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    assert "TORCH-FREE OK" in out.stdout and "pp2-1f1b-m4" in out.stdout
+
+
+def test_predictors_return_labelled_timelines():
+    from poseidon_plugin.simulator.timeline import Timeline
+
+    case = DEFAULT_CASES[2]   # interleaved
+    prof = _profiles(case)
+    dag, eng = predict_dag(case, prof), predict_engine(case, prof)
+    assert isinstance(dag, Timeline) and isinstance(eng, Timeline)
+    assert dag.label == "predicted, paper DAG" and eng.label == "predicted, engine-aware"
+    assert dag.critical_path and dag.op_on_critical_path.any()
+    assert eng.critical_path == () and not eng.op_on_critical_path.any()
+    n_ops = 2 * case.pp * case.num_microbatches * case.virtual_stages
+    assert len(dag.op_stage) == len(eng.op_stage) == n_ops
+
+
 @pytest.mark.integration
 def test_real_validate_run_small(tmp_path):
     """A real 2-process megatron-core run (1f1b and interleaved), few iterations."""
     pytest.importorskip("torch")
     pytest.importorskip("megatron.core")
     from poseidon_plugin.megatron.recorder import IterationRecord
-    from poseidon_plugin.validate import Emulation, run_cases
+    from poseidon_plugin.fidelity.cases import Emulation
+    from poseidon_plugin.fidelity.harness import run_cases
 
     cases = [c for c in DEFAULT_CASES if c.name in ("pp2-1f1b-m4", "pp2-int2-m4")]
     emu = Emulation(forward_ms_per_layer=1.5, backward_ms_per_layer=3.0,
@@ -160,6 +217,6 @@ def test_real_validate_run_small(tmp_path):
         for s, p in enumerate(res.profiles):
             want = c.layers[s] * emu.forward_ms_per_layer / c.speed(s)
             assert sum(p.forward_ms) == pytest.approx(want, rel=0.25)
-    from poseidon_plugin.validate import draw_case
+    from poseidon_plugin.fidelity.report import draw_case
     path = draw_case(results[1], str(tmp_path / "val.png"))
     assert (tmp_path / "val.png").stat().st_size > 10_000 and path.endswith(".png")

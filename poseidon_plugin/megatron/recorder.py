@@ -183,9 +183,10 @@ def timeline_from_records(records: Sequence[IterationRecord], label: str = "meas
     if np.isnan(ar0).any():
         ar0 = ar1 = np.zeros(0)
     return Timeline(
+        iteration_time_ms=(max(r.end_s for r in records) - origin_s) * 1e3,
         op_stage=arr[:, 0].astype(np.int64), op_chunk=arr[:, 1].astype(np.int64),
         op_microbatch=arr[:, 2].astype(np.int64), op_is_backward=arr[:, 3].astype(bool),
         op_start_ms=(arr[:, 4] - origin_s) * 1e3, op_finish_ms=(arr[:, 5] - origin_s) * 1e3,
+        op_on_critical_path=np.zeros(len(arr), dtype=bool),
         allreduce_start_ms=(ar0 - origin_s) * 1e3 if len(ar0) else ar0,
-        allreduce_finish_ms=(ar1 - origin_s) * 1e3 if len(ar1) else ar1,
-        critical=np.zeros(len(arr), dtype=bool), label=label)
+        allreduce_finish_ms=(ar1 - origin_s) * 1e3 if len(ar1) else ar1, label=label)

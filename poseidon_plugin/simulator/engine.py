@@ -1,6 +1,6 @@
 """Engine-aware timing model: the pipeline as megatron-core 0.19 actually runs it.
 
-The paper's DAG (``simulator.py``) lets an op start as soon as its own input has arrived and its
+The paper's DAG (``pipeline.py``) lets an op start as soon as its own input has arrived and its
 device is free; a send costs only the link time and never holds the sender. megatron-core's
 schedules (without ``overlap_p2p_comm``, the default) run each device as a sequence of compute
 ops and *blocking communication calls*; one call posts the sends of what was just computed and
@@ -22,7 +22,7 @@ Timing of one call on device s posted at time t: every tensor it sends arrives a
 ``t + send_call_ms[s]``; a call that receives returns ``recv_ready_ms[s]`` after
 ``max(t, arrival of everything it receives)`` (and not before ``t + send_call_ms[s]`` if it also
 sends). The three are measured with megatron-core's own ``P2PCommunicator`` (see
-``validate._p2p_costs``). A compute op costs
+``fidelity.harness._p2p_costs``). A compute op costs
 its profiled time plus ``op_overhead_ms`` (megatron's ``forward_step`` / ``backward_step`` around
 the model). After the last op: the finalize hook (DP all-reduce) ``finalize_ms[s]``, then the
 optimizer step, whose grad-norm all-reduce spans the model-parallel group -- every stage waits for
@@ -34,7 +34,7 @@ API::
 
     costs = EngineCosts.from_profiles(fwd, bwd, send, finalize, optimizer, overheads)
     res = simulate_engine(costs, num_microbatches, schedule, virtual_stages)
-    res.iteration_time_ms; timeline_from_engine(res)
+    res.iteration_time_ms        # res is a ``timeline.Timeline`` (no critical path)
 """
 
 from __future__ import annotations
@@ -75,20 +75,6 @@ class EngineCosts:
         return cls(fwd, bwd, link, np.asarray(finalize, dtype=float),
                    np.asarray(optimizer, dtype=float), get("send_call_ms"), get("recv_ready_ms"),
                    get("forward_ms"), get("backward_ms"))
-
-
-@dataclass(frozen=True)
-class EngineResult:
-    iteration_time_ms: float
-    op_stage: np.ndarray
-    op_chunk: np.ndarray
-    op_microbatch: np.ndarray
-    op_is_backward: np.ndarray
-    op_start_ms: np.ndarray
-    op_finish_ms: np.ndarray
-    allreduce_start_ms: np.ndarray
-    allreduce_finish_ms: np.ndarray
-    end_ms: np.ndarray            # per stage, after the optimizer step
 
 
 # A device program: a list of items, each ("op", Op) or ("call", sends, recvs) where sends and
@@ -246,7 +232,10 @@ def walk_programs(progs: list[list[tuple]]):
 
 
 def simulate_engine(costs: EngineCosts, num_microbatches: int, schedule: str = "1f1b",
-                    virtual_stages: int = 1) -> EngineResult:
+                    virtual_stages: int = 1) -> Timeline:
+    """Replay the device programs; a ``Timeline`` labelled "predicted (engine-aware)" whose
+    ``iteration_time_ms`` is the end of the slowest stage's optimizer step (no critical path:
+    every ``op_on_critical_path`` is False)."""
     n = costs.forward_ms.shape[1]
     n, m, v = validate_schedule(schedule, n, num_microbatches, virtual_stages)
     if costs.forward_ms.shape != (v, n):
@@ -286,14 +275,9 @@ def simulate_engine(costs: EngineCosts, num_microbatches: int, schedule: str = "
     arr = np.array(rows, dtype=float)
     order = np.lexsort((np.arange(len(arr)), arr[:, 0]))   # stage-major, execution order
     arr = arr[order]
-    return EngineResult(float(end.max()), arr[:, 0].astype(np.int64), arr[:, 1].astype(np.int64),
-                        arr[:, 2].astype(np.int64), arr[:, 3].astype(bool), arr[:, 4], arr[:, 5],
-                        ar0, ar1, end)
-
-
-def timeline_from_engine(res: EngineResult, label: str = "predicted (engine-aware)") -> Timeline:
-    return Timeline(op_stage=res.op_stage, op_chunk=res.op_chunk, op_microbatch=res.op_microbatch,
-                    op_is_backward=res.op_is_backward, op_start_ms=res.op_start_ms,
-                    op_finish_ms=res.op_finish_ms, allreduce_start_ms=res.allreduce_start_ms,
-                    allreduce_finish_ms=res.allreduce_finish_ms,
-                    critical=np.zeros(len(res.op_stage), dtype=bool), label=label)
+    return Timeline(
+        iteration_time_ms=float(end.max()), op_stage=arr[:, 0].astype(np.int64),
+        op_chunk=arr[:, 1].astype(np.int64), op_microbatch=arr[:, 2].astype(np.int64),
+        op_is_backward=arr[:, 3].astype(bool), op_start_ms=arr[:, 4], op_finish_ms=arr[:, 5],
+        op_on_critical_path=np.zeros(len(arr), dtype=bool), allreduce_start_ms=ar0,
+        allreduce_finish_ms=ar1, label="predicted (engine-aware)")

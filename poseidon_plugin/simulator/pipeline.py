@@ -23,28 +23,12 @@ import numpy as np
 from poseidon_plugin.simulator import _core
 from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.simulator.schedules import SCHEDULES, validate_schedule
+from poseidon_plugin.simulator.timeline import Timeline
 
-__all__ = ["SCHEDULES", "SimResult", "SimInputs", "normalize_inputs", "simulate_pipeline",
+__all__ = ["SCHEDULES", "Timeline", "SimInputs", "normalize_inputs", "simulate_pipeline",
            "iteration_time_ms", "static_estimate_ms", "get_dag"]
 
 get_dag = _core.get_dag
-
-
-@dataclass(frozen=True)
-class SimResult:
-    iteration_time_ms: float
-    # one row per op: (stage, chunk, microbatch, is_backward) in each stage's execution order
-    op_stage: np.ndarray
-    op_chunk: np.ndarray
-    op_microbatch: np.ndarray
-    op_is_backward: np.ndarray
-    op_start_ms: np.ndarray
-    op_finish_ms: np.ndarray
-    allreduce_start_ms: np.ndarray   # per stage
-    allreduce_finish_ms: np.ndarray  # per stage
-    stage_busy_ms: np.ndarray        # per stage, compute + all-reduce time
-    critical_path: tuple             # node labels from start to end, e.g. ("F", s, c, m), ("R", s)
-    # labels: ("start",), ("F"|"B", stage, chunk, microbatch), ("R", stage), ("end",)
 
 
 @dataclass(frozen=True)
@@ -130,43 +114,42 @@ def iteration_time_ms(forward_ms, backward_ms, send_forward_ms, send_backward_ms
 
 def simulate_pipeline(forward_ms, backward_ms, send_forward_ms, send_backward_ms, allreduce_ms,
                       num_microbatches: int, schedule: str = "1f1b",
-                      virtual_stages: int = 1) -> SimResult:
-    """Full simulation: per-op times (stage-major, each stage in execution order), per-stage
-    all-reduce window and busy time, and one critical path (ties broken towards the
-    cross-stage dependency)."""
+                      virtual_stages: int = 1) -> Timeline:
+    """Full simulation as a ``Timeline`` labelled "predicted": per-op times (stage-major, each
+    stage in execution order), per-stage all-reduce window, one critical path (ties broken
+    towards the cross-stage dependency) and its ops marked; ``iteration_time_ms`` is the
+    longest path."""
     x = normalize_inputs(forward_ms, backward_ms, send_forward_ms, send_backward_ms,
                          allreduce_ms, num_microbatches, schedule, virtual_stages)
     dag = _dag_for(x)
     t, start, finish, via_dep, ar0, ar1 = dag.simulate(
         x.forward_ms, x.backward_ms, x.send_forward_ms, x.send_backward_ms, x.allreduce_ms)
-    stage, chunk = dag.op_stage, dag.op_chunk
-    mb, bw = dag.op_microbatch, dag.op_is_backward
-    path = _critical_path(dag, via_dep, ar1)
+    path, on_path = _critical_path(dag, via_dep, ar1)
     perm = dag.stage_major
-    busy = np.zeros(x.num_stages)
-    np.add.at(busy, stage, finish - start)
-    busy += ar1 - ar0
-    return SimResult(
+    return Timeline(
         iteration_time_ms=float(t),
-        op_stage=stage[perm], op_chunk=chunk[perm], op_microbatch=mb[perm],
-        op_is_backward=bw[perm], op_start_ms=start[perm], op_finish_ms=finish[perm],
-        allreduce_start_ms=ar0, allreduce_finish_ms=ar1, stage_busy_ms=busy,
-        critical_path=path)
+        op_stage=dag.op_stage[perm], op_chunk=dag.op_chunk[perm],
+        op_microbatch=dag.op_microbatch[perm], op_is_backward=dag.op_is_backward[perm],
+        op_start_ms=start[perm], op_finish_ms=finish[perm], op_on_critical_path=on_path[perm],
+        allreduce_start_ms=ar0, allreduce_finish_ms=ar1, critical_path=path, label="predicted")
 
 
-def _critical_path(dag, via_dep: np.ndarray, ar_finish: np.ndarray) -> tuple:
+def _critical_path(dag, via_dep: np.ndarray, ar_finish: np.ndarray) -> tuple[tuple, np.ndarray]:
+    """(node labels from start to end, per op in the DAG's order: on that path)."""
     prev, dep = dag.predecessor_slots()
     s_end = int(np.argmax(ar_finish))
     labels = [("end",), ("R", s_end)]
     slot = int(dag.last_op_slots()[s_end])
     stage, chunk = dag.op_stage, dag.op_chunk
     mb, bw = dag.op_microbatch, dag.op_is_backward
+    on_path = np.zeros(len(stage), dtype=bool)
     while slot:
         i = slot - 1
+        on_path[i] = True
         labels.append(("B" if bw[i] else "F", int(stage[i]), int(chunk[i]), int(mb[i])))
         slot = int(dep[i]) if via_dep[i] else int(prev[i])
     labels.append(("start",))
-    return tuple(reversed(labels))
+    return tuple(reversed(labels)), on_path
 
 
 def static_estimate_ms(forward_ms, backward_ms, send_forward_ms, send_backward_ms, allreduce_ms,

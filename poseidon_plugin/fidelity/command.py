@@ -1,0 +1,71 @@
+"""``poseidon validate``'s arguments and ``main`` (no torch until cases actually run)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Sequence
+
+from ..errors import PoseidonError
+from .cases import Emulation, select_cases
+from .report import draw_case, format_table, write_json
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="poseidon validate",
+                                description="Measure the simulator against real megatron-core "
+                                "pipeline runs on CPU emulation.")
+    p.add_argument("--full", action="store_true", help="run the larger case set")
+    p.add_argument("--cases", nargs="+", default=None, metavar="NAME",
+                   help="run only these cases (names from the table)")
+    p.add_argument("--iterations", type=int, default=30, help="iterations per case (30)")
+    p.add_argument("--discard", type=int, default=5, help="first iterations discarded (5)")
+    p.add_argument("--layer-ms", type=float, nargs=2, default=None, metavar=("FWD", "BWD"),
+                   help="emulated forward/backward ms per layer at speed 1 (4.0 8.0)")
+    p.add_argument("--gantt", default=None, metavar="FILE",
+                   help="draw measured vs predicted timelines of one case (.png/.svg)")
+    p.add_argument("--gantt-case", default=None, help="the case to draw (default: the first)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write every row as JSON")
+    p.add_argument("--list", action="store_true", help="list the cases and exit")
+    return p
+
+
+def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
+    """``poseidon validate [options]``: argv strings, or the CLI's namespace (its ``args``)."""
+    if isinstance(argv, argparse.Namespace):
+        argv = list(getattr(argv, "args", None) or [])
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    ns = _parser().parse_args(argv)
+    cases = select_cases(ns.cases, ns.full)
+    if ns.list:
+        for c in cases:
+            print(c.describe())
+        return 0
+    emu = Emulation()
+    if ns.layer_ms:
+        emu = Emulation(forward_ms_per_layer=ns.layer_ms[0], backward_ms_per_layer=ns.layer_ms[1])
+    gantt_case = ns.gantt_case or (cases[0].name if ns.gantt else None)
+    if gantt_case and gantt_case not in {c.name for c in cases}:
+        raise PoseidonError(f"--gantt-case {gantt_case!r} is not among the cases run")
+    from .harness import run_cases   # torch and megatron-core from here on
+
+    t0 = time.time()
+    results = run_cases(cases, emu, ns.iterations, ns.discard, gantt_case=None,
+                        progress=lambda m: print(f"poseidon validate: {m}", file=sys.stderr))
+    rows = [r.row for r in results]
+    print(format_table(rows))
+    print(f"({len(rows)} cases, {ns.iterations} iterations each, first {ns.discard} discarded; "
+          f"{time.time() - t0:.0f} s)")
+    if ns.json:
+        write_json(results, ns.json)
+    if ns.gantt:
+        res = next(r for r in results if r.case.name == gantt_case)
+        print(f"Gantt chart: {draw_case(res, ns.gantt)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
