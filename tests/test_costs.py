@@ -21,7 +21,7 @@ from poseidon_plugin.comm import allreduce_ms, send_ms
 from poseidon_plugin.costs import CostModel, chunk_layers, simulator_arrays
 from poseidon_plugin.model import get_model
 from poseidon_plugin.profiles import ProfileKey, lookup_profile
-from poseidon_plugin.search import search_plan
+from poseidon_plugin.search import SearchOptions, search_plan
 
 SMALL = "examples/clusters/small-two-type.yaml"   # fast: 2 x 4 (800 intra, 200 inter), slow:
 TINY = "examples/models/tiny-gpt.yaml"             # 2 x 4 (400, 100), cross 50, latency 0.01
@@ -321,8 +321,8 @@ def test_plan_numbers_are_hand_computable(setting, model, gbs):
     """Every per-stage number in a searched plan, recomputed from profiles and link rules."""
     cluster, mdl = load_cluster(setting), get_model(model)
     seq = mdl.seq_length if setting == SMALL else 2048
-    plan = search_plan(cluster, mdl, global_batch_size=gbs, seq_length=seq, workers=1,
-                       warmup_samples=50)
+    plan = search_plan(cluster, mdl, SearchOptions(
+        global_batch_size=gbs, seq_length=seq, workers=1, warmup_samples=50))
     b, n, dp, lat = plan.micro_batch_size, plan.pp, plan.dp, cluster.links.latency_ms
     act = 2 * b * seq * mdl.hidden_size
 

@@ -15,7 +15,7 @@ from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.model import get_model
 from poseidon_plugin.placement import (aligned_start, place_stages, ring_gbps, send_link_gbps,
                                        type_pools)
-from poseidon_plugin.search import search_plan
+from poseidon_plugin.search import SearchOptions, search_plan
 
 SMALL = "examples/clusters/small-two-type.yaml"   # 2 x 4 fast, 2 x 4 slow
 
@@ -210,8 +210,8 @@ def test_search_plans_use_the_documented_placement(tp_mode):
     """The Cython search places stages itself; its plan must match ``place_stages``."""
     cluster = load_cluster(SMALL)
     model = get_model("examples/models/tiny-gpt.yaml")
-    plan = search_plan(cluster, model, global_batch_size=16, seq_length=128, workers=1,
-                       tp_mode=tp_mode, warmup_samples=20)
+    plan = search_plan(cluster, model, SearchOptions(
+        global_batch_size=16, seq_length=128, workers=1, tp_mode=tp_mode, warmup_samples=20))
     pools = type_pools(cluster)
     types = [cluster.type_names.index(s.device_type) for s in plan.stages]
     placements, unused = place_stages(pools, types, [s.tp for s in plan.stages], plan.dp)

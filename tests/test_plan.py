@@ -12,7 +12,7 @@ from poseidon_plugin.cluster import load_cluster
 from poseidon_plugin.costs import chunk_layers
 from poseidon_plugin.model import get_model
 from poseidon_plugin.plan import DeviceSlot, Plan, StagePlan
-from poseidon_plugin.search import search_plan
+from poseidon_plugin.search import SearchOptions, search_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -118,7 +118,8 @@ def test_megatron_accepts_searched_plan():
     pytest.importorskip("megatron.training")
     cluster = load_cluster(os.path.join(ROOT, "examples/clusters/small-two-type.yaml"))
     model = get_model(os.path.join(ROOT, "examples/models/tiny-gpt.yaml"))
-    p = search_plan(cluster, model, global_batch_size=16, seq_length=128, workers=1,
-                    warmup_samples=20, schedules=("1f1b", "interleaved-1f1b"))
+    p = search_plan(cluster, model, SearchOptions(
+        global_batch_size=16, seq_length=128, workers=1, warmup_samples=20,
+        schedules=("1f1b", "interleaved-1f1b")))
     assert sum(p.layers_per_stage) == 8
     _megatron_validate(p.megatron_args(), p.world_size)

@@ -32,7 +32,7 @@ from poseidon_plugin.plan import EXECUTABLE_SCHEDULES
 from poseidon_plugin import memory
 from poseidon_plugin.cluster import load_cluster
 from poseidon_plugin.model import get_model
-from poseidon_plugin.search import baseline_plans, search_plan
+from poseidon_plugin.search import SearchOptions, baseline_plans, search_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GBS, SEQ = 128, 4096
@@ -68,9 +68,9 @@ def solved(key: str, launch: bool = False):
         ck = key + "/launch"
         if ck not in _CACHE:
             budget = SLOW_BUDGET_S if key.startswith("6") else None
-            plan = search_plan(cluster, model, global_batch_size=GBS, seq_length=SEQ,
-                               time_budget_s=budget, workers=1 if budget is None else None,
-                               schedules=EXECUTABLE_SCHEDULES)
+            plan = search_plan(cluster, model, SearchOptions(
+                global_batch_size=GBS, seq_length=SEQ, time_budget_s=budget,
+                workers=1 if budget is None else None, schedules=EXECUTABLE_SCHEDULES))
             _CACHE[ck] = (cluster, model, plan, base)
         return _CACHE[ck]
     if key not in _CACHE:
@@ -79,8 +79,10 @@ def solved(key: str, launch: bool = False):
         model = get_model(mname)
         budget = SLOW_BUDGET_S if key.startswith("6") else None
         kw = dict(global_batch_size=GBS, seq_length=SEQ, time_budget_s=budget)
-        plan = search_plan(cluster, model, workers=1 if budget is None else None, **kw)
-        base = baseline_plans(cluster, model, workers=1 if budget is None else None, **kw)
+        plan = search_plan(cluster, model, SearchOptions(
+            workers=1 if budget is None else None, **kw))
+        base = baseline_plans(cluster, model, SearchOptions(
+            workers=1 if budget is None else None, **kw))
         _CACHE[key] = (cluster, model, plan, base)
     return _CACHE[key]
 
