@@ -91,8 +91,6 @@ class CostModel:
         self.inter_gbps = tuple(float(cluster.links.inter_node_gbps[n]) for n in self.type_names)
         self._layer_cache: dict[tuple[int, int, int], LayerCosts] = {}
         self._mem_cache: dict[tuple, tuple[int, int]] = {}
-        # per-outer-configuration data the plan search derives once (memory limits, ...)
-        self.search_cache: dict[str, dict] = {}
         self._sig = model.signature() if callable(getattr(model, "signature", None)) else model.name
 
     # ------------------------------------------------------------------ profiles

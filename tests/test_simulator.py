@@ -1,4 +1,4 @@
-"""The simulator (`_core` via simulator.py) against hand-worked cases, the literal-DAG reference,
+"""The simulator (`_core` via simulator/pipeline.py) against hand-worked cases, the literal-DAG reference,
 the paper's node/edge counts, and invariants."""
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 # cython: language_level=3
 """Lower bounds and capacity cuts of the plan search's branch and bound.
 
+``_wpos`` and ``wcut`` are longer than the rest of the code base's functions on purpose: they run
+at every node of the search, nogil, and are kept in one piece so the C compiler sees the whole
+loop (their steps are documented inline).
+
 Declared in ``_bounds.pxd``; used by ``_search.pyx``'s recursion after it decides stage x
 (option and layer count). All are valid for every completion of the decided prefix: the
 iteration time is a longest path in a DAG with non-negative weights, so any path is a lower

@@ -520,7 +520,8 @@ cdef class Searcher:
 
     cdef void recurse(self, int x, int Lrem, int nonridge) noexcept nogil:
         """Branch on stage x's option o (device type, TP) and layer count l, larger l first;
-        see the module docstring and ``docs/search.md`` for the rules."""
+        see the module docstring and ``docs/search.md`` for the rules. (One piece on purpose:
+        the nogil hot loop; placement, costs and bounds are the helpers it calls.)"""
         cdef const ConfigData* I = self.cfg
         cdef SearchState* S = self.state
         cdef int N = I.N, o, k, dt, start, l, lo, hi, K = N - 1 - x

@@ -1,11 +1,11 @@
 # cython: language_level=3
 """Hot path of the simulator: the pipeline DAG's longest path as one ``nogil`` sweep.
 
-The DAG (``../shared/DESIGN.md``, "The simulator's semantics"): compute ops F/B of every
+The DAG (the simulator semantics in ``pipeline.py``): compute ops F/B of every
 (device s, chunk c, micro-batch m); op weight = its compute time. Cross-device edges follow the
 *virtual stage* v = c*N + s: F(v-1, m) -> F(v, m) weighted Pf[(v-1) mod N]; B(v+1, m) -> B(v, m)
 weighted Pb[v mod N]; F(last v, m) -> B(last v, m) weighted 0. Consecutive ops of one device's
-order (from ``poseidon_plugin.schedules``) are chained with weight 0; the device's last op feeds
+order (from ``poseidon_plugin.simulator.schedules``) are chained with weight 0; the device's last op feeds
 R(s) (weight = all-reduce time) and every R(s) feeds the end node.
 
 Because every op has at most two predecessors (previous op on its device, one cross-device
@@ -224,7 +224,7 @@ cdef class PipelineDAG:
                 const double[::1] Pb, const double[::1] R):
         """Iteration time (ms). Arrays: contiguous float64 in the layout of ``_core.pxd``.
 
-        Lengths are checked; values are not (``simulator.py`` validates them once)."""
+        Lengths are checked; values are not (``simulator/pipeline.py`` validates them once)."""
         _check(self, F, B, Pf, Pb, R)
         return self.iteration_time(_ptr(F), _ptr(B), _ptr(Pf), _ptr(Pb), _ptr(R))
 

@@ -1,14 +1,15 @@
 """Thin Python API over the Cython DAG simulator (`_core`).
 
-Semantics: ../shared/DESIGN.md "The simulator's semantics". One pipeline of N stages (devices),
-M micro-batches; per-stage ``forward_ms[s]``, ``backward_ms[s]``, ``allreduce_ms[s]``;
+Semantics (the contract the tests hold it to; the DAG is spelled out in ``_core.pyx``): one
+pipeline of N stages (devices), M micro-batches; per-stage ``forward_ms[s]``,
+``backward_ms[s]``, ``allreduce_ms[s]``;
 ``send_forward_ms[s]`` is the activation send s -> s+1 and ``send_backward_ms[s]`` the gradient
 send s+1 -> s (length N-1; for interleaved-1f1b length N, the last entry being the wrap-around
 link device N-1 -> device 0, used from chunk c on device N-1 to chunk c+1 on device 0 and back).
 For interleaved-1f1b with V chunks each chunk costs ``forward_ms[s] / V`` unless per-chunk
 arrays (shape (V, N)) are passed.
 
-The per-device op orders come from ``poseidon_plugin.schedules``; the DAG is documented in
+The per-device op orders come from ``poseidon_plugin.simulator.schedules``; the DAG is documented in
 ``_core.pyx`` and built literally in ``reference.py``. The structure of the DAG is
 precomputed and cached per (schedule, N, M, V) (``_core.get_dag``); each call here validates the
 inputs once and runs one ``nogil`` sweep. Other Cython modules use the C API in ``_core.pxd``.

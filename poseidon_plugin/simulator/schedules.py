@@ -23,7 +23,7 @@ Orders (0-based device s; w = warm-up forwards, capped at M):
   M must be a multiple of N. With V = 1 megatron runs its non-interleaved schedule, so
   ``interleaved-1f1b`` with V = 1 is ``1f1b``. Virtual pipelining needs N >= 2.
 
-The DAG edges that link these ops across devices are documented in ``simulator.py``.
+The DAG edges that link these ops across devices are documented in ``pipeline.py`` and ``_core.pyx``.
 """
 
 from __future__ import annotations
