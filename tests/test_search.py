@@ -596,3 +596,45 @@ def test_plan_search_statistics_are_a_search_stats_record():
                                                     workers=1, warmup_samples=10,
                                                     tp_mode="per-stage"))
     assert set(per.search) == fields | {"uniform_tp_seed_ms"}
+
+
+# --------------------------------------------------------------------------- constructive plans
+
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(instance_st)
+def test_constructed_plans_are_feasible_and_never_beat_the_optimum(inst):
+    """Every constructed plan fits memory and the devices (build_plan re-derives it through the
+    Python cost path and checks both) and is never faster than the exhaustive optimum."""
+    from poseidon_plugin.search.build import build_plan
+    from poseidon_plugin.search.construct import construct_plan
+    types, layers, gbs, scheds, tp_mode = inst
+    cluster, model = make_instance(types, layers, None)
+    exact = _run(inst, "none")
+    ctx = SearchContext(CostModel(cluster, model, None, seq_length=128))
+    built = 0
+    for cfg in _configs(ctx, gbs, tuple(scheds), tp_mode):
+        got = construct_plan(ctx, cfg)
+        if got is None:
+            continue
+        t, opts, lay = got
+        p = build_plan(ctx.cm, cfg, opts, lay, global_batch_size=gbs, predicted_ms=t)
+        assert sum(s.layers for s in p.stages) == model.num_layers
+        assert all(s.memory_bytes <= s.memory_capacity_bytes for s in p.stages)
+        assert exact is not None      # a feasible plan exists, so the exhaustive search has one
+        assert t >= exact.predicted_iteration_time_ms * (1 - 1e-9)
+        built += 1
+    if exact is None:
+        assert built == 0
+
+
+def test_construction_gives_the_first_plan_and_the_search_keeps_it_as_a_bound():
+    """The construction seeds the incumbent: the plan returned under a tiny budget is never
+    worse than the best constructed plan, and the statistics say how many were built."""
+    cluster, model = make_instance([(100.0, 2, 4, 1.0), (50.0, 2, 4, 1.0)], 12, None)
+    kw = dict(global_batch_size=16, seq_length=128, workers=1, warmup_samples=0)
+    full = search_plan(cluster, model, SearchOptions(**kw))
+    assert full.search["constructed_plans"] >= 1
+    assert full.predicted_iteration_time_ms <= full.search["constructed_best_ms"] * (1 + 1e-9)
+    quick = search_plan(cluster, model, SearchOptions(time_budget_s=1e-6, **kw))
+    assert quick.search["constructed_plans"] >= 1
+    assert quick.predicted_iteration_time_ms <= quick.search["constructed_best_ms"] * (1 + 1e-6)

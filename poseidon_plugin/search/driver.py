@@ -3,14 +3,16 @@
 ``search_plan`` runs one ``SearchDriver`` through its phases:
 
 1. **order** -- every outer configuration gets its root bound; they are visited cheapest first.
-2. **seed** (per-stage TP only) -- the uniform-TP optimum, a much smaller search, is a valid
+2. **construct** -- a constructive plan per configuration (``construct.py``), cheapest root
+   bound first, for a few seconds: a good feasible incumbent at any size.
+3. **seed** (per-stage TP only) -- the uniform-TP optimum, a much smaller search, is a valid
    incumbent of the per-stage space.
-3. **warm-up** -- random feasible plans of the most promising configurations seed the
+4. **warm-up** -- random feasible plans of the most promising configurations seed the
    incumbent threshold.
-4. **passes** -- iterative deepening over the configurations (``run_pass``: rounds of
+5. **passes** -- iterative deepening over the configurations (``run_pass``: rounds of
    ``run_round`` with a rising cap, then the incumbent), first over contiguous device-type
    blocks, then over every type sequence where that space is larger.
-5. **result** -- the best plan, the proven lower bound and the statistics (``SearchStats``).
+6. **result** -- the best plan, the proven lower bound and the statistics (``SearchStats``).
 
 Why this finds the optimum, and what each cut proves: ``docs/search.md``.
 """
@@ -36,6 +38,8 @@ BISECT_GAP = 0.002  # ... until it passes the incumbent: then one midpoint round
 MAX_ROUNDS = 64     # per pass; the last round searches with the incumbent alone
 SPLIT_NODES = 20000  # a configuration whose last search took this many nodes is split over threads
 WARMUP_CONFIGS = 16  # warm-up samples come from this many configurations of lowest root bound
+CONSTRUCT_CONFIGS = 64  # constructive plans for (at least) this many configurations, by root bound
+CONSTRUCT_SECONDS = 2.0  # ... and for more while this long (or 10 % of a time budget) has not passed
 _COUNTERS = ("nodes", "plans_simulated", "cut_bound", "cut_memory", "cut_ridge", "cut_devices",
              "cut_capacity")
 
@@ -55,6 +59,8 @@ class SearchStats:
     cut_devices: int = 0
     cut_capacity: int = 0
     rounds: int = 0
+    constructed_plans: int = 0
+    constructed_best_ms: float | None = None   # the best constructive plan (an upper bound)
     warmup_plans: int = 0
     type_order_restricted_configs: int = 0
     uniform_tp_seed_ms: float | None = None   # per-stage TP: the uniform-TP seed's time
@@ -137,6 +143,8 @@ class SearchDriver:
         if not self.configs:
             raise InfeasibleError(self._no_config_message())
         self.order_configs()
+        if not self.exact:
+            self.construct()
         if self.options.tp_mode == "per-stage" and not self.exact:
             self.seed_from_uniform_tp()
         if not self.exact and self.options.warmup_samples > 0:
@@ -164,6 +172,34 @@ class SearchDriver:
         self.lbs = list(self.roots)
         log.debug("%d configurations and their root bounds: %.2f s", n,
                   time.perf_counter() - self.t0)
+
+    def construct(self) -> None:
+        """Constructive plans (``construct.construct_plan``) of the configurations in root-bound
+        order: the first CONSTRUCT_CONFIGS, then more while CONSTRUCT_SECONDS (at most 10 % of
+        a time budget) have not passed, and in any case until one plan is found."""
+        from .construct import construct_plan
+
+        t0 = time.monotonic()
+        slice_s = CONSTRUCT_SECONDS
+        if self.options.time_budget_s is not None:
+            slice_s = min(slice_s, 0.1 * self.options.time_budget_s)
+        for done, i in enumerate(i for i in self.order if math.isfinite(self.roots[i])):
+            if self.best is not None and (done >= CONSTRUCT_CONFIGS
+                                          or time.monotonic() - t0 > slice_s):
+                break
+            if self._past_deadline() and (self.best is not None or done >= CONSTRUCT_CONFIGS):
+                break   # (a tiny budget still constructs: one plan at least, if one is near)
+            got = construct_plan(self.ctx, self.configs[i])
+            if got is None:
+                continue
+            t, opts, layers = got
+            self.stats.constructed_plans += 1
+            self.consider(t, self.configs[i], opts, layers)
+            self.threshold = min(self.threshold, t)
+        if self.best is not None:
+            self.stats.constructed_best_ms = self.best.time_ms
+        log.debug("construction: %d plans, best %.3f ms (at %.2f s)",
+                  self.stats.constructed_plans, self.threshold, time.perf_counter() - self.t0)
 
     def seed_from_uniform_tp(self) -> None:
         """The uniform-TP space is part of the per-stage one: its optimum is a valid
