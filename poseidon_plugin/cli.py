@@ -44,7 +44,10 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--tp", dest="tp_degrees", type=int, nargs="+", default=None,
                     metavar="T", help="TP degrees allowed (default: every valid one)")
     pl.add_argument("--max-virtual-stages", type=int, default=2)
-    pl.add_argument("--type-order", choices=list(TYPE_ORDERS), default="auto")
+    pl.add_argument("--type-order", choices=list(TYPE_ORDERS), default="any",
+                    help="device-type orders searched: any (default: every order, exact), "
+                    "blocks (contiguous type blocks only), auto (blocks where a configuration "
+                    "has more than 3^20 orders); a restricted space is named in the output")
     pl.add_argument("--warmup-samples", type=int, default=500)
     pl.add_argument("--time-budget", type=float, default=None, metavar="S")
     pl.add_argument("--workers", type=int, default=None,

@@ -298,6 +298,8 @@ class Plan:
                 f"{s.get('configs_cut_root', 0)}/{s.get('configs', 0)}, "
                 f"{s.get('seconds', 0)} s, exhaustive: {'yes' if s.get('exhaustive') else 'no'}"
                 f", lower bound {self.lower_bound_ms:.2f} ms (gap {100 * self.gap:.2f}%)")
+            if s.get("search_space"):
+                lines.append(f"searched space: {s['search_space']}")
         return "\n".join(lines) + "\n"
 
 

@@ -638,3 +638,31 @@ def test_construction_gives_the_first_plan_and_the_search_keeps_it_as_a_bound():
     quick = search_plan(cluster, model, SearchOptions(time_budget_s=1e-6, **kw))
     assert quick.search["constructed_plans"] >= 1
     assert quick.predicted_iteration_time_ms <= quick.search["constructed_best_ms"] * (1 + 1e-6)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(instance_st, st.sampled_from(["auto", "blocks"]))
+def test_restricted_type_orders_are_named_and_their_bound_holds_for_every_order(inst, order):
+    """``blocks`` (and ``auto`` past its limit, here 1) search contiguous type blocks only:
+    the result says so (not exhaustive, the space named), its lower bound is still valid for
+    every type order (never above the exact optimum), and its stages form type blocks."""
+    types, layers, gbs, scheds, tp_mode = inst
+    cluster, model = make_instance(types, layers, None)
+    exact = _run(inst, "none")
+    try:
+        got = search_plan(cluster, model, SearchOptions(
+            global_batch_size=gbs, seq_length=128, schedules=tuple(scheds), tp_mode=tp_mode,
+            micro_batch_sizes=(1, 2), workers=1, warmup_samples=20, type_order=order,
+            type_sequence_limit=1))
+    except InfeasibleError:
+        return
+    assert exact is not None
+    seq = [s.device_type for s in got.stages]
+    blocks = [t for i, t in enumerate(seq) if i == 0 or t != seq[i - 1]]
+    assert len(blocks) == len(set(blocks)), seq
+    assert got.lower_bound_ms <= exact.predicted_iteration_time_ms * (1 + 1e-9)
+    if got.search["type_order_restricted_configs"]:
+        assert got.search["exhaustive"] is False
+        assert "contiguous device-type blocks" in got.search["search_space"]
+    else:
+        assert got.search["search_space"] == "every device-type order"

@@ -66,7 +66,8 @@ class SearchStats:
     uniform_tp_seed_ms: float | None = None   # per-stage TP: the uniform-TP seed's time
     passes: int = 0
     seconds: float = 0.0
-    exhaustive: bool = False
+    exhaustive: bool = False           # the whole stated space was searched to the end
+    search_space: str = ""             # which device-type orders were searched
     timed_out: bool = False
     pruning: str = ""
     tp_mode: str = ""
@@ -123,6 +124,7 @@ class SearchDriver:
         self.work: dict[int, int] = {}      # configuration -> nodes of its last search
         self.timed_out = False
         self._bar = None
+        self.restricted: list[int] = []     # configurations searched in type blocks only
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -288,23 +290,32 @@ class SearchDriver:
             self._bar = tqdm(total=len(self.order), desc="poseidon search", unit="cfg",
                              leave=False)
         try:
-            for pass_order, pass_type_order in passes:
+            for at, (pass_order, pass_type_order) in enumerate(passes):
                 if pass_order is not self.order:
                     for i in pass_order:   # the blocks pass proved nothing about the full space
                         self.lbs[i] = self.roots[i]
                 if not self.run_pass(pass_order, pass_type_order):
                     complete = False
+                    for later, _ in passes[at + 1:]:   # nor about a space never searched
+                        for i in later:
+                            self.lbs[i] = self.roots[i]
                     break
             self.stats.configs_cut_root = len(self.configs) - len(self.searched_ever)
         finally:
             if self._bar:
                 self._bar.close()
         o = self.options
-        self.stats.type_order_restricted_configs = sum(
-            1 for c in self.configs
-            if c.type_sequences_restricted(o.type_order, o.type_sequence_limit))
+        self.restricted = [i for i, c in enumerate(self.configs)
+                           if c.type_sequences_restricted(o.type_order, o.type_sequence_limit)]
+        self.stats.type_order_restricted_configs = len(self.restricted)
         self.stats.passes = len(passes)
-        self.stats.exhaustive = complete and not self.timed_out
+        self.stats.exhaustive = complete and not self.timed_out and not self.restricted
+        self.stats.search_space = (
+            "every device-type order" if not self.restricted else
+            f"contiguous device-type blocks only for {len(self.restricted)} of "
+            f"{len(self.configs)} configurations (--type-order {o.type_order}"
+            + (f": more than {o.type_sequence_limit} orders" if o.type_order == "auto" else "")
+            + "); the lower bound uses their root bounds")
 
     def run_pass(self, pass_order: list[int], pass_type_order: str) -> bool:
         """Iterative deepening over ``pass_order``; True when the pass completed (the
@@ -400,10 +411,15 @@ class SearchDriver:
 
     # ------------------------------------------------------------------ result
     def lower_bound_ms(self) -> float:
-        """No plan of the searched space is faster (the best plan's time when exhaustive)."""
+        """No plan of the whole stated space is faster (the best plan's time when exhaustive).
+        A configuration searched only in contiguous type blocks counts with its root bound,
+        which holds for every type order."""
         if self.stats.exhaustive:
             return self.best.time_ms
-        return min([self.best.time_ms] + self.lbs)
+        lbs = list(self.lbs)
+        for i in self.restricted:
+            lbs[i] = self.ctx.root_bound(self.configs[i])
+        return min([self.best.time_ms] + lbs)
 
     def plan(self) -> Plan:
         from .build import build_plan

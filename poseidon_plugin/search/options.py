@@ -67,7 +67,7 @@ class SearchOptions:
     tp_degrees: tuple[int, ...] | None = None
     micro_batch_sizes: tuple[int, ...] = DEFAULT_MICRO_BATCH_SIZES
     max_virtual_stages: int = 2
-    type_order: str = "auto"
+    type_order: str = "any"
     type_sequence_limit: int = TYPE_SEQUENCE_LIMIT
     warmup_samples: int = 500
     seed: int = 0
