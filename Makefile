@@ -48,6 +48,7 @@ demo: build
 bench: build
 	$(PY) benchmarks/bench_simulator.py
 	$(PY) benchmarks/bench_search.py --max-seconds 120
+	$(PY) benchmarks/bench_scale.py --budget 120
 
 validate: build
 	$(PY) -m poseidon_plugin.cli validate

@@ -264,6 +264,10 @@ PRESETS: dict[str, ModelSpec] = {
     "llama3-70b": ModelSpec(
         name="llama3-70b", num_layers=80, hidden_size=8192, ffn_hidden_size=28672,
         num_attention_heads=64, num_query_groups=8, vocab_size=128256, seq_length=8192),
+    # LLaMA-3.1 405B (Meta's model card: 126 layers, d 16384, FFN 53248, 128 heads, 8 KV heads)
+    "llama3-405b": ModelSpec(
+        name="llama3-405b", num_layers=126, hidden_size=16384, ffn_hidden_size=53248,
+        num_attention_heads=128, num_query_groups=8, vocab_size=128256, seq_length=8192),
 }
 
 _FIELD_NAMES = {f.name for f in fields(ModelSpec)}

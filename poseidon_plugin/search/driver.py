@@ -39,6 +39,7 @@ MAX_ROUNDS = 64     # per pass; the last round searches with the incumbent alone
 SPLIT_NODES = 20000  # a configuration whose last search took this many nodes is split over threads
 WARMUP_CONFIGS = 16  # warm-up samples come from this many configurations of lowest root bound
 CONSTRUCT_CONFIGS = 64  # constructive plans for (at least) this many configurations, by root bound
+BLOCKS_PASS_SHARE = 0.5  # under a budget, the blocks pass gets at most this share of what is left
 CONSTRUCT_SECONDS = 2.0  # ... and for more while this long (or 10 % of a time budget) has not passed
 _COUNTERS = ("nodes", "plans_simulated", "cut_bound", "cut_memory", "cut_ridge", "cut_devices",
              "cut_capacity")
@@ -66,6 +67,7 @@ class SearchStats:
     uniform_tp_seed_ms: float | None = None   # per-stage TP: the uniform-TP seed's time
     passes: int = 0
     seconds: float = 0.0
+    first_plan_s: float | None = None          # when the first feasible plan was known
     exhaustive: bool = False           # the whole stated space was searched to the end
     search_space: str = ""             # which device-type orders were searched
     timed_out: bool = False
@@ -123,6 +125,7 @@ class SearchDriver:
         self.searched_ever: set[int] = set()
         self.work: dict[int, int] = {}      # configuration -> nodes of its last search
         self.timed_out = False
+        self.pass_deadline = self.deadline   # the current pass's deadline (<= the budget's)
         self._bar = None
         self.restricted: list[int] = []     # configurations searched in type blocks only
 
@@ -134,8 +137,13 @@ class SearchDriver:
     def _past_deadline(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline
 
+    def _past_pass_deadline(self) -> bool:
+        return self.pass_deadline is not None and time.monotonic() > self.pass_deadline
+
     def consider(self, t: float, cfg: OuterConfig, opts, layers) -> None:
         cand = Incumbent(t, cfg.key, tuple(opts), tuple(layers), cfg)
+        if self.best is None:
+            self.stats.first_plan_s = round(time.perf_counter() - self.t0, 3)
         if self.best is None or cand < self.best:
             self.best = cand
 
@@ -161,7 +169,7 @@ class SearchDriver:
             from .baselines import explain_infeasible
             raise InfeasibleError(explain_infeasible(self.ctx.cm, self.configs))
         self.stats.seconds = round(time.perf_counter() - self.t0, 3)
-        self.stats.timed_out = self.timed_out
+        self.stats.timed_out = self.timed_out or not self.stats.exhaustive and not self.restricted
 
     def order_configs(self) -> None:
         """Root bound per configuration; visit order cheapest first (deterministic)."""
@@ -294,12 +302,22 @@ class SearchDriver:
                 if pass_order is not self.order:
                     for i in pass_order:   # the blocks pass proved nothing about the full space
                         self.lbs[i] = self.roots[i]
-                if not self.run_pass(pass_order, pass_type_order):
-                    complete = False
-                    for later, _ in passes[at + 1:]:   # nor about a space never searched
-                        for i in later:
-                            self.lbs[i] = self.roots[i]
-                    break
+                self.pass_deadline = self.deadline
+                if at + 1 < len(passes) and self.deadline is not None:
+                    # a good plan from the cheap space, then time left to prove the full one
+                    now = time.monotonic()
+                    self.pass_deadline = now + BLOCKS_PASS_SHARE * max(0.0, self.deadline - now)
+                if self.run_pass(pass_order, pass_type_order):
+                    continue
+                complete = False
+                if at + 1 < len(passes) and not self._past_deadline():
+                    self.timed_out = False     # only this pass's share ran out: go on
+                    continue
+                for later, _ in passes[at + 1:]:   # a space never searched proves nothing
+                    for i in later:
+                        self.lbs[i] = self.roots[i]
+                break
+            self.pass_deadline = self.deadline
             self.stats.configs_cut_root = len(self.configs) - len(self.searched_ever)
         finally:
             if self._bar:
@@ -372,7 +390,7 @@ class SearchDriver:
             self._bar.reset()
         pruning = self.options.pruning
         for i in pass_order:
-            if self._past_deadline():
+            if self._past_pass_deadline():
                 self.timed_out = True
                 break
             thr = math.inf if self.exact else min(cap, self.threshold)
@@ -384,7 +402,7 @@ class SearchDriver:
             blocks = (pass_type_order == "blocks" or pass_type_order == "auto" and
                       cfg.usable_types ** cfg.num_stages > self.options.type_sequence_limit)
             res = self.ctx.run(cfg, pruning=pruning, blocks=blocks, threshold_ms=thr,
-                               deadline=self.deadline or 0.0, threads=threads)
+                               deadline=self.pass_deadline or 0.0, threads=threads)
             self.work[i] = res.nodes
             self.absorb(i, res, thr)
             searched += 1

@@ -1,0 +1,105 @@
+"""Search at frontier scale: time to the first plan, the gap to the proven bound at the budget,
+and peak memory, per case; printed as Markdown.
+
+Run: ``.venv/bin/python benchmarks/bench_scale.py [--cases 405b-512 ...] [--budget S]``.
+
+Cases: LLaMA-3 405B (``llama3-405b``, global batch 1024, sequence 4096) on the 512 / 1024 /
+2048 / 4096-device clusters of four GPU generations in ``examples/clusters/scale-*.yaml``, and
+LLaMA-3 70B on the 4096-device one. Each case runs in its own process (so ``max RSS`` is the
+case's own) with ``--budget`` seconds (default 120). Columns: ``first plan s`` = when the first
+feasible plan was known (the constructive plans come first); ``plan ms`` = the returned plan's
+predicted iteration time; ``bound ms`` / ``gap`` = the proven lower bound over the whole space
+and (plan - bound) / plan; ``exhaustive`` = the search finished (the gap is then 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+CASES = {f"405b-{n}": (f"scale-{n}", "llama3-405b", 1024) for n in (512, 1024, 2048, 4096)}
+CASES["70b-4096"] = ("scale-4096", "llama3-70b", 1024)
+COLUMNS = ("case", "devices", "configs", "first plan s", "search s", "plan ms", "bound ms", "gap",
+           "exhaustive", "plan", "max RSS MB")
+
+
+def run_one(case: str, budget: float, workers: int | None) -> dict:
+    from poseidon_plugin.cluster import load_cluster
+    from poseidon_plugin.errors import PoseidonError
+    from poseidon_plugin.model import get_model
+    from poseidon_plugin.search import SearchOptions, search_plan
+
+    cfile, mname, gbs = CASES[case]
+    cluster = load_cluster(os.path.join(ROOT, "examples", "clusters", cfile + ".yaml"))
+    t0 = time.perf_counter()
+    try:
+        p = search_plan(cluster, get_model(mname), SearchOptions(
+            global_batch_size=gbs, seq_length=4096, time_budget_s=budget, workers=workers))
+    except PoseidonError as exc:
+        return dict(case=case, devices=cluster.total_devices, error=str(exc),
+                    seconds=time.perf_counter() - t0)
+    s = p.search
+    shape = (f"{p.schedule}{'' if p.virtual_stages == 1 else f' V={p.virtual_stages}'} "
+             f"pp={p.pp} dp={p.dp} tp={p.tp if p.uniform_tp else 'per-stage'} "
+             f"b={p.micro_batch_size}")
+    return dict(case=case, devices=cluster.total_devices, configs=s["configs"],
+                first_plan_s=s["first_plan_s"], seconds=s["seconds"],
+                plan_ms=p.predicted_iteration_time_ms, bound_ms=p.lower_bound_ms, gap=p.gap,
+                exhaustive=s["exhaustive"], plan=shape,
+                max_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+
+def row(r: dict) -> list[str]:
+    if "error" in r:
+        return [r["case"], str(r["devices"]), "", "", f"{r['seconds']:.1f}",
+                f"error: {' '.join(r['error'].split())}", "", "", "", "", ""]
+    return [r["case"], f"{r['devices']:,}", f"{r['configs']:,}", f"{r['first_plan_s']:.1f}",
+            f"{r['seconds']:.1f}", f"{r['plan_ms']:,.0f}", f"{r['bound_ms']:,.0f}",
+            f"{100 * r['gap']:.2f}%", "yes" if r["exhaustive"] else "no", r["plan"],
+            f"{r['max_rss_mb']:.0f}"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    p.add_argument("--budget", type=float, default=120.0, help="search budget per case (s)")
+    p.add_argument("--workers", type=int, default=None, help="default: one per core")
+    p.add_argument("--one", help=argparse.SUPPRESS)   # internal: run one case, print JSON
+    ns = p.parse_args(argv)
+    if ns.one:
+        print(json.dumps(run_one(ns.one, ns.budget, ns.workers)))
+        return 0
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _machine import cpu_model
+
+    print(f"Machine: {cpu_model()}, {os.cpu_count()} cores, Python "
+          f"{platform.python_version()}; budget {ns.budget:g} s per case, workers "
+          f"{ns.workers or os.cpu_count()}.\n")
+    rows = []
+    for c in ns.cases:
+        print(f"bench_scale: {c} ...", file=sys.stderr, flush=True)
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", c, "--budget", str(ns.budget)]
+        if ns.workers:
+            cmd += ["--workers", str(ns.workers)]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        rows.append(row(json.loads(out.strip().splitlines()[-1])))
+    print("| " + " | ".join(COLUMNS) + " |")
+    print("|" + "|".join("---" if c in ("case", "plan", "exhaustive") else "---:"
+                         for c in COLUMNS) + "|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
