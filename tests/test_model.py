@@ -22,7 +22,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "models"
 
 @pytest.mark.parametrize("name,billions", [
     ("llama3-8b", 8.03), ("llama2-13b", 13.0), ("llama3-70b", 70.6), ("mixtral-8x7b", 46.7),
-    ("llama-30b", 32.5),
+    ("llama-30b", 32.5), ("llama3-405b", 405.9),
 ])
 def test_presets_match_public_parameter_counts(name, billions):
     assert PRESETS[name].total_params() / 1e9 == pytest.approx(billions, rel=0.01)
@@ -34,7 +34,8 @@ def test_mixtral_active_params():
 
 
 def test_preset_names_and_registry():
-    assert set(PRESETS) == {"llama3-8b", "llama2-13b", "llama-30b", "mixtral-8x7b", "llama3-70b"}
+    assert set(PRESETS) == {"llama3-8b", "llama2-13b", "llama-30b", "mixtral-8x7b", "llama3-70b",
+                            "llama3-405b"}
     for name, spec in PRESETS.items():
         assert spec.name == name
         assert get_model(name) is spec
