@@ -291,6 +291,16 @@ cdef int capacity(const ConfigData* I, SearchState* S, int x, double avail, int 
     return total
 
 
+cdef inline int _insert_desc(double* dl, int n, double v) noexcept nogil:
+    """Insert v into dl[0:n] (sorted descending); returns the new length n + 1."""
+    cdef int i = n
+    while i > 0 and dl[i - 1] < v:
+        dl[i] = dl[i - 1]
+        i -= 1
+    dl[i] = v
+    return n + 1
+
+
 cdef double _wpos(const ConfigData* I, SearchState* S, int x, int K, double R, int* pc,
                   double* troom) noexcept nogil:
     """Positional round-trip capacity (V = 1) for W >= Wa, R = A - Wa: an upper bound on the
@@ -311,7 +321,7 @@ cdef double _wpos(const ConfigData* I, SearchState* S, int x, int K, double R, i
     positions only type k can serve, means no completion.
     """
     cdef int p, j, o, k, k2, cap, aj, T = I.T, M = I.M, N = I.N, n, i, m, sweep, ninf
-    cdef double coef, best, other, D, v
+    cdef double coef, best, other, D
     cdef int tav[MAXT]
     cdef double u[MAXT]
     cdef double dl[MAXN]
@@ -352,13 +362,7 @@ cdef double _wpos(const ConfigData* I, SearchState* S, int x, int K, double R, i
         n = 0
         for p in range(K):
             if pc[p * T + k] >= 0:
-                v = pc[p * T + k]
-                i = n
-                while i > 0 and dl[i - 1] < v:
-                    dl[i] = dl[i - 1]
-                    i -= 1
-                dl[i] = v
-                n += 1
+                n = _insert_desc(dl, n, pc[p * T + k])
         m = tav[k] if tav[k] < n else n
         for i in range(m):
             troom[k] += dl[i]
@@ -379,13 +383,7 @@ cdef double _wpos(const ConfigData* I, SearchState* S, int x, int K, double R, i
                 if other <= -1e299:
                     ninf += 1
                     continue
-                v = pc[p * T + k] - other
-                i = n
-                while i > 0 and dl[i - 1] < v:
-                    dl[i] = dl[i - 1]
-                    i -= 1
-                dl[i] = v
-                n += 1
+                n = _insert_desc(dl, n, pc[p * T + k] - other)
             if ninf > tav[k]:
                 return -1.0
             # the (cnt_k + 1)-th largest delta overall (the ninf infinite ones come first)

@@ -218,10 +218,6 @@ cdef class ConfigInstance:
             if V == 1 and structure.acnt[x] > I.acnt_sufmax[x]:
                 I.acnt_sufmax[x] = structure.acnt[x]
 
-    @property
-    def num_stages(self):
-        return self.data.N
-
 
 cdef const int* _int_ptr(cnp.ndarray a):
     return <const int*> a.data

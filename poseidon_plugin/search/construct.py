@@ -52,8 +52,7 @@ def _stage_types(ctx: SearchContext, cfg: OuterConfig) -> list[tuple[int, int]] 
 def _fill_layers(caps_at, n: int, total: int, v: int, loads: list[float]) -> list[int] | None:
     """Layers per stage for the smallest target time that holds ``total`` layers:
     ``caps_at(T)`` gives each stage's cap at T; the surplus leaves the most loaded stages."""
-    hi_caps = caps_at(math.inf)
-    if sum(hi_caps) < total or min(hi_caps) < v:
+    if sum(caps_at(math.inf)) < total:
         return None
     lo, hi = 0.0, max(loads) * total
     for _ in range(60):

@@ -169,7 +169,6 @@ class SearchDriver:
             from .baselines import explain_infeasible
             raise InfeasibleError(explain_infeasible(self.ctx.cm, self.configs))
         self.stats.seconds = round(time.perf_counter() - self.t0, 3)
-        self.stats.timed_out = self.timed_out or not self.stats.exhaustive and not self.restricted
 
     def order_configs(self) -> None:
         """Root bound per configuration; visit order cheapest first (deterministic)."""
@@ -327,7 +326,8 @@ class SearchDriver:
                            if c.type_sequences_restricted(o.type_order, o.type_sequence_limit)]
         self.stats.type_order_restricted_configs = len(self.restricted)
         self.stats.passes = len(passes)
-        self.stats.exhaustive = complete and not self.timed_out and not self.restricted
+        self.stats.timed_out = not complete      # a pass stops early only when its time is up
+        self.stats.exhaustive = complete and not self.restricted
         self.stats.search_space = (
             "every device-type order" if not self.restricted else
             f"contiguous device-type blocks only for {len(self.restricted)} of "
@@ -399,8 +399,8 @@ class SearchDriver:
             cfg = self.configs[i]
             threads = (self.workers if self.workers > 1 and self.work.get(i, 0) >= SPLIT_NODES
                        else 1)
-            blocks = (pass_type_order == "blocks" or pass_type_order == "auto" and
-                      cfg.usable_types ** cfg.num_stages > self.options.type_sequence_limit)
+            blocks = cfg.type_sequences_restricted(pass_type_order,
+                                                   self.options.type_sequence_limit)
             res = self.ctx.run(cfg, pruning=pruning, blocks=blocks, threshold_ms=thr,
                                deadline=self.pass_deadline or 0.0, threads=threads)
             self.work[i] = res.nodes
