@@ -9,7 +9,10 @@ indent, floats rounded to 6 decimals, trailing newline, so equal plans give equa
      "num_microbatches", "global_batch_size", "seq_length", "num_layers",
      "stages": [{"index", "device_type", "tp", "dp", "layers", "forward_ms", "backward_ms",
                  "send_forward_ms", "send_backward_ms", "allreduce_ms", "memory_bytes",
-                 "memory_capacity_bytes", "devices": [[{"node", "local_device"}, ...tp], ...dp]}],
+                 "memory_capacity_bytes", "devices": [[{"node", "local_device"}, ...tp], ...dp],
+                 "chunk_layers", "chunk_forward_ms", "chunk_backward_ms" (V entries each)}],
+     "links": [{"from_stage", "to_stage", "send_ms", "wrap_around" (interleaved last->first)}],
+     "wrap_send_ms", "timing_model" ("engine": re-derive with Plan.rederived_iteration_time_ms),
      "unused_devices": [{"node", "local_device"}], "megatron_args": [...] (null if per-stage TP),
      "mindspeed_llm_args": [...] (null if per-stage TP), "rank_order": [{"rank", "node",
      "local_device"}], "search": {...statistics...}}
@@ -29,6 +32,9 @@ from .errors import PoseidonError
 from .simulator.schedules import LAUNCHABLE_SCHEDULES as EXECUTABLE_SCHEDULES
 
 PLAN_FORMAT_VERSION = 1
+TIMING_MODEL = "engine"
+"""How the search times a plan: ``engine`` = ``_core.EngineDAG`` (as megatron-core executes the
+schedule: blocking, bundled p2p calls); ``Plan.rederived_iteration_time_ms`` uses the same."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,10 @@ class StagePlan:
     memory_capacity_bytes: int
     # devices[dp_rank][tp_rank] -> slot; Megatron rank order tp-cp-ep-dp-pp
     devices: tuple[tuple[DeviceSlot, ...], ...] = ()
+    # per model chunk (V of them, chunk order; one when V = 1): layers and per-micro-batch times
+    chunk_layers: tuple[int, ...] = ()
+    chunk_forward_ms: tuple[float, ...] = ()
+    chunk_backward_ms: tuple[float, ...] = ()
 
 
 def _r(x: float) -> float:
@@ -80,6 +90,7 @@ class Plan:
     lower_bound_ms: float = 0.0
     gap: float = 0.0
     num_layers: int = 0
+    wrap_send_ms: float = 0.0      # interleaved: last stage -> first stage (next chunk)
 
     # ------------------------------------------------------------------ shape
     @property
@@ -185,6 +196,51 @@ class Plan:
     def world_size(self) -> int:
         return sum(s.tp * s.dp for s in self.stages)
 
+    # ------------------------------------------------------------------ timing
+    def links(self) -> list[dict[str, Any]]:
+        """Every pipeline link a micro-batch crosses, with its one-way send time (ms; the
+        gradient goes back over the same link in the same time): stage s -> s+1, and for an
+        interleaved plan the wrap-around link from the last stage to the first (chunk c ->
+        chunk c+1)."""
+        out = [{"from_stage": s.index, "to_stage": s.index + 1,
+                "send_ms": _r(s.send_forward_ms)} for s in self.stages[:-1]]
+        if self.virtual_stages > 1:
+            out.append({"from_stage": self.pp - 1, "to_stage": 0,
+                        "send_ms": _r(self.wrap_send_ms), "wrap_around": True})
+        return out
+
+    def simulator_inputs(self):
+        """(F, B, Pf, Pb, R) of the simulator from this plan's own numbers alone (per-chunk
+        arrays of shape (V, N) when interleaved): what re-derives its predicted time."""
+        import numpy as np
+
+        v = self.virtual_stages
+        for s in self.stages:
+            if len(s.chunk_forward_ms) != v or len(s.chunk_backward_ms) != v:
+                if v > 1:
+                    raise PoseidonError(f"plan stage {s.index}: per-chunk times missing "
+                                        f"(plan JSON written before format 1.1?)")
+        if v > 1:
+            F = np.array([[s.chunk_forward_ms[c] for s in self.stages] for c in range(v)])
+            B = np.array([[s.chunk_backward_ms[c] for s in self.stages] for c in range(v)])
+            Pf = np.array([s.send_forward_ms for s in self.stages[:-1]] + [self.wrap_send_ms])
+        else:
+            F = np.array([s.forward_ms for s in self.stages])
+            B = np.array([s.backward_ms for s in self.stages])
+            Pf = np.array([s.send_forward_ms for s in self.stages[:-1]])
+        R = np.array([s.allreduce_ms for s in self.stages])
+        return F, B, Pf, Pf.copy(), R
+
+    def rederived_iteration_time_ms(self) -> float:
+        """The iteration time the simulator gives for ``simulator_inputs()`` under the timing
+        model the search used (``TIMING_MODEL``); equals ``predicted_iteration_time_ms`` up to
+        the JSON's 6-decimal rounding."""
+        from .simulator.pipeline import iteration_time_ms
+
+        return iteration_time_ms(*self.simulator_inputs(), self.num_microbatches,
+                                 self.schedule, self.virtual_stages,
+                                 engine=TIMING_MODEL == "engine")
+
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
         uniform = self.uniform_tp
@@ -196,6 +252,9 @@ class Plan:
             "memory_capacity_bytes": int(s.memory_capacity_bytes),
             "devices": [[{"node": d.node, "local_device": d.local_device} for d in grp]
                         for grp in s.devices],
+            "chunk_layers": list(s.chunk_layers),
+            "chunk_forward_ms": [_r(x) for x in s.chunk_forward_ms],
+            "chunk_backward_ms": [_r(x) for x in s.chunk_backward_ms],
         } for s in self.stages]
         return {
             "format_version": PLAN_FORMAT_VERSION,
@@ -218,6 +277,9 @@ class Plan:
             "rank_order": ([{"rank": i, "node": d.node, "local_device": d.local_device}
                             for i, d in enumerate(self.rank_order())] if uniform else None),
             "search": _jsonable(self.search),
+            "links": self.links(),
+            "wrap_send_ms": _r(self.wrap_send_ms),
+            "timing_model": TIMING_MODEL,
         }
 
     def to_json(self) -> str:
@@ -234,7 +296,10 @@ class Plan:
                 allreduce_ms=s["allreduce_ms"], memory_bytes=s["memory_bytes"],
                 memory_capacity_bytes=s["memory_capacity_bytes"],
                 devices=tuple(tuple(DeviceSlot(x["node"], x["local_device"]) for x in grp)
-                              for grp in s["devices"])) for s in d["stages"])
+                              for grp in s["devices"]),
+                chunk_layers=tuple(s.get("chunk_layers", ())),
+                chunk_forward_ms=tuple(s.get("chunk_forward_ms", ())),
+                chunk_backward_ms=tuple(s.get("chunk_backward_ms", ()))) for s in d["stages"])
             return cls(
                 schedule=d["schedule"], virtual_stages=d["virtual_stages"], dp=d["dp"],
                 micro_batch_size=d["micro_batch_size"], num_microbatches=d["num_microbatches"],
@@ -247,7 +312,8 @@ class Plan:
                 predicted_tokens_per_s=d.get("predicted_tokens_per_s", 0.0),
                 model_tflops_per_device=d.get("model_tflops_per_device", 0.0),
                 mfu=d.get("mfu", 0.0), lower_bound_ms=d.get("lower_bound_ms", 0.0),
-                gap=d.get("gap", 0.0), num_layers=d.get("num_layers", 0))
+                gap=d.get("gap", 0.0), num_layers=d.get("num_layers", 0),
+                wrap_send_ms=d.get("wrap_send_ms", 0.0))
         except (ValueError, KeyError, TypeError) as exc:
             raise PoseidonError(f"plan JSON: malformed ({type(exc).__name__}: {exc})") from None
 

@@ -8,7 +8,7 @@ and fills in the per-stage numbers, placement and throughput figures the plan re
 
 from __future__ import annotations
 
-from ..costs import CostModel
+from ..costs import CostModel, chunk_layers
 from ..plan import DeviceSlot, Plan, StagePlan
 from .configs import OuterConfig
 from .instance import time_assignment
@@ -24,7 +24,10 @@ def _stage_plans(cm: CostModel, cfg: OuterConfig, opts, layers, stages, placemen
                   allreduce_ms=st.allreduce_ms, memory_bytes=int(st.memory_bytes),
                   memory_capacity_bytes=int(st.memory_capacity_bytes),
                   devices=tuple(tuple(DeviceSlot(n, d) for (n, d) in grp)
-                                for grp in placements[s].slots))
+                                for grp in placements[s].slots),
+                  chunk_layers=chunk_layers(int(layers[s]), cfg.virtual_stages),
+                  chunk_forward_ms=tuple(st.chunk_forward_ms),
+                  chunk_backward_ms=tuple(st.chunk_backward_ms))
         for s, st in enumerate(stages))
 
 
@@ -65,4 +68,6 @@ def build_plan(cm: CostModel, cfg: OuterConfig, opts, layers, *, global_batch_si
         search=dict(search_stats or {}),
         predicted_tokens_per_s=global_batch_size * cm.seq_length / (t / 1e3),
         model_tflops_per_device=tflops_dev, mfu=mfu, lower_bound_ms=lb,
-        gap=(t - lb) / t if t > 0 else 0.0, num_layers=cm.model.num_layers)
+        gap=(t - lb) / t if t > 0 else 0.0, num_layers=cm.model.num_layers,
+        wrap_send_ms=(cm.wrap_send_ms(placements, cfg.micro_batch_size)
+                      if cfg.virtual_stages > 1 else 0.0))

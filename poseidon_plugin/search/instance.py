@@ -17,12 +17,13 @@ import numpy as np
 
 from ..comm import send_ms
 from ..costs import CostModel, simulator_arrays
+from ..plan import TIMING_MODEL
 from ..simulator._core import get_dag
 from ..simulator.pipeline import iteration_time_ms
 from . import _search
 from .configs import OptionCosts, OuterConfig, bound_structure, layer_limits, root_bound
 
-ENGINE_TIMING = True
+ENGINE_TIMING = TIMING_MODEL == "engine"
 """Plans are timed as megatron-core runs them (``_core.EngineDAG``: blocking, bundled p2p
 calls); the paper's DAG under-predicts interleaved plans by ~4 % (see docs/search.md)."""
 
