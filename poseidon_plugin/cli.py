@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 
 from .errors import PoseidonError
 from .search.options import PRUNING_MODES, TYPE_ORDERS, SearchOptions
@@ -71,7 +72,7 @@ def search_options(ns) -> SearchOptions:
         tp_degrees=ns.tp_degrees, micro_batch_sizes=ns.micro_batch_sizes,
         max_virtual_stages=ns.max_virtual_stages, type_order=ns.type_order,
         warmup_samples=ns.warmup_samples, seed=ns.seed, time_budget_s=ns.time_budget,
-        workers=ns.workers, progress=sys.stderr.isatty())
+        workers=ns.workers, progress=sys.stderr.isatty() or bool(ns.verbose))
 
 
 def _cmd_plan(ns) -> int:
@@ -80,13 +81,14 @@ def _cmd_plan(ns) -> int:
     from .search import baseline_plans, search_plan
 
     options = search_options(ns)
+    budget = _Budget(ns.time_budget, share=1.0 if ns.no_baselines else SEARCH_SHARE)
     cluster = load_cluster(ns.cluster)
     model = get_model(ns.model)
     profiles = None
     if ns.profiles:
         from .profiles import ProfileDB
         profiles = ProfileDB.load(ns.profiles)
-    plan = search_plan(cluster, model, options, profiles)
+    plan = search_plan(cluster, model, budget.search_options(options), profiles)
     text = plan.to_json()
     if ns.gantt:
         _draw_plan_gantt(cluster, model, plan, profiles, ns.gantt)
@@ -101,9 +103,35 @@ def _cmd_plan(ns) -> int:
         return 0
     sys.stdout.write(plan.table())
     if not ns.no_baselines:
-        _write_baselines(baseline_plans(cluster, model, options.replace(progress=False),
-                                        profiles), plan.predicted_iteration_time_ms)
+        _write_baselines(baseline_plans(cluster, model, budget.rest_options(options),
+                                        profiles, deadline=budget.end),
+                         plan.predicted_iteration_time_ms)
     return 0
+
+
+SEARCH_SHARE = 0.85   # of a --time-budget left after loading: the search; the rest: baselines
+MIN_BUDGET_S = 0.05   # a phase whose share ran out still gets this (it returns its best so far)
+
+
+class _Budget:
+    """``--time-budget`` covers everything after parsing: loading, the search (``share`` of
+    what is left when it starts) and the baselines (the rest, up to ``end``)."""
+
+    def __init__(self, seconds: float | None, share: float) -> None:
+        self.seconds, self.share = seconds, share
+        self.end = None if seconds is None else time.monotonic() + seconds
+
+    def _left(self) -> float:
+        return max(MIN_BUDGET_S, self.end - time.monotonic())
+
+    def search_options(self, options: SearchOptions) -> SearchOptions:
+        if self.end is None:
+            return options
+        return options.replace(time_budget_s=max(MIN_BUDGET_S, self.share * self._left()))
+
+    def rest_options(self, options: SearchOptions) -> SearchOptions:
+        options = options.replace(progress=False)
+        return options if self.end is None else options.replace(time_budget_s=self._left())
 
 
 def _write_baselines(base: dict, t_ms: float) -> None:

@@ -25,12 +25,15 @@ GIB = 1024 ** 3
 
 # --------------------------------------------------------------------------- baselines
 
-def baseline_plans(cluster, model, options, profiles=None) -> dict[str, Plan | None]:
-    """The two baselines under ``options`` (a ``SearchOptions``); None where none fits."""
+def baseline_plans(cluster, model, options, profiles=None, deadline: float | None = None
+                   ) -> dict[str, Plan | None]:
+    """The two baselines under ``options`` (a ``SearchOptions``); None where none fits.
+    ``deadline`` (``time.monotonic()``): the single-type searches share the time left."""
     options.check_against(cluster, model)
     ctx = SearchContext(CostModel(cluster, model, profiles, seq_length=options.seq_length))
     return {"megatron-default": megatron_default_plan(ctx, options),
-            "best-single-type": best_single_type_plan(cluster, model, options, profiles)}
+            "best-single-type": best_single_type_plan(cluster, model, options, profiles,
+                                                      deadline)}
 
 
 def _even_split_types(ctx: SearchContext, n: int, per_stage: int) -> list[int] | None:
@@ -78,14 +81,23 @@ def megatron_default_plan(ctx: SearchContext, options) -> Plan | None:
                       search_stats={"baseline": "megatron-default"})
 
 
-def best_single_type_plan(cluster, model, options, profiles=None) -> Plan | None:
-    """The best plan of the search restricted to one device type (the fastest type wins)."""
+def best_single_type_plan(cluster, model, options, profiles=None,
+                          deadline: float | None = None) -> Plan | None:
+    """The best plan of the search restricted to one device type (the fastest type wins);
+    with a ``deadline`` each type's search gets an equal share of the time left."""
+    import time
+
     from .driver import search_plan
 
     best = None
-    for name in cluster.type_names:
+    names = list(cluster.type_names)
+    for at, name in enumerate(names):
+        opts = options
+        if deadline is not None:
+            left = max(0.05, (deadline - time.monotonic()) / (len(names) - at))
+            opts = options.replace(time_budget_s=left)
         try:
-            p = search_plan(single_type_cluster(cluster, name), model, options, profiles)
+            p = search_plan(single_type_cluster(cluster, name), model, opts, profiles)
         except (InfeasibleError, PoseidonError):
             continue
         if best is None or p.predicted_iteration_time_ms < best.predicted_iteration_time_ms:

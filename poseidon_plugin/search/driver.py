@@ -30,6 +30,7 @@ from ..errors import InfeasibleError
 from ..plan import Plan
 from .configs import OuterConfig, enumerate_configs
 from .instance import SearchContext
+from .progress import SearchProgress, Snapshot
 
 log = logging.getLogger("poseidon")
 
@@ -126,8 +127,15 @@ class SearchDriver:
         self.work: dict[int, int] = {}      # configuration -> nodes of its last search
         self.timed_out = False
         self.pass_deadline = self.deadline   # the current pass's deadline (<= the budget's)
-        self._bar = None
-        self.restricted: list[int] = []     # configurations searched in type blocks only
+        self.progress = SearchProgress.for_options(options)
+        self.phase = "root bounds"
+        self.pass_name = ""
+        o = options
+        self.restricted: list[int] = [      # configurations searched in type blocks only
+            i for i, c in enumerate(self.configs)
+            if c.type_sequences_restricted(o.type_order, o.type_sequence_limit)]
+        self._unproven: set[int] = set()    # lbs not (yet) valid for the stated space
+        self._done_in_round = 0
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -145,21 +153,52 @@ class SearchDriver:
         if self.best is None:
             self.stats.first_plan_s = round(time.perf_counter() - self.t0, 3)
         if self.best is None or cand < self.best:
+            improved = self.best is None or t < self.best.time_ms
             self.best = cand
+            self.tick(improved=improved)
+
+    # ------------------------------------------------------------------ progress
+    def live_lower_bound_ms(self) -> float | None:
+        """No plan of the stated space is faster than this, now (None before the root bounds).
+        A configuration whose proof so far covers contiguous type blocks only counts with its
+        root bound (valid for every order)."""
+        if not self.lbs:
+            return None
+        lb = min((self.roots[i] if i in self._unproven else x) for i, x in enumerate(self.lbs))
+        return lb if self.best is None else min(lb, self.best.time_ms)
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(self.phase, None if self.best is None else self.best.time_ms,
+                        self.live_lower_bound_ms(), self._done_in_round, len(self.configs),
+                        self.stats.nodes)
+
+    def tick(self, improved: bool = False) -> None:
+        self.progress.tick(self.snapshot, improved=improved)
+
+    def set_phase(self, phase: str) -> None:
+        self.phase = phase
+        self._done_in_round = 0
+        self.tick()
 
     # ------------------------------------------------------------------ phases
     def search(self) -> None:
         """Run every phase; InfeasibleError when no plan was found."""
         if not self.configs:
             raise InfeasibleError(self._no_config_message())
-        self.order_configs()
-        if not self.exact:
-            self.construct()
-        if self.options.tp_mode == "per-stage" and not self.exact:
-            self.seed_from_uniform_tp()
-        if not self.exact and self.options.warmup_samples > 0:
-            self.warm_up()
-        self.run_passes()
+        try:
+            self.order_configs()
+            if not self.exact:
+                self.set_phase("construct")
+                self.construct()
+            if self.options.tp_mode == "per-stage" and not self.exact:
+                self.set_phase("uniform-TP seed")
+                self.seed_from_uniform_tp()
+            if not self.exact and self.options.warmup_samples > 0:
+                self.set_phase("warm-up")
+                self.warm_up()
+            self.run_passes()
+        finally:
+            self.progress.close(self.snapshot() if self.best is not None else None)
         if self.best is None:
             if self.timed_out:
                 raise InfeasibleError(
@@ -198,6 +237,8 @@ class SearchDriver:
                 break
             if self._past_deadline() and (self.best is not None or done >= CONSTRUCT_CONFIGS):
                 break   # (a tiny budget still constructs: one plan at least, if one is near)
+            self._done_in_round = done + 1
+            self.tick()
             got = construct_plan(self.ctx, self.configs[i])
             if got is None:
                 continue
@@ -292,38 +333,34 @@ class SearchDriver:
     def run_passes(self) -> None:
         passes = self.passes()
         complete = True
-        if self.options.progress:
-            from tqdm import tqdm
-            self._bar = tqdm(total=len(self.order), desc="poseidon search", unit="cfg",
-                             leave=False)
-        try:
-            for at, (pass_order, pass_type_order) in enumerate(passes):
-                if pass_order is not self.order:
-                    for i in pass_order:   # the blocks pass proved nothing about the full space
-                        self.lbs[i] = self.roots[i]
-                self.pass_deadline = self.deadline
-                if at + 1 < len(passes) and self.deadline is not None:
-                    # a good plan from the cheap space, then time left to prove the full one
-                    now = time.monotonic()
-                    self.pass_deadline = now + BLOCKS_PASS_SHARE * max(0.0, self.deadline - now)
-                if self.run_pass(pass_order, pass_type_order):
-                    continue
-                complete = False
-                if at + 1 < len(passes) and not self._past_deadline():
-                    self.timed_out = False     # only this pass's share ran out: go on
-                    continue
-                for later, _ in passes[at + 1:]:   # a space never searched proves nothing
-                    for i in later:
-                        self.lbs[i] = self.roots[i]
-                break
+        self._unproven = set(self.restricted)
+        for later, _ in passes[1:]:
+            self._unproven.update(later)
+        for at, (pass_order, pass_type_order) in enumerate(passes):
+            self.pass_name = pass_type_order if len(passes) > 1 else ""
+            if pass_order is not self.order:
+                for i in pass_order:   # the blocks pass proved nothing about the full space
+                    self.lbs[i] = self.roots[i]
+                self._unproven.difference_update(pass_order)
+                self._unproven.update(self.restricted)
             self.pass_deadline = self.deadline
-            self.stats.configs_cut_root = len(self.configs) - len(self.searched_ever)
-        finally:
-            if self._bar:
-                self._bar.close()
+            if at + 1 < len(passes) and self.deadline is not None:
+                # a good plan from the cheap space, then time left to prove the full one
+                now = time.monotonic()
+                self.pass_deadline = now + BLOCKS_PASS_SHARE * max(0.0, self.deadline - now)
+            if self.run_pass(pass_order, pass_type_order):
+                continue
+            complete = False
+            if at + 1 < len(passes) and not self._past_deadline():
+                self.timed_out = False     # only this pass's share ran out: go on
+                continue
+            for later, _ in passes[at + 1:]:   # a space never searched proves nothing
+                for i in later:
+                    self.lbs[i] = self.roots[i]
+            break
+        self.pass_deadline = self.deadline
+        self.stats.configs_cut_root = len(self.configs) - len(self.searched_ever)
         o = self.options
-        self.restricted = [i for i, c in enumerate(self.configs)
-                           if c.type_sequences_restricted(o.type_order, o.type_sequence_limit)]
         self.stats.type_order_restricted_configs = len(self.restricted)
         self.stats.passes = len(passes)
         self.stats.timed_out = not complete      # a pass stops early only when its time is up
@@ -386,8 +423,8 @@ class SearchDriver:
         pass's space with time <= cap is known. A configuration whose last search took
         >= SPLIT_NODES nodes is searched by ``workers`` threads (its subtrees shared)."""
         t_round, n_before, searched = time.perf_counter(), self.stats.nodes, 0
-        if self._bar:
-            self._bar.reset()
+        self.set_phase(f"{self.pass_name + ' ' if self.pass_name else ''}round "
+                       f"{self.stats.rounds}")
         pruning = self.options.pruning
         for i in pass_order:
             if self._past_pass_deadline():
@@ -406,8 +443,8 @@ class SearchDriver:
             self.work[i] = res.nodes
             self.absorb(i, res, thr)
             searched += 1
-            if self._bar:
-                self._bar.update(1)
+            self._done_in_round = searched
+            self.tick()
         log.debug("pass %s: round cap %.1f, incumbent %.1f, %d configs, %d nodes, %.2f s",
                   pass_type_order, cap, self.threshold, searched, self.stats.nodes - n_before,
                   time.perf_counter() - t_round)
