@@ -666,3 +666,41 @@ def test_restricted_type_orders_are_named_and_their_bound_holds_for_every_order(
         assert "contiguous device-type blocks" in got.search["search_space"]
     else:
         assert got.search["search_space"] == "every device-type order"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(instance_st, st.sampled_from([1e-6, 1e-3, 0.05]), st.sampled_from(["safe", "ridge"]))
+def test_budgeted_result_is_never_worse_than_the_construction(inst, budget, pruning):
+    """Under any time budget the returned plan is at least as fast as the best constructed one,
+    its lower bound never passes the exhaustive optimum, and only a really infeasible instance
+    returns no plan."""
+    exact = _run(inst, "none")
+    quick = _run(inst, pruning, time_budget_s=budget)
+    if exact is None:
+        assert quick is None
+        return
+    assert quick is not None
+    built = quick.search["constructed_best_ms"]
+    if built is not None:
+        assert quick.predicted_iteration_time_ms <= built * (1 + 1e-9)
+    assert quick.predicted_iteration_time_ms >= exact.predicted_iteration_time_ms * (1 - 1e-9)
+    assert quick.lower_bound_ms <= exact.predicted_iteration_time_ms * (1 + 1e-9)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(instance_st, st.sampled_from([None, 1e-6, 1e-3]))
+def test_type_order_blocks_returns_only_block_orders(inst, budget):
+    """``--type-order blocks`` returns a plan whose stage types form contiguous blocks, also
+    when a tiny budget stops the search at its construction or warm-up."""
+    types, layers, gbs, scheds, tp_mode = inst
+    cluster, model = make_instance(types, layers, None)
+    try:
+        got = search_plan(cluster, model, SearchOptions(
+            global_batch_size=gbs, seq_length=128, schedules=tuple(scheds), tp_mode=tp_mode,
+            micro_batch_sizes=(1, 2), workers=1, warmup_samples=50, type_order="blocks",
+            time_budget_s=budget))
+    except InfeasibleError:
+        return
+    seq = [s.device_type for s in got.stages]
+    blocks = [t for i, t in enumerate(seq) if i == 0 or t != seq[i - 1]]
+    assert len(blocks) == len(set(blocks)), seq

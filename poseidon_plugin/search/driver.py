@@ -148,7 +148,22 @@ class SearchDriver:
     def _past_pass_deadline(self) -> bool:
         return self.pass_deadline is not None and time.monotonic() > self.pass_deadline
 
-    def consider(self, t: float, cfg: OuterConfig, opts, layers) -> None:
+    def in_space(self, cfg: OuterConfig, opts) -> bool:
+        """Whether a plan lies in the stated space: where ``cfg``'s type sequences are
+        restricted to contiguous blocks (``--type-order blocks``/``auto``), its stage types
+        form blocks (random warm-up samples need not)."""
+        o = self.options
+        if not cfg.type_sequences_restricted(o.type_order, o.type_sequence_limit):
+            return True
+        seq = [cfg.options[x][0] for x in opts]
+        starts = [k for i, k in enumerate(seq) if i == 0 or k != seq[i - 1]]
+        return len(starts) == len(set(starts))
+
+    def consider(self, t: float, cfg: OuterConfig, opts, layers) -> bool:
+        """Offer a feasible plan as the incumbent (and threshold); False if outside the space."""
+        if not self.in_space(cfg, opts):
+            return False
+        self.threshold = min(self.threshold, t)
         cand = Incumbent(t, cfg.key, tuple(opts), tuple(layers), cfg)
         if self.best is None:
             self.stats.first_plan_s = round(time.perf_counter() - self.t0, 3)
@@ -156,6 +171,7 @@ class SearchDriver:
             improved = self.best is None or t < self.best.time_ms
             self.best = cand
             self.tick(improved=improved)
+        return True
 
     # ------------------------------------------------------------------ progress
     def live_lower_bound_ms(self) -> float | None:
@@ -245,7 +261,6 @@ class SearchDriver:
             t, opts, layers = got
             self.stats.constructed_plans += 1
             self.consider(t, self.configs[i], opts, layers)
-            self.threshold = min(self.threshold, t)
         if self.best is not None:
             self.stats.constructed_best_ms = self.best.time_ms
         log.debug("construction: %d plans, best %.3f ms (at %.2f s)",
@@ -268,7 +283,6 @@ class SearchDriver:
         self.stats.add_counters(asdict(sub.stats))
         self.stats.warmup_plans += sub.stats.warmup_plans
         self.stats.uniform_tp_seed_ms = round(sub.best.time_ms, 3)
-        self.threshold = sub.best.time_ms
         self.consider(sub.best.time_ms, sub.best.cfg, sub.best.opts, sub.best.layers)
 
     def warm_up(self) -> None:
@@ -310,7 +324,6 @@ class SearchDriver:
             return False
         t = self.ctx.replay(cfg, *a)[1]
         self.stats.warmup_plans += 1
-        self.threshold = min(self.threshold, t)
         self.consider(t, cfg, *a)
         return True
 
@@ -462,7 +475,6 @@ class SearchDriver:
         if res.best is not None:
             t, opts, layers = res.best
             self.consider(t, self.configs[i], opts, layers)
-            self.threshold = min(self.threshold, t)
 
     # ------------------------------------------------------------------ result
     def lower_bound_ms(self) -> float:
