@@ -704,3 +704,28 @@ def test_type_order_blocks_returns_only_block_orders(inst, budget):
     seq = [s.device_type for s in got.stages]
     blocks = [t for i, t in enumerate(seq) if i == 0 or t != seq[i - 1]]
     assert len(blocks) == len(set(blocks)), seq
+
+
+def test_polish_improves_a_bad_split_and_stays_exact():
+    """The local search after the construction moves layers off the most loaded stage while the
+    simulated time falls; the result is re-timed by the search's own replay (same time)."""
+    from poseidon_plugin.search.construct import polish
+    cluster, model = make_instance([(100.0, 2, 4, 1.0), (50.0, 2, 4, 1.0)], 12, None)
+    ctx = SearchContext(CostModel(cluster, model, None, seq_length=128))
+    cfgs = [c for c in _configs(ctx, 16, ("1f1b",), "uniform") if c.num_stages == 3]
+    for cfg in cfgs:
+        lmax = ctx.lmax(cfg)
+        opts = [0] * 3
+        layers = [1, 1, 10]
+        if any(layers[x] > lmax[0, x] for x in range(3)):
+            continue
+        try:
+            t0 = ctx.replay(cfg, opts, layers)[1]
+        except ValueError:
+            continue
+        t, o, lay = polish(ctx, cfg, t0, opts, layers)
+        assert t < t0 and sum(lay) == 12 and tuple(o) == tuple(opts)
+        assert ctx.replay(cfg, list(o), list(lay))[1] == pytest.approx(t, rel=1e-12)
+        assert ctx.evaluate(cfg, list(o), list(lay)) == pytest.approx(t, rel=1e-9)
+        return
+    pytest.fail("no 3-stage configuration to polish")

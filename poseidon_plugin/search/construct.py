@@ -29,8 +29,8 @@ from .configs import OuterConfig
 from .instance import SearchContext
 
 
-def _stage_types(ctx: SearchContext, cfg: OuterConfig) -> list[tuple[int, int]] | None:
-    """(type, option) of the N stages: the N fastest stage slots over the usable types."""
+def _type_slots(ctx: SearchContext, cfg: OuterConfig) -> list[tuple[float, int, int, int]]:
+    """Per usable type: (layer time f + b of its cheapest option, type, option, stage slots)."""
     costs = ctx.option_costs(cfg)
     lmax = ctx.lmax(cfg)
     best: dict[int, int] = {}
@@ -39,14 +39,44 @@ def _stage_types(ctx: SearchContext, cfg: OuterConfig) -> list[tuple[int, int]] 
             continue
         if k not in best or costs.f[o] + costs.b[o] < costs.f[best[k]] + costs.b[best[k]]:
             best[k] = o
-    slots = []
-    for k, o in best.items():
-        n_slots = ctx.cm.pools[k].size // (cfg.dp * cfg.options[o][1])
-        slots += [(costs.f[o] + costs.b[o], k, o)] * min(n_slots, cfg.num_stages)
-    if len(slots) < cfg.num_stages:
+    return sorted((costs.f[o] + costs.b[o], k, o,
+                   min(ctx.cm.pools[k].size // (cfg.dp * cfg.options[o][1]), cfg.num_stages))
+                  for k, o in best.items())
+
+
+def _stage_types(ctx: SearchContext, cfg: OuterConfig, swaps: int = 0
+                 ) -> list[tuple[int, int]] | None:
+    """(type, option) of the N stages: the N fastest stage slots over the usable types; then
+    ``swaps`` times, a slot of the type with the least memory room (layers it can hold) is
+    traded for a free slot of the type with the most (memory, not speed, is what a large model
+    runs out of first)."""
+    types = _type_slots(ctx, cfg)
+    n = cfg.num_stages
+    if sum(c for *_, c in types) < n:
         return None
-    slots.sort()
-    return [(k, o) for _, k, o in slots[:cfg.num_stages]]
+    lmax = ctx.lmax(cfg)
+    room = {k: int(lmax[o].max()) for _, k, o, _ in types}
+    take: dict[int, int] = {}
+    left = n
+    for _, k, _, c in types:            # fastest first
+        take[k] = min(c, left)
+        left -= take[k]
+    free = {k: c - take[k] for _, k, _, c in types}
+    for _ in range(swaps):
+        give = [k for k in take if take[k] > 0]
+        get = [k for k in free if free[k] > 0]
+        if not give or not get:
+            break
+        a = min(give, key=lambda k: (room[k], k))
+        b = max(get, key=lambda k: (room[k], -k))
+        if room[b] <= room[a]:
+            break
+        take[a] -= 1
+        free[a] += 1
+        take[b] += 1
+        free[b] -= 1
+    opt = {k: o for _, k, o, _ in types}
+    return [(k, opt[k]) for _, k, _, _ in types for _ in range(take[k])]
 
 
 def _fill_layers(caps_at, n: int, total: int, v: int, loads: list[float]) -> list[int] | None:
@@ -72,12 +102,8 @@ def _fill_layers(caps_at, n: int, total: int, v: int, loads: list[float]) -> lis
     return layers
 
 
-def construct_plan(ctx: SearchContext, cfg: OuterConfig):
-    """(time ms, stage options, layers) of the best constructed plan of ``cfg``, or None when
-    the construction finds no feasible one."""
-    stages = _stage_types(ctx, cfg)
-    if stages is None:
-        return None
+def _construct_with(ctx: SearchContext, cfg: OuterConfig, stages):
+    """The best (time, options, layers) over the block orders of ``stages``, or None."""
     lmax = ctx.lmax(cfg)
     costs = ctx.option_costs(cfg)
     n, v, m, L = cfg.num_stages, cfg.virtual_stages, cfg.num_microbatches, ctx.cm.model.num_layers
@@ -109,3 +135,81 @@ def construct_plan(ctx: SearchContext, cfg: OuterConfig):
         if best is None or cand < best:
             best = cand
     return best
+
+
+def construct_plan(ctx: SearchContext, cfg: OuterConfig):
+    """(time ms, stage options, layers) of the best constructed plan of ``cfg``, or None when
+    the construction finds no feasible one. The fastest slots first; when they cannot hold the
+    model, the fewest memory swaps that can (1, 2, 4, ... then bisection), and twice that."""
+    first = _stage_types(ctx, cfg)
+    if first is None:
+        return None
+    got = _construct_with(ctx, cfg, first)
+    if got is not None:
+        return polish(ctx, cfg, *got)
+    tried: dict[int, object] = {0: None}
+
+    def attempt(s: int):
+        if s not in tried:
+            st = _stage_types(ctx, cfg, s)
+            tried[s] = None if st is None else _construct_with(ctx, cfg, st)
+        return tried[s]
+
+    hi = 1
+    while attempt(hi) is None:
+        if hi >= cfg.num_stages:
+            return None
+        hi = min(2 * hi, cfg.num_stages)
+    lo = hi // 2                        # attempt(lo) failed (or lo = 0)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if attempt(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    cands = [c for c in (attempt(hi), attempt(min(2 * hi, cfg.num_stages))) if c is not None]
+    return polish(ctx, cfg, *min(cands))
+
+
+POLISH_EVALS = 400   # simulator calls per polished plan (about 100 us each at N = 62, M = 128)
+
+
+def polish(ctx: SearchContext, cfg: OuterConfig, t: float, opts, layers):
+    """Local search from a feasible plan: move one layer from a stage to another (the most
+    loaded stages give, every other stage may take) while that lowers the simulated time,
+    within ``POLISH_EVALS`` simulations; every accepted plan is re-timed by ``replay`` (the
+    search's own feasibility and cost path), so the result stays feasible and exact."""
+    lmax, v = ctx.lmax(cfg), cfg.virtual_stages
+    costs = ctx.option_costs(cfg)
+    m = cfg.num_microbatches
+    opts, layers = tuple(opts), list(layers)
+    n = len(layers)
+    evals = 0
+    improved = True
+    while improved and evals < POLISH_EVALS:
+        improved = False
+        load = [m * layers[x] * (costs.f[o] + costs.b[o]) for x, o in enumerate(opts)]
+        givers = sorted(range(n), key=lambda x: -load[x])[:3]
+        takers = sorted(range(n), key=lambda x: load[x])
+        for g in givers:
+            if layers[g] <= v:
+                continue
+            for r in takers:
+                if r == g or layers[r] + 1 > lmax[opts[r], r]:
+                    continue
+                if evals >= POLISH_EVALS:
+                    break
+                cand = list(layers)
+                cand[g] -= 1
+                cand[r] += 1
+                evals += 1
+                try:
+                    tc = ctx.replay(cfg, list(opts), cand)[1]
+                except ValueError:
+                    continue
+                if tc < t * (1 - 1e-12):
+                    t, layers, improved = tc, cand, True
+                    break
+            if improved:
+                break
+    return t, opts, tuple(layers)
