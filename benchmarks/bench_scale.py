@@ -29,6 +29,7 @@ if ROOT not in sys.path:
 
 CASES = {f"405b-{n}": (f"scale-{n}", "llama3-405b", 1024) for n in (512, 1024, 2048, 4096)}
 CASES["70b-4096"] = ("scale-4096", "llama3-70b", 1024)
+CASES["70b-10240"] = ("scale-10240", "llama3-70b", 1024)
 COLUMNS = ("case", "devices", "configs", "first plan s", "search s", "plan ms", "bound ms", "gap",
            "exhaustive", "plan", "max RSS MB")
 

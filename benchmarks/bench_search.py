@@ -79,7 +79,8 @@ def run_case(case: str, ns) -> list[str]:
                   time_budget_s=ns.max_seconds, workers=ns.workers)
     t0 = time.perf_counter()
     try:
-        plan = search_plan(cluster, model, SearchOptions(pruning=ns.pruning, **common))
+        plan = search_plan(cluster, model, SearchOptions(pruning=ns.pruning, tp_mode=ns.tp_mode,
+                                                         **common))
     except PoseidonError as exc:
         wall = time.perf_counter() - t0
         msg = " ".join(str(exc).split())
@@ -96,7 +97,8 @@ def run_case(case: str, ns) -> list[str]:
         base = baseline_plans(cluster, model, SearchOptions(**common))
         for name, bp in base.items():
             speed[name] = "n/a" if bp is None else f"x{bp.predicted_iteration_time_ms / t:.2f}"
-    exhaustive = "yes" if s.get("exhaustive") else "not exhaustive"
+    exhaustive = ("yes" if s.get("exhaustive") else
+                  f"no (gap {100 * plan.gap:.1f} %, bound {plan.lower_bound_ms:.1f} ms)")
     return [case, mname, str(cluster.total_devices), f"{wall:.1f}",
             "" if paper_s is None else f"{paper_s:.1f}", exhaustive,
             f"{_int(s.get('configs', 0))} ({_int(s.get('configs_cut_root', 0))})",
@@ -125,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=None, help="default: one per core")
     p.add_argument("--pruning", choices=["safe", "ridge", "none"], default="safe")
     p.add_argument("--no-baselines", action="store_true", help="skip the speed-up columns")
+    p.add_argument("--per-stage-tp", dest="tp_mode", action="store_const", const="per-stage",
+                   default="uniform", help="search a TP degree per stage (default: uniform)")
     ns = p.parse_args(argv)
     cases = []
     for c in ns.cases:
