@@ -174,34 +174,55 @@ def layer_limits(cm: CostModel, cfg: OuterConfig) -> np.ndarray:
 
 # --------------------------------------------------------------------------- root bound
 
+@dataclass(frozen=True)
+class _TypeCapacity:
+    """One usable device type at the root: its options' M (f + b) and devices per stage."""
+
+    a: float                                  # M x its cheapest per-layer f + b
+    count: int                                # most stages of the type: devices // min(d t)
+    devices: int
+    options: tuple[tuple[float, int], ...]    # (M (f + b), d t) per option of the type
+
+
 def _capacity_types(cm: CostModel, cfg: OuterConfig, costs: OptionCosts
-                    ) -> list[tuple[float, int]]:
-    """Per usable device type: (M x cheapest per-layer f + b, most stages of the type)."""
+                    ) -> list[_TypeCapacity]:
     m, d = cfg.num_microbatches, cfg.dp
-    per_type: dict[int, tuple[float, int]] = {}
+    per_type: dict[int, list[tuple[float, int]]] = {}
     for o, (k, t) in enumerate(cfg.options):
-        a = m * (costs.f[o] + costs.b[o])
-        best, dtmin = per_type.get(k, (math.inf, 0))
-        per_type[k] = (min(best, a), d * t if dtmin == 0 else min(dtmin, d * t))
-    return [(a, cm.pools[k].size // dt) for k, (a, dt) in sorted(per_type.items())]
+        per_type.setdefault(k, []).append((m * (costs.f[o] + costs.b[o]), d * t))
+    return [_TypeCapacity(min(a for a, _ in opts), cm.pools[k].size // min(dt for _, dt in opts),
+                          cm.pools[k].size, tuple(opts))
+            for k, opts in sorted(per_type.items())]
 
 
-def _capacity_at(types: list[tuple[float, int]], cfg: OuterConfig, L: int, t_ms: float) -> int:
+def _cap(a: float, t_ms: float, limit: int) -> int:
+    q = t_ms / a if a > 0 else math.inf
+    return limit if q >= limit else min(limit, int(q * (1 + 1e-9) + 1e-9))
+
+
+def _capacity_at(types: list[_TypeCapacity], cfg: OuterConfig, L: int, t_ms: float) -> int:
+    """Most layers N stages of time <= t_ms hold (-1: fewer than N stages hold V each): the
+    best N stage caps (per type its cheapest option's cap, at most ``count`` stages), and, no
+    more than that, per type its devices x the best layers per device over its options (its
+    stages use disjoint devices: with per-stage TP, the many stages of the smallest TP and the
+    speed of the largest do not go together)."""
     n, v = cfg.num_stages, cfg.virtual_stages
     limit = L - (n - 1) * v
     caps = []
-    for a, cnt in types:
-        q = t_ms / a if a > 0 else math.inf
-        cap = limit if q >= limit else min(limit, int(q * (1 + 1e-9) + 1e-9))
-        if cap >= v and cnt > 0:
-            caps.append((cap, cnt))
+    per_device = 0
+    for ty in types:
+        cap = _cap(ty.a, t_ms, limit)
+        if cap >= v and ty.count > 0:
+            caps.append((cap, ty.count))
+            ratio = max(_cap(a, t_ms, limit) / dt for a, dt in ty.options)
+            per_device += min(int(ty.devices * ratio * (1 + 1e-12)), min(ty.count, n) * cap)
     caps.sort(reverse=True)
     total = taken = 0
     for cap, cnt in caps:
         j = min(cnt, n - taken)
         taken += j
         total += j * cap
-    return total if taken >= n else -1
+    return min(total, per_device) if taken >= n else -1
 
 
 def capacity_layers(cm: CostModel, cfg: OuterConfig, t_ms: float,
@@ -229,7 +250,7 @@ def root_bound(cm: CostModel, cfg: OuterConfig, costs: OptionCosts | None = None
     base = max(m * math.ceil(L / n) * minfb, L * minfb)
     types = _capacity_types(cm, cfg, costs)
     limit = L - (n - 1) * v
-    cands = sorted({a * j for a, _ in types for j in range(v, limit + 1)})
+    cands = sorted({a * j for ty in types for a, _ in ty.options for j in range(v, limit + 1)})
     if not cands or _capacity_at(types, cfg, L, cands[-1]) < L:
         return math.inf
     lo, hi = 0, len(cands) - 1          # smallest index with capacity >= L
