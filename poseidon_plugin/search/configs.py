@@ -214,6 +214,9 @@ def _capacity_at(types: list[_TypeCapacity], cfg: OuterConfig, L: int, t_ms: flo
         cap = _cap(ty.a, t_ms, limit)
         if cap >= v and ty.count > 0:
             caps.append((cap, ty.count))
+            if len(ty.options) == 1:    # one TP: the stage count already says it
+                per_device += min(ty.count, n) * cap
+                continue
             ratio = max(_cap(a, t_ms, limit) / dt for a, dt in ty.options)
             per_device += min(int(ty.devices * ratio * (1 + 1e-12)), min(ty.count, n) * cap)
     caps.sort(reverse=True)

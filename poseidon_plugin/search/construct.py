@@ -102,6 +102,17 @@ def _fill_layers(caps_at, n: int, total: int, v: int, loads: list[float]) -> lis
     return layers
 
 
+def _most_layers(ctx: SearchContext, cfg: OuterConfig) -> int:
+    """Most layers any N usable stage slots can hold under memory (each slot at its type's
+    largest limit over the positions): below the layer count, no swap can help."""
+    lmax = ctx.lmax(cfg)
+    rooms = []
+    for _, k, o, c in _type_slots(ctx, cfg):
+        rooms += [int(lmax[o].max())] * c
+    rooms.sort(reverse=True)
+    return sum(rooms[:cfg.num_stages]) if len(rooms) >= cfg.num_stages else -1
+
+
 def _construct_with(ctx: SearchContext, cfg: OuterConfig, stages):
     """The best (time, options, layers) over the block orders of ``stages``, or None."""
     lmax = ctx.lmax(cfg)
@@ -142,7 +153,7 @@ def construct_plan(ctx: SearchContext, cfg: OuterConfig):
     the construction finds no feasible one. The fastest slots first; when they cannot hold the
     model, the fewest memory swaps that can (1, 2, 4, ... then bisection), and twice that."""
     first = _stage_types(ctx, cfg)
-    if first is None:
+    if first is None or _most_layers(ctx, cfg) < ctx.cm.model.num_layers:
         return None
     got = _construct_with(ctx, cfg, first)
     if got is not None:
