@@ -118,7 +118,7 @@ def _write_baselines(base: dict, t_ms: float) -> None:
 
 def _draw_plan_gantt(cluster, model, plan, profiles, path: str) -> None:
     from .costs import plan_simulator_inputs
-    from .gantt import draw_gantt
+    from .gantt import draw_gantt, plan_stage_labels
     from .simulator import simulate_pipeline
 
     F, B, Pf, Pb, R = plan_simulator_inputs(cluster, model, plan, profiles)
@@ -135,7 +135,7 @@ def _draw_plan_gantt(cluster, model, plan, profiles, path: str) -> None:
                                      plan.virtual_stages).with_label("predicted")
     title = (f"{plan.model_name} on {plan.cluster_name}: {plan.schedule}, PP={plan.pp}, "
              f"DP={plan.dp}, M={plan.num_microbatches}")
-    draw_gantt([timeline], path, title=title)
+    draw_gantt([timeline], path, title=title, stage_labels=plan_stage_labels(plan))
     sys.stderr.write(f"poseidon: wrote {path}\n")
 
 
