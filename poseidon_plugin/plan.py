@@ -12,7 +12,14 @@ indent, floats rounded to 6 decimals, trailing newline, so equal plans give equa
                  "memory_capacity_bytes", "devices": [[{"node", "local_device"}, ...tp], ...dp]}],
      "unused_devices": [{"node", "local_device"}], "megatron_args": [...] (null if per-stage TP),
      "mindspeed_llm_args": [...] (null if per-stage TP), "rank_order": [{"rank", "node",
-     "local_device"}], "search": {...statistics...}}
+     "local_device"}], "search": {...statistics...},
+     "baselines": [{"name", "status", "predicted_iteration_time_ms", "pp", "dp", "tp",
+                    "schedule", "speedup", "reason"}] (only where the plan has them)}
+
+``baselines`` (``poseidon plan`` always sets them): one entry per baseline, ``megatron-default``
+(Megatron's even split over every device) and ``best-single-type``; ``status`` is ``ok``,
+``no plan`` (``reason`` says why) or ``skipped`` (``--no-baselines``); ``speedup`` is the
+baseline's time over the plan's; the other fields are null unless ``ok``.
 
 Rank order: Megatron's default order tp-cp-ep-dp-pp (cp = ep = 1):
 ``rank = stage * (tp * dp) + dp_rank * tp + tp_rank`` (uniform TP).
@@ -21,7 +28,7 @@ Rank order: Megatron's default order tp-cp-ep-dp-pp (cp = ep = 1):
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .costs import chunk_layers
@@ -80,6 +87,7 @@ class Plan:
     lower_bound_ms: float = 0.0
     gap: float = 0.0
     num_layers: int = 0
+    baselines: tuple[dict[str, Any], ...] = ()   # see the module docstring; () = not computed
 
     # ------------------------------------------------------------------ shape
     @property
@@ -186,6 +194,10 @@ class Plan:
         return sum(s.tp * s.dp for s in self.stages)
 
     # ------------------------------------------------------------------ JSON
+    def with_baselines(self, entries) -> "Plan":
+        """This plan with its baselines' entries (``search.baseline_entries``)."""
+        return replace(self, baselines=tuple(dict(e) for e in entries))
+
     def to_dict(self) -> dict[str, Any]:
         uniform = self.uniform_tp
         stages = [{
@@ -197,7 +209,7 @@ class Plan:
             "devices": [[{"node": d.node, "local_device": d.local_device} for d in grp]
                         for grp in s.devices],
         } for s in self.stages]
-        return {
+        out = {
             "format_version": PLAN_FORMAT_VERSION,
             "model_name": self.model_name, "cluster_name": self.cluster_name,
             "predicted_iteration_time_ms": _r(self.predicted_iteration_time_ms),
@@ -219,6 +231,9 @@ class Plan:
                             for i, d in enumerate(self.rank_order())] if uniform else None),
             "search": _jsonable(self.search),
         }
+        if self.baselines:
+            out["baselines"] = _jsonable(list(self.baselines))
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, indent=2) + "\n"
@@ -247,7 +262,8 @@ class Plan:
                 predicted_tokens_per_s=d.get("predicted_tokens_per_s", 0.0),
                 model_tflops_per_device=d.get("model_tflops_per_device", 0.0),
                 mfu=d.get("mfu", 0.0), lower_bound_ms=d.get("lower_bound_ms", 0.0),
-                gap=d.get("gap", 0.0), num_layers=d.get("num_layers", 0))
+                gap=d.get("gap", 0.0), num_layers=d.get("num_layers", 0),
+                baselines=tuple(dict(e) for e in d.get("baselines", ())))
         except (ValueError, KeyError, TypeError) as exc:
             raise PoseidonError(f"plan JSON: malformed ({type(exc).__name__}: {exc})") from None
 
