@@ -283,15 +283,17 @@ class Plan:
                  f"{self.model_tflops_per_device:.1f} model TFLOP/s per device, "
                  f"MFU {100 * self.mfu:.1f}%",
                  "",
+                 "per stage: fwd, bwd and send ms per micro-batch; allred ms per iteration "
+                 "(DP gradient all-reduce)",
                  f"{'stage':>5} {'type':<10} {'tp':>3} {'dp':>3} {'layers':>6} {'fwd ms':>9} "
                  f"{'bwd ms':>9} {'send ms':>8} {'allred ms':>9} {'memory GiB':>15}  nodes"]
         for s in self.stages:
-            nodes = sorted({d.node for grp in s.devices for d in grp})
+            nodes = {d.node for grp in s.devices for d in grp}
             lines.append(
                 f"{s.index:>5} {s.device_type:<10} {s.tp:>3} {s.dp:>3} {s.layers:>6} "
                 f"{s.forward_ms:>9.2f} {s.backward_ms:>9.2f} {s.send_forward_ms:>8.2f} "
                 f"{s.allreduce_ms:>9.2f} {s.memory_bytes / gib:>6.1f} / {s.memory_capacity_bytes / gib:>6.1f}"
-                f"  {','.join(map(str, nodes))}")
+                f"  {node_ranges(nodes)}")
         used = self.world_size
         lines.append("")
         lines.append(f"devices used: {used}, unused: {len(self.unused_devices)}")
@@ -317,6 +319,22 @@ class Plan:
             if s.get("search_space"):
                 lines.append(f"searched space: {s['search_space']}")
         return "\n".join(lines) + "\n"
+
+
+def node_ranges(nodes, max_ranges: int = 8) -> str:
+    """Node indices as ranges, e.g. ``0-3,8-11,14``; beyond ``max_ranges`` ranges the rest is
+    counted (``0-3,8-11,... +5 ranges, 96 nodes``): the JSON lists every device."""
+    xs = sorted(set(nodes))
+    runs: list[tuple[int, int]] = []
+    for x in xs:
+        if runs and x == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], x)
+        else:
+            runs.append((x, x))
+    text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:max_ranges])
+    if len(runs) > max_ranges:
+        text += f",... +{len(runs) - max_ranges} ranges, {len(xs)} nodes"
+    return text
 
 
 def _jsonable(x: Any) -> Any:
