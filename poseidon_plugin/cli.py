@@ -108,7 +108,8 @@ def _build_parser() -> argparse.ArgumentParser:
                     "does not depend on it")
     pl.add_argument("--no-baselines", action="store_true",
                     help="skip the two baselines (Megatron's even split over all devices; the "
-                    "best plan on one device type); the JSON then marks them skipped")
+                    "best plan on one device type: a search per type, each under --time-budget);"
+                    " the JSON then marks them skipped")
     pl.add_argument("--json", action="store_true",
                     help="print the plan as JSON (baselines included) instead of the table")
     pl.add_argument("--out", default=None, metavar="FILE",

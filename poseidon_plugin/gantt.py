@@ -70,7 +70,8 @@ def draw_gantt(timelines: Sequence[Timeline], path: str, title: str = "",
     axes[-1].set_xlabel("time (ms)", fontsize=8)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with plt.rc_context({"svg.fonttype": "none"}):   # SVG text as text, not glyph paths
-        fig.savefig(path, dpi=_DPI)
+        fig.savefig(path, dpi=_DPI, **({"pil_kwargs": {"compress_level": 2}}
+                                        if ext == ".png" else {}))
     plt.close(fig)
     return path
 
@@ -162,10 +163,12 @@ def _draw_one(ax, tl: Timeline, names: list[str], span: float) -> None:
               facecolor=_IDLE, edgecolor="none", zorder=0)
     chunk = tl.op_chunk % 4
     boxes = _boxes(tl.op_start_ms, tl.op_finish_ms, tl.op_stage.astype(float))
+    # white separators between boxes wide enough for them (thin boxes would turn pale)
+    edge = "white" if np.median(_box_px(ax, tl, span)) >= 4 else "none"
     for backward, palette in ((False, _FORWARD), (True, _BACKWARD)):
         for c, colour in enumerate(palette):
             pick = (tl.op_is_backward == backward) & (chunk == c)
-            _compound(ax, boxes[pick], facecolor=colour, edgecolor="white", linewidth=0.3,
+            _compound(ax, boxes[pick], facecolor=colour, edgecolor=edge, linewidth=0.3,
                       zorder=1)
     _draw_allreduce(ax, tl)
     _draw_critical(ax, tl)
@@ -206,10 +209,15 @@ def _draw_critical(ax, tl: Timeline) -> None:
               zorder=2)
 
 
+def _box_px(ax, tl: Timeline, span: float) -> np.ndarray:
+    """Per op: its box's width in pixels."""
+    width_px = ax.get_position().width * _WIDTH_IN * _DPI
+    return (tl.op_finish_ms - tl.op_start_ms) * width_px / (span * 1.005)
+
+
 def _label_microbatches(ax, tl: Timeline, span: float, n: int) -> None:
     """Micro-batch numbers inside the boxes wide enough for them (at most MAX_LABELS)."""
-    width_px = ax.get_position().width * _WIDTH_IN * _DPI
-    dur_px = (tl.op_finish_ms - tl.op_start_ms) * width_px / (span * 1.005)
+    dur_px = _box_px(ax, tl, span)
     digits = len(str(int(tl.op_microbatch.max()))) if len(tl.op_microbatch) else 1
     fits = np.flatnonzero(dur_px >= digits * 6 * 0.62 * _DPI / 72 + 3)   # one width for all
     if len(fits) > MAX_LABELS:   # too many to read anyway: keep the widest
