@@ -181,8 +181,9 @@ def _baselines(ns, cluster, model, options, profiles, plan) -> tuple[dict, ...]:
 def _baseline_line(e: dict) -> str:
     if e["status"] != "ok":
         return f"baseline {e['name']}: no feasible plan: {e['reason']}"
+    speedup = "n/a" if e["speedup"] is None else f"{e['speedup']:.2f}"
     return (f"baseline {e['name']}: {e['predicted_iteration_time_ms']:.2f} ms (pp={e['pp']}, "
-            f"dp={e['dp']}, tp={e['tp'] or 'per-stage'}) -> speed-up x{e['speedup']:.2f}")
+            f"dp={e['dp']}, tp={e['tp'] or 'per-stage'}) -> speed-up x{speedup}")
 
 
 def _draw_plan_gantt(cluster, model, plan, profiles, path: str) -> None:

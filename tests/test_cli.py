@@ -203,6 +203,9 @@ def test_every_plan_option_has_help_and_presets_are_listed():
             if action.option_strings:
                 assert action.help and action.help != cli.argparse.SUPPRESS, \
                     (name, action.option_strings)
+    from poseidon_plugin.fidelity.command import _parser as validate_parser
+    for action in validate_parser()._actions:
+        assert action.help, action.option_strings
     plan = sub.choices["plan"]
     helps = {a.dest: a.help for a in plan._actions}
     assert all(p in helps["model"] for p in PRESETS)
