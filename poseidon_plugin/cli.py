@@ -21,46 +21,109 @@ class _Parser(argparse.ArgumentParser):
         raise PoseidonError(message)
 
 
+_VERBOSE = ("-v", "--verbose")
+_PLAN_EXAMPLE = """examples:
+  poseidon plan --cluster examples/clusters/paper-setting1.yaml --model llama3-8b \\
+      --global-batch-size 128 --seq-length 4096 --gantt plan.png
+  poseidon plan --cluster my-cluster.yaml --model my-model.yaml --global-batch-size 512 \\
+      --seq-length 4096 --profiles profiles.json --time-budget 60 --json --out plan.json
+
+Stage times in the table (fwd/bwd/send ms) are per micro-batch; all-reduce is per iteration.
+Bad input: one line "poseidon: error: ..." on stderr, exit status 2."""
+
+
+def _words(values) -> str:
+    return " ".join(str(v) for v in values)
+
+
+def _add_verbose(parser: argparse.ArgumentParser, default) -> None:
+    parser.add_argument(*_VERBOSE, action="store_true", default=default,
+                        help="debug logging on stderr (before or after the command)")
+
+
 def _build_parser() -> argparse.ArgumentParser:
+    from .model import PRESETS
+    from .search.options import DEFAULT_MICRO_BATCH_SIZES
+
     p = _Parser(prog="poseidon", description="Parallel-plan search for LLM pre-training on "
-                "heterogeneous clusters.")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+                "heterogeneous clusters.", epilog="poseidon plan --help: the options and an "
+                "example.")
+    _add_verbose(p, False)
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
-    pl = sub.add_parser("plan", help="search the fastest plan for a cluster file and a model")
-    pl.add_argument("--cluster", required=True, help="cluster YAML file")
-    pl.add_argument("--model", required=True, help="model preset name or YAML file")
-    pl.add_argument("--global-batch-size", type=int, required=True)
-    pl.add_argument("--seq-length", type=int, required=True)
-    pl.add_argument("--profiles", default=None, help="profile DB (JSON); estimates otherwise")
+    pl = sub.add_parser("plan", help="search the fastest plan for a cluster file and a model",
+                        description="Search the fastest parallel plan (DP, PP, TP, schedule, "
+                        "device type and layers\nper stage) and print it with the Megatron-LM "
+                        "and MindSpeed-LLM flags and two\nbaselines.",
+                        epilog=_PLAN_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_verbose(pl, argparse.SUPPRESS)   # SUPPRESS: "-v plan" is not reset by the sub-parser
+    pl.add_argument("--cluster", required=True, metavar="FILE",
+                    help="cluster YAML: device types, nodes, links (see examples/clusters/)")
+    pl.add_argument("--model", required=True, metavar="NAME|FILE",
+                    help=f"model preset ({', '.join(PRESETS)}) or a model YAML file")
+    pl.add_argument("--global-batch-size", type=int, required=True, metavar="N",
+                    help="global batch size in samples (sequences) per iteration")
+    pl.add_argument("--seq-length", type=int, required=True, metavar="TOKENS",
+                    help="sequence length in tokens")
+    pl.add_argument("--profiles", default=None, metavar="FILE",
+                    help="profile DB (JSON) of measured per-layer times and memory "
+                    "(default: the analytic estimator)")
     pl.add_argument("--schedules", nargs="+", default=list(LAUNCHABLE_SCHEDULES),
-                    choices=list(SCHEDULES),
-                    help="schedules to search (default: the ones megatron-core executes; "
-                    "eager-1f1b and gpipe give analysis-only plans without launch flags)")
-    pl.add_argument("--pruning", choices=list(PRUNING_MODES), default="safe")
+                    choices=list(SCHEDULES), metavar="NAME",
+                    help=f"schedules to search, of {_words(SCHEDULES)} (default: "
+                    f"{_words(LAUNCHABLE_SCHEDULES)}, the "
+                    "ones megatron-core executes; eager-1f1b and gpipe give analysis-only plans "
+                    "without launch flags)")
+    pl.add_argument("--pruning", choices=list(PRUNING_MODES), default="safe",
+                    help="safe (default: exact; the ridge rule only where its theorem's "
+                    "assumptions hold), ridge (the paper's ridge rule everywhere: faster, may "
+                    "miss the optimum), none (no ridge rule: the exhaustive check)")
     g = pl.add_mutually_exclusive_group()
-    g.add_argument("--uniform-tp", dest="tp_mode", action="store_const", const="uniform")
-    g.add_argument("--per-stage-tp", dest="tp_mode", action="store_const", const="per-stage")
+    g.add_argument("--uniform-tp", dest="tp_mode", action="store_const", const="uniform",
+                   help="one TP degree for every stage (default; what stock Megatron-LM and "
+                   "MindSpeed-LLM run)")
+    g.add_argument("--per-stage-tp", dest="tp_mode", action="store_const", const="per-stage",
+                   help="a TP degree per stage (analysis only: needs a FlagScale-style Megatron)")
     pl.set_defaults(tp_mode="uniform")
-    pl.add_argument("--micro-batch-sizes", type=int, nargs="+", default=None)
+    pl.add_argument("--micro-batch-sizes", type=int, nargs="+", default=None, metavar="B",
+                    help="micro-batch sizes in samples to try (default: "
+                    f"{_words(DEFAULT_MICRO_BATCH_SIZES)})")
     pl.add_argument("--tp", dest="tp_degrees", type=int, nargs="+", default=None,
                     metavar="T", help="TP degrees allowed (default: every valid one)")
-    pl.add_argument("--max-virtual-stages", type=int, default=2)
+    pl.add_argument("--max-virtual-stages", type=int, default=2, metavar="V",
+                    help="most model chunks per device for interleaved-1f1b (default: "
+                    "%(default)s)")
     pl.add_argument("--type-order", choices=list(TYPE_ORDERS), default="any",
                     help="device-type orders searched: any (default: every order, exact), "
                     "blocks (contiguous type blocks only), auto (blocks where a configuration "
                     "has more than 3^20 orders); a restricted space is named in the output")
-    pl.add_argument("--warmup-samples", type=int, default=500)
-    pl.add_argument("--time-budget", type=float, default=None, metavar="S")
-    pl.add_argument("--workers", type=int, default=None,
+    pl.add_argument("--warmup-samples", type=int, default=500, metavar="N",
+                    help="random feasible plans that seed the search's threshold (default: "
+                    "%(default)s; 0: none); speed only, the exact plan does not depend on it")
+    pl.add_argument("--time-budget", type=float, default=None, metavar="S",
+                    help="wall-clock budget in seconds for everything after the command line "
+                    "(loading, the search, the baselines): the best plan found by then, with its "
+                    "gap to the proven lower bound (default: none, search to the end)")
+    pl.add_argument("--workers", type=int, default=None, metavar="K",
                     help="search threads (default: every core); the plan does not depend on it")
-    pl.add_argument("--seed", type=int, default=0)
-    pl.add_argument("--no-baselines", action="store_true", help="skip the two baselines")
-    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
-    pl.add_argument("--out", default=None, help="also write the plan JSON to this file")
+    pl.add_argument("--seed", type=int, default=0, metavar="N",
+                    help="seed of the warm-up sampling (default: %(default)s); the exact plan "
+                    "does not depend on it")
+    pl.add_argument("--no-baselines", action="store_true",
+                    help="skip the two baselines (Megatron's even split over all devices; the "
+                    "best plan on one device type: a search per type, each under --time-budget);"
+                    " the JSON then marks them skipped")
+    pl.add_argument("--json", action="store_true",
+                    help="print the plan as JSON (baselines included) instead of the table")
+    pl.add_argument("--out", default=None, metavar="FILE",
+                    help="also write the plan JSON (baselines included) to FILE")
     pl.add_argument("--gantt", default=None, metavar="FILE",
-                    help="draw the simulated schedule of the plan (.png or .svg)")
-    va = sub.add_parser("validate", help="validate the simulator against real runs")
-    va.add_argument("args", nargs=argparse.REMAINDER)
+                    help="draw the simulated schedule of the plan (.png or .svg): a row per "
+                    "stage, idle time, the critical path")
+    va = sub.add_parser("validate", help="validate the simulator against real runs "
+                        "(poseidon validate --help: its options)")
+    _add_verbose(va, argparse.SUPPRESS)
+    va.add_argument("args", nargs=argparse.REMAINDER,
+                    help="the options of poseidon validate (see poseidon validate --help)")
     return p
 
 
@@ -78,7 +141,7 @@ def search_options(ns) -> SearchOptions:
 def _cmd_plan(ns) -> int:
     from .cluster import load_cluster
     from .model import get_model
-    from .search import baseline_plans, search_plan
+    from .search import search_plan
 
     options = search_options(ns)
     budget = _Budget(ns.time_budget, share=1.0 if ns.no_baselines else SEARCH_SHARE)
@@ -89,6 +152,7 @@ def _cmd_plan(ns) -> int:
         from .profiles import ProfileDB
         profiles = ProfileDB.load(ns.profiles)
     plan = search_plan(cluster, model, budget.search_options(options), profiles)
+    plan = plan.with_baselines(_baselines(ns, cluster, model, budget, options, profiles, plan))
     text = plan.to_json()
     if ns.gantt:
         _draw_plan_gantt(cluster, model, plan, profiles, ns.gantt)
@@ -103,10 +167,27 @@ def _cmd_plan(ns) -> int:
         return 0
     sys.stdout.write(plan.table())
     if not ns.no_baselines:
-        _write_baselines(baseline_plans(cluster, model, budget.rest_options(options),
-                                        profiles, deadline=budget.end),
-                         plan.predicted_iteration_time_ms)
+        sys.stdout.write("".join(_baseline_line(e) + "\n" for e in plan.baselines))
     return 0
+
+
+def _baselines(ns, cluster, model, budget, options, profiles, plan) -> tuple[dict, ...]:
+    """The JSON entries of the two baselines (marked skipped under --no-baselines)."""
+    from .search import baseline_entries, baseline_results, skipped_baseline_entries
+
+    if ns.no_baselines:
+        return skipped_baseline_entries()
+    results = baseline_results(cluster, model, budget.rest_options(options), profiles,
+                               deadline=budget.end)
+    return baseline_entries(results, plan.predicted_iteration_time_ms)
+
+
+def _baseline_line(e: dict) -> str:
+    if e["status"] != "ok":
+        return f"baseline {e['name']}: no feasible plan: {e['reason']}"
+    speedup = "n/a" if e["speedup"] is None else f"{e['speedup']:.2f}"
+    return (f"baseline {e['name']}: {e['predicted_iteration_time_ms']:.2f} ms (pp={e['pp']}, "
+            f"dp={e['dp']}, tp={e['tp'] or 'per-stage'}) -> speed-up x{speedup}")
 
 
 SEARCH_SHARE = 0.85   # of a --time-budget left after loading: the search; the rest: baselines
@@ -134,19 +215,9 @@ class _Budget:
         return options if self.end is None else options.replace(time_budget_s=self._left())
 
 
-def _write_baselines(base: dict, t_ms: float) -> None:
-    for name, bp in base.items():
-        if bp is None:
-            sys.stdout.write(f"baseline {name}: no feasible plan\n")
-        else:
-            bt = bp.predicted_iteration_time_ms
-            sys.stdout.write(f"baseline {name}: {bt:.2f} ms (pp={bp.pp}, dp={bp.dp}, "
-                             f"tp={bp.stages[0].tp}) -> speed-up x{bt / t_ms:.2f}\n")
-
-
 def _draw_plan_gantt(cluster, model, plan, profiles, path: str) -> None:
     from .costs import plan_simulator_inputs
-    from .gantt import draw_gantt
+    from .gantt import draw_gantt, plan_stage_labels
     from .simulator import simulate_pipeline
 
     F, B, Pf, Pb, R = plan_simulator_inputs(cluster, model, plan, profiles)
@@ -163,7 +234,7 @@ def _draw_plan_gantt(cluster, model, plan, profiles, path: str) -> None:
                                      plan.virtual_stages).with_label("predicted")
     title = (f"{plan.model_name} on {plan.cluster_name}: {plan.schedule}, PP={plan.pp}, "
              f"DP={plan.dp}, M={plan.num_microbatches}")
-    draw_gantt([timeline], path, title=title)
+    draw_gantt([timeline], path, title=title, stage_labels=plan_stage_labels(plan))
     sys.stderr.write(f"poseidon: wrote {path}\n")
 
 
@@ -176,10 +247,15 @@ def _cmd_validate(ns) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if argv[:1] == ["validate"]:
-            # argparse's REMAINDER drops leading options after a sub-command: pass them through.
-            logging.basicConfig(level=logging.WARNING, format="poseidon: %(levelname)s: %(message)s")
-            return _cmd_validate(argparse.Namespace(args=argv[1:]))
+        lead = next((i for i, a in enumerate(argv) if a not in _VERBOSE), len(argv))
+        if argv[lead:lead + 1] == ["validate"]:
+            # argparse's REMAINDER drops leading options after a sub-command: pass them through
+            # (all but -v, which may come before or after the command).
+            rest = argv[lead + 1:]
+            verbose = lead > 0 or any(a in _VERBOSE for a in rest)
+            logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING,
+                                format="poseidon: %(levelname)s: %(message)s")
+            return _cmd_validate(argparse.Namespace(args=[a for a in rest if a not in _VERBOSE]))
         ns = _build_parser().parse_args(argv)
         logging.basicConfig(level=logging.DEBUG if ns.verbose else logging.WARNING,
                             format="poseidon: %(levelname)s: %(message)s")

@@ -15,7 +15,14 @@ indent, floats rounded to 6 decimals, trailing newline, so equal plans give equa
      "wrap_send_ms", "timing_model" ("engine": re-derive with Plan.rederived_iteration_time_ms),
      "unused_devices": [{"node", "local_device"}], "megatron_args": [...] (null if per-stage TP),
      "mindspeed_llm_args": [...] (null if per-stage TP), "rank_order": [{"rank", "node",
-     "local_device"}], "search": {...statistics...}}
+     "local_device"}], "search": {...statistics...},
+     "baselines": [{"name", "status", "predicted_iteration_time_ms", "pp", "dp", "tp",
+                    "schedule", "speedup", "reason"}] (only where the plan has them)}
+
+``baselines`` (``poseidon plan`` always sets them): one entry per baseline, ``megatron-default``
+(Megatron's even split over every device) and ``best-single-type``; ``status`` is ``ok``,
+``no plan`` (``reason`` says why) or ``skipped`` (``--no-baselines``); ``speedup`` is the
+baseline's time over the plan's; the other fields are null unless ``ok``.
 
 Rank order: Megatron's default order tp-cp-ep-dp-pp (cp = ep = 1):
 ``rank = stage * (tp * dp) + dp_rank * tp + tp_rank`` (uniform TP).
@@ -24,7 +31,7 @@ Rank order: Megatron's default order tp-cp-ep-dp-pp (cp = ep = 1):
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .costs import chunk_layers
@@ -91,6 +98,7 @@ class Plan:
     gap: float = 0.0
     num_layers: int = 0
     wrap_send_ms: float = 0.0      # interleaved: last stage -> first stage (next chunk)
+    baselines: tuple[dict[str, Any], ...] = ()   # see the module docstring; () = not computed
 
     # ------------------------------------------------------------------ shape
     @property
@@ -242,6 +250,10 @@ class Plan:
                                  engine=TIMING_MODEL == "engine")
 
     # ------------------------------------------------------------------ JSON
+    def with_baselines(self, entries) -> "Plan":
+        """This plan with its baselines' entries (``search.baseline_entries``)."""
+        return replace(self, baselines=tuple(dict(e) for e in entries))
+
     def to_dict(self) -> dict[str, Any]:
         uniform = self.uniform_tp
         stages = [{
@@ -256,7 +268,7 @@ class Plan:
             "chunk_forward_ms": [_r(x) for x in s.chunk_forward_ms],
             "chunk_backward_ms": [_r(x) for x in s.chunk_backward_ms],
         } for s in self.stages]
-        return {
+        out = {
             "format_version": PLAN_FORMAT_VERSION,
             "model_name": self.model_name, "cluster_name": self.cluster_name,
             "predicted_iteration_time_ms": _r(self.predicted_iteration_time_ms),
@@ -281,6 +293,9 @@ class Plan:
             "wrap_send_ms": _r(self.wrap_send_ms),
             "timing_model": TIMING_MODEL,
         }
+        if self.baselines:
+            out["baselines"] = _jsonable(list(self.baselines))
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, indent=2) + "\n"
@@ -313,7 +328,8 @@ class Plan:
                 model_tflops_per_device=d.get("model_tflops_per_device", 0.0),
                 mfu=d.get("mfu", 0.0), lower_bound_ms=d.get("lower_bound_ms", 0.0),
                 gap=d.get("gap", 0.0), num_layers=d.get("num_layers", 0),
-                wrap_send_ms=d.get("wrap_send_ms", 0.0))
+                wrap_send_ms=d.get("wrap_send_ms", 0.0),
+                baselines=tuple(dict(e) for e in d.get("baselines", ())))
         except (ValueError, KeyError, TypeError) as exc:
             raise PoseidonError(f"plan JSON: malformed ({type(exc).__name__}: {exc})") from None
 
@@ -333,15 +349,17 @@ class Plan:
                  f"{self.model_tflops_per_device:.1f} model TFLOP/s per device, "
                  f"MFU {100 * self.mfu:.1f}%",
                  "",
+                 "per stage: fwd, bwd and send ms per micro-batch; allred ms per iteration "
+                 "(DP gradient all-reduce)",
                  f"{'stage':>5} {'type':<10} {'tp':>3} {'dp':>3} {'layers':>6} {'fwd ms':>9} "
                  f"{'bwd ms':>9} {'send ms':>8} {'allred ms':>9} {'memory GiB':>15}  nodes"]
         for s in self.stages:
-            nodes = sorted({d.node for grp in s.devices for d in grp})
+            nodes = {d.node for grp in s.devices for d in grp}
             lines.append(
                 f"{s.index:>5} {s.device_type:<10} {s.tp:>3} {s.dp:>3} {s.layers:>6} "
                 f"{s.forward_ms:>9.2f} {s.backward_ms:>9.2f} {s.send_forward_ms:>8.2f} "
                 f"{s.allreduce_ms:>9.2f} {s.memory_bytes / gib:>6.1f} / {s.memory_capacity_bytes / gib:>6.1f}"
-                f"  {','.join(map(str, nodes))}")
+                f"  {node_ranges(nodes)}")
         used = self.world_size
         lines.append("")
         lines.append(f"devices used: {used}, unused: {len(self.unused_devices)}")
@@ -367,6 +385,22 @@ class Plan:
             if s.get("search_space"):
                 lines.append(f"searched space: {s['search_space']}")
         return "\n".join(lines) + "\n"
+
+
+def node_ranges(nodes, max_ranges: int = 8) -> str:
+    """Node indices as ranges, e.g. ``0-3,8-11,14``; beyond ``max_ranges`` ranges the rest is
+    counted (``0-3,8-11,... +5 ranges, 96 nodes``): the JSON lists every device."""
+    xs = sorted(set(nodes))
+    runs: list[tuple[int, int]] = []
+    for x in xs:
+        if runs and x == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], x)
+        else:
+            runs.append((x, x))
+    text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:max_ranges])
+    if len(runs) > max_ranges:
+        text += f",... +{len(runs) - max_ranges} ranges, {len(xs)} nodes"
+    return text
 
 
 def _jsonable(x: Any) -> Any:

@@ -103,13 +103,14 @@ def test_json_has_required_keys(capsys):
     assert isinstance(d["megatron_args"], list) and isinstance(d["mindspeed_llm_args"], list)
     assert d["megatron_args"][:2] == ["--tensor-model-parallel-size", str(d["stages"][0]["tp"])]
     assert d["search"]["exhaustive"] is True
-    assert "baseline" not in out      # --json prints the plan only
+    assert [b["name"] for b in d["baselines"]] == ["megatron-default", "best-single-type"]
+    assert all(b["status"] == "ok" and b["speedup"] >= 1.0 for b in d["baselines"])
     assert out.endswith("}\n")
 
 
 def test_out_file(capsys, tmp_path):
     path = tmp_path / "plan.json"
-    rc, out, _ = run_main(capsys, BASE + ["--no-baselines", "--out", str(path)])
+    rc, out, _ = run_main(capsys, BASE + ["--out", str(path)])
     assert rc == 0
     assert out.startswith("Plan for ")          # the table still goes to stdout
     written = path.read_text(encoding="utf-8")
@@ -129,6 +130,108 @@ def test_out_file_round_trips_through_plan_from_json(capsys, tmp_path):
     assert run_main(capsys, BASE + ["--json", "--out", str(path)])[0] == 0
     plan = Plan.from_json(path.read_text(encoding="utf-8"))
     assert plan.to_json() == path.read_text(encoding="utf-8")
+
+
+def _text_baselines(out: str) -> dict:
+    got = {}
+    for m in re.finditer(r"^baseline (\S+): ([0-9.]+) ms \(pp=(\d+), dp=(\d+), tp=(\d+)\) -> "
+                         r"speed-up x([0-9.]+)$", out, re.M):
+        got[m.group(1)] = (float(m.group(2)), *map(int, m.group(3, 4, 5)), float(m.group(6)))
+    return got
+
+
+def test_json_carries_the_baselines_the_text_shows(capsys):
+    rc, out, err = run_main(capsys, BASE)
+    assert rc == 0, err
+    text = _text_baselines(out)
+    rc, js, err = run_main(capsys, BASE + ["--json"])
+    assert rc == 0, err
+    entries = json.loads(js)["baselines"]
+    assert set(text) == {e["name"] for e in entries} == {"megatron-default", "best-single-type"}
+    for e in entries:
+        t, pp, dp, tp, speedup = text[e["name"]]
+        assert e["status"] == "ok" and e["reason"] is None and e["schedule"]
+        assert (e["pp"], e["dp"], e["tp"]) == (pp, dp, tp)
+        assert f"{e['predicted_iteration_time_ms']:.2f}" == f"{t:.2f}"
+        assert f"{e['speedup']:.2f}" == f"{speedup:.2f}"
+
+
+def test_no_baselines_marks_them_skipped_in_the_json(capsys, tmp_path):
+    from poseidon_plugin.plan import Plan
+
+    path = tmp_path / "p.json"
+    rc, out, err = run_main(capsys, BASE + ["--no-baselines", "--json", "--out", str(path)])
+    assert rc == 0, err
+    d = json.loads(out)
+    assert [(b["name"], b["status"], b["reason"]) for b in d["baselines"]] == [
+        ("megatron-default", "skipped", "--no-baselines"),
+        ("best-single-type", "skipped", "--no-baselines")]
+    assert all(b["predicted_iteration_time_ms"] is None for b in d["baselines"])
+    assert Plan.from_json(path.read_text(encoding="utf-8")).baselines[0]["status"] == "skipped"
+
+
+def test_a_baseline_without_plan_says_why(capsys, tmp_path):
+    """TP 1 and micro-batch 1 on 16 devices: every even split has DP 2, 4 or 8, none dividing a
+    global batch of 3. The text and the JSON give the same reason; Plan.from_json keeps it."""
+    from poseidon_plugin.plan import Plan
+
+    argv = ["plan", "--cluster", SMALL, "--model", TINY, "--global-batch-size", "3",
+            "--seq-length", "128", "--workers", "1", "--tp", "1", "--micro-batch-sizes", "1"]
+    rc, out, err = run_main(capsys, argv)
+    assert rc == 0, err
+    m = re.search(r"^baseline megatron-default: no feasible plan: (.+)$", out, re.M)
+    assert m and m.group(1).startswith("the global batch 3 is not a multiple of DP x "
+                                       "micro-batch size"), out
+    assert "best-single-type" in _text_baselines(out)
+    path = tmp_path / "p.json"
+    rc, js, err = run_main(capsys, argv + ["--json", "--out", str(path)])
+    entry = json.loads(js)["baselines"][0]
+    assert entry["status"] == "no plan" and entry["reason"] == m.group(1)
+    assert entry["pp"] is None and entry["speedup"] is None
+    plan = Plan.from_json(path.read_text(encoding="utf-8"))
+    assert plan.baselines[0]["reason"] == m.group(1)
+    assert plan.to_json() == path.read_text(encoding="utf-8")
+
+
+def test_every_plan_option_has_help_and_presets_are_listed():
+    from poseidon_plugin.model import PRESETS
+
+    parser = cli._build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, cli.argparse._SubParsersAction))
+    for name in ("plan", "validate"):
+        for action in sub.choices[name]._actions:
+            if action.option_strings:
+                assert action.help and action.help != cli.argparse.SUPPRESS, \
+                    (name, action.option_strings)
+    from poseidon_plugin.fidelity.command import _parser as validate_parser
+    for action in validate_parser()._actions:
+        assert action.help, action.option_strings
+    plan = sub.choices["plan"]
+    helps = {a.dest: a.help for a in plan._actions}
+    assert all(p in helps["model"] for p in PRESETS)
+    for dest in ("max_virtual_stages", "warmup_samples", "seed", "micro_batch_sizes",
+                 "schedules", "pruning", "type_order", "time_budget", "workers", "tp_degrees"):
+        assert "default" in helps[dest], dest          # every default is said
+    for dest, unit in (("global_batch_size", "samples"), ("seq_length", "tokens"),
+                       ("time_budget", "seconds"), ("micro_batch_sizes", "samples")):
+        assert unit in helps[dest], dest
+    text = plan.format_help()
+    assert "examples:" in text and "per micro-batch" in text
+    assert "default: 500" in text and "default: 1 2 4" in text   # %(default)s filled in
+
+
+def test_verbose_before_or_after_the_command():
+    """-v anywhere turns on debug logging; without it there is none."""
+    quiet = run_module(BASE + ["--no-baselines"])
+    after = run_module(BASE + ["--no-baselines", "-v"])
+    before = run_module(["--verbose"] + BASE + ["--no-baselines"])
+    for r in (quiet, after, before):
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith("Plan for ")
+    assert "DEBUG" not in quiet.stderr
+    assert "poseidon: DEBUG: " in after.stderr and "poseidon: DEBUG: " in before.stderr
+    r = run_module(["validate", "-v", "--list"])
+    assert r.returncode == 0 and "pp2-1f1b-m4" in r.stdout, r.stderr
 
 
 def test_tp_flag_limits_the_plan_and_its_baselines(capsys):

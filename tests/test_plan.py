@@ -123,3 +123,23 @@ def test_megatron_accepts_searched_plan():
         schedules=("1f1b", "interleaved-1f1b")))
     assert sum(p.layers_per_stage) == 8
     _megatron_validate(p.megatron_args(), p.world_size)
+
+
+def test_node_ranges_are_compact():
+    from poseidon_plugin.plan import node_ranges
+
+    assert node_ranges(range(36)) == "0-35"
+    assert node_ranges([8, 9, 10, 11, 0, 1, 2, 3]) == "0-3,8-11"
+    assert node_ranges([5]) == "5" and node_ranges([1, 3, 4]) == "1,3-4"
+    assert node_ranges(range(0, 40, 2)) == "0,2,4,6,8,10,12,14,... +12 ranges, 20 nodes"
+
+
+def test_table_node_column_and_per_microbatch_note():
+    """A stage on 36 consecutive nodes reads "0-35", not 36 numbers; the table says its stage
+    times are per micro-batch."""
+    devs = tuple((DeviceSlot(n, 0),) for n in range(36))
+    st = StagePlan(0, "A", 1, 36, 4, 1.0, 2.0, 0.0, 0.0, 0.5, 10, 20, devs)
+    table = Plan("1f1b", 1, 36, 1, 2, 72, 128, (st,), 5.0, num_layers=4).table()
+    row = next(ln for ln in table.splitlines() if ln.split()[:2] == ["0", "A"])
+    assert row.endswith("  0-35") and "35," not in row
+    assert "fwd, bwd and send ms per micro-batch; allred ms per iteration" in table

@@ -1,4 +1,4 @@
-"""Per-stage op orders (poseidon_plugin.simulator.schedules) against DESIGN.md and hand-written tables."""
+"""Per-stage op orders (poseidon_plugin.simulator.schedules) against hand-written tables."""
 
 from __future__ import annotations
 

@@ -89,3 +89,78 @@ def test_from_records_aligns_on_earliest_start():
     assert not tl.op_on_critical_path.any() and tl.critical_path == ()
     d = recs[1].to_dict()
     assert IterationRecord.from_dict(d) == recs[1]
+
+
+# --------------------------------------------------------------------------- critical_chain
+
+def _random_timeline(schedule, seed, sends=True):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, 7))
+    v = 2 if schedule == "interleaved-1f1b" else 1
+    m = n * int(rng.integers(1, 3)) if v > 1 else int(rng.integers(n, 3 * n))
+    links = n if v > 1 else n - 1
+    f = rng.uniform(1, 10, n)
+    send = (lambda: rng.uniform(0, 1, links)) if sends else (lambda: np.zeros(links))
+    return simulate_pipeline(f, rng.uniform(1.5, 3, n) * f, send(), send(),
+                             rng.uniform(0, 5, n), m, schedule, v)
+
+
+def _check_chain(tl, max_gap=0.0):
+    chain = tl.critical_chain()
+    assert len(chain) >= tl.num_stages
+    assert tl.op_start_ms[chain[0]] == 0.0                       # starts the iteration
+    gaps = tl.op_start_ms[chain[1:]] - tl.op_finish_ms[chain[:-1]]
+    assert np.all(gaps >= -1e-9) and np.all(gaps <= max_gap + 1e-9)
+    last = chain[-1]
+    if len(tl.allreduce_finish_ms):   # the chain ends in the all-reduce that finishes last
+        s = int(np.argmax(tl.allreduce_finish_ms))
+        assert tl.op_stage[last] == s
+        assert tl.op_finish_ms[last] == tl.op_finish_ms[tl.op_stage == s].max()
+        assert tl.allreduce_finish_ms[s] == pytest.approx(tl.span_ms)
+    else:
+        assert tl.op_finish_ms[last] == pytest.approx(tl.span_ms)
+    return chain
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "eager-1f1b", "interleaved-1f1b"])
+def test_critical_chain_is_the_dags_critical_path_without_sends(schedule):
+    """Zero send times: each op on the chain starts exactly when its predecessor ends, and the
+    chain read off the times alone is the simulator's own critical path (ties broken the same
+    way: towards the cross-stage dependency)."""
+    for seed in range(25):
+        tl = _random_timeline(schedule, seed, sends=False)
+        chain = _check_chain(tl)
+        mine = np.zeros(len(tl.op_stage), dtype=bool)
+        mine[chain] = True
+        assert (mine == tl.op_on_critical_path).all(), seed
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
+def test_critical_chain_with_sends_and_for_engine_timelines(schedule):
+    """With sends the chain still runs from time 0 to the end without overlaps; each gap is at
+    most one send. The engine model (no DAG, no flags) gets a chain too."""
+    for seed in range(10):
+        _check_chain(_random_timeline(schedule, seed), max_gap=1.0)
+    n, m, v = 4, 8, 2 if schedule == "interleaved-1f1b" else 1
+    f = np.tile(np.array([1.0, 2.0, 1.5, 1.0]), (v, 1))
+    eng = simulate_engine(EngineCosts.from_profiles(f, 2 * f, [0.2] * (n if v > 1 else n - 1),
+                                                    [0.5] * n, [0.0] * n), m, schedule, v)
+    assert not eng.op_on_critical_path.any()
+    _check_chain(eng, max_gap=0.2 + 1e-6)
+
+
+def test_critical_chain_of_a_recorded_iteration_and_an_empty_timeline():
+    orders = op_orders("1f1b", 2, 3)
+    recs, t = [], 0.0
+    for s in range(2):
+        ops = []
+        t = 0.001 * s
+        for op in orders[s]:
+            ops.append((op.chunk, op.microbatch, op.is_backward, t, t + 0.001))
+            t += 0.001
+        recs.append(IterationRecord(s, 0.0, t, ops, t, t))
+    tl = timeline_from_records(recs)
+    chain = tl.critical_chain()
+    assert len(chain) and tl.op_start_ms[chain[0]] == 0.0
+    empty = Timeline(0.0, *(np.zeros(0) for _ in range(9)))
+    assert len(empty.critical_chain()) == 0

@@ -15,18 +15,26 @@ from .report import draw_case, format_table, write_json
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="poseidon validate",
                                 description="Measure the simulator against real megatron-core "
-                                "pipeline runs on CPU emulation.")
-    p.add_argument("--full", action="store_true", help="run the larger case set")
+                                "pipeline runs on CPU emulation.",
+                                epilog="-v / --verbose (before or after 'validate'): debug "
+                                "logging on stderr.")
+    p.add_argument("--full", action="store_true",
+                   help="run the larger case set (default: the standard cases; see --list)")
     p.add_argument("--cases", nargs="+", default=None, metavar="NAME",
                    help="run only these cases (names from the table)")
-    p.add_argument("--iterations", type=int, default=30, help="iterations per case (30)")
-    p.add_argument("--discard", type=int, default=5, help="first iterations discarded (5)")
+    p.add_argument("--iterations", type=int, default=30, metavar="N",
+                   help="training iterations measured per case (default: %(default)s)")
+    p.add_argument("--discard", type=int, default=5, metavar="N",
+                   help="first iterations left out of the mean (default: %(default)s)")
     p.add_argument("--layer-ms", type=float, nargs=2, default=None, metavar=("FWD", "BWD"),
-                   help="emulated forward/backward ms per layer at speed 1 (4.0 8.0)")
+                   help="emulated forward and backward milliseconds per layer on a device of "
+                   f"speed 1 (default: {Emulation.forward_ms_per_layer} "
+                   f"{Emulation.backward_ms_per_layer})")
     p.add_argument("--gantt", default=None, metavar="FILE",
                    help="draw measured vs predicted timelines of one case (.png/.svg)")
     p.add_argument("--gantt-case", default=None, help="the case to draw (default: the first)")
-    p.add_argument("--json", default=None, metavar="FILE", help="write every row as JSON")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="write every row, stage profile and measured op as JSON to FILE")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     return p
 

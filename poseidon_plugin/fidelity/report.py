@@ -106,7 +106,8 @@ def draw_case(result: CaseResult, path: str) -> str:
     c = result.case
     title = (f"{c.name}: {c.schedule}, PP={c.pp}, V={c.virtual_stages}, M={c.num_microbatches}, "
              f"layers {list(c.layers)}, devices {list(c.devices)}")
-    return draw_gantt([measured, engine, dag], path, title=title)
+    rows = [f"{d} · {n} layer{'s' if n != 1 else ''}" for d, n in zip(c.devices, c.layers)]
+    return draw_gantt([measured, engine, dag], path, title=title, stage_labels=rows)
 
 
 def write_json(results: Sequence[CaseResult], path: str) -> None:

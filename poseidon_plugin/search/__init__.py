@@ -18,7 +18,8 @@
 Method and proofs: ``docs/search.md``.
 """
 
-from .baselines import baseline_plans, explain_infeasible
+from .baselines import (baseline_entries, baseline_plans, baseline_results, explain_infeasible,
+                        skipped_baseline_entries)
 from .build import build_plan
 from .configs import OuterConfig, enumerate_configs, root_bound, tp_candidates
 from .driver import SearchDriver, SearchStats, search_plan
@@ -27,4 +28,5 @@ from .options import SearchOptions
 
 __all__ = ["SearchOptions", "SearchStats", "SearchDriver", "SearchContext", "OuterConfig",
            "search_plan", "baseline_plans", "build_plan", "enumerate_configs", "root_bound",
-           "tp_candidates", "explain_infeasible"]
+           "tp_candidates", "explain_infeasible", "baseline_results", "baseline_entries",
+           "skipped_baseline_entries"]

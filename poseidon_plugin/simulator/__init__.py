@@ -2,7 +2,7 @@
 
 ========================  ===============================================================
 ``schedules``             per-device op orders of every schedule (the single source)
-``_core`` (Cython)        the DAG longest path: ``PipelineDAG`` (DESIGN semantics) and
+``_core`` (Cython)        the DAG longest path: ``PipelineDAG`` (the paper's DAG) and
                           ``EngineDAG`` (as megatron-core runs interleaved plans)
 ``pipeline``              the validated Python API over ``_core`` (re-exported here)
 ``engine``                the engine-aware model in pure Python (bundled p2p calls)

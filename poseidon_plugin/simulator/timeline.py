@@ -23,7 +23,8 @@ Fields (times in ms from the iteration start):
 ========================  ===================================================================
 
 Derived: ``num_stages``, ``span_ms`` (last op or all-reduce finish), ``stage_busy_ms`` (compute +
-all-reduce per stage), ``idle_ms()``.
+all-reduce per stage), ``idle_ms()``, ``critical_chain()`` (a critical path read off the op
+times alone, for every producer: see its docstring).
 """
 
 from __future__ import annotations
@@ -81,6 +82,46 @@ class Timeline:
         """Per stage: span minus busy time (compute + all-reduce)."""
         return self.span_ms - self.stage_busy_ms
 
+    def critical_chain(self) -> np.ndarray:
+        """Op indices of one critical path, first op to last, read off the op times alone (so it
+        works for measured and engine timelines, which carry no DAG).
+
+        It ends at the last op of the stage whose all-reduce finishes last (without all-reduce
+        windows: the op finishing last) and walks back: an op's predecessors are the previous op
+        on its stage and its data dependency (the same micro-batch's forward on the previous
+        virtual stage, model order ``chunk * N + stage``; a backward's on the next virtual
+        stage, or its own forward on the last). The one finishing exactly when the op starts
+        wins (the dependency on a tie). Otherwise the op waited for a message, and its
+        predecessor is the op finishing last by then on a neighbouring stage (the stages
+        around it; across the wrap too when the schedule is interleaved): the dependency when
+        sends are shorter than ops, and in the engine model the op after which a blocking,
+        bundled p2p call sent the message it waited for. So the chain is exact for the DAG
+        with zero sends and a heuristic otherwise; every gap on it is a wait for a message."""
+        if not len(self.op_stage):
+            return np.zeros(0, dtype=np.int64)
+        prev = _previous_on_stage(self.op_stage, self.op_start_ms, self.op_finish_ms)
+        dep = _DataDependency(self)
+        start, finish = self.op_start_ms, self.op_finish_ms
+        tol = 1e-9 * max(1.0, self.span_ms)
+        i, chain = self._last_op(), []
+        while i >= 0 and len(chain) < len(start):
+            chain.append(i)
+            p, d = int(prev[i]), dep(i)
+            exact = [k for k in (d, p) if k >= 0 and abs(start[i] - finish[k]) <= tol]
+            senders = [k for k in (dep.last_finished(st, start[i] + tol)
+                                   for st in dep.neighbours(int(self.op_stage[i]))) if k >= 0]
+            i = exact[0] if exact else max(senders, key=lambda k: finish[k]) if senders else p
+        return np.asarray(chain[::-1], dtype=np.int64)
+
+    def _last_op(self) -> int:
+        finish = self.op_finish_ms
+        if len(self.allreduce_finish_ms):
+            s = int(np.argmax(self.allreduce_finish_ms))
+            on_stage = np.flatnonzero(self.op_stage == s)
+            if len(on_stage):
+                return int(on_stage[np.argmax(finish[on_stage])])
+        return int(np.argmax(finish))
+
     def with_label(self, label: str) -> "Timeline":
         return dataclasses.replace(self, label=label)
 
@@ -125,3 +166,54 @@ class Timeline:
         if np.isnan(tl.iteration_time_ms):
             tl = dataclasses.replace(tl, iteration_time_ms=tl.span_ms)
         return tl
+
+
+def _previous_on_stage(stage: np.ndarray, start: np.ndarray, finish: np.ndarray) -> np.ndarray:
+    """Per op: the op before it on its stage in time order, or -1."""
+    order = np.lexsort((finish, start, stage))
+    prev = np.full(len(stage), -1, dtype=np.int64)
+    same = stage[order[1:]] == stage[order[:-1]]
+    prev[order[1:][same]] = order[:-1][same]
+    return prev
+
+
+class _DataDependency:
+    """Op index -> the op it takes its input from (-1 if none): see ``critical_chain``."""
+
+    def __init__(self, tl: Timeline):
+        self.n = tl.num_stages
+        self.q_last = (int(tl.op_chunk.max()) + 1) * self.n - 1
+        self.key = {k: i for i, k in enumerate(zip(
+            tl.op_stage.tolist(), tl.op_chunk.tolist(), tl.op_microbatch.tolist(),
+            tl.op_is_backward.tolist()))}
+        self.tl = tl
+        order = np.lexsort((tl.op_finish_ms, tl.op_stage))     # per stage, by finish
+        self.by_finish = order
+        self.stage_lo = np.searchsorted(tl.op_stage[order], np.arange(self.n + 1))
+
+    def neighbours(self, stage: int) -> set[int]:
+        """The stages that send to ``stage`` (0 and N-1 wrap when chunks > 1)."""
+        near = {stage - 1, stage + 1}
+        if self.q_last >= 2 * self.n - 1:
+            return {x % self.n for x in near} - {stage}
+        return {x for x in near if 0 <= x < self.n}
+
+    def last_finished(self, stage: int, t: float) -> int:
+        """The op of ``stage`` finishing last at or before ``t`` (-1 if none)."""
+        lo, hi = self.stage_lo[stage], self.stage_lo[stage + 1]
+        ops = self.by_finish[lo:hi]
+        k = int(np.searchsorted(self.tl.op_finish_ms[ops], t, side="right"))
+        return int(ops[k - 1]) if k else -1
+
+    def __call__(self, i: int) -> int:
+        tl, n = self.tl, self.n
+        s, c, m = int(tl.op_stage[i]), int(tl.op_chunk[i]), int(tl.op_microbatch[i])
+        q = c * n + s
+        if not tl.op_is_backward[i]:
+            want = (q - 1, False) if q > 0 else None
+        else:
+            want = (q, False) if q == self.q_last else (q + 1, True)
+        if want is None:
+            return -1
+        return self.key.get((want[0] % n, want[0] // n, m, want[1]), -1)
+
