@@ -30,7 +30,12 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--model", required=True, help="model preset name or YAML file")
     pl.add_argument("--global-batch-size", type=int, required=True)
     pl.add_argument("--seq-length", type=int, required=True)
-    pl.add_argument("--profiles", default=None, help="profile DB (JSON); estimates otherwise")
+    pl.add_argument("--profiles", default=None,
+                    help="profile DB (JSON, e.g. from `poseidon profile`); measured records win "
+                    "over the estimator; an error when none is usable unless --allow-estimates")
+    pl.add_argument("--allow-estimates", action="store_true",
+                    help="plan on estimates when --profiles has no usable record")
+    _add_setup_flags(pl)
     pl.add_argument("--schedules", nargs="+", default=list(LAUNCHABLE_SCHEDULES),
                     choices=list(SCHEDULES),
                     help="schedules to search (default: the ones megatron-core executes; "
@@ -63,6 +68,33 @@ def _build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _add_setup_flags(p: argparse.ArgumentParser) -> None:
+    """The training setup (``training.TrainingSetup``): what moves memory and time."""
+    from .training import ATTENTION, GRAD_DTYPES, PARAM_DTYPES, RECOMPUTE
+
+    g = p.add_argument_group("training setup (as the launch will train)")
+    g.add_argument("--recompute", choices=RECOMPUTE, default="none",
+                   help="activation recompute (Megatron's --recompute-granularity; default none)")
+    g.add_argument("--distributed-optimizer", action="store_true",
+                   help="optimizer state sharded over DP (--use-distributed-optimizer)")
+    g.add_argument("--params-dtype", choices=PARAM_DTYPES, default="bf16",
+                   help="weights and activations (default bf16)")
+    g.add_argument("--grad-dtype", choices=GRAD_DTYPES, default="fp32",
+                   help="main gradients and the DP all-reduce (default fp32, as Megatron does "
+                   "for bf16 unless --grad-reduce-in-bf16)")
+    g.add_argument("--attention", choices=ATTENTION, default="flash",
+                   help="flash (fused; default) or unfused (keeps the s x s scores: Megatron's "
+                   "local spec)")
+
+
+def training_setup(ns):
+    from .training import TrainingSetup
+
+    return TrainingSetup(recompute=ns.recompute, distributed_optimizer=ns.distributed_optimizer,
+                         params_dtype=ns.params_dtype, grad_dtype=ns.grad_dtype,
+                         attention=ns.attention)
+
+
 def search_options(ns) -> SearchOptions:
     """The one ``SearchOptions`` of a ``poseidon plan`` command line (validated there)."""
     return SearchOptions(
@@ -71,7 +103,7 @@ def search_options(ns) -> SearchOptions:
         tp_degrees=ns.tp_degrees, micro_batch_sizes=ns.micro_batch_sizes,
         max_virtual_stages=ns.max_virtual_stages, type_order=ns.type_order,
         warmup_samples=ns.warmup_samples, seed=ns.seed, time_budget_s=ns.time_budget,
-        workers=ns.workers, progress=sys.stderr.isatty())
+        workers=ns.workers, progress=sys.stderr.isatty(), training=training_setup(ns))
 
 
 def _cmd_plan(ns) -> int:
@@ -84,8 +116,9 @@ def _cmd_plan(ns) -> int:
     model = get_model(ns.model)
     profiles = None
     if ns.profiles:
-        from .profiles import ProfileDB
-        profiles = ProfileDB.load(ns.profiles)
+        profiles = _load_profiles(ns, cluster, model, options)
+    from .profiles import calibrate_cluster
+    cluster = calibrate_cluster(cluster, profiles, model, options.seq_length, options.training)
     plan = search_plan(cluster, model, options, profiles)
     text = plan.to_json()
     if ns.gantt:
@@ -104,6 +137,22 @@ def _cmd_plan(ns) -> int:
         _write_baselines(baseline_plans(cluster, model, options.replace(progress=False),
                                         profiles), plan.predicted_iteration_time_ms)
     return 0
+
+
+def _load_profiles(ns, cluster, model, options):
+    """The DB, one warning line naming why records are unusable; an error when none is usable
+    unless ``--allow-estimates``."""
+    from .profiles import ProfileDB, diagnose
+
+    db = ProfileDB.load(ns.profiles)
+    usable, warning = diagnose(db, cluster, model, options.seq_length, options.training)
+    if warning:
+        sys.stderr.write(f"poseidon: warning: {warning}\n")
+    if usable == 0 and not ns.allow_estimates:
+        raise PoseidonError(f"--profiles {ns.profiles}: no measured record is usable for this "
+                            f"plan (see the warning); profile this model and setup with "
+                            f"`poseidon profile`, or pass --allow-estimates")
+    return db
 
 
 def _write_baselines(base: dict, t_ms: float) -> None:

@@ -9,10 +9,22 @@ indent, floats rounded to 6 decimals, trailing newline, so equal plans give equa
      "num_microbatches", "global_batch_size", "seq_length", "num_layers",
      "stages": [{"index", "device_type", "tp", "dp", "layers", "forward_ms", "backward_ms",
                  "send_forward_ms", "send_backward_ms", "allreduce_ms", "memory_bytes",
-                 "memory_capacity_bytes", "devices": [[{"node", "local_device"}, ...tp], ...dp]}],
+                 "memory_capacity_bytes", "devices": [[{"node", "local_device"}, ...tp], ...dp],
+                 "provenance": {"decoder"|"embedding"|"output": {"source", "record"}},
+                 "memory": {"params_bytes", "grads_bytes", "optimizer_bytes",
+                            "activations_bytes", "reserve_bytes", "total_bytes",
+                            "activations_source"}}],
+     "training": {"recompute", "distributed_optimizer", "params_dtype", "grad_dtype",
+                  "attention"},
      "unused_devices": [{"node", "local_device"}], "megatron_args": [...] (null if per-stage TP),
      "mindspeed_llm_args": [...] (null if per-stage TP), "rank_order": [{"rank", "node",
      "local_device"}], "search": {...statistics...}}
+
+Provenance: per stage and layer kind it runs, ``source`` is ``measured`` (a profile record),
+``calibrated`` (the estimator on a speed set from measured layers) or ``estimated`` (the cluster
+file's peak x efficiency); ``record`` is the profile key used (``ProfileKey.describe``).
+``memory`` is the predicted peak (= ``memory_bytes``) and its parts; ``activations_source`` says
+whether the per-layer activations were measured. Both are empty in plans of older versions.
 
 Rank order: Megatron's default order tp-cp-ep-dp-pp (cp = ep = 1):
 ``rank = stage * (tp * dp) + dp_rank * tp + tp_rank`` (uniform TP).
@@ -53,6 +65,10 @@ class StagePlan:
     memory_capacity_bytes: int
     # devices[dp_rank][tp_rank] -> slot; Megatron rank order tp-cp-ep-dp-pp
     devices: tuple[tuple[DeviceSlot, ...], ...] = ()
+    # (layer kind, source, record) per layer kind the stage runs
+    provenance: tuple[tuple[str, str, str], ...] = ()
+    # (part, bytes) of memory_bytes, then ("activations_source", "measured"|"estimated")
+    memory_parts: tuple[tuple[str, Any], ...] = ()
 
 
 def _r(x: float) -> float:
@@ -80,6 +96,7 @@ class Plan:
     lower_bound_ms: float = 0.0
     gap: float = 0.0
     num_layers: int = 0
+    training: dict[str, Any] = field(default_factory=dict)   # TrainingSetup.to_dict()
 
     # ------------------------------------------------------------------ shape
     @property
@@ -196,6 +213,9 @@ class Plan:
             "memory_capacity_bytes": int(s.memory_capacity_bytes),
             "devices": [[{"node": d.node, "local_device": d.local_device} for d in grp]
                         for grp in s.devices],
+            "provenance": {kind: {"source": src, "record": rec}
+                           for kind, src, rec in s.provenance},
+            "memory": dict(s.memory_parts),
         } for s in self.stages]
         return {
             "format_version": PLAN_FORMAT_VERSION,
@@ -218,6 +238,7 @@ class Plan:
             "rank_order": ([{"rank": i, "node": d.node, "local_device": d.local_device}
                             for i, d in enumerate(self.rank_order())] if uniform else None),
             "search": _jsonable(self.search),
+            "training": _jsonable(self.training),
         }
 
     def to_json(self) -> str:
@@ -234,7 +255,10 @@ class Plan:
                 allreduce_ms=s["allreduce_ms"], memory_bytes=s["memory_bytes"],
                 memory_capacity_bytes=s["memory_capacity_bytes"],
                 devices=tuple(tuple(DeviceSlot(x["node"], x["local_device"]) for x in grp)
-                              for grp in s["devices"])) for s in d["stages"])
+                              for grp in s["devices"]),
+                provenance=tuple((k, v["source"], v["record"])
+                                 for k, v in s.get("provenance", {}).items()),
+                memory_parts=tuple(s.get("memory", {}).items())) for s in d["stages"])
             return cls(
                 schedule=d["schedule"], virtual_stages=d["virtual_stages"], dp=d["dp"],
                 micro_batch_size=d["micro_batch_size"], num_microbatches=d["num_microbatches"],
@@ -247,7 +271,8 @@ class Plan:
                 predicted_tokens_per_s=d.get("predicted_tokens_per_s", 0.0),
                 model_tflops_per_device=d.get("model_tflops_per_device", 0.0),
                 mfu=d.get("mfu", 0.0), lower_bound_ms=d.get("lower_bound_ms", 0.0),
-                gap=d.get("gap", 0.0), num_layers=d.get("num_layers", 0))
+                gap=d.get("gap", 0.0), num_layers=d.get("num_layers", 0),
+                training=d.get("training", {}))
         except (ValueError, KeyError, TypeError) as exc:
             raise PoseidonError(f"plan JSON: malformed ({type(exc).__name__}: {exc})") from None
 
@@ -276,6 +301,7 @@ class Plan:
                 f"{s.forward_ms:>9.2f} {s.backward_ms:>9.2f} {s.send_forward_ms:>8.2f} "
                 f"{s.allreduce_ms:>9.2f} {s.memory_bytes / gib:>6.1f} / {s.memory_capacity_bytes / gib:>6.1f}"
                 f"  {','.join(map(str, nodes))}")
+        lines += self._provenance_lines()
         used = self.world_size
         lines.append("")
         lines.append(f"devices used: {used}, unused: {len(self.unused_devices)}")
@@ -301,6 +327,45 @@ class Plan:
             if s.get("search_space"):
                 lines.append(f"searched space: {s['search_space']}")
         return "\n".join(lines) + "\n"
+
+
+    def _provenance_lines(self) -> list[str]:
+        """One line per (layer kind, source, record) with the stages it serves; the setup."""
+        groups: dict[tuple[str, str, str], list[int]] = {}
+        for s in self.stages:
+            for kind, src, rec in s.provenance:
+                groups.setdefault((kind, src, rec), []).append(s.index)
+        if not groups:
+            return []
+        out = ["", "costs from:"]
+        for (kind, src, rec), idx in groups.items():
+            where = "stage" + ("s " if len(idx) > 1 else " ") + _ranges(idx)
+            out.append(f"  {kind:<9} {src:<10} {where:<14} {rec}")
+        act = {s.index: dict(s.memory_parts).get("activations_source") for s in self.stages}
+        measured = [i for i, v in act.items() if v == "measured"]
+        if not measured:
+            out.append("  activation memory: estimated on every stage")
+        else:
+            rest = "" if len(measured) == len(act) else ", estimated elsewhere"
+            out.append(f"  activation memory: measured on stage(s) {_ranges(measured)}{rest}")
+        if self.training:
+            t = self.training
+            out.append(f"  training setup: recompute {t.get('recompute')}, attention "
+                       f"{t.get('attention')}, params {t.get('params_dtype')}, grads "
+                       f"{t.get('grad_dtype')}, distributed optimizer "
+                       f"{'on' if t.get('distributed_optimizer') else 'off'}")
+        return out
+
+
+def _ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    parts: list[str] = []
+    for i in sorted(indices):
+        if parts and parts[-1][1] == i - 1:
+            parts[-1] = (parts[-1][0], i)
+        else:
+            parts.append((i, i))
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in parts)
 
 
 def _jsonable(x: Any) -> Any:

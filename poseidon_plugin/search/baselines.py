@@ -28,7 +28,8 @@ GIB = 1024 ** 3
 def baseline_plans(cluster, model, options, profiles=None) -> dict[str, Plan | None]:
     """The two baselines under ``options`` (a ``SearchOptions``); None where none fits."""
     options.check_against(cluster, model)
-    ctx = SearchContext(CostModel(cluster, model, profiles, seq_length=options.seq_length))
+    ctx = SearchContext(CostModel(cluster, model, profiles, seq_length=options.seq_length,
+                                  training=options.training))
     return {"megatron-default": megatron_default_plan(ctx, options),
             "best-single-type": best_single_type_plan(cluster, model, options, profiles)}
 
@@ -67,7 +68,8 @@ def megatron_default_plan(ctx: SearchContext, options) -> Plan | None:
                 layers = [L // n] * n
                 if all(cm.stage_memory_bytes(
                         layers=layers[x], stage=x, num_stages=n, tp=t, dp=d, micro_batch_size=b,
-                        num_microbatches=m, schedule="1f1b", virtual_stages=1)
+                        num_microbatches=m, schedule="1f1b", virtual_stages=1,
+                        type_index=types[x])
                        <= cm.capacity_bytes[types[x]] for x in range(n)):
                     so = [opts.index((k, t)) for k in types]
                     cands.append((ctx.evaluate(cfg, so, layers), cfg.key, cfg, so, layers))
@@ -149,7 +151,7 @@ def _shortfalls(cm: CostModel, cfg: OuterConfig, counts: dict[int, int]
                                         micro_batch_size=cfg.micro_batch_size,
                                         num_microbatches=cfg.num_microbatches,
                                         schedule=cfg.schedule,
-                                        virtual_stages=cfg.virtual_stages)
+                                        virtual_stages=cfg.virtual_stages, type_index=k)
             cand = (mem - cm.capacity_bytes[k], mem)
             if k not in row or cand < row[k]:
                 row[k] = cand

@@ -24,8 +24,18 @@ def _stage_plans(cm: CostModel, cfg: OuterConfig, opts, layers, stages, placemen
                   allreduce_ms=st.allreduce_ms, memory_bytes=int(st.memory_bytes),
                   memory_capacity_bytes=int(st.memory_capacity_bytes),
                   devices=tuple(tuple(DeviceSlot(n, d) for (n, d) in grp)
-                                for grp in placements[s].slots))
+                                for grp in placements[s].slots),
+                  provenance=tuple((p.key.layer_kind, p.source, p.key.describe())
+                                   for p in st.provenance),
+                  memory_parts=_memory_parts(st))
         for s, st in enumerate(stages))
+
+
+def _memory_parts(st) -> tuple:
+    if st.memory is None:
+        return ()
+    source = "measured" if st.memory.activations_measured else "estimated"
+    return tuple(st.memory.parts().items()) + (("activations_source", source),)
 
 
 def _throughput(cm: CostModel, cfg: OuterConfig, opts, global_batch_size: int, t_ms: float
@@ -36,8 +46,10 @@ def _throughput(cm: CostModel, cfg: OuterConfig, opts, global_batch_size: int, t
     used = sum(cfg.dp * tp for tp in tps)
     flops = cm.model.model_flops_per_iteration(global_batch_size, cm.seq_length)
     tflops_dev = flops / (t_ms / 1e3) / used / 1e12
-    peak = sum(cm.cluster.device_types[cm.type_names[k]].peak_tflops * cfg.dp * tp
-               for k, tp in zip(types, tps))
+    peaks = [cm.cluster.device_types[cm.type_names[k]].peak_tflops for k in types]
+    if any(p is None for p in peaks):   # a type known only from measured layers: no peak
+        return tflops_dev, 0.0
+    peak = sum(p * cfg.dp * tp for p, tp in zip(peaks, tps))
     return tflops_dev, flops / (t_ms / 1e3) / (peak * 1e12)
 
 
@@ -65,4 +77,5 @@ def build_plan(cm: CostModel, cfg: OuterConfig, opts, layers, *, global_batch_si
         search=dict(search_stats or {}),
         predicted_tokens_per_s=global_batch_size * cm.seq_length / (t / 1e3),
         model_tflops_per_device=tflops_dev, mfu=mfu, lower_bound_ms=lb,
-        gap=(t - lb) / t if t > 0 else 0.0, num_layers=cm.model.num_layers)
+        gap=(t - lb) / t if t > 0 else 0.0, num_layers=cm.model.num_layers,
+        training=cm.training.to_dict())
