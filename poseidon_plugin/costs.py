@@ -141,8 +141,8 @@ class CostModel:
         reserve = 0
         if type_index is not None:
             dec = self.layer_costs(type_index, tp, micro_batch_size).profiles[0]
-            if dec.source == "measured":
-                act, par = dec.activation_bytes, dec.param_bytes
+            if dec.source == "measured" and dec.activation_bytes > 0:   # 0: time-only record
+                act, par = dec.activation_bytes, dec.param_bytes or None
             reserve = self.reserve_bytes[type_index]
         return memory_mod.stage_memory(
             self.model, layers=layers, stage=stage, num_stages=num_stages, tp=tp, dp=dp,

@@ -491,7 +491,7 @@ def diagnose(db: ProfileDB, cluster, model, seq_length: int,
 def calibrate_cluster(cluster, db: ProfileDB | None, model, seq_length: int,
                       setup: TrainingSetup | None = None):
     """``cluster`` with each device type that has no ``peak_tflops`` given the rate its measured
-    decoder records reach (``peak_tflops`` = that rate, ``efficiency`` 1, ``calibrated``), so the
+    decoder records reach (``peak_tflops`` = the median rate over its records, ``efficiency`` 1, ``calibrated``), so the
     layers no record measured (embedding, output, other TP degrees) are estimated on the same
     scale. SpecError naming the field when such a type has no measured record either."""
     from dataclasses import replace
@@ -515,7 +515,10 @@ def calibrate_cluster(cluster, db: ProfileDB | None, model, seq_length: int,
             raise SpecError(cluster.source, f"device_types.{name}.peak_tflops",
                             "a peak (no usable measured decoder record of this type to "
                             "calibrate from)", "missing")
-        types[name] = replace(dt, peak_tflops=round(max(rates), 6), efficiency=1.0,
+        rates.sort()
+        median = rates[len(rates) // 2] if len(rates) % 2 else \
+            (rates[len(rates) // 2 - 1] + rates[len(rates) // 2]) / 2
+        types[name] = replace(dt, peak_tflops=round(median, 6), efficiency=1.0,
                               calibrated=True)
     return replace(cluster, device_types=MappingProxyType(types))
 
