@@ -111,7 +111,7 @@ def measured_profiles(plan: Plan, timings: list[StageTiming], model_signature: s
     from ..profiles import LayerProfile, ProfileKey
     from ..training import TrainingSetup
 
-    setup = TrainingSetup.from_dict(plan.training).profile_fields
+    setup = TrainingSetup.from_dict(getattr(plan, "training", None)).profile_fields
     n = len(plan.stages)
     by_stage = {t.stage: t for t in timings}
     groups: dict[tuple[str, int], list[tuple[bool, float, float]]] = {}
