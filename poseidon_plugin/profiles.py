@@ -51,8 +51,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any, Iterator, Literal, get_args
 
 from . import memory
@@ -494,9 +496,6 @@ def calibrate_cluster(cluster, db: ProfileDB | None, model, seq_length: int,
     decoder records reach (``peak_tflops`` = the median rate over its records, ``efficiency`` 1, ``calibrated``), so the
     layers no record measured (embedding, output, other TP degrees) are estimated on the same
     scale. SpecError naming the field when such a type has no measured record either."""
-    from dataclasses import replace
-    from types import MappingProxyType
-
     fields = (setup or TrainingSetup()).profile_fields
     signature = model.signature()
     types = dict(cluster.device_types)
@@ -515,10 +514,7 @@ def calibrate_cluster(cluster, db: ProfileDB | None, model, seq_length: int,
             raise SpecError(cluster.source, f"device_types.{name}.peak_tflops",
                             "a peak (no usable measured decoder record of this type to "
                             "calibrate from)", "missing")
-        rates.sort()
-        median = rates[len(rates) // 2] if len(rates) % 2 else \
-            (rates[len(rates) // 2 - 1] + rates[len(rates) // 2]) / 2
-        types[name] = replace(dt, peak_tflops=round(median, 6), efficiency=1.0,
+        types[name] = replace(dt, peak_tflops=round(statistics.median(rates), 6), efficiency=1.0,
                               calibrated=True)
     return replace(cluster, device_types=MappingProxyType(types))
 
