@@ -1,4 +1,5 @@
-"""``poseidon`` command line: ``plan`` (offline search) and ``validate`` (lazy).
+"""``poseidon`` command line: ``plan`` (offline search), ``profile`` (measure a layer into a profile
+DB, or merge DBs; lazy torch) and ``validate`` (lazy).
 
 Every PoseidonError (and every argument mistake) ends as one line
 ``poseidon: error: <message>`` on stderr with exit status 2.
@@ -65,8 +66,12 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--seq-length", type=int, required=True, metavar="TOKENS",
                     help="sequence length in tokens")
     pl.add_argument("--profiles", default=None, metavar="FILE",
-                    help="profile DB (JSON) of measured per-layer times and memory "
-                    "(default: the analytic estimator)")
+                    help="profile DB (JSON, e.g. from `poseidon profile`) of measured per-layer "
+                    "times and memory; measured records win over the analytic estimator; an "
+                    "error when none is usable unless --allow-estimates (default: estimates)")
+    pl.add_argument("--allow-estimates", action="store_true",
+                    help="plan on estimates when --profiles has no usable record")
+    _add_setup_flags(pl)
     pl.add_argument("--schedules", nargs="+", default=list(LAUNCHABLE_SCHEDULES),
                     choices=list(SCHEDULES), metavar="NAME",
                     help=f"schedules to search, of {_words(SCHEDULES)} (default: "
@@ -119,12 +124,66 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--gantt", default=None, metavar="FILE",
                     help="draw the simulated schedule of the plan (.png or .svg): a row per "
                     "stage, idle time, the critical path")
+    _add_profile_parser(sub)
     va = sub.add_parser("validate", help="validate the simulator against real runs "
                         "(poseidon validate --help: its options)")
     _add_verbose(va, argparse.SUPPRESS)
     va.add_argument("args", nargs=argparse.REMAINDER,
                     help="the options of poseidon validate (see poseidon validate --help)")
     return p
+
+
+def _add_profile_parser(sub) -> None:
+    pr = sub.add_parser(
+        "profile", help="measure the model's layer on this machine's device into a profile DB",
+        description="Time the model's decoder layer (megatron-core, built from the model spec "
+        "and the training setup) on this machine's device for each micro-batch size and merge "
+        "the measured records into -o DB (one device type per run; TP 1 only: one process "
+        "measures no TP group, TP > 1 comes from a --poseidon-auto launch or is calibrated). "
+        "Or merge DBs from several machines: --merge a.json b.json -o db.json.")
+    pr.add_argument("-o", "--out", required=True, metavar="DB",
+                    help="profile DB to write (records merged into it when it exists)")
+    pr.add_argument("--merge", nargs="+", metavar="DB", default=None,
+                    help="merge these DBs into -o instead of profiling")
+    pr.add_argument("--model", help="model preset name or YAML file")
+    pr.add_argument("--seq-length", type=int)
+    pr.add_argument("--device-type", metavar="NAME",
+                    help="this device's type name, as the cluster file calls it")
+    pr.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1])
+    pr.add_argument("--tp", type=int, nargs="+", default=[1], help="TP degrees: 1 only")
+    pr.add_argument("--device", choices=["auto", "cpu", "cuda", "npu"], default="auto",
+                    help="auto: CUDA, then NPU, else CPU (megatron-core under CPU shims)")
+    pr.add_argument("--iters", type=int, default=5, help="timed repetitions per config")
+    _add_setup_flags(pr, attention_default=None)
+
+
+def _add_setup_flags(p: argparse.ArgumentParser, attention_default: str | None = "flash"
+                     ) -> None:
+    """The training setup (``training.TrainingSetup``): what moves memory and time."""
+    from .training import ATTENTION, GRAD_DTYPES, PARAM_DTYPES, RECOMPUTE
+
+    g = p.add_argument_group("training setup (as the launch will train)")
+    g.add_argument("--recompute", choices=RECOMPUTE, default="none",
+                   help="activation recompute (Megatron's --recompute-granularity; default none)")
+    g.add_argument("--distributed-optimizer", action="store_true",
+                   help="optimizer state sharded over DP (--use-distributed-optimizer)")
+    g.add_argument("--params-dtype", choices=PARAM_DTYPES, default="bf16",
+                   help="weights and activations (default bf16)")
+    g.add_argument("--grad-dtype", choices=GRAD_DTYPES, default="fp32",
+                   help="main gradients and the DP all-reduce (default fp32, as Megatron does "
+                   "for bf16 unless --grad-reduce-in-bf16)")
+    g.add_argument("--attention", choices=ATTENTION, default=attention_default,
+                   help="flash (fused) or unfused (keeps the s x s scores: Megatron's local "
+                   "spec); default " + (attention_default or "unfused on the CPU, flash on a "
+                                        "GPU / NPU"))
+
+
+def training_setup(ns, attention: str | None = None):
+    from .training import TrainingSetup
+
+    return TrainingSetup(recompute=ns.recompute, distributed_optimizer=ns.distributed_optimizer,
+                         params_dtype=ns.params_dtype, grad_dtype=ns.grad_dtype,
+                         attention=attention or ns.attention)
 
 
 def search_options(ns) -> SearchOptions:
@@ -135,7 +194,8 @@ def search_options(ns) -> SearchOptions:
         tp_degrees=ns.tp_degrees, micro_batch_sizes=ns.micro_batch_sizes,
         max_virtual_stages=ns.max_virtual_stages, type_order=ns.type_order,
         warmup_samples=ns.warmup_samples, seed=ns.seed, time_budget_s=ns.time_budget,
-        workers=ns.workers, progress=sys.stderr.isatty() or bool(ns.verbose))
+        workers=ns.workers, progress=sys.stderr.isatty() or bool(ns.verbose),
+        training=training_setup(ns))
 
 
 def _cmd_plan(ns) -> int:
@@ -149,8 +209,9 @@ def _cmd_plan(ns) -> int:
     model = get_model(ns.model)
     profiles = None
     if ns.profiles:
-        from .profiles import ProfileDB
-        profiles = ProfileDB.load(ns.profiles)
+        profiles = _load_profiles(ns, cluster, model, options)
+    from .profiles import calibrate_cluster
+    cluster = calibrate_cluster(cluster, profiles, model, options.seq_length, options.training)
     plan = search_plan(cluster, model, budget.search_options(options), profiles)
     plan = plan.with_baselines(_baselines(ns, cluster, model, budget, options, profiles, plan))
     text = plan.to_json()
@@ -215,6 +276,22 @@ class _Budget:
         return options if self.end is None else options.replace(time_budget_s=self._left())
 
 
+def _load_profiles(ns, cluster, model, options):
+    """The DB, one warning line naming why records are unusable; an error when none is usable
+    unless ``--allow-estimates``."""
+    from .profiles import ProfileDB, diagnose
+
+    db = ProfileDB.load(ns.profiles)
+    usable, warning = diagnose(db, cluster, model, options.seq_length, options.training)
+    if warning:
+        sys.stderr.write(f"poseidon: warning: {warning}\n")
+    if usable == 0 and not ns.allow_estimates:
+        raise PoseidonError(f"--profiles {ns.profiles}: no measured record is usable for this "
+                            f"plan (see the warning); profile this model and setup with "
+                            f"`poseidon profile`, or pass --allow-estimates")
+    return db
+
+
 def _draw_plan_gantt(cluster, model, plan, profiles, path: str) -> None:
     from .costs import plan_simulator_inputs
     from .gantt import draw_gantt, plan_stage_labels
@@ -236,6 +313,46 @@ def _draw_plan_gantt(cluster, model, plan, profiles, path: str) -> None:
              f"DP={plan.dp}, M={plan.num_microbatches}")
     draw_gantt([timeline], path, title=title, stage_labels=plan_stage_labels(plan))
     sys.stderr.write(f"poseidon: wrote {path}\n")
+
+
+def _cmd_profile(ns) -> int:
+    from .megatron import offline
+
+    if ns.merge:
+        total = offline.merge_files(ns.merge, ns.out)
+        sys.stderr.write(f"poseidon: merged {len(ns.merge)} DB(s) into {ns.out} "
+                         f"({total} records)\n")
+        return 0
+    missing = [f for f, v in (("--model", ns.model), ("--seq-length", ns.seq_length),
+                              ("--device-type", ns.device_type)) if v is None]
+    if missing:
+        raise PoseidonError(f"poseidon profile needs {', '.join(missing)} (or --merge DB...)")
+    for name, values in (("--micro-batch-sizes", ns.micro_batch_sizes), ("--tp", ns.tp),
+                         ("--seq-length", [ns.seq_length]), ("--iters", [ns.iters])):
+        if any(v < 1 for v in values):
+            raise PoseidonError(f"{name}: expected integers >= 1, got {values}")
+    from .model import get_model
+
+    model = get_model(ns.model)
+    attention = ns.attention or ("unfused" if ns.device == "cpu" else None)
+    if attention is None:   # auto device: decided by what torch sees
+        attention = "flash" if offline._pick_device("auto") != "cpu" else "unfused"
+    setup = training_setup(ns, attention)
+    req = offline.ProfileRequest(model=model, seq_length=ns.seq_length,
+                                 device_type=ns.device_type,
+                                 micro_batch_sizes=tuple(ns.micro_batch_sizes),
+                                 tps=tuple(ns.tp), setup=setup, device=ns.device,
+                                 iters=ns.iters)
+    records = offline.profile_layers(req)
+    stored, total = offline.write_profiles(records, ns.out)
+    for r in records:
+        sys.stdout.write(f"{r.key.describe()}: forward {r.forward_ms:.3f} ms, backward "
+                         f"{r.backward_ms:.3f} ms, activations {r.activation_bytes / 2**20:.2f} "
+                         f"MiB, params {r.param_bytes / 2**20:.2f} MiB\n")
+    sys.stderr.write(f"poseidon: wrote {stored} measured record(s) to {ns.out} ({total} "
+                     f"records); plan with --attention {setup.attention} --recompute "
+                     f"{setup.recompute} --params-dtype {setup.params_dtype}\n")
+    return 0
 
 
 def _cmd_validate(ns) -> int:
@@ -261,9 +378,11 @@ def main(argv: list[str] | None = None) -> int:
                             format="poseidon: %(levelname)s: %(message)s")
         if ns.command == "plan":
             return _cmd_plan(ns)
+        if ns.command == "profile":
+            return _cmd_profile(ns)
         if ns.command == "validate":
             return _cmd_validate(ns)
-        raise PoseidonError("expected a command: plan or validate (see poseidon --help)")
+        raise PoseidonError("expected a command: plan, profile or validate (see poseidon --help)")
     except PoseidonError as exc:
         msg = " ".join(str(exc).split())
         sys.stderr.write(f"poseidon: error: {msg}\n")

@@ -14,9 +14,11 @@ YAML shape (units in names; a value may also be a string with a unit, see ``unit
       cross_type_gbps: 75                        # between nodes of different types
       latency_ms: 0.01                           # optional, per message, added to every transfer
 
-Fields per device type: ``memory_gib`` (> 0), ``peak_tflops`` (dense bf16, > 0),
-``intra_node_gbps`` (> 0), optional ``efficiency`` (fraction of peak a transformer layer reaches,
-0 < e <= 1; default ``DEFAULT_EFFICIENCY``). ``inter_node_gbps`` must name every device type that
+Fields per device type: ``memory_gib`` (> 0), ``intra_node_gbps`` (> 0), ``peak_tflops`` (dense
+bf16, > 0) and ``efficiency`` (fraction of peak a transformer layer reaches, 0 < e <= 1; default
+``DEFAULT_EFFICIENCY``) -- the estimator's two fields, optional where a profile DB measures the
+type's layers (``poseidon plan`` then calibrates the rest from the measured rate); optional
+``reserve_gib`` (>= 0, default ``default_reserve_gib``): memory the plan leaves to the runtime. ``inter_node_gbps`` must name every device type that
 nodes use; ``latency_ms`` >= 0. Unknown keys anywhere are errors (they are usually typos).
 
 Every mistake raises ``SpecError(source, field_path, expected, got)``, e.g.
@@ -36,23 +38,49 @@ from .specfile import load_yaml_mapping, require_mapping
 from .units import BYTES_PER_GIB, parse_quantity, positive_quantity
 
 DEFAULT_EFFICIENCY = 0.5  # fraction of peak dense bf16 TFLOP/s a transformer layer reaches
+DEFAULT_RESERVE_GIB = 2.0
+"""Per-device runtime reserve the memory model adds to every stage (``reserve_gib``). A stated,
+not measured, default: about 0.5 GiB of CUDA/CANN context and library workspaces (cuBLAS /
+cuDNN / ACL handles; outside PyTorch's allocator, so ``max_memory_allocated`` never shows it),
+about 0.5 GiB of NCCL/HCCL buffers for a rank's TP, PP, DP and embedding communicators (a few
+MiB per channel and peer each), and about 1 GiB of caching-allocator fragmentation (reserved
+minus allocated, typically 5-10 % of a training process's peak on a 16-24 GiB working set).
+Devices under 16 GiB (small or emulated ones) get an eighth of their memory instead
+(``default_reserve_gib``). Measure it on your devices (``nvidia-smi`` / ``npu-smi`` used memory minus
+``torch.cuda.max_memory_allocated`` after a few iterations) and set it per device type."""
+
+
+def default_reserve_gib(memory_gib: float) -> float:
+    """``DEFAULT_RESERVE_GIB``, at most an eighth of the device's memory."""
+    return min(DEFAULT_RESERVE_GIB, memory_gib / 8)
 
 
 @dataclass(frozen=True)
 class DeviceType:
     name: str
     memory_gib: float
-    peak_tflops: float              # dense bf16 peak, TFLOP/s
+    peak_tflops: float | None       # dense bf16 peak, TFLOP/s; None: only measured layers
     intra_node_gbps: float          # device-to-device bandwidth inside one node, Gbit/s
     efficiency: float | None = None  # measured fraction of peak; None -> DEFAULT_EFFICIENCY
+    reserve_gib: float = 0.0        # runtime reserve (context, buffers, fragments); the file
+                                    # loader defaults it to default_reserve_gib(memory_gib)
+    calibrated: bool = False        # the speed was set from measured layers (not the file)
 
     @property
     def memory_bytes(self) -> int:
         return int(self.memory_gib * BYTES_PER_GIB)
 
     @property
+    def reserve_bytes(self) -> int:
+        return int(self.reserve_gib * BYTES_PER_GIB)
+
+    @property
     def effective_tflops(self) -> float:
-        """TFLOP/s a transformer layer reaches: peak x efficiency."""
+        """TFLOP/s a transformer layer reaches: peak x efficiency (SpecError without a peak)."""
+        if self.peak_tflops is None:
+            raise SpecError("<cluster>", f"device_types.{self.name}.peak_tflops",
+                            "a peak (the estimator needs it for layers no profile measured)",
+                            "missing")
         eff = DEFAULT_EFFICIENCY if self.efficiency is None else self.efficiency
         return self.peak_tflops * eff
 
@@ -125,8 +153,8 @@ class Cluster:
 # --------------------------------------------------------------------------- loading
 
 _TOP_KEYS = {"name", "device_types", "nodes", "links"}
-_DEVICE_KEYS = {"memory_gib", "peak_tflops", "intra_node_gbps", "efficiency"}
-_DEVICE_REQUIRED = ("memory_gib", "peak_tflops", "intra_node_gbps")
+_DEVICE_KEYS = {"memory_gib", "peak_tflops", "intra_node_gbps", "efficiency", "reserve_gib"}
+_DEVICE_REQUIRED = ("memory_gib", "intra_node_gbps")
 _NODE_KEYS = {"device_type", "devices_per_node", "count"}
 _LINK_KEYS = {"inter_node_gbps", "cross_type_gbps", "latency_ms"}
 
@@ -159,15 +187,28 @@ def _device_type(name: str, data: object, source: str) -> DeviceType:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
             raise SpecError(source, field, "a fraction 0 < efficiency <= 1", value)
         efficiency = float(value)
+    memory = positive_quantity(data["memory_gib"], "memory", source=source,
+                               field=path + ".memory_gib")
+    reserve = default_reserve_gib(memory)
+    if data.get("reserve_gib") is not None:
+        reserve = parse_quantity(data["reserve_gib"], "memory", source=source,
+                                 field=path + ".reserve_gib")
+        if not 0 <= reserve < memory:
+            raise SpecError(source, path + ".reserve_gib",
+                            f"a number >= 0 and below memory_gib ({memory:g})",
+                            data["reserve_gib"])
+    peak = None
+    if data.get("peak_tflops") is not None:
+        peak = positive_quantity(data["peak_tflops"], "compute", source=source,
+                                 field=path + ".peak_tflops")
     return DeviceType(
         name=name,
-        memory_gib=positive_quantity(data["memory_gib"], "memory", source=source,
-                                     field=path + ".memory_gib"),
-        peak_tflops=positive_quantity(data["peak_tflops"], "compute", source=source,
-                                      field=path + ".peak_tflops"),
+        memory_gib=memory,
+        peak_tflops=peak,
         intra_node_gbps=positive_quantity(data["intra_node_gbps"], "bandwidth", source=source,
                                           field=path + ".intra_node_gbps"),
         efficiency=efficiency,
+        reserve_gib=float(reserve),
     )
 
 
@@ -266,10 +307,14 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
                            "count": 1})
     types: dict[str, Any] = {}
     for name, dt in cluster.device_types.items():
-        entry: dict[str, Any] = {"memory_gib": dt.memory_gib, "peak_tflops": dt.peak_tflops,
+        entry: dict[str, Any] = {"memory_gib": dt.memory_gib,
                                  "intra_node_gbps": dt.intra_node_gbps}
+        if dt.peak_tflops is not None:
+            entry["peak_tflops"] = dt.peak_tflops
         if dt.efficiency is not None:
             entry["efficiency"] = dt.efficiency
+        if dt.reserve_gib != default_reserve_gib(dt.memory_gib):
+            entry["reserve_gib"] = dt.reserve_gib
         types[name] = entry
     return {
         "name": cluster.name,

@@ -11,11 +11,16 @@ Per stage s of a plan (type k, TP t, l layers, micro-batch b, sequence S, DP d):
 * activation send s -> s+1 (and the gradient back) = ``comm.send_ms`` of b * S * h * 2 bytes
   (bf16) over the placement's slowest replica link, plus the cluster's per-message latency.
 * DP all-reduce R_s = ``comm.allreduce_ms``, a ring over d ranks of the stage's gradient bytes:
-  2(d-1)/d * bytes / bw + 2(d-1) * latency, gradient bytes = the stage's bf16 parameter bytes on
-  one device (Megatron's default reduces gradients in the parameter dtype, bf16 = 2
-  bytes/gradient; the fp32 main-grad copy is optimizer-local). bw = the ring's slowest link
-  (``placement.ring_gbps``).
-* memory: ``memory.stage_memory`` of the stage against the device type's capacity.
+  2(d-1)/d * bytes / bw + 2(d-1) * latency, gradient bytes = the stage's parameters on one device
+  x the training setup's ``grad_bytes`` (megatron-core 0.19 accumulates and all-reduces a bf16
+  model's gradients in fp32 unless ``--grad-reduce-in-bf16``: 4 bytes by default). bw = the
+  ring's slowest link (``placement.ring_gbps``).
+* memory: ``memory.stage_memory`` of the stage under the training setup (``training.py``), with
+  a measured decoder record's activation and parameter bytes when the DB has one, plus the
+  device type's runtime reserve, against the device type's capacity.
+* provenance: each stage carries the ``LayerProfile`` of every layer kind it runs (decoder,
+  and embedding / output on the first / last stage): ``measured``, ``calibrated`` or
+  ``estimated``, with its key.
 """
 
 from __future__ import annotations
@@ -27,10 +32,10 @@ import numpy as np
 from . import memory as memory_mod
 from .comm import allreduce_ms, send_ms
 from .placement import Pool, StagePlacement, place_stages, ring_gbps, send_link_gbps, type_pools
-from .profiles import ProfileKey, lookup_profile
+from .profiles import LayerProfile, ProfileKey, lookup_profile
+from .training import TrainingSetup
 
 BYTES_PER_ACTIVATION = 2   # bf16
-BYTES_PER_GRADIENT = 2     # bf16 gradient all-reduce (Megatron default)
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,7 @@ class LayerCosts:
     output_forward_ms: float
     output_backward_ms: float
     output_grad_bytes: float
+    profiles: tuple[LayerProfile, ...] = ()   # (decoder, embedding, output): provenance
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,8 @@ class StageCosts:
     allreduce_ms: float
     memory_bytes: int
     memory_capacity_bytes: int
+    memory: memory_mod.StageMemory | None = None        # the peak's parts
+    provenance: tuple[LayerProfile, ...] = ()           # the layer kinds this stage runs
 
 
 def chunk_layers(layers: int, virtual_stages: int) -> tuple[int, ...]:
@@ -76,14 +84,17 @@ def chunk_layers(layers: int, virtual_stages: int) -> tuple[int, ...]:
 class CostModel:
     """Costs of one (cluster, model, profile DB, sequence length); memoised lookups."""
 
-    def __init__(self, cluster, model, profiles=None, *, seq_length: int) -> None:
+    def __init__(self, cluster, model, profiles=None, *, seq_length: int,
+                 training: TrainingSetup | None = None) -> None:
         self.cluster = cluster
         self.model = model
         self.profiles = profiles
         self.seq_length = seq_length
+        self.training = training or TrainingSetup()
         self.type_names: tuple[str, ...] = cluster.type_names
         self.pools: tuple[Pool, ...] = type_pools(cluster)
         self.capacity_bytes = tuple(cluster.device_types[n].memory_bytes for n in self.type_names)
+        self.reserve_bytes = tuple(cluster.device_types[n].reserve_bytes for n in self.type_names)
         self.latency_ms = float(cluster.links.latency_ms)
         self.cross_gbps = float(cluster.links.cross_type_gbps)
         self.intra_gbps = tuple(float(cluster.device_types[n].intra_node_gbps)
@@ -104,13 +115,14 @@ class CostModel:
         def prof(kind: str):
             return lookup_profile(self.profiles, self.cluster, self.model,
                                   ProfileKey(name, kind, tp, micro_batch_size, self.seq_length,
-                                             self._sig))
+                                             self._sig, **self.training.profile_fields))
 
         dec, emb, out = prof("decoder"), prof("embedding"), prof("output")
-        g = BYTES_PER_GRADIENT / 2.0   # param_bytes are bf16 (2 bytes/param)
+        # param_bytes are in the setup's dtype; the DP all-reduce moves grad_bytes per parameter
+        g = self.training.grad_bytes / self.training.weight_bytes
         lc = LayerCosts(dec.forward_ms, dec.backward_ms, dec.param_bytes * g,
                         emb.forward_ms, emb.backward_ms, emb.param_bytes * g,
-                        out.forward_ms, out.backward_ms, out.param_bytes * g)
+                        out.forward_ms, out.backward_ms, out.param_bytes * g, (dec, emb, out))
         self._layer_cache[key] = lc
         return lc
 
@@ -119,18 +131,38 @@ class CostModel:
                      * self.model.hidden_size)
 
     # ------------------------------------------------------------------ memory
-    def stage_memory_bytes(self, *, layers: int, stage: int, num_stages: int, tp: int, dp: int,
-                           micro_batch_size: int, num_microbatches: int, schedule: str,
-                           virtual_stages: int) -> int:
+    def stage_memory(self, *, layers: int, stage: int, num_stages: int, tp: int, dp: int,
+                     micro_batch_size: int, num_microbatches: int, schedule: str,
+                     virtual_stages: int, type_index: int | None = None
+                     ) -> memory_mod.StageMemory:
+        """The stage's memory under the training setup; with ``type_index``, the type's measured
+        decoder record (activation and parameter bytes) when there is one, and its reserve."""
+        act = par = None
+        reserve = 0
+        if type_index is not None:
+            dec = self.layer_costs(type_index, tp, micro_batch_size).profiles[0]
+            if dec.source == "measured" and dec.activation_bytes > 0:   # 0: time-only record
+                act, par = dec.activation_bytes, dec.param_bytes or None
+            reserve = self.reserve_bytes[type_index]
         return memory_mod.stage_memory(
             self.model, layers=layers, stage=stage, num_stages=num_stages, tp=tp, dp=dp,
             micro_batch_size=micro_batch_size, seq_length=self.seq_length,
             num_microbatches=num_microbatches, schedule=schedule,
-            virtual_stages=virtual_stages).total_bytes
+            virtual_stages=virtual_stages, setup=self.training,
+            layer_activation_bytes_override=act, layer_param_bytes_override=par,
+            reserve_bytes=reserve)
+
+    def stage_memory_bytes(self, *, layers: int, stage: int, num_stages: int, tp: int, dp: int,
+                           micro_batch_size: int, num_microbatches: int, schedule: str,
+                           virtual_stages: int, type_index: int | None = None) -> int:
+        return self.stage_memory(
+            layers=layers, stage=stage, num_stages=num_stages, tp=tp, dp=dp,
+            micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
+            schedule=schedule, virtual_stages=virtual_stages, type_index=type_index).total_bytes
 
     def max_layers(self, *, capacity_bytes: int, stage: int, num_stages: int, tp: int, dp: int,
                    micro_batch_size: int, num_microbatches: int, schedule: str,
-                   virtual_stages: int, limit: int) -> int:
+                   virtual_stages: int, limit: int, type_index: int | None = None) -> int:
         """Largest l <= limit whose stage memory fits (0 if none); memory is monotone in l.
 
         Memoised on what ``memory.stage_memory`` depends on: (first, last, in-flight count) of the
@@ -144,7 +176,7 @@ class CostModel:
                                                      num_microbatches, virtual_stages)
         first, last = stage == 0, stage == num_stages - 1
         key = (capacity_bytes, first, last, num_stages == 1, inflight, tp, dp, micro_batch_size,
-               schedule, virtual_stages)
+               schedule, virtual_stages, type_index)
         hit = self._mem_cache.get(key)
         # (largest fitting l up to the searched limit, that limit): exact for every limit up to
         # the searched one, and for any limit when memory stopped it below the searched limit
@@ -156,7 +188,7 @@ class CostModel:
             return self.stage_memory_bytes(layers=l, stage=stage, num_stages=num_stages, tp=tp,
                                            dp=dp, micro_batch_size=micro_batch_size,
                                            num_microbatches=num_microbatches, schedule=schedule,
-                                           virtual_stages=virtual_stages)
+                                           virtual_stages=virtual_stages, type_index=type_index)
 
         if limit < 1 or mem(1) > capacity_bytes:
             result = 0
@@ -218,17 +250,19 @@ class CostModel:
                 grad += lc.output_grad_bytes
             ar = allreduce_ms(grad, dp, ring_gbps(self.cluster, placements[s]), self.latency_ms) \
                 if dp > 1 else 0.0
-            mem = self.stage_memory_bytes(layers=l, stage=s, num_stages=n, tp=t, dp=dp,
-                                          micro_batch_size=micro_batch_size,
-                                          num_microbatches=num_microbatches, schedule=schedule,
-                                          virtual_stages=v)
+            mem = self.stage_memory(layers=l, stage=s, num_stages=n, tp=t, dp=dp,
+                                    micro_batch_size=micro_batch_size,
+                                    num_microbatches=num_microbatches, schedule=schedule,
+                                    virtual_stages=v, type_index=k)
+            kinds = (lc.profiles[0],) + ((lc.profiles[1],) if s == 0 else ()) \
+                + ((lc.profiles[2],) if s == n - 1 else ())
             out.append(StageCosts(
                 forward_ms=float(sum(fc)), backward_ms=float(sum(bc)),
                 chunk_forward_ms=tuple(fc), chunk_backward_ms=tuple(bc),
                 send_forward_ms=sends[s] if s < n - 1 else 0.0,
                 send_backward_ms=sends[s] if s < n - 1 else 0.0,
-                allreduce_ms=ar, memory_bytes=mem,
-                memory_capacity_bytes=self.capacity_bytes[k]))
+                allreduce_ms=ar, memory_bytes=mem.total_bytes,
+                memory_capacity_bytes=self.capacity_bytes[k], memory=mem, provenance=kinds))
         return tuple(out), placements, unused
 
     def wrap_send_ms(self, placements, micro_batch_size: int) -> float:
@@ -256,7 +290,8 @@ def simulator_arrays(stages: tuple[StageCosts, ...], virtual_stages: int, wrap_s
 def plan_simulator_inputs(cluster, model, plan, profiles=None):
     """(F, B, Pf, Pb, R) of a finished ``Plan``, recomputed through the same cost path the search
     used (so per-chunk splits and the interleaved wrap-around link are exact)."""
-    cm = CostModel(cluster, model, profiles, seq_length=plan.seq_length)
+    cm = CostModel(cluster, model, profiles, seq_length=plan.seq_length,
+                   training=TrainingSetup.from_dict(getattr(plan, "training", None)))
     index = {name: k for k, name in enumerate(cm.type_names)}
     stages, placements, _ = cm.stage_costs(
         stage_types=[index[st.device_type] for st in plan.stages],

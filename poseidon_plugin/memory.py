@@ -34,6 +34,17 @@ generalised to GQA, SwiGLU and MoE), with b = micro-batch, s = sequence, t = TP:
     interleaving the embedding / logits terms are multiplied by the whole device's in-flight count,
     as megatron-core does for the embedding; only chunk 0 / chunk V-1 hold them, so this errs high.)
 
+Training setup (``training.TrainingSetup``; see that module): bytes per parameter follow its
+    dtypes (18 = 2 | 4 | 12 for bf16 with fp32 gradients, the default); an unfused attention with
+    no recompute adds the ``5*a*s^2*b/t`` bytes of the scores, softmax output and dropout mask
+    (selective recompute re-computes them); ``full`` recompute is as above; fp32 activations are
+    counted as twice the 16-bit ones (approximate: the 1-byte dropout masks do not double).
+Measured layers: ``layer_activation_bytes_override`` / ``layer_param_bytes_override`` (a measured
+    profile record's ``activation_bytes`` / ``param_bytes``, per device, in the record's setup)
+    replace the analytic per-layer figures; the embedding and output terms stay analytic.
+Runtime reserve: ``reserve_bytes`` (the device type's ``reserve_gib``: CUDA/CANN context,
+    communicator buffers, allocator fragmentation) is added to the total.
+
 Deliberate differences from megatron-core (both shown in ``tests/test_memory.py``): no 5% overhead
 factor on activations (the planner applies its own head-room), fp32 logits (4 bytes, not 2) on the
 last stage, the final norm counted on the last stage (megatron spreads it as final_norm/pp).
@@ -46,6 +57,7 @@ from dataclasses import dataclass
 
 from .errors import PoseidonError
 from .simulator.schedules import SCHEDULES
+from .training import TrainingSetup
 
 BYTES_BF16 = 2
 BYTES_FP32 = 4
@@ -57,7 +69,17 @@ class StageMemory:
     gradients_bytes: int
     optimizer_bytes: int
     activations_bytes: int
-    total_bytes: int
+    total_bytes: int             # the four parts + the reserve: the predicted peak
+    reserve_bytes: int = 0
+    activations_measured: bool = False
+    params_measured: bool = False
+
+    def parts(self) -> dict[str, int]:
+        """The predicted peak and its parts (the plan JSON's per-stage ``memory``)."""
+        return {"params_bytes": self.weights_bytes, "grads_bytes": self.gradients_bytes,
+                "optimizer_bytes": self.optimizer_bytes,
+                "activations_bytes": self.activations_bytes, "reserve_bytes": self.reserve_bytes,
+                "total_bytes": self.total_bytes}
 
 
 # --------------------------------------------------------------------------- in-flight count
@@ -106,10 +128,29 @@ def microbatches_in_flight(schedule: str, stage: int, num_stages: int, num_micro
 
 # --------------------------------------------------------------------------- activations
 
+def attention_scores_bytes(model, *, micro_batch_size: int, seq_length: int, tp: int) -> float:
+    """An unfused attention's s x s scores (2), softmax output (2) and dropout mask (1): 5*a*s^2*b/t."""
+    return 5.0 * model.num_attention_heads * seq_length * seq_length * micro_batch_size / tp
+
+
 def layer_activation_bytes(model, *, micro_batch_size: int, seq_length: int, tp: int,
-                           sequence_parallel: bool = False) -> float:
-    """Bytes one decoder layer keeps for backward for one micro-batch on one TP rank
-    (flash / selective-recompute assumption, see the module docstring)."""
+                           sequence_parallel: bool = False,
+                           setup: TrainingSetup | None = None) -> float:
+    """Bytes one decoder layer keeps for backward for one micro-batch on one TP rank, without
+    full recompute (flash attention unless ``setup`` says unfused; see the module docstring)."""
+    setup = setup or TrainingSetup()
+    scale = setup.weight_bytes / BYTES_BF16
+    value = scale * _flash_layer_bytes(model, micro_batch_size=micro_batch_size,
+                                       seq_length=seq_length, tp=tp,
+                                       sequence_parallel=sequence_parallel)
+    if setup.keeps_attention_scores:
+        value += scale * attention_scores_bytes(model, micro_batch_size=micro_batch_size,
+                                                seq_length=seq_length, tp=tp)
+    return value
+
+
+def _flash_layer_bytes(model, *, micro_batch_size: int, seq_length: int, tp: int,
+                       sequence_parallel: bool = False) -> float:
     sb = float(seq_length * micro_batch_size)
     h, a, g, d = model.hidden_size, model.num_attention_heads, model.num_query_groups, model.head_dim
     gemms = 3 if model.swiglu else 2
@@ -166,10 +207,13 @@ def stage_params(model, *, layers: int, stage: int, num_stages: int, tp: int) ->
     return params
 
 
-def bytes_per_param(dp: int, distributed_optimizer: bool) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes per parameter: (2, 4, 12) or (2, 4, 12/dp)."""
-    optimizer = 12.0 / dp if distributed_optimizer else 12.0
-    return float(BYTES_BF16), float(BYTES_FP32), optimizer
+def bytes_per_param(dp: int, distributed_optimizer: bool,
+                    setup: TrainingSetup | None = None) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per parameter: (2, 4, 12) or (2, 4, 12/dp) for the
+    default setup; ``setup``'s dtypes otherwise (its ``distributed_optimizer`` wins when given)."""
+    if setup is None:
+        setup = TrainingSetup(distributed_optimizer=distributed_optimizer)
+    return float(setup.weight_bytes), float(setup.grad_bytes), setup.optimizer_bytes(dp)
 
 
 # --------------------------------------------------------------------------- stage
@@ -179,32 +223,46 @@ def stage_memory(model, *, layers: int, stage: int, num_stages: int, tp: int, dp
                  schedule: str = "1f1b", virtual_stages: int = 1,
                  distributed_optimizer: bool = False, recompute: bool = False,
                  sequence_parallel: bool = False,
-                 layer_activation_bytes_override: int | None = None) -> StageMemory:
+                 layer_activation_bytes_override: int | None = None,
+                 layer_param_bytes_override: int | None = None,
+                 setup: TrainingSetup | None = None, reserve_bytes: int = 0) -> StageMemory:
     """Memory of one device of `stage` (embedding on stage 0, output layer + logits on the last).
 
     ``layers`` is the number of decoder layers the device holds (all its chunks for interleaving).
-    ``layer_activation_bytes_override``: a measured per-layer, per-micro-batch activation size
-    (e.g. ``LayerProfile.activation_bytes``) to use instead of the analytic one.
+    ``setup`` (a ``TrainingSetup``) gives the recompute, optimizer and dtypes; without it the
+    legacy ``distributed_optimizer`` / ``recompute`` (True = full) flags describe a bf16 setup.
+    ``layer_activation_bytes_override`` / ``layer_param_bytes_override``: a measured record's
+    per-layer, per-micro-batch activation bytes (kept for backward under ``setup``'s recompute)
+    and parameter bytes, used instead of the analytic ones. ``reserve_bytes`` is added.
     """
     if layers < 0:
         raise PoseidonError(f"layers must be >= 0, got {layers}")
     if tp < 1 or dp < 1 or micro_batch_size < 1 or seq_length < 1:
         raise PoseidonError("tp, dp, micro_batch_size and seq_length must be >= 1")
+    if setup is None:
+        setup = TrainingSetup(recompute="full" if recompute else "none",
+                              distributed_optimizer=distributed_optimizer)
     in_flight = microbatches_in_flight(schedule, stage, num_stages, num_microbatches,
                                        virtual_stages)
-
+    w_b, g_b, o_b = bytes_per_param(dp, setup.distributed_optimizer, setup)
     params = stage_params(model, layers=layers, stage=stage, num_stages=num_stages, tp=tp)
-    w_b, g_b, o_b = bytes_per_param(dp, distributed_optimizer)
+    if layer_param_bytes_override is not None:
+        analytic = model.layer_param_split().per_device(tp)
+        params += layers * (layer_param_bytes_override / w_b - analytic)
 
     shape = dict(micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
                  sequence_parallel=sequence_parallel)
-    full_layer = (float(layer_activation_bytes_override)
-                  if layer_activation_bytes_override is not None
-                  else layer_activation_bytes(model, **shape))
-    if recompute:
-        per_microbatch = layers * layer_input_bytes(model, **shape)
-        recompute_buffer = full_layer if layers > 0 else 0.0
+    measured = layer_activation_bytes_override is not None
+    if setup.recompute == "full":
+        kept = (float(layer_activation_bytes_override) if measured
+                else layer_input_bytes(model, **shape))
+        buffer = TrainingSetup(attention=setup.attention, params_dtype=setup.params_dtype)
+        per_microbatch = layers * kept
+        recompute_buffer = layer_activation_bytes(model, **shape, setup=buffer) \
+            if layers > 0 else 0.0
     else:
+        full_layer = (float(layer_activation_bytes_override) if measured
+                      else layer_activation_bytes(model, **shape, setup=setup))
         per_microbatch = layers * full_layer
         recompute_buffer = 0.0
     if stage == 0:
@@ -217,6 +275,9 @@ def stage_memory(model, *, layers: int, stage: int, num_stages: int, tp: int, dp
     gradients = math.ceil(params * g_b)
     optimizer = math.ceil(params * o_b)
     activations_bytes = math.ceil(activations)
+    reserve = int(reserve_bytes)
     return StageMemory(weights_bytes=weights, gradients_bytes=gradients,
                        optimizer_bytes=optimizer, activations_bytes=activations_bytes,
-                       total_bytes=weights + gradients + optimizer + activations_bytes)
+                       total_bytes=weights + gradients + optimizer + activations_bytes + reserve,
+                       reserve_bytes=reserve, activations_measured=measured,
+                       params_measured=layer_param_bytes_override is not None)

@@ -13,6 +13,12 @@ indent, floats rounded to 6 decimals, trailing newline, so equal plans give equa
                  "chunk_layers", "chunk_forward_ms", "chunk_backward_ms" (V entries each)}],
      "links": [{"from_stage", "to_stage", "send_ms", "wrap_around" (interleaved last->first)}],
      "wrap_send_ms", "timing_model" ("engine": re-derive with Plan.rederived_iteration_time_ms),
+                 "provenance": {"decoder"|"embedding"|"output": {"source", "record"}},
+                 "memory": {"params_bytes", "grads_bytes", "optimizer_bytes",
+                            "activations_bytes", "reserve_bytes", "total_bytes",
+                            "activations_source"}}],
+     "training": {"recompute", "distributed_optimizer", "params_dtype", "grad_dtype",
+                  "attention"},
      "unused_devices": [{"node", "local_device"}], "megatron_args": [...] (null if per-stage TP),
      "mindspeed_llm_args": [...] (null if per-stage TP), "rank_order": [{"rank", "node",
      "local_device"}], "search": {...statistics...},
@@ -23,6 +29,12 @@ indent, floats rounded to 6 decimals, trailing newline, so equal plans give equa
 (Megatron's even split over every device) and ``best-single-type``; ``status`` is ``ok``,
 ``no plan`` (``reason`` says why) or ``skipped`` (``--no-baselines``); ``speedup`` is the
 baseline's time over the plan's; the other fields are null unless ``ok``.
+
+Provenance: per stage and layer kind it runs, ``source`` is ``measured`` (a profile record),
+``calibrated`` (the estimator on a speed set from measured layers) or ``estimated`` (the cluster
+file's peak x efficiency); ``record`` is the profile key used (``ProfileKey.describe``).
+``memory`` is the predicted peak (= ``memory_bytes``) and its parts; ``activations_source`` says
+whether the per-layer activations were measured. Both are empty in plans of older versions.
 
 Rank order: Megatron's default order tp-cp-ep-dp-pp (cp = ep = 1):
 ``rank = stage * (tp * dp) + dp_rank * tp + tp_rank`` (uniform TP).
@@ -70,6 +82,10 @@ class StagePlan:
     chunk_layers: tuple[int, ...] = ()
     chunk_forward_ms: tuple[float, ...] = ()
     chunk_backward_ms: tuple[float, ...] = ()
+    # (layer kind, source, record) per layer kind the stage runs
+    provenance: tuple[tuple[str, str, str], ...] = ()
+    # (part, bytes) of memory_bytes, then ("activations_source", "measured"|"estimated")
+    memory_parts: tuple[tuple[str, Any], ...] = ()
 
 
 def _r(x: float) -> float:
@@ -99,6 +115,7 @@ class Plan:
     num_layers: int = 0
     wrap_send_ms: float = 0.0      # interleaved: last stage -> first stage (next chunk)
     baselines: tuple[dict[str, Any], ...] = ()   # see the module docstring; () = not computed
+    training: dict[str, Any] = field(default_factory=dict)   # TrainingSetup.to_dict()
 
     # ------------------------------------------------------------------ shape
     @property
@@ -267,6 +284,9 @@ class Plan:
             "chunk_layers": list(s.chunk_layers),
             "chunk_forward_ms": [_r(x) for x in s.chunk_forward_ms],
             "chunk_backward_ms": [_r(x) for x in s.chunk_backward_ms],
+            "provenance": {kind: {"source": src, "record": rec}
+                           for kind, src, rec in s.provenance},
+            "memory": dict(s.memory_parts),
         } for s in self.stages]
         out = {
             "format_version": PLAN_FORMAT_VERSION,
@@ -292,6 +312,7 @@ class Plan:
             "links": self.links(),
             "wrap_send_ms": _r(self.wrap_send_ms),
             "timing_model": TIMING_MODEL,
+            "training": _jsonable(self.training),
         }
         if self.baselines:
             out["baselines"] = _jsonable(list(self.baselines))
@@ -314,7 +335,10 @@ class Plan:
                               for grp in s["devices"]),
                 chunk_layers=tuple(s.get("chunk_layers", ())),
                 chunk_forward_ms=tuple(s.get("chunk_forward_ms", ())),
-                chunk_backward_ms=tuple(s.get("chunk_backward_ms", ()))) for s in d["stages"])
+                chunk_backward_ms=tuple(s.get("chunk_backward_ms", ())),
+                provenance=tuple((k, v["source"], v["record"])
+                                 for k, v in s.get("provenance", {}).items()),
+                memory_parts=tuple(s.get("memory", {}).items())) for s in d["stages"])
             return cls(
                 schedule=d["schedule"], virtual_stages=d["virtual_stages"], dp=d["dp"],
                 micro_batch_size=d["micro_batch_size"], num_microbatches=d["num_microbatches"],
@@ -329,7 +353,8 @@ class Plan:
                 mfu=d.get("mfu", 0.0), lower_bound_ms=d.get("lower_bound_ms", 0.0),
                 gap=d.get("gap", 0.0), num_layers=d.get("num_layers", 0),
                 wrap_send_ms=d.get("wrap_send_ms", 0.0),
-                baselines=tuple(dict(e) for e in d.get("baselines", ())))
+                baselines=tuple(dict(e) for e in d.get("baselines", ())),
+                training=d.get("training", {}))
         except (ValueError, KeyError, TypeError) as exc:
             raise PoseidonError(f"plan JSON: malformed ({type(exc).__name__}: {exc})") from None
 
@@ -360,6 +385,7 @@ class Plan:
                 f"{s.forward_ms:>9.2f} {s.backward_ms:>9.2f} {s.send_forward_ms:>8.2f} "
                 f"{s.allreduce_ms:>9.2f} {s.memory_bytes / gib:>6.1f} / {s.memory_capacity_bytes / gib:>6.1f}"
                 f"  {node_ranges(nodes)}")
+        lines += self._provenance_lines()
         used = self.world_size
         lines.append("")
         lines.append(f"devices used: {used}, unused: {len(self.unused_devices)}")
@@ -385,6 +411,45 @@ class Plan:
             if s.get("search_space"):
                 lines.append(f"searched space: {s['search_space']}")
         return "\n".join(lines) + "\n"
+
+
+    def _provenance_lines(self) -> list[str]:
+        """One line per (layer kind, source, record) with the stages it serves; the setup."""
+        groups: dict[tuple[str, str, str], list[int]] = {}
+        for s in self.stages:
+            for kind, src, rec in s.provenance:
+                groups.setdefault((kind, src, rec), []).append(s.index)
+        if not groups:
+            return []
+        out = ["", "costs from:"]
+        for (kind, src, rec), idx in groups.items():
+            where = "stage" + ("s " if len(idx) > 1 else " ") + _ranges(idx)
+            out.append(f"  {kind:<9} {src:<10} {where:<14} {rec}")
+        act = {s.index: dict(s.memory_parts).get("activations_source") for s in self.stages}
+        measured = [i for i, v in act.items() if v == "measured"]
+        if not measured:
+            out.append("  activation memory: estimated on every stage")
+        else:
+            rest = "" if len(measured) == len(act) else ", estimated elsewhere"
+            out.append(f"  activation memory: measured on stage(s) {_ranges(measured)}{rest}")
+        if self.training:
+            t = self.training
+            out.append(f"  training setup: recompute {t.get('recompute')}, attention "
+                       f"{t.get('attention')}, params {t.get('params_dtype')}, grads "
+                       f"{t.get('grad_dtype')}, distributed optimizer "
+                       f"{'on' if t.get('distributed_optimizer') else 'off'}")
+        return out
+
+
+def _ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    parts: list[str] = []
+    for i in sorted(indices):
+        if parts and parts[-1][1] == i - 1:
+            parts[-1] = (parts[-1][0], i)
+        else:
+            parts.append((i, i))
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in parts)
 
 
 def node_ranges(nodes, max_ranges: int = 8) -> str:

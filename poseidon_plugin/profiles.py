@@ -6,10 +6,25 @@ On-disk format (``ProfileDB.VERSION`` = 1), deterministic (records sorted by key
     {"version": 1, "records": [
       {"device_type": "A2-2", "layer_kind": "decoder", "tp": 2, "micro_batch_size": 1,
        "seq_length": 4096, "model_signature": "h4096-...", "forward_ms": 12.3, "backward_ms": 24.9,
-       "activation_bytes": 123456, "param_bytes": 654321, "source": "measured"}, ...]}
+       "activation_bytes": 123456, "param_bytes": 654321, "source": "measured",
+       "dtype": "bf16", "attention": "flash", "recompute": "none",
+       "env": {"device": "NVIDIA H100 80GB HBM3", "torch": "2.9.0", "megatron_core": "0.19.2"}},
+      ...]}
 
-Merge rule (``put``, ``merge`` and duplicate keys in a file): a measured record beats an
-estimated one whatever the order; between two records of the same source the later one wins.
+The key is the device type, layer kind, TP, micro-batch, sequence, the model's signature
+(``ModelSpec.signature``) and the training setup the layer ran under (``dtype``, ``attention``,
+``recompute``: ``TrainingSetup.profile_fields``; absent in older files: bf16, flash, none).
+``activation_bytes`` is what one micro-batch keeps for backward on one device under that setup
+(the memory model uses it), ``param_bytes`` the layer's parameters on one device in ``dtype``.
+``env`` (optional) says what measured it: device name, driver, torch and megatron-core versions.
+
+Merge rule (``put``, ``merge`` and duplicate keys in a file): measured beats calibrated beats
+estimated whatever the order; between two records of the same source the later one wins.
+
+Provenance (``source``): ``measured`` -- a profiled layer; ``calibrated`` -- the estimator on a
+device type whose speed was set from measured layers; ``estimated`` -- the estimator on the
+cluster file's peak x efficiency. ``diagnose`` names, in one line, why records of a DB cannot
+serve a plan (another sequence, model field, setup or device type).
 
 Analytic estimator (``estimate_profile``), per TP rank, for one micro-batch:
 
@@ -24,8 +39,10 @@ Analytic estimator (``estimate_profile``), per TP rank, for one micro-batch:
 * all-reduce cost: ``comm.allreduce_ms``, a ring over t ranks, 2(t-1)/t x bytes / bandwidth +
   2(t-1) x latency. The link is the device type's intra-node link when t ranks fit in one node,
   else its inter-node link.
-* activation bytes: ``memory.layer_activation_bytes`` (flash / selective assumption), embedding and
-  output terms from ``memory``; parameter bytes: bf16 params per TP rank (output: final norm + the
+* the key's setup: ``full`` recompute adds one forward's compute to the backward, ``selective``
+  the core attention's; activation bytes are ``memory.layer_activation_bytes`` for the setup
+  (``memory.layer_input_bytes`` under full recompute), embedding and output terms from
+  ``memory``; parameter bytes: params per TP rank x the dtype's bytes (output: final norm + the
   output weight, which the last stage holds even when tied, if the pipeline has several stages).
 """
 
@@ -34,16 +51,19 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any, Iterator, Literal, get_args
 
 from . import memory
 from .comm import allreduce_ms
 from .errors import ProfileDBError, SpecError
+from .training import TrainingSetup
 
 LayerKind = Literal["decoder", "embedding", "output"]
-Source = Literal["measured", "estimated"]
+Source = Literal["measured", "calibrated", "estimated"]
 LAYER_KINDS: tuple[str, ...] = get_args(LayerKind)
 SOURCES: tuple[str, ...] = get_args(Source)
 BYTES_BF16 = memory.BYTES_BF16
@@ -58,10 +78,24 @@ class ProfileKey:
     micro_batch_size: int
     seq_length: int
     model_signature: str   # ModelSpec.signature-like string: what shapes the layer's cost
+    dtype: str = "bf16"        # the training setup the layer ran under
+    attention: str = "flash"
+    recompute: str = "none"
 
     def sort_key(self) -> tuple:
         return (self.model_signature, self.device_type, self.layer_kind, self.tp,
-                self.micro_batch_size, self.seq_length)
+                self.micro_batch_size, self.seq_length, self.dtype, self.attention,
+                self.recompute)
+
+    @property
+    def setup(self) -> TrainingSetup:
+        return TrainingSetup(recompute=self.recompute, params_dtype=self.dtype,
+                             attention=self.attention)
+
+    def describe(self) -> str:
+        """Short human form, e.g. ``A100 decoder tp1 mbs2 seq2048 bf16/flash/none``."""
+        return (f"{self.device_type} {self.layer_kind} tp{self.tp} mbs{self.micro_batch_size} "
+                f"seq{self.seq_length} {self.dtype}/{self.attention}/{self.recompute}")
 
 
 @dataclass(frozen=True)
@@ -70,8 +104,9 @@ class LayerProfile:
     forward_ms: float
     backward_ms: float
     activation_bytes: int   # kept for backward, per micro-batch, per device (TP-sharded)
-    param_bytes: int        # bf16 parameters of this layer on one device (TP-sharded)
+    param_bytes: int        # parameters of this layer on one device (TP-sharded), key's dtype
     source: Source = "estimated"
+    env: tuple[tuple[str, str], ...] = ()   # what measured it (device, versions), sorted
 
 
 # --------------------------------------------------------------------------- JSON records
@@ -81,7 +116,11 @@ _KEY_FIELDS: dict[str, type] = {
     "seq_length": int, "model_signature": str,
 }
 _VALUE_FIELDS = ("forward_ms", "backward_ms", "activation_bytes", "param_bytes")
-_RECORD_FIELDS = set(_KEY_FIELDS) | set(_VALUE_FIELDS) | {"source"}
+_SETUP_FIELDS: dict[str, tuple[str, ...]] = {
+    "dtype": ("bf16", "fp16", "fp32"), "attention": ("flash", "unfused"),
+    "recompute": ("none", "selective", "full")}
+_RECORD_FIELDS = set(_KEY_FIELDS) | set(_VALUE_FIELDS) | set(_SETUP_FIELDS) | {"source", "env"}
+_RANK = {"estimated": 0, "calibrated": 1, "measured": 2}
 
 
 def profile_to_record(profile: LayerProfile) -> dict[str, Any]:
@@ -92,6 +131,8 @@ def profile_to_record(profile: LayerProfile) -> dict[str, Any]:
         "model_signature": key.model_signature, "forward_ms": profile.forward_ms,
         "backward_ms": profile.backward_ms, "activation_bytes": profile.activation_bytes,
         "param_bytes": profile.param_bytes, "source": profile.source,
+        "dtype": key.dtype, "attention": key.attention, "recompute": key.recompute,
+        **({"env": dict(profile.env)} if profile.env else {}),
     }
 
 
@@ -130,16 +171,27 @@ def profile_from_record(record: object, where: str) -> LayerProfile:
     source = record.get("source", "measured")
     if source not in SOURCES:
         raise bad("source", "one of " + ", ".join(SOURCES), source)
-    key = ProfileKey(**{f: record[f] for f in _KEY_FIELDS})
+    setup = {}
+    for field, allowed in _SETUP_FIELDS.items():
+        value = record.get(field, allowed[0])
+        if value not in allowed:
+            raise bad(field, "one of " + ", ".join(allowed), value)
+        setup[field] = value
+    env = record.get("env", {})
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                            for k, v in env.items()):
+        raise bad("env", "an object of strings", env)
+    key = ProfileKey(**{f: record[f] for f in _KEY_FIELDS}, **setup)
     return LayerProfile(key=key, forward_ms=float(record["forward_ms"]),
                         backward_ms=float(record["backward_ms"]),
                         activation_bytes=record["activation_bytes"],
-                        param_bytes=record["param_bytes"], source=source)
+                        param_bytes=record["param_bytes"], source=source,
+                        env=tuple(sorted(env.items())))
 
 
 def _wins(new: LayerProfile, old: LayerProfile | None) -> bool:
-    """Merge rule: measured beats estimated; same source -> the newer one."""
-    return old is None or not (old.source == "measured" and new.source == "estimated")
+    """Merge rule: measured > calibrated > estimated; same source -> the newer one."""
+    return old is None or _RANK[new.source] >= _RANK[old.source]
 
 
 class ProfileDB:
@@ -273,21 +325,27 @@ def _compute_ms(flops: float, tflops: float) -> float:
 
 
 def estimate_profile(cluster, model, key: ProfileKey) -> LayerProfile:
-    """Analytic estimate: FLOPs / (peak x efficiency) plus TP all-reduce cost on the intra-node link."""
+    """Analytic estimate: FLOPs / (peak x efficiency) plus TP all-reduce cost on the intra-node link;
+    source ``calibrated`` when the device type's speed came from measured layers."""
     if key.layer_kind not in LAYER_KINDS:
         raise ProfileDBError(f"unknown layer kind {key.layer_kind!r}")
     gbps = tp_link_gbps(cluster, key.device_type, key.tp)
-    tflops = cluster.device_types[key.device_type].effective_tflops
+    dtype = cluster.device_types[key.device_type]
+    tflops = dtype.effective_tflops
     latency = cluster.links.latency_ms
+    setup = key.setup
     b, s, t, h = key.micro_batch_size, key.seq_length, key.tp, model.hidden_size
-    hidden_ar = allreduce_ms(BYTES_BF16 * b * s * h, t, gbps, latency)
+    hidden_ar = allreduce_ms(setup.weight_bytes * b * s * h, t, gbps, latency)
     shape = dict(micro_batch_size=b, seq_length=s, tp=t)
 
     if key.layer_kind == "decoder":
         compute = _compute_ms(model.layer_forward_flops(b, s) / t, tflops)
         forward = compute + 2 * hidden_ar
-        backward = 2 * compute + 2 * hidden_ar
-        activation = memory.layer_activation_bytes(model, **shape)
+        backward = 2 * compute + 2 * hidden_ar + _recompute_ms(model, key, tflops, compute)
+        if setup.recompute == "full":
+            activation = memory.layer_input_bytes(model, **shape)
+        else:
+            activation = memory.layer_activation_bytes(model, **shape, setup=setup)
         params = model.layer_param_split().per_device(t)
     elif key.layer_kind == "embedding":
         compute = _compute_ms(float(b * s * h), tflops)
@@ -306,11 +364,24 @@ def estimate_profile(cluster, model, key: ProfileKey) -> LayerProfile:
         params = h * model.vocab_size / t + model.norm_params
     return LayerProfile(key=key, forward_ms=forward, backward_ms=backward,
                         activation_bytes=math.ceil(activation),
-                        param_bytes=math.ceil(BYTES_BF16 * params), source="estimated")
+                        param_bytes=math.ceil(setup.weight_bytes * params),
+                        source="calibrated" if dtype.calibrated else "estimated")
+
+
+def _recompute_ms(model, key: ProfileKey, tflops: float, forward_compute_ms: float) -> float:
+    """Backward's extra forward work: the whole layer (full), the core attention (selective)."""
+    if key.recompute == "full":
+        return forward_compute_ms
+    if key.recompute == "selective":
+        b, s, a, d = key.micro_batch_size, key.seq_length, model.num_attention_heads, \
+            model.head_dim
+        core = 4.0 * b * s * s * a * d / 2   # QK^T and attention x V, causal (model.py)
+        return _compute_ms(core / key.tp, tflops)
+    return 0.0
 
 
 def lookup_profile(db: ProfileDB | None, cluster, model, key: ProfileKey) -> LayerProfile:
-    """Measured record from the DB if present, else the estimate (marked 'estimated')."""
+    """Measured record from the DB if present, else the estimate (``estimated``/``calibrated``)."""
     if db is not None:
         found = db.get(key)
         if found is not None and found.source == "measured":
@@ -319,15 +390,137 @@ def lookup_profile(db: ProfileDB | None, cluster, model, key: ProfileKey) -> Lay
 
 
 def profile_key(model, device_type: str, layer_kind: LayerKind, tp: int, micro_batch_size: int,
-                seq_length: int | None = None) -> ProfileKey:
+                seq_length: int | None = None, setup: TrainingSetup | None = None) -> ProfileKey:
     """Convenience: the key for ``model`` (signature filled in; seq defaults to the model's)."""
+    fields = (setup or TrainingSetup()).profile_fields
     return ProfileKey(device_type=device_type, layer_kind=layer_kind, tp=tp,
                       micro_batch_size=micro_batch_size,
                       seq_length=model.seq_length if seq_length is None else seq_length,
-                      model_signature=model.signature())
+                      model_signature=model.signature(), **fields)
+
+
+# --------------------------------------------------------------------------- diagnosis
+
+_SIG_NAMES = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+              "kv_channels", "vocab_size")
+_SIG_WORDS = {"swiglu": ("swiglu", True), "gelu": ("swiglu", False),
+              "rmsnorm": ("normalization", "RMSNorm"), "layernorm": ("normalization", "LayerNorm"),
+              "bias": ("add_bias_linear", True), "nobias": ("add_bias_linear", False),
+              "untied": ("untie_embeddings", True), "tied": ("untie_embeddings", False)}
+
+
+def signature_fields(signature: str) -> dict[str, object]:
+    """``ModelSpec.signature()`` read back as model fields (unparsed tails kept as ``other``)."""
+    out: dict[str, object] = {}
+    tokens = signature.split("-")
+    for name, token in zip(_SIG_NAMES, tokens):
+        out[name] = int(token[1:]) if token[1:].isdigit() else token
+    rest = tokens[len(_SIG_NAMES):]
+    i = 0
+    while i < len(rest):
+        token = rest[i]
+        if token in _SIG_WORDS:
+            field, value = _SIG_WORDS[token]
+            out[field] = value
+        elif token == "pos" and i + 1 < len(rest):
+            out["position_embedding_type"] = rest[i + 1]
+            i += 1
+        elif token == "moe":
+            out["moe"] = "-".join(rest[i + 1:])
+            break
+        else:
+            out.setdefault("other", token)
+        i += 1
+    out.setdefault("moe", "none")
+    return out
+
+
+def signature_diff(have: str, want: str) -> list[str]:
+    """Model fields that differ between two signatures: ``"add_bias_linear (True vs False)"``."""
+    a, b = signature_fields(have), signature_fields(want)
+    return [f"{k} ({a.get(k)} vs {b.get(k)})" for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k)]
+
+
+def _mismatch(key: ProfileKey, signature: str, seq_length: int, setup_fields: dict[str, str],
+              types: tuple[str, ...]) -> str | None:
+    """Why a record's key cannot serve the plan (the first difference), or None."""
+    if key.model_signature != signature:
+        diff = signature_diff(key.model_signature, signature)
+        return (", ".join(diff[:3]) + " differ" + ("s" if len(diff) == 1 else "")) if diff \
+            else "model signature differs"
+    if key.seq_length != seq_length:
+        return f"seq {key.seq_length} (planning seq {seq_length})"
+    for field, value in setup_fields.items():
+        if getattr(key, field) != value:
+            return f"{field} {getattr(key, field)} (planning {value})"
+    if key.device_type not in types:
+        return f"device type {key.device_type} not in the cluster"
+    return None
+
+
+def diagnose(db: ProfileDB, cluster, model, seq_length: int,
+             setup: TrainingSetup | None = None) -> tuple[int, str | None]:
+    """(measured records usable for this plan, one warning line naming why the others are not).
+
+    A record is usable when its model signature, sequence length, setup (dtype, attention,
+    recompute) and device type match the plan's. The line counts each reason, e.g.
+    ``profiles: 54 of 54 measured record(s) unusable: seq 2048 (planning seq 4096) x54``.
+    """
+    fields = (setup or TrainingSetup()).profile_fields
+    signature, types = model.signature(), cluster.type_names
+    measured = [p for p in db.profiles() if p.source == "measured"]
+    reasons: dict[str, int] = {}
+    usable = 0
+    for p in measured:
+        why = _mismatch(p.key, signature, seq_length, fields, types)
+        if why is None:
+            usable += 1
+        else:
+            reasons[why] = reasons.get(why, 0) + 1
+    if not reasons:
+        return usable, None
+    bad = len(measured) - usable
+    parts = [f"{why} x{n}" if n > 1 else why
+             for why, n in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))]
+    shown = "; ".join(parts[:3]) + (f"; {len(parts) - 3} more reason(s)" if len(parts) > 3 else "")
+    return usable, (f"profiles: {bad} of {len(measured)} measured record(s) unusable for "
+                    f"{model.name} at seq {seq_length}: {shown}")
+
+
+# --------------------------------------------------------------------------- calibration
+
+def calibrate_cluster(cluster, db: ProfileDB | None, model, seq_length: int,
+                      setup: TrainingSetup | None = None):
+    """``cluster`` with each device type that has no ``peak_tflops`` given the rate its measured
+    decoder records reach (``peak_tflops`` = the median rate over its records, ``efficiency`` 1, ``calibrated``), so the
+    layers no record measured (embedding, output, other TP degrees) are estimated on the same
+    scale. SpecError naming the field when such a type has no measured record either."""
+    fields = (setup or TrainingSetup()).profile_fields
+    signature = model.signature()
+    types = dict(cluster.device_types)
+    for name in cluster.type_names:
+        dt = types[name]
+        if dt.peak_tflops is not None:
+            continue
+        rates = [model.layer_forward_flops(p.key.micro_batch_size, seq_length) / p.key.tp
+                 / (p.forward_ms * 1e-3) / 1e12
+                 for p in (db.profiles() if db is not None else [])
+                 if p.source == "measured" and p.key.layer_kind == "decoder"
+                 and p.key.device_type == name and p.key.model_signature == signature
+                 and p.key.seq_length == seq_length and p.forward_ms > 0
+                 and all(getattr(p.key, f) == v for f, v in fields.items())]
+        if not rates:
+            raise SpecError(cluster.source, f"device_types.{name}.peak_tflops",
+                            "a peak (no usable measured decoder record of this type to "
+                            "calibrate from)", "missing")
+        types[name] = replace(dt, peak_tflops=round(statistics.median(rates), 6), efficiency=1.0,
+                              calibrated=True)
+    return replace(cluster, device_types=MappingProxyType(types))
 
 
 __all__ = [
     "LayerKind", "Source", "ProfileKey", "LayerProfile", "ProfileDB", "estimate_profile",
-    "lookup_profile", "profile_key", "tp_link_gbps",
+    "lookup_profile", "profile_key", "tp_link_gbps", "diagnose", "signature_diff",
+    "calibrate_cluster",
 ]

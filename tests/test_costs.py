@@ -167,7 +167,8 @@ def test_layer_costs_are_the_profiles(cm):
                 assert lc.embedding_backward_ms == emb.backward_ms
                 assert lc.output_forward_ms == out.forward_ms
                 assert lc.output_backward_ms == out.backward_ms
-                assert lc.grad_bytes == dec.param_bytes   # bf16 grads = bf16 params
+                # Megatron all-reduces a bf16 model's gradients in fp32 by default
+                assert lc.grad_bytes == 2 * dec.param_bytes
 
 
 def test_activation_bytes(cm):
@@ -264,8 +265,8 @@ def test_allreduce_by_hand(cm):
     d0, e0 = prof(cm, "fast", "decoder", 1, 1), prof(cm, "fast", "embedding", 1, 1)
     d2, o2 = prof(cm, "slow", "decoder", 2, 1), prof(cm, "slow", "output", 2, 1)
 
-    def ring(grad_bytes, gbps):
-        return 2 * 3 / 4 * grad_bytes / bytes_per_ms(gbps) + 2 * 3 * LAT
+    def ring(param_bytes, gbps):   # fp32 gradients: 2 x the bf16 parameter bytes
+        return 2 * 3 / 4 * 2 * param_bytes / bytes_per_ms(gbps) + 2 * 3 * LAT
 
     assert stages[0].allreduce_ms == pytest.approx(ring(3 * d0.param_bytes + e0.param_bytes, 800))
     assert stages[1].allreduce_ms == pytest.approx(ring(3 * d0.param_bytes, 800))
@@ -276,7 +277,7 @@ def test_allreduce_ring_spanning_nodes_uses_inter_link(cm):
     # fast tp1 dp 8: both fast nodes, ring bottleneck = fast inter-node 200
     stages, _, _ = _stage_costs(cm, [0], [1], [8], 8, m=1)
     d, e, o = (prof(cm, "fast", k, 1, 1) for k in ("decoder", "embedding", "output"))
-    grad = 8 * d.param_bytes + e.param_bytes + o.param_bytes
+    grad = 2 * (8 * d.param_bytes + e.param_bytes + o.param_bytes)   # fp32 gradients
     assert stages[0].allreduce_ms == pytest.approx(2 * 7 / 8 * grad / bytes_per_ms(200) + 14 * LAT)
 
 
@@ -286,7 +287,7 @@ def test_memory_is_the_memory_model(cm):
         want = memory.stage_memory(cm.model, layers=l, stage=s, num_stages=2, tp=tp, dp=2,
                                    micro_batch_size=2, seq_length=SEQ, num_microbatches=4,
                                    schedule="eager-1f1b").total_bytes
-        assert stages[s].memory_bytes == want
+        assert stages[s].memory_bytes == want + cm.reserve_bytes[s]   # + the runtime reserve
         assert stages[s].memory_capacity_bytes == cap * 1024 ** 3
 
 
@@ -362,6 +363,7 @@ def test_plan_numbers_are_hand_computable(setting, model, gbs):
         else:
             gbps = (link(*nodes, *nodes) if len(nodes) == 1
                     else min(link(x, y) for x in nodes for y in nodes if x != y))
-            want = 2 * (dp - 1) / dp * grad / bytes_per_ms(gbps) + 2 * (dp - 1) * lat
+            # fp32 gradients (Megatron's default for bf16): 2 x the bf16 parameter bytes
+            want = 2 * (dp - 1) / dp * 2 * grad / bytes_per_ms(gbps) + 2 * (dp - 1) * lat
             assert st.allreduce_ms == pytest.approx(want, rel=1e-9)
         assert st.memory_bytes <= st.memory_capacity_bytes

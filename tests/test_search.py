@@ -13,6 +13,7 @@ from poseidon_plugin.cluster import cluster_from_dict
 from poseidon_plugin.costs import CostModel
 from poseidon_plugin.errors import InfeasibleError, PoseidonError
 from poseidon_plugin.model import model_from_dict
+from poseidon_plugin.training import TrainingSetup
 from poseidon_plugin.search import (SearchContext, SearchOptions, enumerate_configs,
                                     search_plan)
 from poseidon_plugin.simulator import iteration_time_ms
@@ -158,7 +159,9 @@ def _small():
 
 def test_deterministic_over_workers_and_runs():
     cluster, model = _small()
-    kw = dict(global_batch_size=8, seq_length=128, micro_batch_sizes=(1, 2), warmup_samples=30)
+    # bf16 gradients: an instance whose search splits a configuration over threads
+    kw = dict(global_batch_size=8, seq_length=128, micro_batch_sizes=(1, 2), warmup_samples=30,
+              training=TrainingSetup(grad_dtype="bf16"))
     a = search_plan(cluster, model, SearchOptions(workers=1, **kw))
     b = search_plan(cluster, model, SearchOptions(workers=2, **kw))
     c = search_plan(cluster, model, SearchOptions(workers=1, **kw))
@@ -293,7 +296,9 @@ def test_statistics_timing_flag(monkeypatch):
     flag says so); the plan is the same either way."""
     import poseidon_plugin.search.driver as search_mod
     cluster, model = make_instance([(100.0, 2, 4, 1.0), (50.0, 2, 4, 1.0)], 12, None)
-    kw = dict(global_batch_size=8, seq_length=128, micro_batch_sizes=(1, 2), warmup_samples=30)
+    # bf16 gradients: an instance whose search splits a configuration over threads
+    kw = dict(global_batch_size=8, seq_length=128, micro_batch_sizes=(1, 2), warmup_samples=30,
+              training=TrainingSetup(grad_dtype="bf16"))
     a = search_plan(cluster, model, SearchOptions(workers=1, **kw))
     c = search_plan(cluster, model, SearchOptions(workers=1, **kw))
     monkeypatch.setattr(search_mod, "SPLIT_NODES", 0)   # split every configuration

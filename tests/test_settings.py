@@ -131,7 +131,7 @@ def test_plan_is_sensible(key):
 @pytest.mark.parametrize("key", CASES)
 def test_reported_memory_is_the_memory_model(key):
     """Each stage's memory recomputed from ``memory.stage_memory`` (independent of the search)."""
-    _, model, plan, _ = solved(key)
+    cluster, model, plan, _ = solved(key)
     n = plan.pp
     for i, s in enumerate(plan.stages):
         want = memory.stage_memory(model, layers=s.layers, stage=i, num_stages=n, tp=s.tp,
@@ -139,7 +139,8 @@ def test_reported_memory_is_the_memory_model(key):
                                    seq_length=SEQ, num_microbatches=plan.num_microbatches,
                                    schedule=plan.schedule,
                                    virtual_stages=plan.virtual_stages).total_bytes
-        assert s.memory_bytes == want
+        # + the device type's runtime reserve (reserve_gib)
+        assert s.memory_bytes == want + cluster.device_types[s.device_type].reserve_bytes
 
 
 @pytest.mark.parametrize("key", CASES)

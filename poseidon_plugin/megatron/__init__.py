@@ -13,4 +13,5 @@ Modules, in the order the ``--poseidon-auto`` flow uses them:
 * ``runner``    -- the flow and the entry points (``poseidon_plugin.launch``, ``poseidon_plugin.auto``)
 * ``compat``    -- small fixes before the script runs (prebuilt dataset helpers; CPU-only flags)
 * ``calibration``, ``recorder`` -- live calibration of the running job (predicted vs measured)
+* ``offline``   -- ``poseidon profile``: the profiler as an offline, one-process command
 """

@@ -109,7 +109,9 @@ def measured_profiles(plan: Plan, timings: list[StageTiming], model_signature: s
                       existing: ProfileDB | None = None) -> list[LayerProfile]:
     """Per-layer measured ``LayerProfile``s, one per (device type, tp) of the plan."""
     from ..profiles import LayerProfile, ProfileKey
+    from ..training import TrainingSetup
 
+    setup = TrainingSetup.from_dict(getattr(plan, "training", None)).profile_fields
     n = len(plan.stages)
     by_stage = {t.stage: t for t in timings}
     groups: dict[tuple[str, int], list[tuple[bool, float, float]]] = {}
@@ -124,7 +126,7 @@ def measured_profiles(plan: Plan, timings: list[StageTiming], model_signature: s
     for (dtype, tp), rows in sorted(groups.items()):
         pick = [r for r in rows if r[0]] or rows
         key = ProfileKey(dtype, "decoder", tp, int(plan.micro_batch_size), int(plan.seq_length),
-                         model_signature)
+                         model_signature, **setup)
         old = existing.get(key) if existing is not None else None
         out.append(LayerProfile(
             key, statistics.median(r[1] for r in pick), statistics.median(r[2] for r in pick),

@@ -19,6 +19,7 @@ from ..cluster import Cluster, DeviceType
 from ..errors import ProfileDBError
 from ..model import ModelSpec
 from ..profiles import LayerProfile, ProfileDB, ProfileKey
+from ..training import TrainingSetup
 from .options import default_profile_dir
 from .profiler import Aggregate
 
@@ -67,10 +68,12 @@ def load_cache(path: str, reprofile: bool) -> ProfileDB:
 
 
 def needed_keys(cluster: Cluster, model: ModelSpec, tps: Sequence[int],
-                micro_batch_sizes: Sequence[int], seq_length: int) -> list[ProfileKey]:
+                micro_batch_sizes: Sequence[int], seq_length: int,
+                setup: TrainingSetup | None = None) -> list[ProfileKey]:
     """One decoder-layer record per (device type, TP degree, micro-batch size) of the launch."""
     sig = model.signature()
-    return [ProfileKey(t, "decoder", tp, mbs, seq_length, sig)
+    fields = (setup or TrainingSetup()).profile_fields
+    return [ProfileKey(t, "decoder", tp, mbs, seq_length, sig, **fields)
             for t in cluster.type_names for tp in tps for mbs in micro_batch_sizes]
 
 
@@ -84,14 +87,43 @@ def all_measured(db: ProfileDB, keys: Sequence[ProfileKey]) -> bool:
 # ----------------------------------------------------------------------------------------------
 
 
-def measured_records(aggs: Sequence[Aggregate], seq_length: int,
-                     model_signature: str) -> list[LayerProfile]:
-    """The per-type medians of :func:`.profiler.aggregate` as measured decoder-layer records."""
+def measured_records(aggs: Sequence[Aggregate], seq_length: int, model_signature: str,
+                     setup: TrainingSetup | None = None,
+                     env: Sequence[tuple[str, str]] = ()) -> list[LayerProfile]:
+    """The per-type medians of :func:`.profiler.aggregate` as measured decoder-layer records
+    (keyed by the training setup they ran under; ``env`` says what measured them)."""
+    fields = (setup or TrainingSetup()).profile_fields
     return [LayerProfile(ProfileKey(a.device_type, "decoder", a.tp, a.micro_batch_size, seq_length,
-                                    model_signature),
+                                    model_signature, **fields),
                          a.forward_ms, a.backward_ms, a.activation_bytes, a.param_bytes,
-                         source="measured")
+                         source="measured", env=tuple(sorted(env)))
             for a in aggs]
+
+
+def measurement_env(device_name: str, kind: str) -> list[tuple[str, str]]:
+    """What measured a record: the device's name, torch, megatron-core and (``kind`` "cuda")
+    the CUDA version and driver."""
+    import torch
+
+    out = [("device", device_name), ("torch", torch.__version__)]
+    try:
+        from importlib.metadata import version
+
+        out.append(("megatron_core", version("megatron-core")))
+    except Exception:  # noqa: BLE001 - a source checkout
+        out.append(("megatron_core", "src"))
+    if kind == "cuda" and getattr(torch.version, "cuda", None):
+        out.append(("cuda", str(torch.version.cuda)))
+        try:
+            import subprocess
+
+            drv = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,"
+                                  "noheader"], capture_output=True, text=True, timeout=10)
+            if drv.returncode == 0 and drv.stdout.strip():
+                out.append(("driver", drv.stdout.strip().splitlines()[0]))
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -101,7 +133,8 @@ def measured_records(aggs: Sequence[Aggregate], seq_length: int,
 
 def calibrate(cluster: Cluster, db: ProfileDB, model: ModelSpec, tps: Sequence[int],
               micro_batch_sizes: Sequence[int], seq_length: int, *,
-              fixed: Collection[str] = (), estimated_peak: Collection[str] = ()) -> Cluster:
+              fixed: Collection[str] = (), estimated_peak: Collection[str] = (),
+              setup: TrainingSetup | None = None) -> Cluster:
     """``cluster`` with each type's compute speed set from its measured decoder layer, so that
     what the search still estimates (embedding, output layer, unprofiled TP degrees) is on the
     same scale.
@@ -111,6 +144,7 @@ def calibrate(cluster: Cluster, db: ProfileDB, model: ModelSpec, tps: Sequence[i
     Types in ``fixed`` (the cluster file sets their speed) are left as they are.
     """
     sig = model.signature()
+    fields = (setup or TrainingSetup()).profile_fields
     types: dict[str, DeviceType] = dict(cluster.device_types)
     for name, dt in cluster.device_types.items():
         if name in fixed:
@@ -118,15 +152,17 @@ def calibrate(cluster: Cluster, db: ProfileDB, model: ModelSpec, tps: Sequence[i
         rates = []
         for tp in tps:
             for mbs in micro_batch_sizes:
-                p = db.get(ProfileKey(name, "decoder", tp, mbs, seq_length, sig))
+                p = db.get(ProfileKey(name, "decoder", tp, mbs, seq_length, sig, **fields))
                 if p is not None and p.source == "measured" and p.forward_ms > 0:
                     flops = model.layer_forward_flops(mbs, seq_length) / tp
                     rates.append(flops / (p.forward_ms * 1e-3) / 1e12)
         if not rates:
             continue
         measured = max(rates)  # TFLOP/s actually reached (communication included for tp > 1)
-        if name in estimated_peak or measured > dt.peak_tflops:
-            types[name] = replace(dt, peak_tflops=round(measured, 6), efficiency=1.0)
+        if name in estimated_peak or dt.peak_tflops is None or measured > dt.peak_tflops:
+            types[name] = replace(dt, peak_tflops=round(measured, 6), efficiency=1.0,
+                                  calibrated=True)
         else:
-            types[name] = replace(dt, efficiency=round(max(1e-6, measured / dt.peak_tflops), 6))
+            types[name] = replace(dt, efficiency=round(max(1e-6, measured / dt.peak_tflops), 6),
+                                  calibrated=True)
     return replace(cluster, device_types=MappingProxyType(types))

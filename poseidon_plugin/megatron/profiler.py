@@ -10,9 +10,13 @@ own arguments, timed forward and backward for each candidate TP degree and micro
   ``parallel_state.initialize_model_parallel(t)`` on the probe group; destroyed afterwards.
 * Timing: warm-up, then the median of N forward and N backward passes; device synchronisation on
   GPU/NPU, wall clock on CPU (the emulation pads these with its slowdown).
-* Activation memory: bytes of the tensors autograd saves for backward (saved-tensor hooks; unique
-  storages, parameters excluded): what a micro-batch keeps alive until its backward, measured the
-  same way on GPU, NPU and CPU (transient workspaces are not counted).
+* Activation memory (:func:`layer_memory_bytes`, after the timing, on a warm layer): on GPU / NPU
+  the allocator's ``memory_allocated`` after one forward minus before it (what a micro-batch keeps
+  alive until its backward, the layer's output included); on CPU, emulated devices included (no
+  allocator statistics), the bytes of the tensors autograd saves for backward (saved-tensor hooks;
+  unique storages, parameters excluded). Under full recompute Megatron's block checkpoints each
+  layer: a layer keeps only its input, and its backward re-runs the forward (added to the time).
+  Parameter bytes: the layer's parameters on this rank in their own dtype.
 """
 
 from __future__ import annotations
@@ -223,6 +227,67 @@ def time_layer(layer: Any, config: Any, vargs: Any, device: Any, iters: int,
     return statistics.median(fwd), statistics.median(bwd), act_bytes
 
 
+def _memory_inputs(config: Any, vargs: Any, device: Any) -> tuple[Any, dict[str, Any], Any]:
+    """(input, layer kwargs, output gradient) of one micro-batch, as the timing uses them."""
+    import torch
+
+    seq, mbs = int(vargs.seq_length), int(vargs.micro_batch_size)
+    tp = int(vargs.tensor_model_parallel_size)
+    seq_local = seq // tp if config.sequence_parallel else seq
+    dtype = config.params_dtype
+    x = torch.randn(seq_local, mbs, config.hidden_size, dtype=dtype, device=device,
+                    requires_grad=True)
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None]
+    kwargs: dict[str, Any] = {"attention_mask": mask}
+    if getattr(vargs, "position_embedding_type", "") == "rope":
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+        rope = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=vargs.rotary_percent,
+                               rotary_interleaved=getattr(vargs, "rotary_interleaved", False),
+                               rotary_base=getattr(vargs, "rotary_base", 10000),
+                               use_cpu_initialization=True)
+        kwargs["rotary_pos_emb"] = rope(seq).to(device)
+    grad = torch.randn(seq_local, mbs, config.hidden_size, dtype=dtype, device=device)
+    return x, kwargs, grad
+
+
+def _allocated(device: Any):
+    """The allocator's live-bytes counter of ``device`` (None on CPU: no allocator statistics)."""
+    import torch
+
+    if device.type == "cuda" and torch.cuda.is_available():
+        return lambda: int(torch.cuda.memory_allocated(device))
+    if device.type == "npu":
+        return lambda: int(torch.npu.memory_allocated(device))  # type: ignore[attr-defined]
+    return None
+
+
+def layer_memory_bytes(layer: Any, config: Any, vargs: Any, device: Any) -> int:
+    """Bytes one micro-batch keeps for backward (see the module docstring): the allocator's delta
+    across one forward on GPU / NPU, the saved tensors' bytes on CPU; the input alone under full
+    recompute."""
+    import torch
+
+    x, kwargs, grad = _memory_inputs(config, vargs, device)
+    if getattr(vargs, "recompute_granularity", None) == "full":
+        return int(x.numel() * x.element_size())
+    counter = _SavedBytes({p.untyped_storage().data_ptr() for p in layer.parameters()})
+    probe = _allocated(device)
+    _sync(device)
+    before = probe() if probe else 0
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+        out = layer(hidden_states=x, **kwargs)
+    out = out[0] if isinstance(out, tuple) else out
+    _sync(device)
+    kept = probe() - before if probe else counter.bytes
+    out.backward(grad)
+    for p in layer.parameters():
+        p.grad = None
+        if hasattr(p, "main_grad"):
+            p.main_grad = None
+    return max(int(kept), 0)
+
+
 def profile_rank(args: Any, tps: Sequence[int], micro_batch_sizes: Sequence[int], *, world_size: int,
                  rank: int, device: Any, iters: int, seed: int = 1234,
                  checkpoint: Any = None) -> list[LayerTiming]:
@@ -252,6 +317,10 @@ def profile_rank(args: Any, tps: Sequence[int], micro_batch_sizes: Sequence[int]
                 layer.train()
                 param_bytes = sum(p.numel() for p in layer.parameters()) * 2  # bf16 bytes
                 f_ms, b_ms, act = time_layer(layer, config, vargs, device, iters)
+                act = layer_memory_bytes(layer, config, vargs, device)
+                param_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+                if getattr(vargs, "recompute_granularity", None) == "full":
+                    b_ms += f_ms   # the block re-runs the layer's forward before its backward
                 out.append(LayerTiming(tp, mbs, f_ms, b_ms, act, int(param_bytes)))
                 del layer
         finally:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from ..cluster import Cluster
     from ..model import ModelSpec
     from ..plan import Plan
+    from ..training import TrainingSetup
     from ..profiles import ProfileDB
     from ..search import SearchOptions
 
@@ -133,6 +134,7 @@ class LaunchContext:
     # _all_ranks_read_model
     args: Any = field(init=False)     # Megatron's argparse namespace (parsed, not validated)
     model: ModelSpec = field(init=False)
+    training: TrainingSetup = field(init=False)   # recompute, optimizer, dtypes, attention
     global_batch_size: int = field(init=False)
     micro_batch_sizes: tuple[int, ...] = field(init=False)
     # _all_ranks_bootstrap: the rendezvous store, barriers and the probe gloo group
@@ -257,10 +259,12 @@ def _setup_emulated_device(ctx: LaunchContext) -> None:
 def _all_ranks_read_model(ctx: LaunchContext) -> None:
     """The model's hyper-parameters from Megatron's own parser (nothing validated); the batch."""
     from ..model import model_from_megatron_args
+    from ..training import setup_from_megatron_args
 
     args = profiler.parse_megatron_args(ctx.script, ctx.argv)
     ctx.args = args
     ctx.model = model_from_megatron_args(args, name=os.path.basename(ctx.script))
+    ctx.training = setup_from_megatron_args(args)
     gbs = args.global_batch_size
     if gbs is None:
         raise PoseidonError("--poseidon-auto needs --global-batch-size (the plan chooses DP and the "
@@ -319,7 +323,7 @@ def _all_ranks_profile(ctx: LaunchContext) -> None:
                                        *emu_tag])
     ctx.cache_path = profile_gather.cache_path(ctx.opts.profile_dir, tag)
     needed = profile_gather.needed_keys(ctx.cluster, ctx.model, ctx.tps, ctx.micro_batch_sizes,
-                                        ctx.seq_length)
+                                        ctx.seq_length, ctx.training)
     cached = False
     if ctx.rank == 0:
         ctx.profiles = profile_gather.load_cache(ctx.cache_path, ctx.opts.reprofile)
@@ -348,7 +352,9 @@ def _rank0_store_profiles(ctx: LaunchContext, gathered: list[list[profiler.Layer
     assert ctx.profiles is not None
     aggs, ctx.stragglers = profiler.aggregate(dict(enumerate(gathered)),
                                               {i.rank: i.device_type for i in ctx.topo.infos})
-    for record in profile_gather.measured_records(aggs, ctx.seq_length, ctx.model.signature()):
+    env = profile_gather.measurement_env(ctx.device.name, ctx.device.kind)
+    for record in profile_gather.measured_records(aggs, ctx.seq_length, ctx.model.signature(),
+                                                  ctx.training, env):
         ctx.profiles.put(record)
     try:
         ctx.profiles.save(ctx.cache_path)
@@ -370,7 +376,8 @@ def _rank0_calibrate_cluster(ctx: LaunchContext) -> None:
     ctx.cluster = profile_gather.calibrate(
         ctx.cluster, ctx.profiles, ctx.model, ctx.tps, ctx.micro_batch_sizes, ctx.seq_length,
         fixed=discovery.speed_given(ctx.overrides),
-        estimated_peak=[i.device_type for i in ctx.topo.infos if i.kind not in ("cuda", "npu")])
+        estimated_peak=[i.device_type for i in ctx.topo.infos if i.kind not in ("cuda", "npu")],
+        setup=ctx.training)
 
 
 def _all_ranks_share_plan(ctx: LaunchContext) -> None:
@@ -416,7 +423,7 @@ def _search_options(ctx: LaunchContext) -> SearchOptions:
         schedules=_launch_schedules(opts.schedules), pruning=opts.pruning,
         tp_degrees=opts.tp_candidates or None, micro_batch_sizes=ctx.micro_batch_sizes,
         max_virtual_stages=opts.max_virtual_stages, seed=opts.seed,
-        time_budget_s=opts.time_budget_s,
+        time_budget_s=opts.time_budget_s, training=ctx.training,
         workers=opts.search_workers or max(1, (os.cpu_count() or 1)
                                            // max(1, ctx.env.local_world_size)))
 

@@ -43,7 +43,8 @@ def baseline_results(cluster, model, options, profiles=None, deadline: float | N
     """The two baselines under ``options``: each a Plan, or the one-line reason it has none.
     ``deadline`` (``time.monotonic()``): the single-type searches share the time left."""
     options.check_against(cluster, model)
-    ctx = SearchContext(CostModel(cluster, model, profiles, seq_length=options.seq_length))
+    ctx = SearchContext(CostModel(cluster, model, profiles, seq_length=options.seq_length,
+                                  training=options.training))
     return {"megatron-default": _megatron_default(ctx, options),
             "best-single-type": _best_single_type(cluster, model, options, profiles, deadline)}
 
@@ -160,7 +161,8 @@ def _megatron_default(ctx: SearchContext, options) -> Plan | str:
                 layers = [L // n] * n
                 mems = [cm.stage_memory_bytes(
                     layers=layers[x], stage=x, num_stages=n, tp=t, dp=d, micro_batch_size=b,
-                    num_microbatches=m, schedule="1f1b", virtual_stages=1) for x in range(n)]
+                    num_microbatches=m, schedule="1f1b", virtual_stages=1,
+                    type_index=types[x]) for x in range(n)]
                 if all(mems[x] <= cm.capacity_bytes[types[x]] for x in range(n)):
                     so = [opts.index((k, t)) for k in types]
                     cands.append((ctx.evaluate(cfg, so, layers), cfg.key, cfg, so, layers))
@@ -261,7 +263,7 @@ def _shortfalls(cm: CostModel, cfg: OuterConfig, counts: dict[int, int]
                                         micro_batch_size=cfg.micro_batch_size,
                                         num_microbatches=cfg.num_microbatches,
                                         schedule=cfg.schedule,
-                                        virtual_stages=cfg.virtual_stages)
+                                        virtual_stages=cfg.virtual_stages, type_index=k)
             cand = (mem - cm.capacity_bytes[k], mem)
             if k not in row or cand < row[k]:
                 row[k] = cand

@@ -27,8 +27,19 @@ def _stage_plans(cm: CostModel, cfg: OuterConfig, opts, layers, stages, placemen
                                 for grp in placements[s].slots),
                   chunk_layers=chunk_layers(int(layers[s]), cfg.virtual_stages),
                   chunk_forward_ms=tuple(st.chunk_forward_ms),
-                  chunk_backward_ms=tuple(st.chunk_backward_ms))
+                  chunk_backward_ms=tuple(st.chunk_backward_ms),
+
+                  provenance=tuple((p.key.layer_kind, p.source, p.key.describe())
+                                   for p in st.provenance),
+                  memory_parts=_memory_parts(st))
         for s, st in enumerate(stages))
+
+
+def _memory_parts(st) -> tuple:
+    if st.memory is None:
+        return ()
+    source = "measured" if st.memory.activations_measured else "estimated"
+    return tuple(st.memory.parts().items()) + (("activations_source", source),)
 
 
 def _throughput(cm: CostModel, cfg: OuterConfig, opts, global_batch_size: int, t_ms: float
@@ -39,8 +50,10 @@ def _throughput(cm: CostModel, cfg: OuterConfig, opts, global_batch_size: int, t
     used = sum(cfg.dp * tp for tp in tps)
     flops = cm.model.model_flops_per_iteration(global_batch_size, cm.seq_length)
     tflops_dev = flops / (t_ms / 1e3) / used / 1e12
-    peak = sum(cm.cluster.device_types[cm.type_names[k]].peak_tflops * cfg.dp * tp
-               for k, tp in zip(types, tps))
+    peaks = [cm.cluster.device_types[cm.type_names[k]].peak_tflops for k in types]
+    if any(p is None for p in peaks):   # a type known only from measured layers: no peak
+        return tflops_dev, 0.0
+    peak = sum(p * cfg.dp * tp for p, tp in zip(peaks, tps))
     return tflops_dev, flops / (t_ms / 1e3) / (peak * 1e12)
 
 
@@ -70,4 +83,6 @@ def build_plan(cm: CostModel, cfg: OuterConfig, opts, layers, *, global_batch_si
         model_tflops_per_device=tflops_dev, mfu=mfu, lower_bound_ms=lb,
         gap=(t - lb) / t if t > 0 else 0.0, num_layers=cm.model.num_layers,
         wrap_send_ms=(cm.wrap_send_ms(placements, cfg.micro_batch_size)
-                      if cfg.virtual_stages > 1 else 0.0))
+                      if cfg.virtual_stages > 1 else 0.0),
+
+        training=cm.training.to_dict())

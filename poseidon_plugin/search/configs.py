@@ -168,7 +168,8 @@ def layer_limits(cm: CostModel, cfg: OuterConfig) -> np.ndarray:
             out[o, x] = cm.max_layers(
                 capacity_bytes=cm.capacity_bytes[k], stage=x, num_stages=n, tp=t, dp=cfg.dp,
                 micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
-                schedule=cfg.schedule, virtual_stages=cfg.virtual_stages, limit=limit)
+                schedule=cfg.schedule, virtual_stages=cfg.virtual_stages, limit=limit,
+                type_index=k)
     return out
 
 

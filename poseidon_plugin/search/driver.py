@@ -110,7 +110,8 @@ class SearchDriver:
         options.check_against(cluster, model)
         self.cluster, self.model, self.options, self.profiles = cluster, model, options, profiles
         self.ctx = context or SearchContext(
-            CostModel(cluster, model, profiles, seq_length=options.seq_length))
+            CostModel(cluster, model, profiles, seq_length=options.seq_length,
+                      training=options.training))
         self.configs = enumerate_configs(self.ctx.cm, options)
         self.deadline = (None if options.time_budget_s is None
                          else time.monotonic() + options.time_budget_s)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from ..errors import PoseidonError
 from ..simulator.schedules import LAUNCHABLE_SCHEDULES, SCHEDULES
+from ..training import TrainingSetup
 
 SEARCH_SCHEDULES: tuple[str, ...] = SCHEDULES   # every schedule the simulator times
 DEFAULT_SCHEDULES: tuple[str, ...] = ("1f1b", "eager-1f1b", "interleaved-1f1b")
@@ -56,7 +57,8 @@ class SearchOptions:
     ``none`` = exhaustive), uniform or per-stage TP and the TP degrees allowed (None: every
     valid one), the micro-batch sizes, the largest interleaving depth V, which device-type
     sequences are searched (``auto``/``any``/``blocks``), the warm-up samples and their seed,
-    the wall-clock budget in seconds (None: none), the search threads (None: one per core).
+    the wall-clock budget in seconds (None: none), the search threads (None: one per core);
+    ``training`` is the training setup (recompute, optimizer, dtypes, attention: ``training.py``).
     """
 
     global_batch_size: int
@@ -73,6 +75,7 @@ class SearchOptions:
     seed: int = 0
     time_budget_s: float | None = None
     workers: int | None = None
+    training: TrainingSetup = TrainingSetup()
     progress: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -124,6 +127,8 @@ class SearchOptions:
         if self.workers is not None:
             _positive_int("search threads (--workers / workers)", self.workers)
         _positive_int("type_sequence_limit", self.type_sequence_limit)
+        if not isinstance(self.training, TrainingSetup):
+            raise PoseidonError(f"training: expected a TrainingSetup, got {self.training!r}")
 
     # ------------------------------------------------------------------ derived values
     @property

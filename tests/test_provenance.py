@@ -1,0 +1,242 @@
+"""Every number knows where it came from: per-stage provenance (table + JSON), measured memory in
+the memory model, the one-line DB mismatch warning, --allow-estimates, the runtime reserve,
+peak_tflops optional where records are measured. Core: no torch."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from poseidon_plugin import cli, memory
+from poseidon_plugin.cluster import cluster_from_dict, load_cluster
+from poseidon_plugin.costs import CostModel
+from poseidon_plugin.errors import SpecError
+from poseidon_plugin.model import load_model
+from poseidon_plugin.plan import Plan
+from poseidon_plugin.profiles import (LayerProfile, ProfileDB, calibrate_cluster, diagnose,
+                                      profile_key)
+from poseidon_plugin.training import TrainingSetup
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = os.path.join(ROOT, "examples/clusters/small-two-type.yaml")
+TINY = os.path.join(ROOT, "examples/models/tiny-gpt.yaml")
+MODEL = load_model(TINY)
+PLAN = ["plan", "--cluster", SMALL, "--model", TINY, "--global-batch-size", "16",
+        "--seq-length", "128", "--workers", "1", "--no-baselines", "--tp", "1",
+        "--micro-batch-sizes", "1"]
+
+
+def measured(device_type="fast", act=5_000_000, model=MODEL, seq=128, setup=None, fwd=0.02):
+    key = profile_key(model, device_type, "decoder", 1, 1, seq_length=seq, setup=setup)
+    return LayerProfile(key, fwd, 2 * fwd, act, 1574912, source="measured")
+
+
+def write_db(tmp_path, *records) -> str:
+    db = ProfileDB(None)
+    for r in records:
+        db.put(r)
+    path = str(tmp_path / "db.json")
+    db.save(path)
+    return path
+
+
+def run(capsys, argv):
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# --------------------------------------------------------------------------- provenance
+
+def test_stage_provenance_in_json_and_table(capsys, tmp_path):
+    db = write_db(tmp_path, measured("fast"), measured("slow"))
+    rc, out, err = run(capsys, PLAN + ["--profiles", db, "--json"])
+    assert rc == 0 and err == ""
+    plan = json.loads(out)
+    for st in plan["stages"]:
+        dec = st["provenance"]["decoder"]
+        assert dec["source"] == "measured"
+        assert dec["record"] == f"{st['device_type']} decoder tp1 mbs1 seq128 bf16/flash/none"
+        assert st["memory"]["activations_source"] == "measured"
+    assert plan["stages"][0]["provenance"]["embedding"]["source"] == "estimated"
+    assert plan["stages"][-1]["provenance"]["output"]["source"] == "estimated"
+    assert "output" not in plan["stages"][0]["provenance"] or plan["pp"] == 1
+    assert plan["training"]["attention"] == "flash"
+    rc, table, _ = run(capsys, PLAN + ["--profiles", db])
+    assert "costs from:" in table
+    assert "decoder   measured" in table and "embedding estimated" in table
+    assert "activation memory: measured on stage(s) 0-" in table
+
+
+def test_without_profiles_everything_is_estimated(capsys):
+    rc, out, _ = run(capsys, PLAN + ["--json"])
+    plan = json.loads(out)
+    sources = {v["source"] for st in plan["stages"] for v in st["provenance"].values()}
+    assert sources == {"estimated"}
+
+
+def test_plan_json_round_trips_provenance_and_memory(capsys, tmp_path):
+    db = write_db(tmp_path, measured("fast"), measured("slow"))
+    _, out, _ = run(capsys, PLAN + ["--profiles", db, "--json"])
+    assert Plan.from_json(out).to_json() == out
+
+
+# --------------------------------------------------------------------------- measured memory
+
+def test_measured_activation_bytes_reach_the_memory_model():
+    cluster = load_cluster(SMALL)
+    db = ProfileDB(None)
+    db.put(measured("fast", act=7_000_000))
+    cm = CostModel(cluster, MODEL, db, seq_length=128)
+    kw = dict(layers=3, stage=1, num_stages=4, tp=1, dp=1, micro_batch_size=1,
+              num_microbatches=8, schedule="1f1b", virtual_stages=1)
+    mem = cm.stage_memory(**kw, type_index=0)
+    assert mem.activations_measured
+    assert mem.activations_bytes == 3 * 7_000_000 * 3          # 3 layers x 3 in flight
+    est = cm.stage_memory(**kw, type_index=1)                   # slow: no record
+    assert not est.activations_measured
+    assert est.activations_bytes == pytest.approx(
+        3 * 3 * memory.layer_activation_bytes(MODEL, micro_batch_size=1, seq_length=128, tp=1),
+        abs=1)
+    assert mem.reserve_bytes == 2 << 30 and est.reserve_bytes == 1 << 30   # min(2, mem / 8)
+    assert mem.total_bytes == sum(v for k, v in mem.parts().items() if k != "total_bytes")
+
+
+def test_a_large_measured_activation_moves_the_plan(capsys, tmp_path):
+    """Measured memory decides feasibility: the same measured times with 1 MB or 3 GiB of
+    activations per layer and micro-batch give different plans, each fitting its memory."""
+    def plan(act, sub):
+        d = tmp_path / sub
+        d.mkdir()
+        db = write_db(d, measured("fast", act=act), measured("slow", act=act))
+        rc, out, _ = run(capsys, PLAN + ["--profiles", db, "--json"])
+        assert rc == 0
+        return json.loads(out)
+
+    small, big = plan(1_000_000, "small"), plan(3 << 30, "big")
+    shape = lambda p: (p["pp"], p["dp"], [(s["device_type"], s["layers"]) for s in p["stages"]])
+    assert shape(small) != shape(big)
+    for st in big["stages"]:
+        assert st["memory"]["activations_bytes"] >= 3 << 30
+        assert st["memory_bytes"] <= st["memory_capacity_bytes"]
+
+
+# --------------------------------------------------------------------------- mismatch warning
+
+def test_one_warning_line_names_the_differing_model_field(capsys, tmp_path):
+    biased = load_model(TINY).__class__(**{**MODEL.__dict__, "add_bias_linear": True})
+    db = write_db(tmp_path, *(measured(t, model=biased) for t in ("fast", "slow")))
+    rc, _, err = run(capsys, PLAN + ["--profiles", db])
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 2   # the warning, then the error
+    assert lines[0].startswith("poseidon: warning: profiles: 2 of 2 measured record(s) unusable")
+    assert "add_bias_linear (True vs False) differs x2" in lines[0]
+    assert "--allow-estimates" in lines[1]
+    rc, out, err = run(capsys, PLAN + ["--profiles", db, "--allow-estimates"])
+    assert rc == 0 and len(err.strip().splitlines()) == 1 and "Plan for" in out
+
+
+def test_warning_names_sequence_and_setup(tmp_path):
+    cluster = load_cluster(SMALL)
+    db = ProfileDB(None)
+    db.put(measured("fast", seq=2048))
+    db.put(measured("slow", setup=TrainingSetup(attention="unfused")))
+    db.put(measured("fast"))
+    usable, line = diagnose(db, cluster, MODEL, 128, TrainingSetup())
+    assert usable == 1
+    assert line.startswith("profiles: 2 of 3 measured record(s) unusable for tiny-gpt at seq 128")
+    assert "seq 2048 (planning seq 128)" in line and "attention unfused (planning flash)" in line
+    assert "\n" not in line
+    assert diagnose(db, cluster, MODEL, 128, TrainingSetup(attention="unfused"))[0] == 1
+
+
+def test_setup_flags_change_the_plan_memory(capsys):
+    def stage0(extra):
+        _, out, _ = run(capsys, PLAN + ["--json"] + extra)
+        return json.loads(out)["stages"][0]["memory"]
+
+    base, full = stage0([]), stage0(["--recompute", "full"])
+    dist = stage0(["--distributed-optimizer"])
+    assert full["activations_bytes"] < base["activations_bytes"]
+    assert dist["optimizer_bytes"] <= base["optimizer_bytes"]
+    unfused = stage0(["--attention", "unfused"])
+    assert unfused["activations_bytes"] > base["activations_bytes"]
+
+
+# --------------------------------------------------------------------------- cluster fields
+
+def _cluster(**fast):
+    spec = {"memory_gib": 16, "intra_node_gbps": 800, **fast}
+    return {"device_types": {"fast": spec}, "nodes": [{"device_type": "fast",
+                                                       "devices_per_node": 4}],
+            "links": {"inter_node_gbps": 100, "cross_type_gbps": 50}}
+
+
+def test_reserve_gib_field():
+    assert cluster_from_dict(_cluster(peak_tflops=100)).device_types["fast"].reserve_gib == 2.0
+    c = cluster_from_dict(_cluster(peak_tflops=100, reserve_gib="512 MiB"))
+    assert c.device_types["fast"].reserve_bytes == 512 << 20
+    with pytest.raises(SpecError, match=r"device_types.fast.reserve_gib: expected a number >= 0"):
+        cluster_from_dict(_cluster(peak_tflops=100, reserve_gib=16))
+
+
+def test_peak_is_optional_where_records_are_measured(tmp_path):
+    cluster = cluster_from_dict(_cluster(), source="c.yaml")
+    with pytest.raises(SpecError, match=r"c.yaml: device_types.fast.peak_tflops: expected a peak"):
+        calibrate_cluster(cluster, None, MODEL, 128)
+    db = ProfileDB(None)
+    db.put(measured("fast", fwd=0.5))
+    cal = calibrate_cluster(cluster, db, MODEL, 128)
+    dt = cal.device_types["fast"]
+    assert dt.calibrated and dt.efficiency == 1.0
+    assert dt.peak_tflops == pytest.approx(MODEL.layer_forward_flops(1, 128) / 0.5e-3 / 1e12,
+                                           rel=1e-5)
+
+
+def test_cli_plans_a_peakless_cluster_from_measured_records(capsys, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(json.dumps(_cluster()))
+    db = write_db(tmp_path, measured("fast", fwd=0.5))
+    base = ["plan", "--cluster", str(path), "--model", TINY, "--global-batch-size", "8",
+            "--seq-length", "128", "--workers", "1", "--no-baselines", "--micro-batch-sizes", "1"]
+    rc, out, _ = run(capsys, base + ["--tp", "1", "--profiles", db, "--json"])
+    assert rc == 0
+    st = json.loads(out)["stages"][0]
+    assert st["provenance"]["decoder"]["source"] == "measured"
+    assert st["provenance"]["embedding"]["source"] == "calibrated"
+    rc, _, err = run(capsys, base)
+    assert rc == 2 and "device_types.fast.peak_tflops" in err
+
+
+def test_merge_rule_measured_beats_calibrated_beats_estimated():
+    key = profile_key(MODEL, "fast", "decoder", 1, 1)
+    db = ProfileDB(None)
+    db.put(LayerProfile(key, 1, 2, 3, 4, source="measured"))
+    assert not db.put(LayerProfile(key, 9, 9, 9, 9, source="calibrated"))
+    db2 = ProfileDB(None)
+    db2.put(LayerProfile(key, 9, 9, 9, 9, source="estimated"))
+    assert db2.put(LayerProfile(key, 1, 2, 3, 4, source="calibrated"))
+    assert db2.get(key).source == "calibrated"
+
+
+def test_profile_merge_command(capsys, tmp_path):
+    a = write_db(tmp_path, measured("fast"))
+    b_path = tmp_path / "b"
+    b_path.mkdir()
+    b = write_db(b_path, measured("slow"))
+    out = str(tmp_path / "merged.json")
+    rc, _, err = run(capsys, ["profile", "--merge", a, b, "-o", out])
+    assert rc == 0 and "2 records" in err
+    assert {p.key.device_type for p in ProfileDB.load(out)} == {"fast", "slow"}
+
+
+def test_old_records_without_setup_fields_still_load(tmp_path):
+    rec = {"device_type": "fast", "layer_kind": "decoder", "tp": 1, "micro_batch_size": 1,
+           "seq_length": 128, "model_signature": MODEL.signature(), "forward_ms": 1.0,
+           "backward_ms": 2.0, "activation_bytes": 10, "param_bytes": 20, "source": "measured"}
+    db = ProfileDB.from_json(json.dumps({"version": 1, "records": [rec]}))
+    (p,) = db.profiles()
+    assert (p.key.dtype, p.key.attention, p.key.recompute) == ("bf16", "flash", "none")
