@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import os
 import sys
 
 from .errors import PoseidonError
@@ -18,6 +20,41 @@ from .simulator.schedules import LAUNCHABLE_SCHEDULES, SCHEDULES
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2 (argparse's default prints usage too)
         raise PoseidonError(message)
+
+
+def _positive_finite_float(text: str) -> float:
+    """argparse type: a finite number > 0 (``nan``, ``inf``, 0 and negatives are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {text!r}")
+    return value
+
+
+def _check_writable(flag: str, path: str) -> None:
+    """PoseidonError unless ``path`` can be written: checked before the search, so a typo in an
+    output path costs nothing. An existing file is left untouched."""
+    if os.path.isdir(path):
+        raise PoseidonError(f"{flag} {path}: cannot write (is a directory)")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        why = "not a directory" if os.path.exists(directory) else "no such directory"
+        raise PoseidonError(f"{flag} {path}: cannot write ({why}: {directory})")
+    target = path if os.path.exists(path) else directory
+    if not os.access(target, os.W_OK):
+        raise PoseidonError(f"{flag} {path}: cannot write (permission denied)")
+
+
+def _check_gantt_path(path: str) -> None:
+    """What ``gantt.draw_gantt`` would refuse after the search, refused before it."""
+    import importlib.util
+
+    if os.path.splitext(path)[1].lower() not in (".png", ".svg"):
+        raise PoseidonError(f"--gantt {path}: expected a file name ending in .png or .svg")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise PoseidonError("--gantt needs matplotlib: pip install matplotlib")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -49,7 +86,7 @@ def _build_parser() -> argparse.ArgumentParser:
                     "blocks (contiguous type blocks only), auto (blocks where a configuration "
                     "has more than 3^20 orders); a restricted space is named in the output")
     pl.add_argument("--warmup-samples", type=int, default=500)
-    pl.add_argument("--time-budget", type=float, default=None, metavar="S")
+    pl.add_argument("--time-budget", type=_positive_finite_float, default=None, metavar="S")
     pl.add_argument("--workers", type=int, default=None,
                     help="search threads (default: every core); the plan does not depend on it")
     pl.add_argument("--seed", type=int, default=0)
@@ -80,12 +117,19 @@ def _cmd_plan(ns) -> int:
     from .search import baseline_plans, search_plan
 
     options = search_options(ns)
+    for flag, path in (("--out", ns.out), ("--gantt", ns.gantt)):
+        if path:
+            _check_writable(flag, path)
+    if ns.gantt:
+        _check_gantt_path(ns.gantt)
     cluster = load_cluster(ns.cluster)
     model = get_model(ns.model)
     profiles = None
     if ns.profiles:
+        from .profile_checks import check_profiles
         from .profiles import ProfileDB
         profiles = ProfileDB.load(ns.profiles)
+        check_profiles(profiles, cluster, model)
     plan = search_plan(cluster, model, options, profiles)
     text = plan.to_json()
     if ns.gantt:
