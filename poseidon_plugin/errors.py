@@ -7,15 +7,17 @@ import reprlib
 _SHORT = reprlib.Repr()
 _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 3, 100, 100, 40
 _SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 6
+_SHORT_MAX = 160
 
 
 def short_repr(value: object) -> str:
     """``repr(value)`` cut to a few dozen characters (an error line stays one short line, even
     for a 1 MB string or a structure that YAML aliases expand to billions of values)."""
     try:
-        return _SHORT.repr(value)
+        text = _SHORT.repr(value)
     except (ValueError, RecursionError):   # an int too long to print, a self-referencing list
         return f"<{type(value).__name__}>"
+    return text if len(text) <= _SHORT_MAX else text[:_SHORT_MAX - 3] + "..."
 
 
 class PoseidonError(Exception):
