@@ -198,6 +198,12 @@ def require_mapping(value: object, source: str, field: str,
     return value
 
 
+def load_yaml(path: str, what: str) -> Any:
+    """The document of the YAML file ``path`` (None if empty), read within the limits above;
+    ``what`` names the file in errors ("cluster", "emulation", ...)."""
+    return _parse(_read_text(path, what), path)
+
+
 def load_yaml_mapping(path: str, what: str,
                       mapping_expected: str = "a mapping") -> Mapping[str, Any]:
     """The top-level mapping of the YAML file ``path``, a ``what`` spec ("cluster", "model").
@@ -205,11 +211,11 @@ def load_yaml_mapping(path: str, what: str,
     ``mapping_expected`` is the expectation a non-mapping top level is reported against (the
     same words the caller's ``*_from_dict`` uses for a non-mapping argument).
     """
-    data = _parse(_read_text(path, what), path)
+    data = load_yaml(path, what)
     if data is None:
         raise SpecError(path, "<top level>", f"a {what} mapping", "an empty file")
     return require_mapping(data, path, "<top level>", mapping_expected)
 
 
-__all__ = ["MAX_SPEC_BYTES", "MAX_SPEC_DEPTH", "MAX_SPEC_VALUES", "load_yaml_mapping",
-           "require_mapping"]
+__all__ = ["MAX_SPEC_BYTES", "MAX_SPEC_DEPTH", "MAX_SPEC_VALUES", "load_yaml",
+           "load_yaml_mapping", "require_mapping"]

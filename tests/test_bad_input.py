@@ -539,3 +539,18 @@ def test_examples_still_load():
     for name in sorted(os.listdir(os.path.join(ROOT, "examples/clusters"))):
         load_cluster(os.path.join(ROOT, "examples/clusters", name))
     copy.deepcopy(load_model(TINY))
+
+
+@pytest.mark.parametrize("loader", ["emulation", "overrides"])
+def test_launch_yaml_files_use_the_bounded_loader(tmp_path, loader):
+    """--poseidon-emulate and --poseidon-cluster files: same limits as a cluster file."""
+    from poseidon_plugin.megatron.discovery import load_overrides
+    from poseidon_plugin.megatron.emulation import load_emulation
+
+    load = load_emulation if loader == "emulation" else load_overrides
+    deep = write(tmp_path, "deep.yaml", "name: " + "[" * 100_000 + "]" * 100_000 + "\n")
+    assert "nested at most" in spec_error(load, deep).expected
+    bomb = write(tmp_path, "bomb.yaml", "name: " + _alias_bomb() + "\n")
+    assert "aliases expanded" in spec_error(load, bomb).expected
+    dup = write(tmp_path, "dup.yaml", "name: a\nname: b\n")
+    assert "unique keys" in spec_error(load, dup).expected
