@@ -413,14 +413,18 @@ def test_search_options_refuse_non_finite_budgets(value):
         SearchOptions(global_batch_size=16, seq_length=128, time_budget_s=value)
 
 
-@pytest.mark.parametrize("field, value", [("global_batch_size", 100_000_000),
-                                          ("seq_length", 10**12),
-                                          ("max_virtual_stages", 10**9)])
-def test_search_sizes_are_bounded(field, value):
-    """--global-batch-size 1e8 ran 7 min; --max-virtual-stages 1e9 ignored the time budget."""
+@pytest.mark.parametrize("field, value, phrase", [
+    ("global_batch_size", 100_000_000, "expected an integer <= 131072"),
+    ("seq_length", 10**12, "expected an integer <= 16777216"),
+    ("max_virtual_stages", 10**9, "expected an integer <= 4096"),
+    ("warmup_samples", 10**12, r"expected an integer in \[0, 1000000\]"),
+])
+def test_search_sizes_are_bounded(field, value, phrase):
+    """--global-batch-size 1e8 ran 7 min; --max-virtual-stages 1e9 ignored the time budget;
+    --warmup-samples 1e12 samples for days without a budget."""
     kwargs = dict(global_batch_size=16, seq_length=128)
     kwargs[field] = value
-    with pytest.raises(PoseidonError, match="expected an integer <= "):
+    with pytest.raises(PoseidonError, match=phrase):
         SearchOptions(**kwargs)
 
 

@@ -32,6 +32,7 @@ contiguous ``blocks`` orders lose 2.1 %), contiguous blocks beyond."""
 MAX_GLOBAL_BATCH_SIZE = 1 << 17
 MAX_SEQ_LENGTH = 1 << 24
 MAX_VIRTUAL_STAGES = 4096
+MAX_WARMUP_SAMPLES = 1_000_000   # ~30 s of sampling on 2 cores for the tiny example
 
 _TP_MODE_ALIASES = {"uniform": "uniform", "uniform-tp": "uniform", "per-stage": "per-stage",
                     "per-stage-tp": "per-stage"}
@@ -119,9 +120,10 @@ class SearchOptions:
             set_(self, "tp_degrees", _int_tuple("TP degrees (--tp / tp_degrees)",
                                                 self.tp_degrees))
         if (isinstance(self.warmup_samples, bool) or not isinstance(self.warmup_samples, int)
-                or self.warmup_samples < 0):
+                or not 0 <= self.warmup_samples <= MAX_WARMUP_SAMPLES):
             raise PoseidonError(f"warm-up samples (--warmup-samples / warmup_samples): "
-                                f"expected an integer >= 0, got {self.warmup_samples!r}")
+                                f"expected an integer in [0, {MAX_WARMUP_SAMPLES}], got "
+                                f"{self.warmup_samples!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise PoseidonError(f"seed (--seed / seed): expected an integer, got {self.seed!r}")
         if self.time_budget_s is not None:
