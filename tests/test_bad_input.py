@@ -520,11 +520,13 @@ def test_launch_timeout_is_validated(value, phrase):
         extract_options(["--poseidon-auto", f"--poseidon-timeout={value}"])
 
 
-def test_launch_time_budget_must_be_finite():
+def test_launch_time_budget_must_be_finite_and_profile_iters_bounded():
     from poseidon_plugin.megatron.options import extract_options
 
     with pytest.raises(PoseidonError, match="finite"):
         extract_options(["--poseidon-auto", "--poseidon-time-budget", "nan"])
+    with pytest.raises(PoseidonError, match="expected an integer <= 1000"):
+        extract_options(["--poseidon-auto", "--poseidon-profile-iters", "1000000000"])
 
 
 def test_launch_bad_timeout_is_one_line_on_stderr(tmp_path):

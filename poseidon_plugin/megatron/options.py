@@ -15,6 +15,7 @@ BACKENDS = ("auto", "megatron", "mindspeed-llm")
 # --poseidon-timeout bounds, seconds: below a second a healthy rendezvous times out; past a week
 # the value overflows torch's timedelta long before anyone waits for it
 TIMEOUT_RANGE_S = (1.0, 7 * 24 * 3600.0)
+MAX_PROFILE_ITERS = 1000   # timed iterations per profiled configuration (default 5)
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ _SPEC: dict[str, tuple[str, str]] = {
     "--poseidon-micro-batch-sizes": ("micro_batch_sizes", "ints"),
     "--poseidon-max-virtual-stages": ("max_virtual_stages", "int"),
     "--poseidon-save-plan": ("save_plan", "str"),
-    "--poseidon-profile-iters": ("profile_iters", "int"),
+    "--poseidon-profile-iters": ("profile_iters", "iters"),
     "--poseidon-seed": ("seed", "int0"),
     "--poseidon-search-workers": ("search_workers", "int"),
 }
@@ -162,6 +163,11 @@ def extract_options(argv: list[str]) -> tuple[PoseidonOptions, list[str]]:
             values[fld] = _timeout(name, raw)
         elif kind == "int":
             values[fld] = _positive_int(name, raw)
+        elif kind == "iters":
+            values[fld] = _positive_int(name, raw)
+            if values[fld] > MAX_PROFILE_ITERS:
+                raise PoseidonError(f"{name}: expected an integer <= {MAX_PROFILE_ITERS}, "
+                                    f"got {raw!r}")
         elif kind == "int0":
             try:
                 values[fld] = int(raw)
