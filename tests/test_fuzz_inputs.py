@@ -203,7 +203,7 @@ def test_fuzz_cli_subprocess(case):
     _check_outcome(proc.returncode, proc.stdout, proc.stderr, done)
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
 @given(mutated_inputs())
 def test_fuzz_cli_in_process(case):
     files, done = case
