@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import os
 import sys
 import time
 
@@ -40,6 +42,41 @@ def _words(values) -> str:
 def _add_verbose(parser: argparse.ArgumentParser, default) -> None:
     parser.add_argument(*_VERBOSE, action="store_true", default=default,
                         help="debug logging on stderr (before or after the command)")
+
+
+def _positive_finite_float(text: str) -> float:
+    """argparse type: a finite number > 0 (``nan``, ``inf``, 0 and negatives are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {text!r}")
+    return value
+
+
+def _check_writable(flag: str, path: str) -> None:
+    """PoseidonError unless ``path`` can be written: checked before the search, so a typo in an
+    output path costs nothing. An existing file is left untouched."""
+    if os.path.isdir(path):
+        raise PoseidonError(f"{flag} {path}: cannot write (is a directory)")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        why = "not a directory" if os.path.exists(directory) else "no such directory"
+        raise PoseidonError(f"{flag} {path}: cannot write ({why}: {directory})")
+    target = path if os.path.exists(path) else directory
+    if not os.access(target, os.W_OK):
+        raise PoseidonError(f"{flag} {path}: cannot write (permission denied)")
+
+
+def _check_gantt_path(path: str) -> None:
+    """What ``gantt.draw_gantt`` would refuse after the search, refused before it."""
+    import importlib.util
+
+    if os.path.splitext(path)[1].lower() not in (".png", ".svg"):
+        raise PoseidonError(f"--gantt {path}: expected a file name ending in .png or .svg")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise PoseidonError("--gantt needs matplotlib: pip install matplotlib")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -104,7 +141,7 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--warmup-samples", type=int, default=500, metavar="N",
                     help="random feasible plans that seed the search's threshold (default: "
                     "%(default)s; 0: none); speed only, the exact plan does not depend on it")
-    pl.add_argument("--time-budget", type=float, default=None, metavar="S",
+    pl.add_argument("--time-budget", type=_positive_finite_float, default=None, metavar="S",
                     help="wall-clock budget in seconds for everything after the command line "
                     "(loading, the search, the baselines): the best plan found by then, with its "
                     "gap to the proven lower bound (default: none, search to the end)")
@@ -204,12 +241,19 @@ def _cmd_plan(ns) -> int:
     from .search import search_plan
 
     options = search_options(ns)
+    for flag, path in (("--out", ns.out), ("--gantt", ns.gantt)):
+        if path:
+            _check_writable(flag, path)
+    if ns.gantt:
+        _check_gantt_path(ns.gantt)
     budget = _Budget(ns.time_budget, share=1.0 if ns.no_baselines else SEARCH_SHARE)
     cluster = load_cluster(ns.cluster)
     model = get_model(ns.model)
     profiles = None
     if ns.profiles:
         profiles = _load_profiles(ns, cluster, model, options)
+        from .profile_checks import check_profiles
+        check_profiles(profiles, cluster, model)
     from .profiles import calibrate_cluster
     cluster = calibrate_cluster(cluster, profiles, model, options.seq_length, options.training)
     plan = search_plan(cluster, model, budget.search_options(options), profiles)
@@ -283,12 +327,13 @@ def _load_profiles(ns, cluster, model, options):
 
     db = ProfileDB.load(ns.profiles)
     usable, warning = diagnose(db, cluster, model, options.seq_length, options.training)
+    if usable == 0 and not ns.allow_estimates:
+        why = f" ({warning})" if warning else ""
+        raise PoseidonError(f"--profiles {ns.profiles}: no measured record is usable for this "
+                            f"plan{why}; profile this model and setup with `poseidon profile`, "
+                            f"or pass --allow-estimates")
     if warning:
         sys.stderr.write(f"poseidon: warning: {warning}\n")
-    if usable == 0 and not ns.allow_estimates:
-        raise PoseidonError(f"--profiles {ns.profiles}: no measured record is usable for this "
-                            f"plan (see the warning); profile this model and setup with "
-                            f"`poseidon profile`, or pass --allow-estimates")
     return db
 
 

@@ -23,6 +23,11 @@ nodes use; ``latency_ms`` >= 0. Unknown keys anywhere are errors (they are usual
 
 Every mistake raises ``SpecError(source, field_path, expected, got)``, e.g.
 ``clusters/x.yaml: device_types.A100.memory_gib: expected a number > 0, got -3``.
+
+Limits (a hostile or mistyped file is refused before any arithmetic, with the limit named):
+at most ``MAX_DEVICE_TYPES`` device types, ``MAX_DEVICES_PER_NODE`` devices in a node,
+``MAX_NODES`` nodes and ``MAX_DEVICES`` devices in all; every number finite and inside
+``_RANGES`` (e.g. ``memory_gib`` up to 65536, ``peak_tflops`` up to 1e6 per device).
 """
 
 from __future__ import annotations
@@ -53,6 +58,23 @@ Devices under 16 GiB (small or emulated ones) get an eighth of their memory inst
 def default_reserve_gib(memory_gib: float) -> float:
     """``DEFAULT_RESERVE_GIB``, at most an eighth of the device's memory."""
     return min(DEFAULT_RESERVE_GIB, memory_gib / 8)
+
+MAX_DEVICE_TYPES = 32            # entries of device_types
+MAX_DEVICES_PER_NODE = 4096
+MAX_NODES = 1 << 17              # 131072 nodes
+MAX_DEVICES = 1 << 20            # 1048576 devices (the search is exercised up to 10k)
+NAME_MAX_CHARS = 200             # cluster and device type names
+# field -> (lowest, highest) in the field's unit; a value outside is refused (keeps every product
+# of the cost model finite and every printed figure meaningful)
+_RANGES: dict[str, tuple[float, float]] = {
+    "memory_gib": (1e-6, 65536.0),           # 1 KiB .. 64 TiB per device
+    "reserve_gib": (0.0, 65536.0),           # runtime reserve (below memory_gib)
+    "peak_tflops": (1e-6, 1e6),              # 1 MFLOP/s .. 1 EFLOP/s per device
+    "intra_node_gbps": (1e-6, 1e9),          # 1 kbit/s .. 1 Ebit/s
+    "inter_node_gbps": (1e-6, 1e9),
+    "cross_type_gbps": (1e-6, 1e9),
+    "latency_ms": (0.0, 1e5),                # up to 100 s per message
+}
 
 
 @dataclass(frozen=True)
@@ -170,10 +192,43 @@ def _check_keys(data: Mapping[str, Any], allowed: set[str], required: tuple[str,
             raise SpecError(source, f"{prefix}{key}", "a value", "missing")
 
 
-def _positive_int(value: object, source: str, field: str) -> int:
+def _positive_int(value: object, source: str, field: str, limit: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise SpecError(source, field, "an integer > 0", value)
+    if value > limit:
+        raise SpecError(source, field, f"an integer <= {limit}", value)
     return value
+
+
+def _in_range(value: object, kind, source: str, field: str, key: str) -> float:
+    """A quantity (``units.parse_quantity``) inside ``_RANGES[key]``."""
+    low, high = _RANGES[key]
+    number = (positive_quantity if low > 0 else parse_quantity)(value, kind, source=source,
+                                                                field=field)
+    if number < low:
+        raise SpecError(source, field, f"a number >= {low:g}", value)
+    if number > high:
+        raise SpecError(source, field, f"a number <= {high:g}", value)
+    return number
+
+
+def _name(value: object, source: str, field: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise SpecError(source, field, "a non-empty string", value)
+    if len(value) > NAME_MAX_CHARS or not value.isprintable():
+        raise SpecError(source, field, f"a printable name of at most {NAME_MAX_CHARS} "
+                        "characters", value)
+    return value
+
+
+def _check_totals(nodes: int, devices: int, source: str, path: str) -> None:
+    """Refuse a cluster past ``MAX_NODES`` nodes or ``MAX_DEVICES`` devices (before expanding)."""
+    if nodes > MAX_NODES:
+        raise SpecError(source, path + ".count", f"at most {MAX_NODES} nodes in all",
+                        f"{nodes} nodes")
+    if devices > MAX_DEVICES:
+        raise SpecError(source, path, f"at most {MAX_DEVICES} devices in all",
+                        f"{devices} devices")
 
 
 def _device_type(name: str, data: object, source: str) -> DeviceType:
@@ -187,29 +242,23 @@ def _device_type(name: str, data: object, source: str) -> DeviceType:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
             raise SpecError(source, field, "a fraction 0 < efficiency <= 1", value)
         efficiency = float(value)
-    memory = positive_quantity(data["memory_gib"], "memory", source=source,
-                               field=path + ".memory_gib")
+
+    def get(key: str, kind: str) -> float:
+        return _in_range(data[key], kind, source, f"{path}.{key}", key)
+
+    memory = get("memory_gib", "memory")
     reserve = default_reserve_gib(memory)
     if data.get("reserve_gib") is not None:
-        reserve = parse_quantity(data["reserve_gib"], "memory", source=source,
-                                 field=path + ".reserve_gib")
-        if not 0 <= reserve < memory:
+        reserve = get("reserve_gib", "memory")
+        if not reserve < memory:
             raise SpecError(source, path + ".reserve_gib",
                             f"a number >= 0 and below memory_gib ({memory:g})",
                             data["reserve_gib"])
-    peak = None
-    if data.get("peak_tflops") is not None:
-        peak = positive_quantity(data["peak_tflops"], "compute", source=source,
-                                 field=path + ".peak_tflops")
+    peak = get("peak_tflops", "compute") if data.get("peak_tflops") is not None else None
     return DeviceType(
-        name=name,
-        memory_gib=memory,
-        peak_tflops=peak,
-        intra_node_gbps=positive_quantity(data["intra_node_gbps"], "bandwidth", source=source,
-                                          field=path + ".intra_node_gbps"),
-        efficiency=efficiency,
-        reserve_gib=float(reserve),
-    )
+        name=name, memory_gib=memory, peak_tflops=peak,
+        intra_node_gbps=get("intra_node_gbps", "bandwidth"), efficiency=efficiency,
+        reserve_gib=float(reserve))
 
 
 def cluster_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Cluster:
@@ -220,17 +269,18 @@ def cluster_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Cluste
     name = data.get("name")
     if name is None:
         name = os.path.splitext(os.path.basename(source))[0] if source[:1] != "<" else "cluster"
-    elif not isinstance(name, str) or not name:
-        raise SpecError(source, "name", "a non-empty string", name)
+    else:
+        name = _name(name, source, "name")
 
     raw_types = require_mapping(data["device_types"], source, "device_types")
     if not raw_types:
         raise SpecError(source, "device_types", "at least one device type", "an empty mapping")
+    if len(raw_types) > MAX_DEVICE_TYPES:
+        raise SpecError(source, "device_types", f"at most {MAX_DEVICE_TYPES} device types",
+                        f"{len(raw_types)} types")
     device_types: dict[str, DeviceType] = {}
     for type_name, spec in raw_types.items():
-        if not isinstance(type_name, str) or not type_name:
-            raise SpecError(source, f"device_types.{type_name}", "a device type name (string)",
-                            type_name)
+        _name(type_name, source, "device_types (a type name)")
         device_types[type_name] = _device_type(type_name, spec, source)
 
     raw_nodes = data["nodes"]
@@ -238,6 +288,7 @@ def cluster_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Cluste
         raise SpecError(source, "nodes", "a non-empty list of node groups",
                         raw_nodes if not isinstance(raw_nodes, list) else "an empty list")
     nodes: list[Node] = []
+    total_devices = 0
     for i, group in enumerate(raw_nodes):
         path = f"nodes[{i}]"
         group = require_mapping(group, source, path)
@@ -246,8 +297,11 @@ def cluster_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Cluste
         if not isinstance(dtype, str) or dtype not in device_types:
             raise SpecError(source, path + ".device_type",
                             f"a type declared in device_types ({', '.join(device_types)})", dtype)
-        per_node = _positive_int(group["devices_per_node"], source, path + ".devices_per_node")
-        count = _positive_int(group.get("count", 1), source, path + ".count")
+        per_node = _positive_int(group["devices_per_node"], source, path + ".devices_per_node",
+                                 MAX_DEVICES_PER_NODE)
+        count = _positive_int(group.get("count", 1), source, path + ".count", MAX_NODES)
+        _check_totals(len(nodes) + count, total_devices + count * per_node, source, path)
+        total_devices += count * per_node
         for _ in range(count):
             nodes.append(Node(index=len(nodes), device_type=dtype, num_devices=per_node))
     used_types = tuple(dict.fromkeys(n.device_type for n in nodes))
@@ -263,21 +317,19 @@ def cluster_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Cluste
                 raise SpecError(source, field,
                                 f"a type declared in device_types ({', '.join(device_types)})",
                                 "unknown device type")
-            inter[type_name] = positive_quantity(value, "bandwidth", source=source, field=field)
+            inter[type_name] = _in_range(value, "bandwidth", source, field, "inter_node_gbps")
         for type_name in used_types:
             if type_name not in inter:
                 raise SpecError(source, f"links.inter_node_gbps.{type_name}",
                                 "a bandwidth for every device type used by nodes", "missing")
     else:
-        bandwidth = positive_quantity(raw_inter, "bandwidth", source=source,
-                                      field="links.inter_node_gbps")
+        bandwidth = _in_range(raw_inter, "bandwidth", source, "links.inter_node_gbps",
+                              "inter_node_gbps")
         inter = {t: bandwidth for t in device_types}
-    cross = positive_quantity(raw_links["cross_type_gbps"], "bandwidth", source=source,
-                              field="links.cross_type_gbps")
-    latency = parse_quantity(raw_links.get("latency_ms", 0.0), "time", source=source,
-                             field="links.latency_ms")
-    if latency < 0:
-        raise SpecError(source, "links.latency_ms", "a number >= 0", raw_links["latency_ms"])
+    cross = _in_range(raw_links["cross_type_gbps"], "bandwidth", source,
+                      "links.cross_type_gbps", "cross_type_gbps")
+    latency = _in_range(raw_links.get("latency_ms", 0.0), "time", source, "links.latency_ms",
+                        "latency_ms")
 
     return Cluster(
         name=name,

@@ -2,6 +2,23 @@
 
 from __future__ import annotations
 
+import reprlib
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 3, 100, 100, 40
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 6
+_SHORT_MAX = 160
+
+
+def short_repr(value: object) -> str:
+    """``repr(value)`` cut to a few dozen characters (an error line stays one short line, even
+    for a 1 MB string or a structure that YAML aliases expand to billions of values)."""
+    try:
+        text = _SHORT.repr(value)
+    except (ValueError, RecursionError):   # an int too long to print, a self-referencing list
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= _SHORT_MAX else text[:_SHORT_MAX - 3] + "..."
+
 
 class PoseidonError(Exception):
     """A user mistake or an impossible request; the CLI prints it on one line and exits 2."""
@@ -19,7 +36,7 @@ class SpecError(PoseidonError):
         self.field = field
         self.expected = expected
         self.got = got
-        got_part = "" if got is None else f", got {got!r}"
+        got_part = "" if got is None else f", got {short_repr(got)}"
         super().__init__(f"{source}: {field}: expected {expected}{got_part}")
 
 

@@ -16,7 +16,8 @@ Conventions
   not counted (they are memory-bound and small next to the GEMMs).
 
 YAML model file: the ``ModelSpec`` field names, e.g. ``examples/models/tiny-gpt.yaml``; ``name``
-defaults to the file stem; unknown keys are errors.
+defaults to the file stem; unknown keys are errors. Sizes are bounded (``_LIMITS``: e.g. at most
+4096 layers, a hidden size of 2^20) so that no count or FLOP figure overflows or hangs.
 """
 
 from __future__ import annotations
@@ -29,6 +30,14 @@ from .errors import SpecError
 from .specfile import load_yaml_mapping, require_mapping
 
 _NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+# field -> the largest value accepted (llama3-405b: 126 layers, hidden 16384, vocab 128256)
+_LIMITS: dict[str, int] = {
+    "num_layers": 4096, "hidden_size": 1 << 20, "ffn_hidden_size": 1 << 22,
+    "num_attention_heads": 1 << 16, "num_query_groups": 1 << 16, "vocab_size": 1 << 24,
+    "seq_length": 1 << 24, "num_experts": 1 << 16, "moe_top_k": 1 << 16, "kv_channels": 1 << 16,
+    "moe_ffn_hidden_size": 1 << 22,
+}
+NAME_MAX_CHARS = 200
 _POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
 
 
@@ -203,19 +212,20 @@ def _validate(spec: ModelSpec, source: str) -> None:
         if not cond:
             raise SpecError(source, field, expected, getattr(spec, field))
 
-    def pos_int(field: str) -> None:
+    def pos_int(field: str, low: int = 1) -> None:
         value = getattr(spec, field)
-        need(isinstance(value, int) and not isinstance(value, bool) and value > 0, field,
-             "an integer > 0")
+        need(isinstance(value, int) and not isinstance(value, bool) and value >= low, field,
+             "an integer > 0" if low else "an integer >= 0")
+        need(value <= _LIMITS[field], field, f"an integer <= {_LIMITS[field]}")
 
     need(isinstance(spec.name, str) and bool(spec.name), "name", "a non-empty string")
+    need(len(spec.name) <= NAME_MAX_CHARS and spec.name.isprintable(), "name",
+         f"a printable name of at most {NAME_MAX_CHARS} characters")
     for field in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                   "num_query_groups", "vocab_size", "seq_length"):
         pos_int(field)
     for field in ("num_experts", "moe_top_k"):
-        value = getattr(spec, field)
-        need(isinstance(value, int) and not isinstance(value, bool) and value >= 0, field,
-             "an integer >= 0")
+        pos_int(field, low=0)
     for field in ("swiglu", "untie_embeddings", "add_bias_linear"):
         need(isinstance(getattr(spec, field), bool), field, "true or false")
     need(spec.num_attention_heads % spec.num_query_groups == 0, "num_query_groups",
@@ -281,7 +291,7 @@ def model_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> ModelSpe
     data = require_mapping(data, source, "<top level>", _TOP_LEVEL)
     for key in data:
         if key not in _FIELD_NAMES:
-            raise SpecError(source, str(key),
+            raise SpecError(source, str(key)[:80],
                             f"a known key (one of: {', '.join(sorted(_FIELD_NAMES))})",
                             "unknown key")
     for key in _REQUIRED:

@@ -26,6 +26,11 @@ device type whose speed was set from measured layers; ``estimated`` -- the estim
 cluster file's peak x efficiency. ``diagnose`` names, in one line, why records of a DB cannot
 serve a plan (another sequence, model field, setup or device type).
 
+Limits (a hostile file is refused cheaply, naming the record and field): at most
+``MAX_DB_BYTES``, no duplicate keys in one JSON object, nesting beyond what the JSON parser
+handles is refused, not a traceback; times finite and in (0, ``MAX_LAYER_MS``], byte counts
+integers in [0, ``MAX_LAYER_BYTES``], key integers at most ``MAX_KEY_INT``.
+
 Analytic estimator (``estimate_profile``), per TP rank, for one micro-batch:
 
 * decoder: forward = layer FLOPs / tp / (peak x efficiency) + 2 TP all-reduces of the b*s*h bf16
@@ -59,7 +64,7 @@ from typing import Any, Iterator, Literal, get_args
 
 from . import memory
 from .comm import allreduce_ms
-from .errors import ProfileDBError, SpecError
+from .errors import ProfileDBError, SpecError, short_repr
 from .training import TrainingSetup
 
 LayerKind = Literal["decoder", "embedding", "output"]
@@ -68,6 +73,11 @@ LAYER_KINDS: tuple[str, ...] = get_args(LayerKind)
 SOURCES: tuple[str, ...] = get_args(Source)
 BYTES_BF16 = memory.BYTES_BF16
 BYTES_FP32 = memory.BYTES_FP32
+MAX_DB_BYTES = 64 << 20        # 64 MiB (~150k records)
+MAX_LAYER_MS = 3.6e6           # one layer, one micro-batch: at most an hour
+MAX_LAYER_BYTES = 1 << 46      # 64 TiB: the most memory a device may have (cluster.py)
+MAX_KEY_INT = 1 << 24          # tp, micro_batch_size, seq_length
+MAX_KEY_CHARS = 1024           # device_type, model_signature
 
 
 @dataclass(frozen=True)
@@ -139,13 +149,13 @@ def profile_to_record(profile: LayerProfile) -> dict[str, Any]:
 def profile_from_record(record: object, where: str) -> LayerProfile:
     """Parse one record; ProfileDBError naming ``where`` (e.g. 'db.json: records[3].tp')."""
     def bad(field: str, expected: str, got: object) -> ProfileDBError:
-        return ProfileDBError(f"{where}.{field}: expected {expected}, got {got!r}")
+        return ProfileDBError(f"{where}.{field}: expected {expected}, got {short_repr(got)}")
 
     if not isinstance(record, dict):
         raise ProfileDBError(f"{where}: expected an object, got {type(record).__name__}")
     for field in record:
         if field not in _RECORD_FIELDS:
-            raise bad(field, "a known field (" + ", ".join(sorted(_RECORD_FIELDS)) + ")",
+            raise bad(str(field)[:80], "a known field (" + ", ".join(sorted(_RECORD_FIELDS)) + ")",
                       "unknown field")
     for field in (*_KEY_FIELDS, *_VALUE_FIELDS):
         if field not in record:
@@ -155,8 +165,12 @@ def profile_from_record(record: object, where: str) -> LayerProfile:
         if typ is int:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise bad(field, "an integer >= 1", value)
+            if value > MAX_KEY_INT:
+                raise bad(field, f"an integer <= {MAX_KEY_INT}", value)
         elif not isinstance(value, str) or not value:
             raise bad(field, "a non-empty string", value)
+        elif len(value) > MAX_KEY_CHARS:
+            raise bad(field, f"a string of at most {MAX_KEY_CHARS} characters", value)
     if record["layer_kind"] not in LAYER_KINDS:
         raise bad("layer_kind", "one of " + ", ".join(LAYER_KINDS), record["layer_kind"])
     for field in ("forward_ms", "backward_ms"):
@@ -164,10 +178,15 @@ def profile_from_record(record: object, where: str) -> LayerProfile:
         if isinstance(value, bool) or not isinstance(value, (int, float)) \
                 or not math.isfinite(value) or value < 0:
             raise bad(field, "a number >= 0", value)
+        if not 0 < value <= MAX_LAYER_MS:
+            raise bad(field, f"a time > 0 and <= {MAX_LAYER_MS:g} ms (one layer, one "
+                      "micro-batch)", value)
     for field in ("activation_bytes", "param_bytes"):
         value = record[field]
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise bad(field, "an integer >= 0", value)
+        if value > MAX_LAYER_BYTES:
+            raise bad(field, f"at most {MAX_LAYER_BYTES} bytes (64 TiB)", value)
     source = record.get("source", "measured")
     if source not in SOURCES:
         raise bad("source", "one of " + ", ".join(SOURCES), source)
@@ -187,6 +206,22 @@ def profile_from_record(record: object, where: str) -> LayerProfile:
                         activation_bytes=record["activation_bytes"],
                         param_bytes=record["param_bytes"], source=source,
                         env=tuple(sorted(env.items())))
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads`` hook: a JSON object as a dict, refusing a key given twice."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
+    return out
 
 
 def _wins(new: LayerProfile, old: LayerProfile | None) -> bool:
@@ -271,10 +306,18 @@ class ProfileDB:
     @classmethod
     def from_json(cls, text: str, source: str = "<json>") -> "ProfileDB":
         try:
-            payload = json.loads(text)
+            payload = json.loads(text, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as exc:
             raise ProfileDBError(f"{source}: not valid JSON (line {exc.lineno}, column "
                                  f"{exc.colno}: {exc.msg})") from None
+        except _DuplicateKey as exc:
+            raise ProfileDBError(f"{source}: expected unique keys in a JSON object, got "
+                                 f"duplicate key {short_repr(exc.args[0])}") from None
+        except RecursionError:
+            raise ProfileDBError(f"{source}: not valid JSON for a profile DB (nested too "
+                                 "deeply)") from None
+        except ValueError as exc:   # e.g. an integer of more than 4300 digits
+            raise ProfileDBError(f"{source}: not valid JSON ({short_repr(str(exc))})") from None
         if not isinstance(payload, dict):
             raise ProfileDBError(f"{source}: expected a JSON object with 'version' and 'records'")
         version = payload.get("version")
@@ -295,11 +338,16 @@ class ProfileDB:
     @classmethod
     def load(cls, path: str) -> "ProfileDB":
         try:
-            with open(path, encoding="utf-8") as handle:
-                text = handle.read()
+            with open(path, "rb") as handle:
+                data = handle.read(MAX_DB_BYTES + 1)
         except OSError as exc:
             raise ProfileDBError(f"{path}: cannot read profile DB: {exc.strerror or exc}") \
                 from None
+        if len(data) > MAX_DB_BYTES:
+            raise ProfileDBError(f"{path}: expected a profile DB of at most "
+                                 f"{MAX_DB_BYTES >> 20} MiB, got more")
+        try:
+            text = data.decode("utf-8")
         except UnicodeDecodeError:
             raise ProfileDBError(f"{path}: not valid JSON (not UTF-8 text)") from None
         db = cls.from_json(text, source=path)

@@ -131,10 +131,11 @@ def test_one_warning_line_names_the_differing_model_field(capsys, tmp_path):
     rc, _, err = run(capsys, PLAN + ["--profiles", db])
     assert rc == 2
     lines = err.strip().splitlines()
-    assert len(lines) == 2   # the warning, then the error
-    assert lines[0].startswith("poseidon: warning: profiles: 2 of 2 measured record(s) unusable")
+    assert len(lines) == 1   # one error line, the reason inside
+    assert lines[0].startswith("poseidon: error: --profiles ")
+    assert "profiles: 2 of 2 measured record(s) unusable" in lines[0]
     assert "add_bias_linear (True vs False) differs x2" in lines[0]
-    assert "--allow-estimates" in lines[1]
+    assert "--allow-estimates" in lines[0]
     rc, out, err = run(capsys, PLAN + ["--profiles", db, "--allow-estimates"])
     assert rc == 0 and len(err.strip().splitlines()) == 1 and "Plan for" in out
 

@@ -284,15 +284,9 @@ def rename_type(raw_name: str, overrides: Mapping[str, Any] | None) -> str:
 def load_overrides(path: str | None) -> dict[str, Any]:
     if not path:
         return {}
-    import yaml
+    from ..specfile import load_yaml
 
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
-    except OSError as e:
-        raise SpecError(path, "<file>", "a readable cluster override file", str(e)) from None
-    except yaml.YAMLError as e:
-        raise SpecError(path, "<file>", "valid YAML", str(e).splitlines()[0]) from None
+    data = load_yaml(path, "cluster override") or {}  # bounded: size, depth, aliases, keys
     if not isinstance(data, dict):
         raise SpecError(path, "<root>", "a mapping", type(data).__name__)
     allowed = {"name", "device_types", "links", "device_names", "nodes"}

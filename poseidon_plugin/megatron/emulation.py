@@ -111,16 +111,10 @@ def emulation_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Emul
 
 
 def load_emulation(path: str) -> EmulationSpec:
-    import yaml
+    from ..specfile import load_yaml
 
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except OSError as e:
-        raise SpecError(path, "<file>", "a readable YAML emulation file", str(e)) from None
-    except yaml.YAMLError as e:
-        raise SpecError(path, "<file>", "valid YAML", str(e).splitlines()[0]) from None
-    return emulation_from_dict(data, source=path)
+    # bounded like a cluster file: size, depth, aliases, duplicate keys, UTF-8
+    return emulation_from_dict(load_yaml(path, "emulation"), source=path)
 
 
 # ----------------------------------------------------------------------------------------------

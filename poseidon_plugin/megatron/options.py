@@ -5,12 +5,17 @@ Every option also accepts the ``--opt=value`` form. Nothing here imports torch.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, replace
 
 from ..errors import PoseidonError
 
 BACKENDS = ("auto", "megatron", "mindspeed-llm")
+# --poseidon-timeout bounds, seconds: below a second a healthy rendezvous times out; past a week
+# the value overflows torch's timedelta long before anyone waits for it
+TIMEOUT_RANGE_S = (1.0, 7 * 24 * 3600.0)
+MAX_PROFILE_ITERS = 1000   # timed iterations per profiled configuration (default 5)
 
 
 @dataclass(frozen=True)
@@ -64,8 +69,17 @@ def _positive_float(name: str, text: str) -> float:
         value = float(text)
     except ValueError:
         raise PoseidonError(f"{name}: expected a number of seconds, got {text!r}") from None
-    if value <= 0:
-        raise PoseidonError(f"{name}: expected a number > 0, got {text!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise PoseidonError(f"{name}: expected a number > 0 and finite, got {text!r}")
+    return value
+
+
+def _timeout(name: str, text: str) -> float:
+    value = _positive_float(name, text)
+    low, high = TIMEOUT_RANGE_S
+    if not low <= value <= high:
+        raise PoseidonError(f"{name}: expected a number of seconds in [{low:g}, {high:g}], "
+                            f"got {text!r}")
     return value
 
 
@@ -91,12 +105,12 @@ _SPEC: dict[str, tuple[str, str]] = {
     "--poseidon-time-budget": ("time_budget_s", "float"),
     "--poseidon-backend": ("backend", "backend"),
     "--poseidon-emulate": ("emulate_file", "str"),
-    "--poseidon-timeout": ("timeout_s", "float"),
+    "--poseidon-timeout": ("timeout_s", "timeout"),
     "--poseidon-tp": ("tp_candidates", "ints"),
     "--poseidon-micro-batch-sizes": ("micro_batch_sizes", "ints"),
     "--poseidon-max-virtual-stages": ("max_virtual_stages", "int"),
     "--poseidon-save-plan": ("save_plan", "str"),
-    "--poseidon-profile-iters": ("profile_iters", "int"),
+    "--poseidon-profile-iters": ("profile_iters", "iters"),
     "--poseidon-seed": ("seed", "int0"),
     "--poseidon-search-workers": ("search_workers", "int"),
 }
@@ -145,8 +159,15 @@ def extract_options(argv: list[str]) -> tuple[PoseidonOptions, list[str]]:
             values[fld] = tuple(s.strip() for s in raw.split(",") if s.strip())
         elif kind == "float":
             values[fld] = _positive_float(name, raw)
+        elif kind == "timeout":
+            values[fld] = _timeout(name, raw)
         elif kind == "int":
             values[fld] = _positive_int(name, raw)
+        elif kind == "iters":
+            values[fld] = _positive_int(name, raw)
+            if values[fld] > MAX_PROFILE_ITERS:
+                raise PoseidonError(f"{name}: expected an integer <= {MAX_PROFILE_ITERS}, "
+                                    f"got {raw!r}")
         elif kind == "int0":
             try:
                 values[fld] = int(raw)

@@ -28,13 +28,22 @@ TYPE_SEQUENCE_LIMIT = 3 ** 20
 with the capacity bound the interleaved orders cost ~2x, and on paper-setting6 (288 NPUs) the
 contiguous ``blocks`` orders lose 2.1 %), contiguous blocks beyond."""
 
+# upper bounds that keep the search's arrays and loops finite (a typo of a few zeros is refused,
+# not searched for minutes): sequences per iteration, tokens per sequence, interleaving depth
+MAX_GLOBAL_BATCH_SIZE = 1 << 17
+MAX_SEQ_LENGTH = 1 << 24
+MAX_VIRTUAL_STAGES = 4096
+MAX_WARMUP_SAMPLES = 1_000_000   # ~30 s of sampling on 2 cores for the tiny example
+
 _TP_MODE_ALIASES = {"uniform": "uniform", "uniform-tp": "uniform", "per-stage": "per-stage",
                     "per-stage-tp": "per-stage"}
 
 
-def _positive_int(name: str, value: object) -> int:
+def _positive_int(name: str, value: object, limit: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise PoseidonError(f"{name}: expected an integer >= 1, got {value!r}")
+    if limit is not None and value > limit:
+        raise PoseidonError(f"{name}: expected an integer <= {limit}, got {value!r}")
     return value
 
 
@@ -81,10 +90,11 @@ class SearchOptions:
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         _positive_int("global batch size (--global-batch-size / global_batch_size)",
-                      self.global_batch_size)
-        _positive_int("sequence length (--seq-length / seq_length)", self.seq_length)
+                      self.global_batch_size, MAX_GLOBAL_BATCH_SIZE)
+        _positive_int("sequence length (--seq-length / seq_length)", self.seq_length,
+                      MAX_SEQ_LENGTH)
         _positive_int("max virtual stages (--max-virtual-stages / max_virtual_stages)",
-                      self.max_virtual_stages)
+                      self.max_virtual_stages, MAX_VIRTUAL_STAGES)
         if isinstance(self.schedules, str):
             set_(self, "schedules", (self.schedules,))
         set_(self, "schedules", tuple(self.schedules))
@@ -113,9 +123,10 @@ class SearchOptions:
             set_(self, "tp_degrees", _int_tuple("TP degrees (--tp / tp_degrees)",
                                                 self.tp_degrees))
         if (isinstance(self.warmup_samples, bool) or not isinstance(self.warmup_samples, int)
-                or self.warmup_samples < 0):
+                or not 0 <= self.warmup_samples <= MAX_WARMUP_SAMPLES):
             raise PoseidonError(f"warm-up samples (--warmup-samples / warmup_samples): "
-                                f"expected an integer >= 0, got {self.warmup_samples!r}")
+                                f"expected an integer in [0, {MAX_WARMUP_SAMPLES}], got "
+                                f"{self.warmup_samples!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise PoseidonError(f"seed (--seed / seed): expected an integer, got {self.seed!r}")
         if self.time_budget_s is not None:

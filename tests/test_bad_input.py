@@ -1,0 +1,562 @@
+"""Bad input, row by row (issue 12): every hostile or mistyped file and flag ends in one line
+``poseidon: error: ...`` (exit 2) or, in launch mode, is handled like a truncated cache, and
+does so fast (no hang, no traceback, no multi-gigabyte expansion).
+
+Each test names the row of the issue's table it covers. The fuzz test over mutated files is
+``test_fuzz_inputs.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from poseidon_plugin import cli
+from poseidon_plugin.cluster import (
+    MAX_DEVICE_TYPES, MAX_DEVICES, MAX_NODES, cluster_from_dict, load_cluster,
+)
+from poseidon_plugin.errors import PoseidonError, ProfileDBError, SpecError, short_repr
+from poseidon_plugin.model import PRESETS, load_model, model_from_dict
+from poseidon_plugin.profile_checks import check_profiles
+from poseidon_plugin.profiles import ProfileDB, estimate_profile, profile_key, profile_to_record
+from poseidon_plugin.search.options import SearchOptions
+from poseidon_plugin.specfile import MAX_SPEC_BYTES, MAX_SPEC_DEPTH, load_yaml_mapping
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = os.path.join(ROOT, "examples/clusters/small-two-type.yaml")
+TINY = os.path.join(ROOT, "examples/models/tiny-gpt.yaml")
+SMALL_TEXT = open(SMALL, encoding="utf-8").read()
+TINY_TEXT = open(TINY, encoding="utf-8").read()
+PLAN = ["plan", "--cluster", SMALL, "--model", TINY, "--global-batch-size", "16",
+        "--seq-length", "128", "--workers", "1", "--no-baselines"]
+
+
+def one_line_error(capsys, argv, pattern=None, max_s=10.0):
+    """Run ``cli.main(argv)``: exit 2, one line ``poseidon: error: ...``, within ``max_s``."""
+    start = time.perf_counter()
+    rc = cli.main(list(argv))
+    took = time.perf_counter() - start
+    out, err = capsys.readouterr()
+    assert rc == 2, (out, err)
+    assert err.startswith("poseidon: error: ") and err.count("\n") == 1, err[:2000]
+    assert len(err) < 600, f"a 'one-line' error of {len(err)} characters"
+    assert out == ""
+    assert took < max_s, f"{took:.1f} s to the error"
+    if pattern is not None:
+        import re
+        assert re.search(pattern, err), f"{pattern!r} not in {err!r}"
+    return err
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def spec_error(load, path) -> SpecError:
+    with pytest.raises(SpecError) as info:
+        load(path)
+    return info.value
+
+
+# ------------------------------------------------------------------ YAML: depth, aliases, size
+
+@pytest.mark.parametrize("body", ["[" * 100_000 + "]" * 100_000,
+                                  "{a: " * 100_000 + "1" + "}" * 100_000])
+def test_yaml_nested_100k_deep_is_refused_without_recursion(tmp_path, body):
+    """Row 'cluster YAML nested 100k-200k deep': was a RecursionError traceback."""
+    path = write(tmp_path, "deep.yaml", SMALL_TEXT.replace("name: small-two-type",
+                                                           "name: " + body))
+    start = time.perf_counter()
+    err = spec_error(load_cluster, path)
+    assert time.perf_counter() - start < 2.0
+    assert err.field == "line 4"
+    assert f"nested at most {MAX_SPEC_DEPTH} deep" in err.expected
+
+
+def test_block_style_nesting_is_bounded_too(tmp_path):
+    text = "".join(" " * i + "a:\n" for i in range(200)) + " " * 200 + "b: 1\n"
+    err = spec_error(lambda p: load_yaml_mapping(p, "model"), write(tmp_path, "m.yaml", text))
+    assert "nested at most" in err.expected
+
+
+def _alias_bomb(levels=9) -> str:
+    """A flow list whose last entry expands to 9**levels strings (a 'billion laughs')."""
+    parts = ["&a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    for i in range(1, levels):
+        parts.append(f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]")
+    return "[" + ", ".join(parts) + "]"
+
+
+def test_yaml_alias_bomb_is_refused_before_expansion(tmp_path):
+    """Row '962-byte YAML alias bomb in a cluster name': was 3.4 GB then MemoryError."""
+    bomb = _alias_bomb()
+    path = write(tmp_path, "bomb.yaml", SMALL_TEXT.replace("name: small-two-type",
+                                                           "name: " + bomb))
+    assert len(bomb) < 1000
+    start = time.perf_counter()
+    err = spec_error(load_cluster, path)
+    assert time.perf_counter() - start < 1.0
+    assert "aliases expanded" in err.expected and "alias bomb" in str(err)
+    assert len(str(err)) < 300
+
+
+def test_a_smaller_alias_expansion_gives_a_short_error(tmp_path):
+    """Row '... a smaller one gives a 53 KB one-line error': the value is cut in the message."""
+    text = SMALL_TEXT.replace("name: small-two-type", "name: " + _alias_bomb(5))
+    err = spec_error(load_cluster, write(tmp_path, "b.yaml", text))
+    assert err.field == "name" and len(str(err)) < 400, str(err)
+
+
+def test_recursive_alias_is_refused(tmp_path):
+    err = spec_error(load_cluster, write(tmp_path, "r.yaml", "name: &n [1, *n]\n"))
+    assert "recursive alias" in str(err)
+
+
+def test_merge_keys_still_work(tmp_path):
+    text = SMALL_TEXT.replace(
+        "  fast: {memory_gib: 16, peak_tflops: 200, efficiency: 0.5, intra_node_gbps: 800}",
+        "  fast: &f {memory_gib: 16, peak_tflops: 200, efficiency: 0.5, intra_node_gbps: 800}"
+    ).replace("  slow: {memory_gib: 8, peak_tflops: 100, efficiency: 0.5, intra_node_gbps: 400}",
+              "  slow: {<<: *f, memory_gib: 8, peak_tflops: 100, intra_node_gbps: 400}")
+    assert text != SMALL_TEXT
+    cluster = load_cluster(write(tmp_path, "m.yaml", text))
+    assert cluster.device_types["slow"].memory_gib == 8
+    assert cluster.device_types["slow"].efficiency == 0.5
+
+
+def test_50_mb_cluster_file_is_refused_at_once(tmp_path, capsys):
+    """Row 'a 50 MB cluster YAML with --time-budget 30': was 198 s."""
+    path = tmp_path / "huge.yaml"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(SMALL_TEXT)
+        f.write("# " + "x" * (50 << 20) + "\n")
+    err = one_line_error(capsys, [*PLAN[:2], str(path), *PLAN[3:], "--time-budget", "30"],
+                         r"expected a cluster YAML file of at most 2 MiB, got '50\.0 MiB'",
+                         max_s=3.0)
+    assert str(MAX_SPEC_BYTES >> 20) + " MiB" in err
+
+
+def test_a_file_just_under_the_size_limit_loads(tmp_path):
+    pad = "# " + "x" * (MAX_SPEC_BYTES - len(SMALL_TEXT) - 10) + "\n"
+    cluster = load_cluster(write(tmp_path, "c.yaml", SMALL_TEXT + pad))
+    assert cluster.total_devices == 16
+
+
+def test_endless_input_is_bounded(tmp_path):
+    """A character device (no size) is read only up to the limit."""
+    if not os.path.exists("/dev/zero"):
+        pytest.skip("no /dev/zero")
+    err = spec_error(load_cluster, "/dev/zero")
+    assert "at most 2 MiB" in err.expected
+
+
+def test_non_utf8_yaml_names_the_line(tmp_path, capsys):
+    """Row 'non-UTF-8 YAML': was a UnicodeDecodeError traceback."""
+    raw = SMALL_TEXT.encode().replace(b"name: small-two-type", b"name: caf\xe9")
+    path = write(tmp_path, "latin1.yaml", raw)
+    one_line_error(capsys, [*PLAN[:2], path, *PLAN[3:]],
+                   r"latin1\.yaml: line 4: expected UTF-8 text, got 'byte 0xe9'")
+    model = write(tmp_path, "m.yaml", b"\xff\xfe" + TINY_TEXT.encode("utf-16-le"))
+    assert "UTF-8" in spec_error(load_model, model).expected
+
+
+def test_utf8_bom_is_accepted(tmp_path):
+    cluster = load_cluster(write(tmp_path, "bom.yaml", "\ufeff" + SMALL_TEXT))
+    assert cluster.name == "small-two-type"
+
+
+@pytest.mark.parametrize("text, phrase", [
+    ("a: !!python/object:os.system x\n", "could not determine a constructor"),
+    ("a: 2001-13-45\n", "month must be in 1..12"),
+    ("a: " + "9" * 5000 + "\n", "4300 digits"),
+    ("a: \x01\n", "control characters"),
+])
+def test_odd_yaml_scalars_are_one_line_errors(tmp_path, text, phrase):
+    err = spec_error(lambda p: load_yaml_mapping(p, "model"), write(tmp_path, "o.yaml", text))
+    assert "valid YAML" in err.expected and phrase in str(err), str(err)
+
+
+# ------------------------------------------------------------------ duplicate keys and types
+
+def test_device_type_declared_twice_is_refused(tmp_path, capsys):
+    """Row 'a device type declared twice in device_types': the second silently won."""
+    text = SMALL_TEXT.replace(
+        "  slow: {memory_gib: 8,",
+        "  fast: {memory_gib: 80, peak_tflops: 900, intra_node_gbps: 900}\n"
+        "  slow: {memory_gib: 8,")
+    path = write(tmp_path, "twice.yaml", text)
+    one_line_error(capsys, [*PLAN[:2], path, *PLAN[3:]],
+                   r"twice\.yaml: line 7: expected unique keys in a mapping, got "
+                   r"\"duplicate key 'fast'\"")
+
+
+def test_duplicate_keys_in_a_model_file_are_refused(tmp_path):
+    err = spec_error(load_model, write(tmp_path, "m.yaml", TINY_TEXT + "num_layers: 80\n"))
+    assert err.expected == "unique keys in a mapping" and "num_layers" in str(err.got)
+
+
+def test_too_many_device_types(tmp_path):
+    data = yaml.safe_load(SMALL_TEXT)
+    for i in range(MAX_DEVICE_TYPES):
+        data["device_types"][f"t{i}"] = dict(data["device_types"]["fast"])
+    with pytest.raises(SpecError, match=f"at most {MAX_DEVICE_TYPES} device types"):
+        cluster_from_dict(data)
+
+
+# ------------------------------------------------------------------ sizes and numbers
+
+def _cluster(**changes):
+    data = yaml.safe_load(SMALL_TEXT)
+    for path, value in changes.items():
+        node = data
+        *head, last = path.split("__")
+        for part in head:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        node[last] = value
+    return data
+
+
+@pytest.mark.parametrize("changes, field, phrase", [
+    ({"nodes__0__count": 100_000_000}, "nodes[0].count", f"<= {MAX_NODES}"),
+    ({"nodes__0__devices_per_node": 10**12}, "nodes[0].devices_per_node", "<= 4096"),
+    ({"nodes__0__count": 100_000, "nodes__0__devices_per_node": 4096}, "nodes[0]",
+     f"at most {MAX_DEVICES} devices"),
+    ({"nodes__0__count": MAX_NODES, "nodes__1__count": 1}, "nodes[1].count",
+     f"at most {MAX_NODES} nodes"),
+    ({"device_types__fast__memory_gib": 1e300}, "device_types.fast.memory_gib", "<= 65536"),
+    ({"device_types__fast__memory_gib": "1e300"}, "device_types.fast.memory_gib", "<= 65536"),
+    ({"device_types__fast__memory_gib": float("nan")}, "device_types.fast.memory_gib", "finite"),
+    ({"device_types__fast__peak_tflops": 1e-300}, "device_types.fast.peak_tflops", ">= 1e-06"),
+    ({"device_types__fast__peak_tflops": 1e300}, "device_types.fast.peak_tflops", "<= 1e+06"),
+    ({"device_types__slow__intra_node_gbps": float("inf")},
+     "device_types.slow.intra_node_gbps", "finite"),
+    ({"links__cross_type_gbps": 1e-30}, "links.cross_type_gbps", ">= 1e-06"),
+    ({"links__inter_node_gbps__fast": 1e30}, "links.inter_node_gbps.fast", "<= 1e+09"),
+    ({"links__latency_ms": 1e300}, "links.latency_ms", "<= 100000"),
+    ({"name": "x" * 10_000}, "name", "at most 200 characters"),
+])
+def test_cluster_sizes_and_numbers_are_bounded(changes, field, phrase):
+    """Row 'count: 100000000 nodes; devices_per_node: 1e12; memory_gib: 1e300': were
+    MemoryError at 7.7 GB / MemoryError / OverflowError tracebacks."""
+    start = time.perf_counter()
+    with pytest.raises(SpecError) as info:
+        cluster_from_dict(_cluster(**changes), source="c.yaml")
+    assert time.perf_counter() - start < 1.0
+    assert info.value.field == field
+    assert phrase in info.value.expected
+    assert len(str(info.value)) < 300
+
+
+def test_largest_allowed_cluster_loads_fast():
+    start = time.perf_counter()
+    c = cluster_from_dict(_cluster(nodes__0__count=MAX_NODES // 2,
+                                   nodes__1__count=MAX_NODES // 2,
+                                   nodes__0__devices_per_node=8, nodes__1__devices_per_node=8))
+    assert c.total_devices == MAX_DEVICES
+    assert time.perf_counter() - start < 5.0
+
+
+@pytest.mark.parametrize("field, value, phrase", [
+    ("num_layers", 10**9, "<= 4096"),
+    ("hidden_size", 2**40, "<= 1048576"),
+    ("vocab_size", 10**30, "<= 16777216"),
+    ("seq_length", 10**12, "<= 16777216"),
+    ("name", "n" * 5000, "at most 200 characters"),
+])
+def test_model_sizes_are_bounded(field, value, phrase):
+    data = yaml.safe_load(TINY_TEXT)
+    data[field] = value
+    with pytest.raises(SpecError) as info:
+        model_from_dict(data, source="m.yaml")
+    assert info.value.field == field and phrase in info.value.expected
+
+
+def test_presets_are_inside_the_model_limits():
+    for spec in PRESETS.values():
+        model_from_dict({f: getattr(spec, f) for f in spec.__dataclass_fields__})
+
+
+def test_short_repr_bounds_any_value():
+    nested: list = []
+    nested.append(nested)
+    assert len(short_repr("x" * 10**6)) < 120
+    assert len(short_repr(list(range(10**5)))) < 120
+    assert short_repr(nested)            # no RecursionError
+    assert short_repr(1e300) == "1e+300"
+
+
+# ------------------------------------------------------------------ profile DB
+
+def _db_payload(**patch):
+    """A valid profile DB (measured records for tiny-gpt on the small cluster, at the
+    estimator's times) with ``patch`` applied to every record."""
+    cluster = load_cluster(SMALL)
+    model = load_model(TINY)
+    records = []
+    for device in ("fast", "slow"):
+        for kind in ("decoder", "embedding", "output"):
+            p = estimate_profile(cluster, model, profile_key(model, device, kind, 1, 1, 128))
+            rec = profile_to_record(p)
+            rec["source"] = "measured"
+            rec.update(patch)
+            records.append(rec)
+    return {"version": 1, "records": records}
+
+
+def _db(tmp_path, payload, name="db.json"):
+    text = payload if isinstance(payload, str) else json.dumps(payload)
+    return write(tmp_path, name, text)
+
+
+@pytest.mark.parametrize("patch, pattern", [
+    ({"forward_ms": 0, "backward_ms": 0},
+     r"records\[0\]\.forward_ms: expected a time > 0 and <= 3\.6e\+06 ms"),
+    ({"forward_ms": 1e300}, r"records\[0\]\.forward_ms: expected a time > 0 .*got 1e\+300"),
+    ({"backward_ms": float("nan")}, r"records\[0\]\.backward_ms: expected a number >= 0"),
+    ({"activation_bytes": 1e30}, r"records\[0\]\.activation_bytes: expected an integer"),
+    ({"activation_bytes": 10**30}, r"records\[0\]\.activation_bytes: expected at most "),
+    ({"tp": 10**20}, r"records\[0\]\.tp: expected an integer <= 16777216"),
+])
+def test_profile_records_are_validated_on_load(tmp_path, capsys, patch, pattern):
+    """Rows 'profile DB whose times are all 0' (was: no output in 600 s, MFU 66789.8 %, then
+    ZeroDivisionError), 'profile times of 1e300' (was: 300-digit time, 0 tokens/s),
+    'activation_bytes 1e30' (was: silently accepted)."""
+    path = _db(tmp_path, _db_payload(**patch))
+    one_line_error(capsys, [*PLAN, "--profiles", path, "--time-budget", "5"], pattern,
+                   max_s=5.0)
+
+
+def test_profile_faster_than_the_peak_is_refused(tmp_path, capsys):
+    """A measured layer that would beat the device's peak (an MFU above 100 %)."""
+    payload = _db_payload()
+    for rec in payload["records"]:
+        rec["forward_ms"] = rec["forward_ms"] * 1e-6
+    path = _db(tmp_path, payload)
+    one_line_error(capsys, [*PLAN, "--profiles", path],
+                   r"db\.json: record \(fast, decoder, tp=1, micro-batch 1, seq 128\): "
+                   r"forward_ms \S+ implies \S+ TFLOP/s per device, above fast's peak_tflops "
+                   r"\(200\)")
+
+
+def test_plausible_profiles_pass_and_give_a_sane_plan(tmp_path, capsys):
+    path = _db(tmp_path, _db_payload())
+    rc = cli.main([*PLAN, "--profiles", path, "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    plan = json.loads(out)
+    assert 0 < plan["mfu"] <= 1 and plan["predicted_tokens_per_s"] > 0
+
+
+def test_check_profiles_ignores_other_models_and_estimates():
+    cluster = load_cluster(SMALL)
+    model = load_model(TINY)
+    db = ProfileDB.from_json(json.dumps(_db_payload(forward_ms=1e-9, source="estimated")))
+    check_profiles(db, cluster, model)                       # estimated: not used by the search
+    db = ProfileDB.from_json(json.dumps(_db_payload(forward_ms=1e-9, model_signature="other")))
+    check_profiles(db, cluster, model)                       # another model's records
+    db = ProfileDB.from_json(json.dumps(_db_payload(forward_ms=1e-9)))
+    with pytest.raises(ProfileDBError, match="above fast's peak_tflops"):
+        check_profiles(db, cluster, model)
+
+
+def test_profile_db_nested_100k_deep(tmp_path, capsys):
+    """Row 'profile DB nested 100k-200k deep': was a RecursionError traceback."""
+    path = _db(tmp_path, '{"version": 1, "records": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    one_line_error(capsys, [*PLAN, "--profiles", path], r"db\.json: .*nested too deeply",
+                   max_s=3.0)
+
+
+@pytest.mark.parametrize("text, pattern", [
+    ('{"version": 1, "version": 1, "records": []}',
+     r"expected unique keys in a JSON object, got duplicate key 'version'"),
+    ('{"version": 1, "records": [], "x": ' + "9" * 5000 + "}", r"not valid JSON \("),
+])
+def test_profile_db_duplicate_keys_and_huge_ints(tmp_path, text, pattern):
+    with pytest.raises(ProfileDBError, match=pattern):
+        ProfileDB.load(_db(tmp_path, text))
+
+
+def test_profile_db_size_is_bounded(tmp_path, monkeypatch):
+    from poseidon_plugin import profiles
+
+    monkeypatch.setattr(profiles, "MAX_DB_BYTES", 1000)
+    path = _db(tmp_path, json.dumps(_db_payload()))
+    with pytest.raises(ProfileDBError, match="expected a profile DB of at most 0 MiB"):
+        ProfileDB.load(path)
+
+
+# ------------------------------------------------------------------ flags
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0", "-1", "1e-400"])
+def test_time_budget_must_be_finite_and_positive(capsys, value):
+    """Row '--time-budget nan / inf': was accepted."""
+    one_line_error(capsys, [*PLAN, f"--time-budget={value}"],
+                   r"argument --time-budget: expected a finite number of seconds > 0")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 0.0, -3.0])
+def test_search_options_refuse_non_finite_budgets(value):
+    with pytest.raises(PoseidonError, match="time budget"):
+        SearchOptions(global_batch_size=16, seq_length=128, time_budget_s=value)
+
+
+@pytest.mark.parametrize("field, value, phrase", [
+    ("global_batch_size", 100_000_000, "expected an integer <= 131072"),
+    ("seq_length", 10**12, "expected an integer <= 16777216"),
+    ("max_virtual_stages", 10**9, "expected an integer <= 4096"),
+    ("warmup_samples", 10**12, r"expected an integer in \[0, 1000000\]"),
+])
+def test_search_sizes_are_bounded(field, value, phrase):
+    """--global-batch-size 1e8 ran 7 min; --max-virtual-stages 1e9 ignored the time budget;
+    --warmup-samples 1e12 samples for days without a budget."""
+    kwargs = dict(global_batch_size=16, seq_length=128)
+    kwargs[field] = value
+    with pytest.raises(PoseidonError, match=phrase):
+        SearchOptions(**kwargs)
+
+
+@pytest.fixture
+def no_search(monkeypatch):
+    """The search must not start: any call fails the test."""
+    import poseidon_plugin.search as search
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the search ran before the output path was checked")
+
+    monkeypatch.setattr(search, "search_plan", boom)
+
+
+@pytest.mark.parametrize("flag", ["--gantt", "--out"])
+def test_output_path_in_a_missing_directory(tmp_path, capsys, no_search, flag):
+    """Row '--gantt to a missing directory' (was FileNotFoundError) and '--out to an
+    unwritable path' (was reported only after the whole search)."""
+    path = str(tmp_path / "missing" / "x.png")
+    one_line_error(capsys, [*PLAN, flag, path],
+                   rf"{flag} \S+x\.png: cannot write \(no such directory: ")
+
+
+@pytest.mark.parametrize("flag", ["--gantt", "--out"])
+def test_output_path_under_a_file(tmp_path, capsys, no_search, flag):
+    """Row '--gantt ... under a file': was FileExistsError."""
+    afile = write(tmp_path, "afile", "x")
+    one_line_error(capsys, [*PLAN, flag, os.path.join(afile, "x.svg")],
+                   rf"{flag} \S+: cannot write \(not a directory: ")
+
+
+def test_output_path_is_a_directory(tmp_path, capsys, no_search):
+    one_line_error(capsys, [*PLAN, "--out", str(tmp_path)], r"cannot write \(is a directory\)")
+
+
+def test_gantt_extension_checked_before_the_search(tmp_path, capsys, no_search):
+    one_line_error(capsys, [*PLAN, "--gantt", str(tmp_path / "x.pdf")],
+                   r"--gantt \S+x\.pdf: expected a file name ending in \.png or \.svg")
+
+
+def test_writable_out_is_untouched_on_error(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    out.write_text("old")
+    one_line_error(capsys, [*PLAN, "--out", str(out), "--time-budget", "nan"])
+    assert out.read_text() == "old"
+
+
+# ------------------------------------------------------------------ launch mode
+
+def test_launch_profile_cache_nested_100k_deep_is_moved_aside(tmp_path, caplog):
+    """Row 'launch: a profile cache nested 100k deep': was a RecursionError on rank 0 on every
+    relaunch; now handled like a truncated cache (moved aside, warning, re-profiled)."""
+    from poseidon_plugin.megatron import profile_gather
+
+    cache = tmp_path / "profiles-x.json"
+    cache.write_text('{"version": 1, "records": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with caplog.at_level(logging.WARNING, logger="poseidon"):
+        db = profile_gather.load_cache(str(cache), reprofile=False)
+    assert len(db) == 0
+    assert not cache.exists()
+    assert len(list(tmp_path.glob("profiles-x.json.corrupt-*"))) == 1
+    assert "profile cache is unreadable, re-profiling" in caplog.text
+    assert "nested too deeply" in caplog.text
+
+
+@pytest.mark.parametrize("payload", [
+    {"version": 1, "records": [{"forward_ms": 0}]},
+    '{"version": 1, "version": 1, "records": []}',
+])
+def test_launch_other_bad_caches_are_moved_aside(tmp_path, payload):
+    from poseidon_plugin.megatron import profile_gather
+
+    cache = tmp_path / "c.json"
+    cache.write_text(payload if isinstance(payload, str) else json.dumps(payload))
+    assert len(profile_gather.load_cache(str(cache), reprofile=False)) == 0
+    assert not cache.exists()
+
+
+@pytest.mark.parametrize("value, phrase", [
+    ("nan", "expected a number > 0 and finite"),
+    ("inf", "expected a number > 0 and finite"),
+    ("1e-9", r"expected a number of seconds in \[1, 604800\]"),
+    ("1e300", r"expected a number of seconds in \[1, 604800\]"),
+])
+def test_launch_timeout_is_validated(value, phrase):
+    """Row 'launch: --poseidon-timeout nan / 1e-9': was a ValueError traceback on every rank /
+    a 242-line DistNetworkError."""
+    from poseidon_plugin.megatron.options import extract_options
+
+    with pytest.raises(PoseidonError, match=phrase):
+        extract_options(["--poseidon-auto", "--poseidon-timeout", value])
+    with pytest.raises(PoseidonError, match=phrase):
+        extract_options(["--poseidon-auto", f"--poseidon-timeout={value}"])
+
+
+def test_launch_time_budget_must_be_finite_and_profile_iters_bounded():
+    from poseidon_plugin.megatron.options import extract_options
+
+    with pytest.raises(PoseidonError, match="finite"):
+        extract_options(["--poseidon-auto", "--poseidon-time-budget", "nan"])
+    with pytest.raises(PoseidonError, match="expected an integer <= 1000"):
+        extract_options(["--poseidon-auto", "--poseidon-profile-iters", "1000000000"])
+
+
+def test_launch_bad_timeout_is_one_line_on_stderr(tmp_path):
+    """Through the launcher, before torch or any rendezvous: one line, exit 2."""
+    script = write(tmp_path, "train.py", "raise SystemExit('the script must not run')\n")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "poseidon_plugin.launch", script,
+                           "--poseidon-auto", "--poseidon-timeout", "nan"],
+                          capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert "--poseidon-timeout: expected a number > 0 and finite, got 'nan'" in proc.stderr
+
+
+def test_examples_still_load():
+    for name in sorted(os.listdir(os.path.join(ROOT, "examples/clusters"))):
+        load_cluster(os.path.join(ROOT, "examples/clusters", name))
+    copy.deepcopy(load_model(TINY))
+
+
+@pytest.mark.parametrize("loader", ["emulation", "overrides"])
+def test_launch_yaml_files_use_the_bounded_loader(tmp_path, loader):
+    """--poseidon-emulate and --poseidon-cluster files: same limits as a cluster file."""
+    from poseidon_plugin.megatron.discovery import load_overrides
+    from poseidon_plugin.megatron.emulation import load_emulation
+
+    load = load_emulation if loader == "emulation" else load_overrides
+    deep = write(tmp_path, "deep.yaml", "name: " + "[" * 100_000 + "]" * 100_000 + "\n")
+    assert "nested at most" in spec_error(load, deep).expected
+    bomb = write(tmp_path, "bomb.yaml", "name: " + _alias_bomb() + "\n")
+    assert "aliases expanded" in spec_error(load, bomb).expected
+    dup = write(tmp_path, "dup.yaml", "name: a\nname: b\n")
+    assert "unique keys" in spec_error(load, dup).expected

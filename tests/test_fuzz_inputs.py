@@ -1,0 +1,215 @@
+"""Fuzzing the planner's input files (issue 12): hypothesis mutates a valid cluster YAML, model
+YAML and profile DB (wrong types, signs, NaN/inf, huge and tiny values, deleted or wrapped
+fields, deep nesting, raw-text damage) and runs ``poseidon plan`` on them.
+
+Every run must end in one of two ways:
+
+* exit 0 with a plan whose figures make sense (a finite iteration time > 0, tokens/s > 0,
+  0 < MFU <= 100 %), or
+* exit 2 with exactly one line on stderr, starting ``poseidon: error:``;
+
+never a traceback, a hang (the CLI runs with ``--time-budget 5`` under a 90 s timeout) or a
+nonsense figure. ``test_fuzz_cli_subprocess`` runs the real command (``python -m
+poseidon_plugin.cli``); ``test_fuzz_cli_in_process`` runs more examples through ``cli.main``
+and also fails on any exception that is not a ``PoseidonError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from poseidon_plugin import cli
+from test_bad_input import SMALL_TEXT, TINY_TEXT, _db_payload
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEEP = "__DEEP__"          # replaced in the written text by a value nested thousands deep
+VALUES = [None, True, False, 0, -1, 1, 3, 0.0, -0.0, float("nan"), float("inf"), float("-inf"),
+          1e300, -1e300, 1e-300, 10**30, 2**63, "", "x", "1e300", "64 GiB", "-5 ms", "nan",
+          "1e-300 TFLOPs", [], {}, [1, 2], {"a": 1}, DEEP]
+ALL_RECORD_VALUES = [0, 0.0, -1, 1e-300, 1e300, float("nan"), float("inf"), 10**30, "x", None]
+FACTORS = [-1, 0, 1e-9, 1e-3, 0.25, 0.5, 0.9, 1.1, 2, 4, 1e3, 1e9, 1e300]
+OPS = ["replace", "replace", "scale", "scale", "delete", "wrap"]
+TEXT_OPS = ["truncate", "bad-byte", "duplicate-line", "deep", "tab"]
+
+
+def _paths(obj, prefix=()):
+    """Every path (a tuple of keys / indexes) to a value inside ``obj``, containers included."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield prefix + (k,)
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield prefix + (i,)
+            yield from _paths(v, prefix + (i,))
+
+
+def _get(obj, path):
+    for part in path:
+        obj = obj[part]
+    return obj
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _mutate(obj, path, op, value, factor):
+    *head, last = path
+    parent = obj
+    for part in head:
+        parent = parent[part]
+    old = parent[last]
+    if op == "delete":
+        del parent[last]
+    elif op == "replace":
+        parent[last] = copy.deepcopy(value)
+    elif op == "scale":
+        if _is_number(old):
+            scaled = old * factor
+            parent[last] = int(scaled) if isinstance(old, int) and math.isfinite(scaled) \
+                and abs(scaled) < 1e18 else scaled
+        else:
+            parent[last] = copy.deepcopy(value)
+    elif op == "wrap":
+        parent[last] = [old] if isinstance(value, list) else {"x": old}
+
+
+def _damage_text(text: str, op: str, rnd: random.Random) -> bytes:
+    data = text.encode()
+    at = rnd.randrange(len(data) + 1)
+    if op == "truncate":
+        return data[:at]
+    if op == "bad-byte":
+        return data[:at] + b"\xff" + data[at:]
+    if op == "duplicate-line":
+        lines = data.splitlines(keepends=True)
+        i = rnd.randrange(len(lines))
+        return b"".join(lines[:i + 1] + [lines[i]] + lines[i + 1:])
+    if op == "tab":
+        return data[:at] + b"\t" + data[at:]
+    depth = rnd.choice([40, 5000, 100_000])  # "deep"
+    return data.rstrip(b"\n") + b"\nzz: " + b"[" * depth + b"]" * depth + b"\n"
+
+
+@st.composite
+def mutated_inputs(draw):
+    """({"cluster"|"model"|"profiles": file bytes}, what was done): one file damaged by 1-3
+    structured mutations or by one raw-text damage; a third of the time, also one field of
+    every profile record changed at once."""
+    docs = {"cluster": yaml.safe_load(SMALL_TEXT), "model": yaml.safe_load(TINY_TEXT),
+            "profiles": _db_payload()}
+    target = draw(st.sampled_from(sorted(docs)))
+    done = []
+    if draw(st.integers(0, 2)) == 0:
+        # one field of every record at once (every time 0, every time x 1e300, ...);
+        # the times are drawn most often
+        records = docs["profiles"]["records"]
+        field = draw(st.sampled_from(["forward_ms", "backward_ms"] * 3 + sorted(records[0])))
+        op = draw(st.sampled_from(["replace", "scale"]))
+        value = draw(st.sampled_from(ALL_RECORD_VALUES))
+        factor = draw(st.sampled_from(FACTORS))
+        for i in range(len(records)):
+            _mutate(docs["profiles"], ("records", i, field), op, value, factor)
+        done.append(("profiles", ("records", "*", field), op, value if op != "scale" else factor))
+    raw = None
+    if draw(st.integers(0, 4)) == 0:
+        op = draw(st.sampled_from(TEXT_OPS))
+        seed = draw(st.integers(0, 2**16))
+        raw = (target, op, seed)
+        done.append((target, op, seed))
+    else:
+        for _ in range(draw(st.integers(1, 3))):
+            op = draw(st.sampled_from(OPS))
+            paths = list(_paths(docs[target]))
+            if op == "scale":   # numbers scaled stay numbers: more runs reach the search
+                paths = [p for p in paths if _is_number(_get(docs[target], p))] or paths
+            if not paths:
+                break
+            path = draw(st.sampled_from(paths))
+            value = draw(st.sampled_from(VALUES))
+            factor = draw(st.sampled_from(FACTORS))
+            _mutate(docs[target], path, op, value, factor)
+            done.append((target, path, op, value if op != "scale" else factor))
+    texts = {
+        "cluster": yaml.safe_dump(docs["cluster"], sort_keys=False),
+        "model": yaml.safe_dump(docs["model"], sort_keys=False),
+        "profiles": json.dumps(docs["profiles"]),
+    }
+    nested = "[" * 3000 + "]" * 3000
+    out = {}
+    for name, text in texts.items():
+        text = text.replace(f'"{DEEP}"', nested).replace(DEEP, nested)
+        out[name] = text.encode()
+    if raw is not None:
+        name, op, seed = raw
+        out[name] = _damage_text(texts[name], op, random.Random(seed))
+    return out, done
+
+
+def _write_inputs(directory: str, files: dict) -> list[str]:
+    paths = {}
+    for name, ext in (("cluster", "yaml"), ("model", "yaml"), ("profiles", "json")):
+        paths[name] = os.path.join(directory, f"{name}.{ext}")
+        with open(paths[name], "wb") as f:
+            f.write(files[name])
+    return ["plan", "--cluster", paths["cluster"], "--model", paths["model"],
+            "--profiles", paths["profiles"], "--global-batch-size", "16", "--seq-length", "128",
+            "--time-budget", "5", "--no-baselines", "--json", "--workers", "1"]
+
+
+def _check_outcome(rc: int, out: str, err: str, done) -> None:
+    assert "Traceback" not in err and "Traceback" not in out, (done, err[-3000:])
+    if rc == 0:
+        plan = json.loads(out)
+        t = plan["predicted_iteration_time_ms"]
+        assert math.isfinite(t) and t > 0, (done, t)
+        assert plan["predicted_tokens_per_s"] > 0, (done, plan["predicted_tokens_per_s"])
+        assert 0 < plan["mfu"] <= 1.0, (done, plan["mfu"])
+        return
+    assert rc == 2, (done, rc, err[-3000:])
+    assert err.startswith("poseidon: error: "), (done, err[-3000:])
+    assert err.count("\n") == 1 and err.endswith("\n"), (done, err[-3000:])
+    assert len(err) < 1000, (done, len(err))
+    assert out == "", (done, out[:500])
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(mutated_inputs())
+def test_fuzz_cli_subprocess(case):
+    files, done = case
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with tempfile.TemporaryDirectory() as d:
+        argv = _write_inputs(d, files)
+        try:
+            proc = subprocess.run([sys.executable, "-m", "poseidon_plugin.cli", *argv],
+                                  capture_output=True, text=True, cwd=ROOT, env=env,
+                                  timeout=90)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"hang (> 90 s with --time-budget 5): {done}")
+    _check_outcome(proc.returncode, proc.stdout, proc.stderr, done)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(mutated_inputs())
+def test_fuzz_cli_in_process(case):
+    files, done = case
+    with tempfile.TemporaryDirectory() as d:
+        argv = _write_inputs(d, files)
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = cli.main(argv)   # anything but a PoseidonError propagates and fails the test
+    _check_outcome(rc, out.getvalue(), err.getvalue(), done)
