@@ -6,7 +6,12 @@ On-disk format (``ProfileDB.VERSION`` = 1), deterministic (records sorted by key
     {"version": 1, "records": [
       {"device_type": "A2-2", "layer_kind": "decoder", "tp": 2, "micro_batch_size": 1,
        "seq_length": 4096, "model_signature": "h4096-...", "forward_ms": 12.3, "backward_ms": 24.9,
-       "activation_bytes": 123456, "param_bytes": 654321, "source": "measured"}, ...]}
+       "activation_bytes": 123456, "param_bytes": 654321, "source": "measured",
+       "optimizer_ms": 0.8}, ...]}
+
+``optimizer_ms`` (optional, decoder records): the optimizer step of the layer's parameters on one
+device; the cost model adds it, scaled by each stage's parameters, to the stage's post-pipeline
+work (``costs.py``). Written only when non-zero.
 
 Merge rule (``put``, ``merge`` and duplicate keys in a file): a measured record beats an
 estimated one whatever the order; between two records of the same source the later one wins.
@@ -72,6 +77,7 @@ class LayerProfile:
     activation_bytes: int   # kept for backward, per micro-batch, per device (TP-sharded)
     param_bytes: int        # bf16 parameters of this layer on one device (TP-sharded)
     source: Source = "estimated"
+    optimizer_ms: float = 0.0   # optimizer step of this layer's parameters on one device (0: none)
 
 
 # --------------------------------------------------------------------------- JSON records
@@ -81,7 +87,7 @@ _KEY_FIELDS: dict[str, type] = {
     "seq_length": int, "model_signature": str,
 }
 _VALUE_FIELDS = ("forward_ms", "backward_ms", "activation_bytes", "param_bytes")
-_RECORD_FIELDS = set(_KEY_FIELDS) | set(_VALUE_FIELDS) | {"source"}
+_RECORD_FIELDS = set(_KEY_FIELDS) | set(_VALUE_FIELDS) | {"source", "optimizer_ms"}
 
 
 def profile_to_record(profile: LayerProfile) -> dict[str, Any]:
@@ -92,6 +98,7 @@ def profile_to_record(profile: LayerProfile) -> dict[str, Any]:
         "model_signature": key.model_signature, "forward_ms": profile.forward_ms,
         "backward_ms": profile.backward_ms, "activation_bytes": profile.activation_bytes,
         "param_bytes": profile.param_bytes, "source": profile.source,
+        **({"optimizer_ms": profile.optimizer_ms} if profile.optimizer_ms else {}),
     }
 
 
@@ -118,8 +125,8 @@ def profile_from_record(record: object, where: str) -> LayerProfile:
             raise bad(field, "a non-empty string", value)
     if record["layer_kind"] not in LAYER_KINDS:
         raise bad("layer_kind", "one of " + ", ".join(LAYER_KINDS), record["layer_kind"])
-    for field in ("forward_ms", "backward_ms"):
-        value = record[field]
+    for field in ("forward_ms", "backward_ms", "optimizer_ms"):
+        value = record.get(field, 0.0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) \
                 or not math.isfinite(value) or value < 0:
             raise bad(field, "a number >= 0", value)
@@ -134,7 +141,8 @@ def profile_from_record(record: object, where: str) -> LayerProfile:
     return LayerProfile(key=key, forward_ms=float(record["forward_ms"]),
                         backward_ms=float(record["backward_ms"]),
                         activation_bytes=record["activation_bytes"],
-                        param_bytes=record["param_bytes"], source=source)
+                        param_bytes=record["param_bytes"], source=source,
+                        optimizer_ms=float(record.get("optimizer_ms", 0.0)))
 
 
 def _wins(new: LayerProfile, old: LayerProfile | None) -> bool:

@@ -62,6 +62,8 @@ class StageTiming:
     forward_ms: float      # per micro-batch, whole device (all chunks)
     backward_ms: float
     iteration_ms: float    # mean wall time of the measured iterations on this rank
+    tail_ms: float = 0.0   # mean time from the stage's last op to the iteration's end (DP
+    #                        all-reduce, optimizer step, per-iteration overheads)
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class CalibrationReport:
 
     def line(self) -> str:
         per = ", ".join(f"s{t.stage} F {t.forward_ms:.1f}/B {t.backward_ms:.1f}"
-                        for t in self.stages)
+                        f"/tail {t.tail_ms:.1f}" for t in self.stages)
         return (f"calibration: iteration {self.iteration}: predicted {self.predicted_ms:.1f} ms, "
                 f"measured {self.measured_ms:.1f} ms ({100 * self.error:+.1f}%); "
                 f"per stage (ms per micro-batch): {per}; "
@@ -101,8 +103,10 @@ def stage_timing(recorder: OpRecorder, stage: int, skip: int) -> StageTiming | N
         fwd.extend(per_mb_f.values())
         bwd.extend(per_mb_b.values())
     wall = statistics.fmean(it.end_s - it.start_s for it in its)
+    tails = [it.end_s - max(op[4] for op in it.ops) for it in its if it.ops]
     return StageTiming(stage, statistics.median(fwd) * 1e3 if fwd else 0.0,
-                       statistics.median(bwd) * 1e3 if bwd else 0.0, wall * 1e3)
+                       statistics.median(bwd) * 1e3 if bwd else 0.0, wall * 1e3,
+                       statistics.fmean(tails) * 1e3 if tails else 0.0)
 
 
 def measured_profiles(plan: Plan, timings: list[StageTiming], model_signature: str,
@@ -183,6 +187,8 @@ class LiveCalibration:
     # -- per iteration -------------------------------------------------------------------------
     def begin_iteration(self) -> None:
         if self.result is None and self.recorder is not None:
+            if self.stage is None:  # Megatron's parallel state exists once training runs
+                self.recorder.stage = _pp_rank()
             self.recorder.begin_iteration()
 
     def end_iteration(self) -> None:

@@ -8,11 +8,18 @@ own arguments, timed forward and backward for each candidate TP degree and micro
   config + local/TE spec on older versions).
 * TP: a real tensor-parallel group of ``t`` consecutive launch ranks (inside one node) via
   ``parallel_state.initialize_model_parallel(t)`` on the probe group; destroyed afterwards.
-* Timing: warm-up, then the median of N forward and N backward passes; device synchronisation on
-  GPU/NPU, wall clock on CPU (the emulation pads these with its slowdown).
+* Timing (:mod:`.sampling`): warm-up, then forward + backward repeated until both medians' 95%
+  confidence intervals are within 2% (at least N = --poseidon-profile-iters repetitions, at most
+  60 or 20 s), outliers dropped by a MAD rule; measured once more when the backward median is
+  below 0.8 x the forward's. The backward includes what Megatron's DDP adds to every parameter's
+  gradient (``main_grad += grad``, fp32 buffers). Device synchronisation on GPU/NPU, wall clock on
+  CPU (the emulation pads these with its slowdown). Under CPU emulation the ranks of a host
+  measure in turns (:class:`Turns`), so they never compete for its cores.
+* Optimizer step: the layer's parameters through what Megatron's mixed-precision optimizer does
+  per step (grad norm, clipping, AdamW on fp32 master copies, the copy back), per device.
 * Activation memory: bytes of the tensors autograd saves for backward (saved-tensor hooks; unique
-  storages, parameters excluded): what a micro-batch keeps alive until its backward, measured the
-  same way on GPU, NPU and CPU (transient workspaces are not counted).
+  storages, parameters excluded), in an untimed pass: what a micro-batch keeps alive until its
+  backward, measured the same way on GPU, NPU and CPU (transient workspaces are not counted).
 """
 
 from __future__ import annotations
@@ -24,10 +31,14 @@ import logging
 import statistics
 import sys
 import time
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
+
+from .sampling import Sampled, SamplingPolicy, sample
 
 log = logging.getLogger("poseidon")
+
+MIN_BWD_RATIO = 0.8   # a backward median below this x the forward's is measured again
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,10 @@ class LayerTiming:
     backward_ms: float
     activation_bytes: int
     param_bytes: int
+    optimizer_ms: float = 0.0   # optimizer step of the layer's parameters (per device)
+    samples: int = 0            # timed forward/backward repetitions kept
+    converged: bool = True      # the medians' 95% CIs reached the target width
+    retries: int = 0            # re-measurements (backward < 0.8 x forward)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -173,9 +188,8 @@ def _sync(device) -> None:
         torch.npu.synchronize()  # type: ignore[attr-defined]
 
 
-def time_layer(layer: Any, config: Any, vargs: Any, device: Any, iters: int,
-               warmup: int = 2) -> tuple[float, float, int]:
-    """(forward_ms, backward_ms, activation_bytes) of one micro-batch, medians over ``iters``."""
+def _layer_inputs(config: Any, vargs: Any, device: Any) -> tuple[Any, dict[str, Any], Any]:
+    """(input, forward kwargs, output gradient) of one micro-batch of the profiled layer."""
     import torch
 
     seq = int(vargs.seq_length)
@@ -195,41 +209,177 @@ def time_layer(layer: Any, config: Any, vargs: Any, device: Any, iters: int,
                                use_cpu_initialization=True)
         kwargs["rotary_pos_emb"] = rope(seq).to(device)
     grad = torch.randn(seq_local, mbs, config.hidden_size, dtype=dtype, device=device)
-    exclude = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    fwd: list[float] = []
-    bwd: list[float] = []
-    act_bytes = 0
-    for i in range(warmup + iters):
-        counter = _SavedBytes(exclude)
+    return x, kwargs, grad
+
+
+def attach_main_grads(layer: Any) -> list[Any]:
+    """fp32 ``main_grad`` buffers and the gradient hook Megatron's DDP gives every parameter
+    (``main_grad += grad; grad = None``), so the timed backward does what training does (and a
+    layer built with gradient-accumulation fusion finds its ``main_grad``). Returns the hooks."""
+    import torch
+
+    handles = []
+    for p in layer.parameters():
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+
+        def accumulate(param):
+            if param.grad is not None:
+                param.main_grad.add_(param.grad)
+                param.grad = None
+
+        if hasattr(p, "register_post_accumulate_grad_hook"):
+            handles.append(p.register_post_accumulate_grad_hook(accumulate))
+    return handles
+
+
+def _activation_bytes(layer: Any, x: Any, kwargs: dict[str, Any], grad: Any) -> int:
+    """Bytes autograd saves in one forward (an untimed pass: the hooks cost time)."""
+    import torch
+
+    counter = _SavedBytes({p.untyped_storage().data_ptr() for p in layer.parameters()})
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+        out = layer(hidden_states=x, **kwargs)
+    out = out[0] if isinstance(out, tuple) else out
+    out.backward(grad)
+    x.grad = None
+    return counter.bytes
+
+
+def _timed_step(layer: Any, x: Any, kwargs: dict[str, Any], grad: Any, device: Any
+                ) -> tuple[float, float]:
+    """(forward ms, backward ms) of one micro-batch."""
+    _sync(device)
+    t0 = time.perf_counter()
+    out = layer(hidden_states=x, **kwargs)
+    out = out[0] if isinstance(out, tuple) else out
+    _sync(device)
+    t1 = time.perf_counter()
+    out.backward(grad)
+    _sync(device)
+    t2 = time.perf_counter()
+    x.grad = None
+    return (t1 - t0) * 1e3, (t2 - t1) * 1e3
+
+
+def sampling_policy(iters: int) -> SamplingPolicy:
+    """The profiler's sampling rule; ``iters`` (--poseidon-profile-iters) is the minimum count."""
+    base = SamplingPolicy()
+    return replace(base, min_reps=max(base.min_reps, iters), max_reps=max(base.max_reps, iters))
+
+
+def sample_until_plausible(step: Callable[[], Sequence[float]], policy: SamplingPolicy,
+                           min_bwd_ratio: float = MIN_BWD_RATIO, retries: int = 1,
+                           clock: Callable[[], float] = time.monotonic) -> tuple[Sampled, int]:
+    """:func:`.sampling.sample` of ``step`` (forward ms, backward ms), measured again (up to
+    ``retries`` times) while the backward median is below ``min_bwd_ratio`` x the forward's.
+    Returns (the last measurement, how many re-measurements it took)."""
+    res = sample(step, policy, clock)
+    tries = 0
+    while tries < retries and res.medians[1] < min_bwd_ratio * res.medians[0]:
+        tries += 1
+        res = sample(step, policy, clock)
+    return res, tries
+
+
+def time_layer(layer: Any, config: Any, vargs: Any, device: Any, iters: int,
+               warmup: int = 3) -> tuple[Sampled, int, int]:
+    """(forward/backward sampling result, re-measurements, activation bytes) of one micro-batch
+    (see :mod:`.sampling`: warm-up, repetitions until the medians' 95% CIs are within 2%,
+    outliers dropped; measured again when backward < 0.8 x forward)."""
+    x, kwargs, grad = _layer_inputs(config, vargs, device)
+    act_bytes = _activation_bytes(layer, x, kwargs, grad)
+    policy = replace(sampling_policy(iters), warmup=warmup)
+    res, retries = sample_until_plausible(lambda: _timed_step(layer, x, kwargs, grad, device),
+                                          policy)
+    return res, retries, act_bytes
+
+
+def time_optimizer_step(layer: Any, device: Any, iters: int) -> Sampled:
+    """The optimizer step of this layer's parameters as Megatron's mixed-precision optimizer runs
+    it: fp32 master copies, gradient norm of the fp32 main grads, clipping, AdamW, the bf16 copy
+    back (one value: ms). The grad-norm all-reduce is communication, not timed here."""
+    import torch
+
+    params = [p for p in layer.parameters() if p.requires_grad]
+    master = [p.detach().float().clone().requires_grad_(True) for p in params]
+    for m in master:
+        m.grad = torch.randn_like(m) * 1e-3
+    opt = torch.optim.AdamW(master, lr=1e-4, weight_decay=0.01)
+
+    def step() -> tuple[float]:
         _sync(device)
         t0 = time.perf_counter()
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-            out = layer(hidden_states=x, **kwargs)
-        out = out[0] if isinstance(out, tuple) else out
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(m.grad)
+                                                     for m in master]))
+        scale = torch.clamp(1.0 / (norm + 1e-6), max=1.0)
+        for m in master:
+            m.grad.mul_(scale)
+        opt.step()
+        with torch.no_grad():
+            for p, m in zip(params, master):
+                p.copy_(m)
         _sync(device)
-        t1 = time.perf_counter()
-        out.backward(grad)
-        _sync(device)
-        t2 = time.perf_counter()
-        x.grad = None
-        for p in layer.parameters():
-            p.grad = None
-            if hasattr(p, "main_grad"):
-                p.main_grad = None
-        if i >= warmup:
-            fwd.append((t1 - t0) * 1e3)
-            bwd.append((t2 - t1) * 1e3)
-            act_bytes = max(act_bytes, counter.bytes)
-    return statistics.median(fwd), statistics.median(bwd), act_bytes
+        return ((time.perf_counter() - t0) * 1e3,)
+
+    return sample(step, sampling_policy(iters))
+
+
+@dataclass(frozen=True)
+class Turns:
+    """Ranks that share a host's CPU cores profile in turns (CPU emulation): turn ``i`` is the TP
+    group of local ranks ``[i*tp, (i+1)*tp)``; every other rank waits at a barrier meanwhile, so no
+    two measurements compete for the cores (nor does the emulation's padding feed on the
+    contention). ``local_world_size`` ranks per host; hosts take their turns in parallel."""
+
+    local_rank: int
+    local_world_size: int
+
+    def of(self, tp: int) -> tuple[int, int]:
+        """(this rank's turn, number of turns) for TP degree ``tp``."""
+        return self.local_rank // tp, max(1, self.local_world_size // tp)
+
+
+def _in_turns(turns: Turns | None, tp: int, name: str, checkpoint: Any,
+              body: Callable[[], Any]) -> Any:
+    """``body()`` on this rank's turn (every rank passes every turn's barrier), or at once."""
+    if turns is None or checkpoint is None:
+        return body()
+    mine, count = turns.of(tp)
+    result = None
+    for i in range(count):
+        checkpoint(f"{name}-turn{i}")
+        if i == mine:
+            result = body()
+    checkpoint(f"{name}-turns-done")
+    return result
+
+
+def profile_config(layer: Any, config: Any, vargs: Any, device: Any, iters: int, tp: int,
+                   mbs: int) -> LayerTiming:
+    """Forward, backward and optimizer step of one built layer (this rank's measurement)."""
+    hooks = attach_main_grads(layer)
+    param_bytes = sum(p.numel() for p in layer.parameters()) * 2  # bf16 bytes
+    res, retries, act = time_layer(layer, config, vargs, device, iters)
+    opt = time_optimizer_step(layer, device, iters)
+    for h in hooks:
+        h.remove()
+    if res.medians[1] < MIN_BWD_RATIO * res.medians[0]:
+        log.debug("tp=%d mbs=%d: backward %.3f ms < %.1f x forward %.3f ms after %d "
+                  "re-measurement(s); kept", tp, mbs, res.medians[1], MIN_BWD_RATIO,
+                  res.medians[0], retries)
+    return LayerTiming(tp, mbs, res.medians[0], res.medians[1], act, int(param_bytes),
+                       optimizer_ms=opt.medians[0], samples=res.samples,
+                       converged=res.converged and opt.converged, retries=retries)
 
 
 def profile_rank(args: Any, tps: Sequence[int], micro_batch_sizes: Sequence[int], *, world_size: int,
                  rank: int, device: Any, iters: int, seed: int = 1234,
-                 checkpoint: Any = None) -> list[LayerTiming]:
+                 checkpoint: Any = None, turns: Turns | None = None) -> list[LayerTiming]:
     """Profile one decoder layer for every (tp, mbs) on this rank. Collective per TP degree.
 
     ``checkpoint(name)`` (a deadline barrier) is called before each collective step, so a rank that
     hangs is named by the others instead of surfacing as an anonymous collective timeout.
+    ``turns``: the ranks of a host measure one TP group at a time (see :class:`Turns`).
     """
     import torch
     from megatron.core import parallel_state, tensor_parallel
@@ -250,9 +400,9 @@ def profile_rank(args: Any, tps: Sequence[int], micro_batch_sizes: Sequence[int]
                 layer = build_module(spec, config=config, layer_number=1)
                 layer = layer.to(device=device, dtype=config.params_dtype)
                 layer.train()
-                param_bytes = sum(p.numel() for p in layer.parameters()) * 2  # bf16 bytes
-                f_ms, b_ms, act = time_layer(layer, config, vargs, device, iters)
-                out.append(LayerTiming(tp, mbs, f_ms, b_ms, act, int(param_bytes)))
+                out.append(_in_turns(turns, tp, f"profiling-tp{tp}-mbs{mbs}", checkpoint,
+                                     lambda: profile_config(layer, config, vargs, device, iters,
+                                                            tp, mbs)))
                 del layer
         finally:
             tensor_parallel.get_cuda_rng_tracker().reset()
@@ -277,6 +427,8 @@ class Aggregate:
     activation_bytes: int
     param_bytes: int
     ranks: int
+    optimizer_ms: float = 0.0
+    unconverged: int = 0   # ranks whose medians did not reach the target CI width
 
 
 def aggregate(per_rank: dict[int, list[LayerTiming]], type_of: dict[int, str],
@@ -292,7 +444,9 @@ def aggregate(per_rank: dict[int, list[LayerTiming]], type_of: dict[int, str],
         fwd = statistics.median(t.forward_ms for _, t in items)
         bwd = statistics.median(t.backward_ms for _, t in items)
         aggs.append(Aggregate(dtype, tp, mbs, fwd, bwd, max(t.activation_bytes for _, t in items),
-                              max(t.param_bytes for _, t in items), len(items)))
+                              max(t.param_bytes for _, t in items), len(items),
+                              statistics.median(t.optimizer_ms for _, t in items),
+                              sum(not t.converged for _, t in items)))
         if len(items) >= 2:
             for rank, t in items:
                 total, med = t.forward_ms + t.backward_ms, fwd + bwd
