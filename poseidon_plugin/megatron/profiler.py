@@ -10,7 +10,7 @@ own arguments, timed forward and backward for each candidate TP degree and micro
   ``parallel_state.initialize_model_parallel(t)`` on the probe group; destroyed afterwards.
 * Timing (:mod:`.sampling`): warm-up, then forward + backward repeated until both medians' 95%
   confidence intervals are within 2% (at least N = --poseidon-profile-iters repetitions, at most
-  60 or 20 s), outliers dropped by a MAD rule; measured once more when the backward median is
+  40 or 5 s), outliers dropped by a MAD rule; measured once more when the backward median is
   below 0.8 x the forward's. The backward includes what Megatron's DDP adds to every parameter's
   gradient (``main_grad += grad``, fp32 buffers). Device synchronisation on GPU/NPU, wall clock on
   CPU (the emulation pads these with its slowdown). Under CPU emulation the ranks of a host

@@ -30,8 +30,8 @@ MAD_SCALE = 0.6745
 class SamplingPolicy:
     warmup: int = 3
     min_reps: int = 8
-    max_reps: int = 60
-    max_seconds: float = 20.0
+    max_reps: int = 40
+    max_seconds: float = 5.0
     rel_ci: float = 0.02
     mad_cutoff: float = 3.5
 
