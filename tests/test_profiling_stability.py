@@ -189,8 +189,7 @@ def test_optimizer_ms_round_trips_and_is_optional(tmp_path):
 
     key = ProfileKey("fast", "decoder", 1, 1, 128, "sig")
     with_opt = LayerProfile(key, 1.0, 2.0, 3, 4, "measured", optimizer_ms=0.75)
-    without = LayerProfile(key._replace(tp=2) if hasattr(key, "_replace") else
-                           ProfileKey("fast", "decoder", 2, 1, 128, "sig"), 1.0, 2.0, 3, 4,
+    without = LayerProfile(ProfileKey("fast", "decoder", 2, 1, 128, "sig"), 1.0, 2.0, 3, 4,
                            "measured")
     assert "optimizer_ms" not in profile_to_record(without)
     db = ProfileDB(None)

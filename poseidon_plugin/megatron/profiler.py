@@ -223,9 +223,13 @@ def attach_main_grads(layer: Any) -> list[Any]:
         p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
 
         def accumulate(param):
-            if param.grad is not None:
+            # a fused weight-gradient kernel (TE, gradient-accumulation fusion) already added
+            # into main_grad and says so; the gradient it leaves is a placeholder
+            if param.grad is not None and not getattr(param, "grad_added_to_main_grad", False):
                 param.main_grad.add_(param.grad)
-                param.grad = None
+            param.grad = None
+            if hasattr(param, "grad_added_to_main_grad"):
+                param.grad_added_to_main_grad = False
 
         if hasattr(p, "register_post_accumulate_grad_hook"):
             handles.append(p.register_post_accumulate_grad_hook(accumulate))
