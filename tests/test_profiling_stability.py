@@ -200,3 +200,22 @@ def test_optimizer_ms_round_trips_and_is_optional(tmp_path):
     back = ProfileDB.load(path)
     assert back.get(with_opt.key).optimizer_ms == 0.75
     assert back.get(without.key).optimizer_ms == 0.0
+
+
+def test_main_grad_hooks_accumulate_like_megatrons_ddp():
+    torch = pytest.importorskip("torch")
+    from poseidon_plugin.megatron.profiler import attach_main_grads
+
+    layer = torch.nn.Linear(4, 3)
+    hooks = attach_main_grads(layer)
+    x = torch.ones(2, 4)
+    layer(x).sum().backward()
+    layer(x).sum().backward()
+    assert layer.weight.grad is None and layer.weight.main_grad.dtype == torch.float32
+    assert torch.allclose(layer.weight.main_grad, torch.full((3, 4), 4.0))   # 2 passes x 2 rows
+    layer.bias.grad_added_to_main_grad = True      # a fused kernel already accumulated
+    before = layer.bias.main_grad.clone()
+    layer(x).sum().backward()
+    assert torch.equal(layer.bias.main_grad, before) and layer.bias.grad_added_to_main_grad is False
+    for h in hooks:
+        h.remove()

@@ -298,6 +298,18 @@ def time_layer(layer: Any, config: Any, vargs: Any, device: Any, iters: int,
     return res, retries, act_bytes
 
 
+def _megatron_adam():
+    """The Adam class Megatron's optimizer uses here (TE / Apex FusedAdam, else torch AdamW)."""
+    try:
+        from megatron.core.optimizer import Adam  # type: ignore[attr-defined]
+
+        return Adam
+    except ImportError:
+        import torch
+
+        return torch.optim.AdamW
+
+
 def time_optimizer_step(layer: Any, device: Any, iters: int) -> Sampled:
     """The optimizer step of this layer's parameters as Megatron's mixed-precision optimizer runs
     it: fp32 master copies, gradient norm of the fp32 main grads, clipping, AdamW, the bf16 copy
@@ -308,7 +320,7 @@ def time_optimizer_step(layer: Any, device: Any, iters: int) -> Sampled:
     master = [p.detach().float().clone().requires_grad_(True) for p in params]
     for m in master:
         m.grad = torch.randn_like(m) * 1e-3
-    opt = torch.optim.AdamW(master, lr=1e-4, weight_decay=0.01)
+    opt = _megatron_adam()(master, lr=1e-4, weight_decay=0.01)
 
     def step() -> tuple[float]:
         _sync(device)
