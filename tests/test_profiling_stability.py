@@ -219,3 +219,35 @@ def test_main_grad_hooks_accumulate_like_megatrons_ddp():
     assert torch.equal(layer.bias.main_grad, before) and layer.bias.grad_added_to_main_grad is False
     for h in hooks:
         h.remove()
+
+
+def test_tensor_parallel_ranks_stop_sampling_together():
+    """Two ranks of a TP group (simulated in lockstep): one converges at 8 samples, the other is
+    noisy; with ``agree`` (any rank stops -> all stop) both take the same number of samples."""
+    pol = SamplingPolicy(warmup=0, min_reps=8, max_reps=30, max_seconds=1e9)
+    quiet = iter([(10.0,)] * 100)
+    noisy = itertools.cycle([(5.0,), (15.0,), (10.0,)])
+    votes: list[bool] = []
+
+    def agree(flag: bool) -> bool:       # rank "noisy" asks; rank "quiet" would say stop
+        votes.append(flag)
+        return flag or len(votes) >= 1   # the quiet rank converged from its 8th sample on
+
+    res = sample(lambda: next(noisy), pol, FakeClock(), agree)
+    assert res.samples == 8 and not res.converged
+    alone = sample(lambda: next(quiet), pol, FakeClock())
+    assert alone.samples == 8
+
+
+def test_remeasure_decision_is_shared_by_the_group():
+    from poseidon_plugin.megatron.profiler import sample_until_plausible
+
+    pol = SamplingPolicy(warmup=0, min_reps=6, max_reps=6)
+    plausible = [(10.0, 19.0)] * 12
+    # this rank's backward looks fine, another rank of the group asks for a re-measurement
+    res, retries = sample_until_plausible(series(plausible), pol, clock=FakeClock(),
+                                          agree=lambda flag: True)
+    assert retries == 1
+    res, retries = sample_until_plausible(series(plausible), pol, clock=FakeClock(),
+                                          agree=lambda flag: flag)
+    assert retries == 0

@@ -273,16 +273,40 @@ def sampling_policy(iters: int) -> SamplingPolicy:
 
 def sample_until_plausible(step: Callable[[], Sequence[float]], policy: SamplingPolicy,
                            min_bwd_ratio: float = MIN_BWD_RATIO, retries: int = 1,
-                           clock: Callable[[], float] = time.monotonic) -> tuple[Sampled, int]:
+                           clock: Callable[[], float] = time.monotonic,
+                           agree: Callable[[bool], bool] | None = None) -> tuple[Sampled, int]:
     """:func:`.sampling.sample` of ``step`` (forward ms, backward ms), measured again (up to
     ``retries`` times) while the backward median is below ``min_bwd_ratio`` x the forward's.
-    Returns (the last measurement, how many re-measurements it took)."""
-    res = sample(step, policy, clock)
+    Returns (the last measurement, how many re-measurements it took). ``agree``: the ranks of a
+    tensor-parallel group decide together (any rank's yes), so they run ``step`` equally often."""
+    res = sample(step, policy, clock, agree)
     tries = 0
-    while tries < retries and res.medians[1] < min_bwd_ratio * res.medians[0]:
+    while tries < retries:
+        again = res.medians[1] < min_bwd_ratio * res.medians[0]
+        if not (agree(again) if agree is not None else again):
+            break
         tries += 1
-        res = sample(step, policy, clock)
+        res = sample(step, policy, clock, agree)
     return res, tries
+
+
+def tp_group_any(device: Any) -> Callable[[bool], bool] | None:
+    """``any(flag over the tensor-parallel group)`` (None when the group is this rank alone)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if parallel_state.get_tensor_model_parallel_world_size() <= 1:
+        return None
+    group = parallel_state.get_tensor_model_parallel_group()
+    on = torch.device("cpu") if dist.get_backend(group) == "gloo" else device
+
+    def any_rank(flag: bool) -> bool:
+        t = torch.tensor([1.0 if flag else 0.0], device=on)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return bool(t.item() > 0.0)
+
+    return any_rank
 
 
 def time_layer(layer: Any, config: Any, vargs: Any, device: Any, iters: int,
@@ -294,7 +318,7 @@ def time_layer(layer: Any, config: Any, vargs: Any, device: Any, iters: int,
     act_bytes = _activation_bytes(layer, x, kwargs, grad)
     policy = replace(sampling_policy(iters), warmup=warmup)
     res, retries = sample_until_plausible(lambda: _timed_step(layer, x, kwargs, grad, device),
-                                          policy)
+                                          policy, agree=tp_group_any(device))
     return res, retries, act_bytes
 
 

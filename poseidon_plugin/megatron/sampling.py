@@ -90,8 +90,13 @@ def summarize(columns: Sequence[Sequence[float]], policy: SamplingPolicy) -> Sam
 
 
 def sample(measure: Callable[[], Sequence[float]], policy: SamplingPolicy = SamplingPolicy(),
-           clock: Callable[[], float] = time.monotonic) -> Sampled:
-    """Repeat ``measure()`` (it returns one value per timed quantity) under ``policy``."""
+           clock: Callable[[], float] = time.monotonic,
+           agree: Callable[[bool], bool] | None = None) -> Sampled:
+    """Repeat ``measure()`` (it returns one value per timed quantity) under ``policy``.
+
+    ``agree(stop)``: when ``measure`` is collective (a tensor-parallel layer), every rank of the
+    group must run it equally often: the ranks stop together, as soon as one of them would
+    (``agree`` returns whether any rank wants to stop)."""
     for _ in range(policy.warmup):
         measure()
     t0 = clock()
@@ -105,5 +110,8 @@ def sample(measure: Callable[[], Sequence[float]], policy: SamplingPolicy = Samp
         n = len(columns[0])
         if n >= policy.min_reps:
             result = summarize(columns, policy)
-            if result.converged or n >= policy.max_reps or clock() - t0 >= policy.max_seconds:
+            stop = result.converged or n >= policy.max_reps or clock() - t0 >= policy.max_seconds
+            if agree is not None:
+                stop = agree(stop)
+            if stop:
                 return result
