@@ -251,3 +251,36 @@ def test_remeasure_decision_is_shared_by_the_group():
     res, retries = sample_until_plausible(series(plausible), pol, clock=FakeClock(),
                                           agree=lambda flag: flag)
     assert retries == 0
+
+
+def test_emulated_clock_rules():
+    from poseidon_plugin.megatron.profiler import EmulatedClock
+
+    # TP 1: the emulated device needs factor x the CPU time (descheduled time does not count)
+    assert EmulatedClock(4.0, 1).ms(wall_s=0.009, cpu_s=0.002) == pytest.approx(8.0)
+    # TP > 1: the wait in the all-reduces (wall - cpu) is added, not slowed
+    assert EmulatedClock(4.0, 2).ms(wall_s=0.005, cpu_s=0.002) == pytest.approx(5.0 + 6.0)
+    assert EmulatedClock(1.0, 1).ms(wall_s=0.005, cpu_s=0.002) == pytest.approx(2.0)
+
+
+def test_timed_step_uses_the_emulated_clock(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from poseidon_plugin.megatron import profiler
+
+    wall = iter([0.0, 0.010, 0.030])   # forward 10 ms, backward 20 ms of wall time
+    cpu = iter([0.0, 0.002, 0.006])    # of which 2 ms and 4 ms on this process's CPU
+    monkeypatch.setattr(profiler, "_WALL", lambda: next(wall))
+    monkeypatch.setattr(profiler, "_CPU", lambda: next(cpu))
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, hidden_states):
+            return self.lin(hidden_states)
+
+    x = torch.ones(2, 4, requires_grad=True)
+    f, b = profiler._timed_step(Layer(), x, {}, torch.ones(2, 4), torch.device("cpu"),
+                                profiler.EmulatedClock(4.0, 1))
+    assert (f, b) == (pytest.approx(8.0), pytest.approx(16.0))

@@ -12,9 +12,13 @@ own arguments, timed forward and backward for each candidate TP degree and micro
   confidence intervals are within 2% (at least N = --poseidon-profile-iters repetitions, at most
   40 or 5 s), outliers dropped by a MAD rule; measured once more when the backward median is
   below 0.8 x the forward's. The backward includes what Megatron's DDP adds to every parameter's
-  gradient (``main_grad += grad``, fp32 buffers). Device synchronisation on GPU/NPU, wall clock on
-  CPU (the emulation pads these with its slowdown). Under CPU emulation the ranks of a host
-  measure in turns (:class:`Turns`), so they never compete for its cores.
+  gradient (``main_grad += grad``, fp32 buffers). Device synchronisation and the wall clock on
+  GPU/NPU. Under CPU emulation the ranks of a host measure in turns (:class:`Turns`), so they
+  never compete for its cores, and the emulated device's time is computed from the CPU time
+  (:class:`EmulatedClock`: factor x CPU time at TP 1) with the slowdown's sleep suspended: the
+  sleep-then-wake padding made the slow type read 4.5-5x for a configured 4x on a loaded host
+  (the work after a sleep runs on cold caches), and wall time took in other processes' load.
+  The ranks of a TP group stop sampling together (their layer is collective).
 * Optimizer step: the layer's parameters through what Megatron's mixed-precision optimizer does
   per step (grad norm, clipping, AdamW on fp32 master copies, the copy back), per device.
 * Activation memory: bytes of the tensors autograd saves for backward (saved-tensor hooks; unique
@@ -249,20 +253,60 @@ def _activation_bytes(layer: Any, x: Any, kwargs: dict[str, Any], grad: Any) -> 
     return counter.bytes
 
 
-def _timed_step(layer: Any, x: Any, kwargs: dict[str, Any], grad: Any, device: Any
-                ) -> tuple[float, float]:
-    """(forward ms, backward ms) of one micro-batch."""
+_WALL = time.perf_counter     # the profiler's clocks (tests inject fakes)
+_CPU = time.process_time
+
+
+@dataclass(frozen=True)
+class EmulatedClock:
+    """How a step is timed under CPU emulation: the slowdown's sleep is suspended and the
+    emulated device's time is computed from this process's CPU time t_cpu and wall time t_wall:
+    ``factor x t_cpu`` at TP 1 (the whole op is compute; other processes' load on the host does
+    not enter), ``t_wall + (factor - 1) x t_cpu`` at TP > 1 (waiting in the TP all-reduces is
+    not compute and is not slowed, as :func:`.emulation.install_slowdown` does in training)."""
+
+    factor: float
+    tp: int
+
+    def ms(self, wall_s: float, cpu_s: float) -> float:
+        cpu_s = max(0.0, min(cpu_s, wall_s)) if self.tp > 1 else max(0.0, cpu_s)
+        if self.tp > 1:
+            return (wall_s + (self.factor - 1.0) * cpu_s) * 1e3
+        return self.factor * cpu_s * 1e3
+
+
+def _timed_step(layer: Any, x: Any, kwargs: dict[str, Any], grad: Any, device: Any,
+                clock: EmulatedClock | None = None) -> tuple[float, float]:
+    """(forward ms, backward ms) of one micro-batch (``clock``: under CPU emulation)."""
     _sync(device)
-    t0 = time.perf_counter()
+    t0, c0 = _WALL(), _CPU()
     out = layer(hidden_states=x, **kwargs)
     out = out[0] if isinstance(out, tuple) else out
     _sync(device)
-    t1 = time.perf_counter()
+    t1, c1 = _WALL(), _CPU()
     out.backward(grad)
     _sync(device)
-    t2 = time.perf_counter()
+    t2, c2 = _WALL(), _CPU()
     x.grad = None
-    return (t1 - t0) * 1e3, (t2 - t1) * 1e3
+    if clock is None:
+        return (t1 - t0) * 1e3, (t2 - t1) * 1e3
+    return clock.ms(t1 - t0, c1 - c0), clock.ms(t2 - t1, c2 - c1)
+
+
+def _emulated_clock(device: Any, tp: int) -> EmulatedClock | None:
+    """The clock of a CPU-emulated device (None on a real accelerator or plain CPU)."""
+    from . import emulation
+
+    factor = emulation.slowdown_factor()
+    if device.type != "cpu" or factor is None:
+        return None
+    return EmulatedClock(factor, tp)
+
+
+def _padding_suspended(active: bool):
+    from . import emulation
+
+    return emulation.padding_suspended() if active else contextlib.nullcontext()
 
 
 def sampling_policy(iters: int) -> SamplingPolicy:
@@ -317,8 +361,11 @@ def time_layer(layer: Any, config: Any, vargs: Any, device: Any, iters: int,
     x, kwargs, grad = _layer_inputs(config, vargs, device)
     act_bytes = _activation_bytes(layer, x, kwargs, grad)
     policy = replace(sampling_policy(iters), warmup=warmup)
-    res, retries = sample_until_plausible(lambda: _timed_step(layer, x, kwargs, grad, device),
-                                          policy, agree=tp_group_any(device))
+    clock = _emulated_clock(device, int(vargs.tensor_model_parallel_size))
+    with _padding_suspended(clock is not None):
+        res, retries = sample_until_plausible(
+            lambda: _timed_step(layer, x, kwargs, grad, device, clock), policy,
+            agree=tp_group_any(device))
     return res, retries, act_bytes
 
 
