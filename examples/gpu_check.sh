@@ -17,8 +17,7 @@ cd "$(dirname "$0")/.."
 MODE=gpu
 [ "${1:-}" = "--cpu" ] && MODE=cpu
 if [ -x .venv/bin/torchrun ]; then BIN=.venv/bin/; else BIN=""; fi
-PY="${BIN}python"
-[ -x "$PY" ] || PY=python3
+if [ -n "$BIN" ]; then PY="${BIN}python"; else PY="$(command -v python || command -v python3)"; fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PORT="${MASTER_PORT:-$((29500 + RANDOM % 2000))}"
 
