@@ -15,6 +15,14 @@ Per stage s of a plan (type k, TP t, l layers, micro-batch b, sequence S, DP d):
   x the training setup's ``grad_bytes`` (megatron-core 0.19 accumulates and all-reduces a bf16
   model's gradients in fp32 unless ``--grad-reduce-in-bf16``: 4 bytes by default). bw = the
   ring's slowest link (``placement.ring_gbps``).
+* optimizer step O_s = the stage's gradient bytes x the type's measured optimizer ms per
+  gradient byte (the decoder record's ``optimizer_ms`` over its gradient bytes: Adam, the grad norm
+  and the copy back scale with the parameters a device holds); 0 where no record measured it.
+* post-pipeline work: the simulator's R_s is A_s + O_s, so the iteration time is
+  max over stages of (the stage's last backward + its DP all-reduce + its optimizer step). This
+  folds Megatron's order (finalize: DP all-reduce; then the optimizer: grad norm, update) into each
+  stage; the grad-norm all-reduce that lines the stages up before the update is not modelled (it
+  matters only when the stage finishing last is not the one with the largest O_s).
 * memory: ``memory.stage_memory`` of the stage under the training setup (``training.py``), with
   a measured decoder record's activation and parameter bytes when the DB has one, plus the
   device type's runtime reserve, against the device type's capacity.
@@ -52,6 +60,7 @@ class LayerCosts:
     output_backward_ms: float
     output_grad_bytes: float
     profiles: tuple[LayerProfile, ...] = ()   # (decoder, embedding, output): provenance
+    optimizer_ms_per_grad_byte: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,12 @@ class StageCosts:
     memory_capacity_bytes: int
     memory: memory_mod.StageMemory | None = None        # the peak's parts
     provenance: tuple[LayerProfile, ...] = ()           # the layer kinds this stage runs
+    optimizer_ms: float = 0.0
+
+    @property
+    def post_pipeline_ms(self) -> float:
+        """What the stage does after its last backward: DP all-reduce, then optimizer step."""
+        return self.allreduce_ms + self.optimizer_ms
 
 
 def chunk_layers(layers: int, virtual_stages: int) -> tuple[int, ...]:
@@ -79,6 +94,13 @@ def chunk_layers(layers: int, virtual_stages: int) -> tuple[int, ...]:
     """
     return tuple(layers // virtual_stages + (1 if c < layers % virtual_stages else 0)
                  for c in range(virtual_stages))
+
+
+def optimizer_per_grad_byte(decoder, grad_per_param_byte: float) -> float:
+    """Measured optimizer ms per gradient byte of a decoder record (0 when not measured)."""
+    opt = float(getattr(decoder, "optimizer_ms", 0.0) or 0.0)
+    grad = decoder.param_bytes * grad_per_param_byte
+    return opt / grad if opt > 0.0 and grad > 0 else 0.0
 
 
 class CostModel:
@@ -122,7 +144,8 @@ class CostModel:
         g = self.training.grad_bytes / self.training.weight_bytes
         lc = LayerCosts(dec.forward_ms, dec.backward_ms, dec.param_bytes * g,
                         emb.forward_ms, emb.backward_ms, emb.param_bytes * g,
-                        out.forward_ms, out.backward_ms, out.param_bytes * g, (dec, emb, out))
+                        out.forward_ms, out.backward_ms, out.param_bytes * g, (dec, emb, out),
+                        optimizer_per_grad_byte(dec, g))
         self._layer_cache[key] = lc
         return lc
 
@@ -262,7 +285,8 @@ class CostModel:
                 send_forward_ms=sends[s] if s < n - 1 else 0.0,
                 send_backward_ms=sends[s] if s < n - 1 else 0.0,
                 allreduce_ms=ar, memory_bytes=mem.total_bytes,
-                memory_capacity_bytes=self.capacity_bytes[k], memory=mem, provenance=kinds))
+                memory_capacity_bytes=self.capacity_bytes[k], memory=mem, provenance=kinds,
+                optimizer_ms=grad * lc.optimizer_ms_per_grad_byte))
         return tuple(out), placements, unused
 
     def wrap_send_ms(self, placements, micro_batch_size: int) -> float:
@@ -272,7 +296,8 @@ class CostModel:
 
 
 def simulator_arrays(stages: tuple[StageCosts, ...], virtual_stages: int, wrap_send_ms: float = 0.0):
-    """(F, B, Pf, Pb, R) in the simulator's layout (per-chunk arrays of shape (V, N) if V > 1)."""
+    """(F, B, Pf, Pb, R) in the simulator's layout (per-chunk arrays of shape (V, N) if V > 1);
+    R[s] is the stage's post-pipeline work (DP all-reduce + optimizer step)."""
     n, v = len(stages), virtual_stages
     if v > 1:
         F = np.array([[st.chunk_forward_ms[c] for st in stages] for c in range(v)])
@@ -283,7 +308,7 @@ def simulator_arrays(stages: tuple[StageCosts, ...], virtual_stages: int, wrap_s
         B = np.array([st.backward_ms for st in stages])
         Pf = np.array([st.send_forward_ms for st in stages[:-1]])
     Pb = Pf.copy()
-    R = np.array([st.allreduce_ms for st in stages])
+    R = np.array([st.post_pipeline_ms for st in stages])
     return F, B, Pf, Pb, R
 
 

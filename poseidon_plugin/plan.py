@@ -8,7 +8,7 @@ indent, floats rounded to 6 decimals, trailing newline, so equal plans give equa
      "schedule", "virtual_stages", "dp", "tp" (null when per-stage), "pp", "micro_batch_size",
      "num_microbatches", "global_batch_size", "seq_length", "num_layers",
      "stages": [{"index", "device_type", "tp", "dp", "layers", "forward_ms", "backward_ms",
-                 "send_forward_ms", "send_backward_ms", "allreduce_ms", "memory_bytes",
+                 "send_forward_ms", "send_backward_ms", "allreduce_ms", "optimizer_ms", "memory_bytes",
                  "memory_capacity_bytes", "devices": [[{"node", "local_device"}, ...tp], ...dp],
                  "chunk_layers", "chunk_forward_ms", "chunk_backward_ms" (V entries each)}],
      "links": [{"from_stage", "to_stage", "send_ms", "wrap_around" (interleaved last->first)}],
@@ -86,10 +86,16 @@ class StagePlan:
     provenance: tuple[tuple[str, str, str], ...] = ()
     # (part, bytes) of memory_bytes, then ("activations_source", "measured"|"estimated")
     memory_parts: tuple[tuple[str, Any], ...] = ()
+    optimizer_ms: float = 0.0   # optimizer step after the DP all-reduce (measured; 0: none)
 
 
 def _r(x: float) -> float:
     return round(float(x), 6)
+
+
+def _tflops_text(x: float) -> str:
+    """One decimal, or three significant digits below 10 (CPU / emulated devices)."""
+    return f"{x:.1f}" if x >= 10.0 else f"{x:.3g}"
 
 
 @dataclass(frozen=True)
@@ -253,7 +259,7 @@ class Plan:
             F = np.array([s.forward_ms for s in self.stages])
             B = np.array([s.backward_ms for s in self.stages])
             Pf = np.array([s.send_forward_ms for s in self.stages[:-1]])
-        R = np.array([s.allreduce_ms for s in self.stages])
+        R = np.array([s.allreduce_ms + s.optimizer_ms for s in self.stages])   # post-pipeline
         return F, B, Pf, Pf.copy(), R
 
     def rederived_iteration_time_ms(self) -> float:
@@ -277,7 +283,8 @@ class Plan:
             "index": s.index, "device_type": s.device_type, "tp": s.tp, "dp": s.dp,
             "layers": s.layers, "forward_ms": _r(s.forward_ms), "backward_ms": _r(s.backward_ms),
             "send_forward_ms": _r(s.send_forward_ms), "send_backward_ms": _r(s.send_backward_ms),
-            "allreduce_ms": _r(s.allreduce_ms), "memory_bytes": int(s.memory_bytes),
+            "allreduce_ms": _r(s.allreduce_ms), "optimizer_ms": _r(s.optimizer_ms),
+            "memory_bytes": int(s.memory_bytes),
             "memory_capacity_bytes": int(s.memory_capacity_bytes),
             "devices": [[{"node": d.node, "local_device": d.local_device} for d in grp]
                         for grp in s.devices],
@@ -331,6 +338,7 @@ class Plan:
                 send_forward_ms=s["send_forward_ms"], send_backward_ms=s["send_backward_ms"],
                 allreduce_ms=s["allreduce_ms"], memory_bytes=s["memory_bytes"],
                 memory_capacity_bytes=s["memory_capacity_bytes"],
+                optimizer_ms=s.get("optimizer_ms", 0.0),
                 devices=tuple(tuple(DeviceSlot(x["node"], x["local_device"]) for x in grp)
                               for grp in s["devices"]),
                 chunk_layers=tuple(s.get("chunk_layers", ())),
@@ -371,19 +379,19 @@ class Plan:
         lines = [head,
                  f"predicted iteration {self.predicted_iteration_time_ms:.2f} ms, "
                  f"{self.predicted_tokens_per_s:,.0f} tokens/s, "
-                 f"{self.model_tflops_per_device:.1f} model TFLOP/s per device, "
+                 f"{_tflops_text(self.model_tflops_per_device)} model TFLOP/s per device, "
                  f"MFU {100 * self.mfu:.1f}%",
                  "",
                  "per stage: fwd, bwd and send ms per micro-batch; allred ms per iteration "
                  "(DP gradient all-reduce)",
                  f"{'stage':>5} {'type':<10} {'tp':>3} {'dp':>3} {'layers':>6} {'fwd ms':>9} "
-                 f"{'bwd ms':>9} {'send ms':>8} {'allred ms':>9} {'memory GiB':>15}  nodes"]
+                 f"{'bwd ms':>9} {'send ms':>8} {'allred ms':>9} {'optim ms':>8} {'memory GiB':>15}  nodes"]
         for s in self.stages:
             nodes = {d.node for grp in s.devices for d in grp}
             lines.append(
                 f"{s.index:>5} {s.device_type:<10} {s.tp:>3} {s.dp:>3} {s.layers:>6} "
                 f"{s.forward_ms:>9.2f} {s.backward_ms:>9.2f} {s.send_forward_ms:>8.2f} "
-                f"{s.allreduce_ms:>9.2f} {s.memory_bytes / gib:>6.1f} / {s.memory_capacity_bytes / gib:>6.1f}"
+                f"{s.allreduce_ms:>9.2f} {s.optimizer_ms:>8.2f} {s.memory_bytes / gib:>6.1f} / {s.memory_capacity_bytes / gib:>6.1f}"
                 f"  {node_ranges(nodes)}")
         lines += self._provenance_lines()
         used = self.world_size

@@ -8,8 +8,13 @@ On-disk format (``ProfileDB.VERSION`` = 1), deterministic (records sorted by key
        "seq_length": 4096, "model_signature": "h4096-...", "forward_ms": 12.3, "backward_ms": 24.9,
        "activation_bytes": 123456, "param_bytes": 654321, "source": "measured",
        "dtype": "bf16", "attention": "flash", "recompute": "none",
-       "env": {"device": "NVIDIA H100 80GB HBM3", "torch": "2.9.0", "megatron_core": "0.19.2"}},
+       "env": {"device": "NVIDIA H100 80GB HBM3", "torch": "2.9.0", "megatron_core": "0.19.2"},
+       "optimizer_ms": 0.8},
       ...]}
+
+``optimizer_ms`` (optional, decoder records): the optimizer step of the layer's parameters on one
+device; the cost model adds it, scaled by each stage's parameters, to the stage's post-pipeline
+work (``costs.py``). Written only when non-zero.
 
 The key is the device type, layer kind, TP, micro-batch, sequence, the model's signature
 (``ModelSpec.signature``) and the training setup the layer ran under (``dtype``, ``attention``,
@@ -117,6 +122,7 @@ class LayerProfile:
     param_bytes: int        # parameters of this layer on one device (TP-sharded), key's dtype
     source: Source = "estimated"
     env: tuple[tuple[str, str], ...] = ()   # what measured it (device, versions), sorted
+    optimizer_ms: float = 0.0   # optimizer step of this layer's parameters on one device (0: none)
 
 
 # --------------------------------------------------------------------------- JSON records
@@ -129,7 +135,7 @@ _VALUE_FIELDS = ("forward_ms", "backward_ms", "activation_bytes", "param_bytes")
 _SETUP_FIELDS: dict[str, tuple[str, ...]] = {
     "dtype": ("bf16", "fp16", "fp32"), "attention": ("flash", "unfused"),
     "recompute": ("none", "selective", "full")}
-_RECORD_FIELDS = set(_KEY_FIELDS) | set(_VALUE_FIELDS) | set(_SETUP_FIELDS) | {"source", "env"}
+_RECORD_FIELDS = set(_KEY_FIELDS) | set(_VALUE_FIELDS) | set(_SETUP_FIELDS) | {"source", "env", "optimizer_ms"}
 _RANK = {"estimated": 0, "calibrated": 1, "measured": 2}
 
 
@@ -143,6 +149,7 @@ def profile_to_record(profile: LayerProfile) -> dict[str, Any]:
         "param_bytes": profile.param_bytes, "source": profile.source,
         "dtype": key.dtype, "attention": key.attention, "recompute": key.recompute,
         **({"env": dict(profile.env)} if profile.env else {}),
+        **({"optimizer_ms": profile.optimizer_ms} if profile.optimizer_ms else {}),
     }
 
 
@@ -173,12 +180,12 @@ def profile_from_record(record: object, where: str) -> LayerProfile:
             raise bad(field, f"a string of at most {MAX_KEY_CHARS} characters", value)
     if record["layer_kind"] not in LAYER_KINDS:
         raise bad("layer_kind", "one of " + ", ".join(LAYER_KINDS), record["layer_kind"])
-    for field in ("forward_ms", "backward_ms"):
-        value = record[field]
+    for field in ("forward_ms", "backward_ms", "optimizer_ms"):
+        value = record.get(field, 0.0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) \
                 or not math.isfinite(value) or value < 0:
             raise bad(field, "a number >= 0", value)
-        if not 0 < value <= MAX_LAYER_MS:
+        if value > MAX_LAYER_MS or (value == 0 and field != "optimizer_ms"):
             raise bad(field, f"a time > 0 and <= {MAX_LAYER_MS:g} ms (one layer, one "
                       "micro-batch)", value)
     for field in ("activation_bytes", "param_bytes"):
@@ -205,7 +212,8 @@ def profile_from_record(record: object, where: str) -> LayerProfile:
                         backward_ms=float(record["backward_ms"]),
                         activation_bytes=record["activation_bytes"],
                         param_bytes=record["param_bytes"], source=source,
-                        env=tuple(sorted(env.items())))
+                        env=tuple(sorted(env.items())),
+                        optimizer_ms=float(record.get("optimizer_ms", 0.0)))
 
 
 class _DuplicateKey(Exception):

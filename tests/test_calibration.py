@@ -81,3 +81,18 @@ def test_live_calibration_reports_once_and_writes_db(tmp_path):
     rec = db.get(ProfileKey("A", "decoder", 1, 1, 128, "sig"))
     assert rec.source == "measured" and rec.forward_ms == pytest.approx(1.0)
     assert rep.profiles_written == 1
+
+
+def test_report_line_compares_peak_memory_per_stage():
+    from poseidon_plugin.megatron.calibration import CalibrationReport, StageTiming
+
+    gib = 1 << 30
+    rep = CalibrationReport(8, 100.0, 110.0, (StageTiming(0, 1.0, 2.0, 110.0, 5.0, 2 * gib),
+                                              StageTiming(1, 1.0, 2.0, 110.0, 5.0, 0)),
+                            1, (int(1.9 * gib), gib))
+    line = rep.line()
+    assert "s0 predicted 1.90 GiB, measured 2.00 GiB (-5.0%)" in line
+    assert "s1 predicted" not in line          # not measured there
+    assert "tail 5.0" in line and "(-9.1%)" in line
+    cpu = CalibrationReport(8, 100.0, 100.0, (StageTiming(0, 1.0, 2.0, 100.0),), 0, (gib,))
+    assert "peak memory not measurable" in cpu.line()

@@ -82,6 +82,8 @@ def test_shims_run_a_real_megatron_layer_on_cpu_with_slowdown():
     for t in (t1, t2):
         assert t["forward_ms"] > 0 and t["backward_ms"] > 0 and t["param_bytes"] > 0
     assert t2["activation_bytes"] > t1["activation_bytes"] > 0
-    # every forward and every backward of the layer was padded: 2 configs x (2 warm-up + 3
-    # timed + 1 activation-memory pass) x 2
-    assert result["pads"] == 2 * 6 * 2
+    # every forward and every backward of the layer was padded: per config the untimed activation
+    # pass, the warm-up (3) and the timed repetitions (at least 8), each sampled 1 + retries times
+    assert all(t["samples"] >= 8 for t in (t1, t2))
+    assert result["pads"] >= sum(2 * (1 + 3 + t["samples"]) for t in (t1, t2))
+    assert result["pads"] % 2 == 0

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import logging
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from .recorder import OpRecorder
@@ -62,6 +62,9 @@ class StageTiming:
     forward_ms: float      # per micro-batch, whole device (all chunks)
     backward_ms: float
     iteration_ms: float    # mean wall time of the measured iterations on this rank
+    tail_ms: float = 0.0   # mean time from the stage's last op to the iteration's end (DP
+    #                        all-reduce, optimizer step, per-iteration overheads)
+    peak_memory_bytes: int = 0   # the device's peak allocated memory (0: not measurable)
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class CalibrationReport:
     measured_ms: float
     stages: tuple[StageTiming, ...]
     profiles_written: int
+    predicted_memory_bytes: tuple[int, ...] = ()   # the plan's per-stage peak memory
 
     @property
     def error(self) -> float:
@@ -78,11 +82,23 @@ class CalibrationReport:
 
     def line(self) -> str:
         per = ", ".join(f"s{t.stage} F {t.forward_ms:.1f}/B {t.backward_ms:.1f}"
-                        for t in self.stages)
+                        f"/tail {t.tail_ms:.1f}" for t in self.stages)
         return (f"calibration: iteration {self.iteration}: predicted {self.predicted_ms:.1f} ms, "
                 f"measured {self.measured_ms:.1f} ms ({100 * self.error:+.1f}%); "
-                f"per stage (ms per micro-batch): {per}; "
+                f"per stage (ms per micro-batch): {per}; {self.memory_text()}; "
                 f"{self.profiles_written} measured profile record(s) written")
+
+    def memory_text(self) -> str:
+        """Predicted vs measured peak memory per stage (the device's max allocated bytes)."""
+        pairs = [(t.stage, self.predicted_memory_bytes[t.stage], t.peak_memory_bytes)
+                 for t in self.stages
+                 if t.peak_memory_bytes > 0 and t.stage < len(self.predicted_memory_bytes)]
+        if not pairs:
+            return "peak memory not measurable on this device"
+        gib = float(1 << 30)
+        return "peak memory " + ", ".join(
+            f"s{s} predicted {p / gib:.2f} GiB, measured {m / gib:.2f} GiB "
+            f"({100 * (p - m) / m:+.1f}%)" for s, p, m in pairs)
 
 
 def stage_timing(recorder: OpRecorder, stage: int, skip: int) -> StageTiming | None:
@@ -101,8 +117,23 @@ def stage_timing(recorder: OpRecorder, stage: int, skip: int) -> StageTiming | N
         fwd.extend(per_mb_f.values())
         bwd.extend(per_mb_b.values())
     wall = statistics.fmean(it.end_s - it.start_s for it in its)
+    tails = [it.end_s - max(op[4] for op in it.ops) for it in its if it.ops]
     return StageTiming(stage, statistics.median(fwd) * 1e3 if fwd else 0.0,
-                       statistics.median(bwd) * 1e3 if bwd else 0.0, wall * 1e3)
+                       statistics.median(bwd) * 1e3 if bwd else 0.0, wall * 1e3,
+                       statistics.fmean(tails) * 1e3 if tails else 0.0, _peak_memory_bytes())
+
+
+def _peak_memory_bytes() -> int:
+    """``max_memory_allocated`` of this rank's CUDA / NPU device; 0 on CPU (emulation)."""
+    try:
+        import torch
+
+        for mod in (getattr(torch, "npu", None), torch.cuda):
+            if mod is not None and mod.is_available():
+                return int(mod.max_memory_allocated())
+    except Exception:  # noqa: BLE001 - no device runtime
+        pass
+    return 0
 
 
 def measured_profiles(plan: Plan, timings: list[StageTiming], model_signature: str,
@@ -185,6 +216,8 @@ class LiveCalibration:
     # -- per iteration -------------------------------------------------------------------------
     def begin_iteration(self) -> None:
         if self.result is None and self.recorder is not None:
+            if self.stage is None:  # Megatron's parallel state exists once training runs
+                self.recorder.stage = _pp_rank()
             self.recorder.begin_iteration()
 
     def end_iteration(self) -> None:
@@ -214,7 +247,9 @@ class LiveCalibration:
         # one timing per stage (DP replicas of a stage: keep the first)
         per_stage: dict[int, StageTiming] = {}
         for t in timings:
-            per_stage.setdefault(t.stage, t)
+            kept = per_stage.setdefault(t.stage, t)
+            if t.peak_memory_bytes > kept.peak_memory_bytes:  # the stage's largest replica
+                per_stage[t.stage] = replace(kept, peak_memory_bytes=t.peak_memory_bytes)
         stages = tuple(per_stage[s] for s in sorted(per_stage))
         written = 0
         if rank0 and self.profile_db_path:
@@ -225,7 +260,8 @@ class LiveCalibration:
                 written += bool(db.put(prof))
             db.save()
         self.result = CalibrationReport(self._iteration, self.predicted_ms, measured, stages,
-                                        written)
+                                        written, tuple(int(getattr(s, "memory_bytes", 0))
+                                                       for s in self.plan.stages))
         if rank0:
             line = self.result.line()
             (self._emit or log.warning)(line)

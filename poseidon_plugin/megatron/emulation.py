@@ -11,8 +11,9 @@ Two independent pieces:
 * **Device-type emulation** (:func:`install_slowdown`): the emulation file assigns a device type to
   every launch rank and a relative speed to every type. Each transformer layer's forward and backward
   are padded with ``sleep`` so that their compute takes ``measured / speed`` seconds (compute = wall
-  time capped by the process's CPU time, so waiting in collectives is not scaled); the profiler
-  measures the padded times, and training feels them.
+  time capped by the process's CPU time, so waiting in collectives is not scaled); training feels
+  them. The profiler suspends the padding and computes the same emulated time from the CPU time
+  (``profiler.EmulatedClock``), so its numbers do not depend on the host's other load.
 
 File format (YAML)::
 
@@ -361,6 +362,7 @@ def _patch_megatron_rng() -> None:
 # ----------------------------------------------------------------------------------------------
 
 _SLOWDOWN = {"factor": 1.0}
+_EMULATED = {"on": False}   # install_slowdown was called (any factor, 1.0 included)
 _SLOWDOWN_INSTALLED = False
 _TLS = threading.local()
 
@@ -386,6 +388,22 @@ def _pad(work_s: float) -> None:
         time.sleep(extra)
 
 
+def slowdown_factor() -> float | None:
+    """The emulated type's slowdown of this process (None: no emulation installed)."""
+    return _SLOWDOWN["factor"] if _EMULATED["on"] else None
+
+
+@contextlib.contextmanager
+def padding_suspended():
+    """No sleeping inside the block (the profiler computes the emulated time itself)."""
+    saved = _SLOWDOWN["factor"]
+    _SLOWDOWN["factor"] = 1.0
+    try:
+        yield
+    finally:
+        _SLOWDOWN["factor"] = saved
+
+
 def install_slowdown(factor: float) -> None:
     """Pad every megatron-core TransformerLayer forward and backward to ``factor`` x its real time.
 
@@ -395,6 +413,7 @@ def install_slowdown(factor: float) -> None:
     """
     global _SLOWDOWN_INSTALLED
     _SLOWDOWN["factor"] = float(factor)
+    _EMULATED["on"] = True
     if _SLOWDOWN_INSTALLED or factor <= 1.0:
         return
     from megatron.core.transformer.transformer_layer import TransformerLayer

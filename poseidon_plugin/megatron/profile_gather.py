@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import time
 from dataclasses import replace
@@ -87,16 +88,32 @@ def all_measured(db: ProfileDB, keys: Sequence[ProfileKey]) -> bool:
 # ----------------------------------------------------------------------------------------------
 
 
+TIME_RESOLUTION = 0.02
+"""Measured times are rounded to a geometric grid of this relative step (the profiler's CI target):
+differences below it are measurement noise, and two launches whose medians land in the same
+grid cell plan from identical numbers (the same plan)."""
+
+
+def quantize_ms(value: float, resolution: float = TIME_RESOLUTION) -> float:
+    """``value`` rounded to the nearest point of the grid ``(1 + resolution) ** k`` (0 stays 0)."""
+    if value <= 0.0:
+        return 0.0
+    step = math.log1p(resolution)
+    return float(f"{math.exp(round(math.log(value) / step) * step):.6g}")
+
+
 def measured_records(aggs: Sequence[Aggregate], seq_length: int, model_signature: str,
                      setup: TrainingSetup | None = None,
                      env: Sequence[tuple[str, str]] = ()) -> list[LayerProfile]:
     """The per-type medians of :func:`.profiler.aggregate` as measured decoder-layer records
-    (keyed by the training setup they ran under; ``env`` says what measured them)."""
+    (keyed by the training setup they ran under; ``env`` says what measured them; times on
+    the :data:`TIME_RESOLUTION` grid)."""
     fields = (setup or TrainingSetup()).profile_fields
     return [LayerProfile(ProfileKey(a.device_type, "decoder", a.tp, a.micro_batch_size, seq_length,
                                     model_signature, **fields),
-                         a.forward_ms, a.backward_ms, a.activation_bytes, a.param_bytes,
-                         source="measured", env=tuple(sorted(env)))
+                         quantize_ms(a.forward_ms), quantize_ms(a.backward_ms),
+                         a.activation_bytes, a.param_bytes, source="measured",
+                         env=tuple(sorted(env)), optimizer_ms=quantize_ms(a.optimizer_ms))
             for a in aggs]
 
 
@@ -154,8 +171,11 @@ def calibrate(cluster: Cluster, db: ProfileDB, model: ModelSpec, tps: Sequence[i
             for mbs in micro_batch_sizes:
                 p = db.get(ProfileKey(name, "decoder", tp, mbs, seq_length, sig, **fields))
                 if p is not None and p.source == "measured" and p.forward_ms > 0:
-                    flops = model.layer_forward_flops(mbs, seq_length) / tp
-                    rates.append(flops / (p.forward_ms * 1e-3) / 1e12)
+                    # forward + backward (3x the forward's FLOPs): the rate the whole layer
+                    # reaches, the one MFU is measured against (a forward-only rate makes a
+                    # backward faster than 2x forward read as MFU > 100%)
+                    flops = 3.0 * model.layer_forward_flops(mbs, seq_length) / tp
+                    rates.append(flops / ((p.forward_ms + p.backward_ms) * 1e-3) / 1e12)
         if not rates:
             continue
         measured = max(rates)  # TFLOP/s actually reached (communication included for tp > 1)

@@ -8,8 +8,19 @@ own arguments, timed forward and backward for each candidate TP degree and micro
   config + local/TE spec on older versions).
 * TP: a real tensor-parallel group of ``t`` consecutive launch ranks (inside one node) via
   ``parallel_state.initialize_model_parallel(t)`` on the probe group; destroyed afterwards.
-* Timing: warm-up, then the median of N forward and N backward passes; device synchronisation on
-  GPU/NPU, wall clock on CPU (the emulation pads these with its slowdown).
+* Timing (:mod:`.sampling`): warm-up, then forward + backward repeated until both medians' 95%
+  confidence intervals are within 2% (at least N = --poseidon-profile-iters repetitions, at most
+  40 or 5 s), outliers dropped by a MAD rule; measured once more when the backward median is
+  below 0.8 x the forward's. The backward includes what Megatron's DDP adds to every parameter's
+  gradient (``main_grad += grad``, fp32 buffers). Device synchronisation and the wall clock on
+  GPU/NPU. Under CPU emulation the ranks of a host measure in turns (:class:`Turns`), so they
+  never compete for its cores, and the emulated device's time is computed from the CPU time
+  (:class:`EmulatedClock`: factor x CPU time at TP 1) with the slowdown's sleep suspended: the
+  sleep-then-wake padding made the slow type read 4.5-5x for a configured 4x on a loaded host
+  (the work after a sleep runs on cold caches), and wall time took in other processes' load.
+  The ranks of a TP group stop sampling together (their layer is collective).
+* Optimizer step: the layer's parameters through what Megatron's mixed-precision optimizer does
+  per step (grad norm, clipping, AdamW on fp32 master copies, the copy back), per device.
 * Activation memory (:func:`layer_memory_bytes`, after the timing, on a warm layer): on GPU / NPU
   the allocator's ``memory_allocated`` after one forward minus before it (what a micro-batch keeps
   alive until its backward, the layer's output included); on CPU, emulated devices included (no
@@ -28,10 +39,14 @@ import logging
 import statistics
 import sys
 import time
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
+
+from .sampling import Sampled, SamplingPolicy, sample
 
 log = logging.getLogger("poseidon")
+
+MIN_BWD_RATIO = 0.8   # a backward median below this x the forward's is measured again
 
 
 @dataclass(frozen=True)
@@ -42,6 +57,10 @@ class LayerTiming:
     backward_ms: float
     activation_bytes: int
     param_bytes: int
+    optimizer_ms: float = 0.0   # optimizer step of the layer's parameters (per device)
+    samples: int = 0            # timed forward/backward repetitions kept
+    converged: bool = True      # the medians' 95% CIs reached the target width
+    retries: int = 0            # re-measurements (backward < 0.8 x forward)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -177,9 +196,8 @@ def _sync(device) -> None:
         torch.npu.synchronize()  # type: ignore[attr-defined]
 
 
-def time_layer(layer: Any, config: Any, vargs: Any, device: Any, iters: int,
-               warmup: int = 2) -> tuple[float, float, int]:
-    """(forward_ms, backward_ms, activation_bytes) of one micro-batch, medians over ``iters``."""
+def _layer_inputs(config: Any, vargs: Any, device: Any) -> tuple[Any, dict[str, Any], Any]:
+    """(input, forward kwargs, output gradient) of one micro-batch of the profiled layer."""
     import torch
 
     seq = int(vargs.seq_length)
@@ -199,32 +217,254 @@ def time_layer(layer: Any, config: Any, vargs: Any, device: Any, iters: int,
                                use_cpu_initialization=True)
         kwargs["rotary_pos_emb"] = rope(seq).to(device)
     grad = torch.randn(seq_local, mbs, config.hidden_size, dtype=dtype, device=device)
-    exclude = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    fwd: list[float] = []
-    bwd: list[float] = []
-    act_bytes = 0
-    for i in range(warmup + iters):
-        counter = _SavedBytes(exclude)
+    return x, kwargs, grad
+
+
+def attach_main_grads(layer: Any) -> list[Any]:
+    """fp32 ``main_grad`` buffers and the gradient hook Megatron's DDP gives every parameter
+    (``main_grad += grad; grad = None``), so the timed backward does what training does (and a
+    layer built with gradient-accumulation fusion finds its ``main_grad``). Returns the hooks."""
+    import torch
+
+    handles = []
+    for p in layer.parameters():
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+
+        def accumulate(param):
+            # a fused weight-gradient kernel (TE, gradient-accumulation fusion) already added
+            # into main_grad and says so; the gradient it leaves is a placeholder
+            if param.grad is not None and not getattr(param, "grad_added_to_main_grad", False):
+                param.main_grad.add_(param.grad)
+            param.grad = None
+            if hasattr(param, "grad_added_to_main_grad"):
+                param.grad_added_to_main_grad = False
+
+        if hasattr(p, "register_post_accumulate_grad_hook"):
+            handles.append(p.register_post_accumulate_grad_hook(accumulate))
+    return handles
+
+
+def _activation_bytes(layer: Any, x: Any, kwargs: dict[str, Any], grad: Any) -> int:
+    """Bytes autograd saves in one forward (an untimed pass: the hooks cost time)."""
+    import torch
+
+    counter = _SavedBytes({p.untyped_storage().data_ptr() for p in layer.parameters()})
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+        out = layer(hidden_states=x, **kwargs)
+    out = out[0] if isinstance(out, tuple) else out
+    out.backward(grad)
+    x.grad = None
+    return counter.bytes
+
+
+_WALL = time.perf_counter     # the profiler's clocks (tests inject fakes)
+_CPU = time.process_time
+
+
+@dataclass(frozen=True)
+class EmulatedClock:
+    """How a step is timed under CPU emulation: the slowdown's sleep is suspended and the
+    emulated device's time is computed from this process's CPU time t_cpu and wall time t_wall:
+    ``factor x t_cpu`` at TP 1 (the whole op is compute; other processes' load on the host does
+    not enter), ``t_wall + (factor - 1) x t_cpu`` at TP > 1 (waiting in the TP all-reduces is
+    not compute and is not slowed, as :func:`.emulation.install_slowdown` does in training)."""
+
+    factor: float
+    tp: int
+
+    def ms(self, wall_s: float, cpu_s: float) -> float:
+        cpu_s = max(0.0, min(cpu_s, wall_s)) if self.tp > 1 else max(0.0, cpu_s)
+        if self.tp > 1:
+            return (wall_s + (self.factor - 1.0) * cpu_s) * 1e3
+        return self.factor * cpu_s * 1e3
+
+
+def _timed_step(layer: Any, x: Any, kwargs: dict[str, Any], grad: Any, device: Any,
+                clock: EmulatedClock | None = None) -> tuple[float, float]:
+    """(forward ms, backward ms) of one micro-batch (``clock``: under CPU emulation)."""
+    _sync(device)
+    t0, c0 = _WALL(), _CPU()
+    out = layer(hidden_states=x, **kwargs)
+    out = out[0] if isinstance(out, tuple) else out
+    _sync(device)
+    t1, c1 = _WALL(), _CPU()
+    out.backward(grad)
+    _sync(device)
+    t2, c2 = _WALL(), _CPU()
+    x.grad = None
+    if clock is None:
+        return (t1 - t0) * 1e3, (t2 - t1) * 1e3
+    return clock.ms(t1 - t0, c1 - c0), clock.ms(t2 - t1, c2 - c1)
+
+
+def _emulated_clock(device: Any, tp: int) -> EmulatedClock | None:
+    """The clock of a CPU-emulated device (None on a real accelerator or plain CPU)."""
+    from . import emulation
+
+    factor = emulation.slowdown_factor()
+    if device.type != "cpu" or factor is None:
+        return None
+    return EmulatedClock(factor, tp)
+
+
+def _padding_suspended(active: bool):
+    from . import emulation
+
+    return emulation.padding_suspended() if active else contextlib.nullcontext()
+
+
+def sampling_policy(iters: int) -> SamplingPolicy:
+    """The profiler's sampling rule; ``iters`` (--poseidon-profile-iters) is the minimum count."""
+    base = SamplingPolicy()
+    return replace(base, min_reps=max(base.min_reps, iters), max_reps=max(base.max_reps, iters))
+
+
+def sample_until_plausible(step: Callable[[], Sequence[float]], policy: SamplingPolicy,
+                           min_bwd_ratio: float = MIN_BWD_RATIO, retries: int = 1,
+                           clock: Callable[[], float] = time.monotonic,
+                           agree: Callable[[bool], bool] | None = None) -> tuple[Sampled, int]:
+    """:func:`.sampling.sample` of ``step`` (forward ms, backward ms), measured again (up to
+    ``retries`` times) while the backward median is below ``min_bwd_ratio`` x the forward's.
+    Returns (the last measurement, how many re-measurements it took). ``agree``: the ranks of a
+    tensor-parallel group decide together (any rank's yes), so they run ``step`` equally often."""
+    res = sample(step, policy, clock, agree)
+    tries = 0
+    while tries < retries:
+        again = res.medians[1] < min_bwd_ratio * res.medians[0]
+        if not (agree(again) if agree is not None else again):
+            break
+        tries += 1
+        res = sample(step, policy, clock, agree)
+    return res, tries
+
+
+def tp_group_any(device: Any) -> Callable[[bool], bool] | None:
+    """``any(flag over the tensor-parallel group)`` (None when the group is this rank alone)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if parallel_state.get_tensor_model_parallel_world_size() <= 1:
+        return None
+    group = parallel_state.get_tensor_model_parallel_group()
+    on = torch.device("cpu") if dist.get_backend(group) == "gloo" else device
+
+    def any_rank(flag: bool) -> bool:
+        t = torch.tensor([1.0 if flag else 0.0], device=on)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return bool(t.item() > 0.0)
+
+    return any_rank
+
+
+def time_layer(layer: Any, config: Any, vargs: Any, device: Any, iters: int,
+               warmup: int = 3) -> tuple[Sampled, int, int]:
+    """(forward/backward sampling result, re-measurements, activation bytes) of one micro-batch
+    (see :mod:`.sampling`: warm-up, repetitions until the medians' 95% CIs are within 2%,
+    outliers dropped; measured again when backward < 0.8 x forward)."""
+    x, kwargs, grad = _layer_inputs(config, vargs, device)
+    act_bytes = _activation_bytes(layer, x, kwargs, grad)
+    policy = replace(sampling_policy(iters), warmup=warmup)
+    clock = _emulated_clock(device, int(vargs.tensor_model_parallel_size))
+    with _padding_suspended(clock is not None):
+        res, retries = sample_until_plausible(
+            lambda: _timed_step(layer, x, kwargs, grad, device, clock), policy,
+            agree=tp_group_any(device))
+    return res, retries, act_bytes
+
+
+def _megatron_adam():
+    """The Adam class Megatron's optimizer uses here (TE / Apex FusedAdam, else torch AdamW)."""
+    try:
+        from megatron.core.optimizer import Adam  # type: ignore[attr-defined]
+
+        return Adam
+    except ImportError:
+        import torch
+
+        return torch.optim.AdamW
+
+
+def time_optimizer_step(layer: Any, device: Any, iters: int) -> Sampled:
+    """The optimizer step of this layer's parameters as Megatron's mixed-precision optimizer runs
+    it: fp32 master copies, gradient norm of the fp32 main grads, clipping, AdamW, the bf16 copy
+    back (one value: ms). The grad-norm all-reduce is communication, not timed here."""
+    import torch
+
+    params = [p for p in layer.parameters() if p.requires_grad]
+    master = [p.detach().float().clone().requires_grad_(True) for p in params]
+    for m in master:
+        m.grad = torch.randn_like(m) * 1e-3
+    opt = _megatron_adam()(master, lr=1e-4, weight_decay=0.01)
+
+    def step() -> tuple[float]:
         _sync(device)
         t0 = time.perf_counter()
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-            out = layer(hidden_states=x, **kwargs)
-        out = out[0] if isinstance(out, tuple) else out
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(m.grad)
+                                                     for m in master]))
+        scale = torch.clamp(1.0 / (norm + 1e-6), max=1.0)
+        for m in master:
+            m.grad.mul_(scale)
+        opt.step()
+        with torch.no_grad():
+            for p, m in zip(params, master):
+                p.copy_(m)
         _sync(device)
-        t1 = time.perf_counter()
-        out.backward(grad)
-        _sync(device)
-        t2 = time.perf_counter()
-        x.grad = None
-        for p in layer.parameters():
-            p.grad = None
-            if hasattr(p, "main_grad"):
-                p.main_grad = None
-        if i >= warmup:
-            fwd.append((t1 - t0) * 1e3)
-            bwd.append((t2 - t1) * 1e3)
-            act_bytes = max(act_bytes, counter.bytes)
-    return statistics.median(fwd), statistics.median(bwd), act_bytes
+        return ((time.perf_counter() - t0) * 1e3,)
+
+    return sample(step, sampling_policy(iters))
+
+
+@dataclass(frozen=True)
+class Turns:
+    """Ranks that share a host's CPU cores profile in turns (CPU emulation): turn ``i`` is the TP
+    group of local ranks ``[i*tp, (i+1)*tp)``; every other rank waits at a barrier meanwhile, so no
+    two measurements compete for the cores (nor does the emulation's padding feed on the
+    contention). ``local_world_size`` ranks per host; hosts take their turns in parallel."""
+
+    local_rank: int
+    local_world_size: int
+
+    def of(self, tp: int) -> tuple[int, int]:
+        """(this rank's turn, number of turns) for TP degree ``tp``."""
+        return self.local_rank // tp, max(1, self.local_world_size // tp)
+
+
+def _in_turns(turns: Turns | None, tp: int, name: str, checkpoint: Any,
+              body: Callable[[], Any]) -> Any:
+    """``body()`` on this rank's turn (every rank passes every turn's barrier), or at once."""
+    if turns is None or checkpoint is None:
+        return body()
+    mine, count = turns.of(tp)
+    result = None
+    for i in range(count):
+        checkpoint(f"{name}-turn{i}")
+        if i == mine:
+            result = body()
+    checkpoint(f"{name}-turns-done")
+    return result
+
+
+def profile_config(layer: Any, config: Any, vargs: Any, device: Any, iters: int, tp: int,
+                   mbs: int) -> LayerTiming:
+    """Forward, backward and optimizer step of one built layer (this rank's measurement)."""
+    hooks = attach_main_grads(layer)
+    param_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+    res, retries, _ = time_layer(layer, config, vargs, device, iters)
+    opt = time_optimizer_step(layer, device, iters)
+    for h in hooks:
+        h.remove()
+    act = layer_memory_bytes(layer, config, vargs, device)
+    if res.medians[1] < MIN_BWD_RATIO * res.medians[0]:
+        log.debug("tp=%d mbs=%d: backward %.3f ms < %.1f x forward %.3f ms after %d "
+                  "re-measurement(s); kept", tp, mbs, res.medians[1], MIN_BWD_RATIO,
+                  res.medians[0], retries)
+    f_ms, b_ms = res.medians[0], res.medians[1]
+    if getattr(vargs, "recompute_granularity", None) == "full":
+        b_ms += f_ms   # the block re-runs the layer's forward before its backward
+    return LayerTiming(tp, mbs, f_ms, b_ms, act, int(param_bytes),
+                       optimizer_ms=opt.medians[0], samples=res.samples,
+                       converged=res.converged and opt.converged, retries=retries)
 
 
 def _memory_inputs(config: Any, vargs: Any, device: Any) -> tuple[Any, dict[str, Any], Any]:
@@ -290,11 +530,12 @@ def layer_memory_bytes(layer: Any, config: Any, vargs: Any, device: Any) -> int:
 
 def profile_rank(args: Any, tps: Sequence[int], micro_batch_sizes: Sequence[int], *, world_size: int,
                  rank: int, device: Any, iters: int, seed: int = 1234,
-                 checkpoint: Any = None) -> list[LayerTiming]:
+                 checkpoint: Any = None, turns: Turns | None = None) -> list[LayerTiming]:
     """Profile one decoder layer for every (tp, mbs) on this rank. Collective per TP degree.
 
     ``checkpoint(name)`` (a deadline barrier) is called before each collective step, so a rank that
     hangs is named by the others instead of surfacing as an anonymous collective timeout.
+    ``turns``: the ranks of a host measure one TP group at a time (see :class:`Turns`).
     """
     import torch
     from megatron.core import parallel_state, tensor_parallel
@@ -315,13 +556,9 @@ def profile_rank(args: Any, tps: Sequence[int], micro_batch_sizes: Sequence[int]
                 layer = build_module(spec, config=config, layer_number=1)
                 layer = layer.to(device=device, dtype=config.params_dtype)
                 layer.train()
-                param_bytes = sum(p.numel() for p in layer.parameters()) * 2  # bf16 bytes
-                f_ms, b_ms, act = time_layer(layer, config, vargs, device, iters)
-                act = layer_memory_bytes(layer, config, vargs, device)
-                param_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
-                if getattr(vargs, "recompute_granularity", None) == "full":
-                    b_ms += f_ms   # the block re-runs the layer's forward before its backward
-                out.append(LayerTiming(tp, mbs, f_ms, b_ms, act, int(param_bytes)))
+                out.append(_in_turns(turns, tp, f"profiling-tp{tp}-mbs{mbs}", checkpoint,
+                                     lambda: profile_config(layer, config, vargs, device, iters,
+                                                            tp, mbs)))
                 del layer
         finally:
             tensor_parallel.get_cuda_rng_tracker().reset()
@@ -346,6 +583,8 @@ class Aggregate:
     activation_bytes: int
     param_bytes: int
     ranks: int
+    optimizer_ms: float = 0.0
+    unconverged: int = 0   # ranks whose medians did not reach the target CI width
 
 
 def aggregate(per_rank: dict[int, list[LayerTiming]], type_of: dict[int, str],
@@ -361,7 +600,9 @@ def aggregate(per_rank: dict[int, list[LayerTiming]], type_of: dict[int, str],
         fwd = statistics.median(t.forward_ms for _, t in items)
         bwd = statistics.median(t.backward_ms for _, t in items)
         aggs.append(Aggregate(dtype, tp, mbs, fwd, bwd, max(t.activation_bytes for _, t in items),
-                              max(t.param_bytes for _, t in items), len(items)))
+                              max(t.param_bytes for _, t in items), len(items),
+                              statistics.median(t.optimizer_ms for _, t in items),
+                              sum(not t.converged for _, t in items)))
         if len(items) >= 2:
             for rank, t in items:
                 total, med = t.forward_ms + t.backward_ms, fwd + bwd

@@ -338,7 +338,9 @@ def _all_ranks_profile(ctx: LaunchContext) -> None:
     dev = _torch_device(ctx.device)
     timings = ctx.guarded("profiling", lambda: profiler.profile_rank(
         args, ctx.tps, ctx.micro_batch_sizes, world_size=ctx.world_size, rank=ctx.rank,
-        device=dev, iters=ctx.opts.profile_iters, checkpoint=ctx.boot.barrier))
+        device=dev, iters=ctx.opts.profile_iters, checkpoint=ctx.boot.barrier,
+        turns=(profiler.Turns(ctx.env.local_rank, ctx.env.local_world_size)
+               if ctx.emu is not None else None)))
     gathered = ctx.guarded("profiling-gather",
                            lambda: ctx.boot.all_gather_object(timings, "profiling-gather"))
     if ctx.rank == 0:
@@ -363,9 +365,10 @@ def _rank0_store_profiles(ctx: LaunchContext, gathered: list[list[profiler.Layer
     log.info("profiling: %d config(s) x %d rank(s) in %.2f s; cache %s",
              len(ctx.tps) * len(ctx.micro_batch_sizes), ctx.world_size, took_s, ctx.cache_path)
     for a in aggs:
-        log.info("  %-12s tp=%d mbs=%d  fwd %8.2f ms  bwd %8.2f ms  act %6.1f MiB  "
-                 "(median of %d)", a.device_type, a.tp, a.micro_batch_size, a.forward_ms,
-                 a.backward_ms, a.activation_bytes / 2**20, a.ranks)
+        log.info("  %-12s tp=%d mbs=%d  fwd %8.2f ms  bwd %8.2f ms  optimizer %7.2f ms  "
+                 "act %6.1f MiB  (median of %d%s)", a.device_type, a.tp, a.micro_batch_size,
+                 a.forward_ms, a.backward_ms, a.optimizer_ms, a.activation_bytes / 2**20, a.ranks,
+                 f"; {a.unconverged} not within 2%" if a.unconverged else "")
     for s in ctx.stragglers:
         log.warning("straggler: %s", s)
 

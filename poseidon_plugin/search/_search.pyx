@@ -158,7 +158,7 @@ cdef class ConfigInstance:
                  double act_bytes, double latency_ms, double cross_gbps, double minsend,
                  double minfb, double outmin, double alpha, int ridge_mode, int ridge_ends,
                  int blocks, int use_bound, opt_type, opt_tp, f, b, ef, eb, of, ob, gl, ge, go,
-                 lmax, ndev, type_off, intra, inter, node_of, local_of):
+                 lmax, ndev, type_off, intra, inter, node_of, local_of, og=None):
         cdef ConfigData* I = &self.data
         cdef int N = structure.N, V = structure.V, O = len(opt_type), T = len(ndev), o, x, k
         if N > MAXN or V > MAXV or O > MAXO or T > MAXT:
@@ -183,6 +183,7 @@ cdef class ConfigInstance:
             I.ogl[o] = gl[o]
             I.oge[o] = ge[o]
             I.ogo[o] = go[o]
+            I.oog[o] = og[o] if og is not None else 0.0
         for k in range(T):
             I.ndev[k] = ndev[k]
             I.type_off[k] = type_off[k]
@@ -317,7 +318,8 @@ cdef inline double _place_stage(const ConfigData* I, SearchState* S, int x, int 
 
 cdef void _set_stage(const ConfigData* I, SearchState* S, int x, int o, int l,
                      double ring) noexcept nogil:
-    """Chunk costs, forward total and all-reduce time of stage x with option o and l layers
+    """Chunk costs, forward total and post-pipeline time (DP all-reduce + optimizer step) of
+    stage x with option o and l layers
     (the embedding on chunk 0 of stage 0, the output layer on chunk V-1 of the last stage)."""
     cdef int V = I.V, cc
     cdef double G, F = 0.0
@@ -336,7 +338,7 @@ cdef void _set_stage(const ConfigData* I, SearchState* S, int x, int o, int l,
     for cc in range(V):
         F += S.fc[x * V + cc]
     S.Fst[x] = F
-    S.R[x] = _allreduce_ms(G, I.d, ring, I.latency_ms) if I.d > 1 else 0.0
+    S.R[x] = (_allreduce_ms(G, I.d, ring, I.latency_ms) if I.d > 1 else 0.0) + G * I.oog[o]
 
 
 cdef inline int _ridge_stage(const ConfigData* I, int x) noexcept nogil:

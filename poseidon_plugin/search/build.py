@@ -23,6 +23,7 @@ def _stage_plans(cm: CostModel, cfg: OuterConfig, opts, layers, stages, placemen
                   send_forward_ms=st.send_forward_ms, send_backward_ms=st.send_backward_ms,
                   allreduce_ms=st.allreduce_ms, memory_bytes=int(st.memory_bytes),
                   memory_capacity_bytes=int(st.memory_capacity_bytes),
+                  optimizer_ms=st.optimizer_ms,
                   devices=tuple(tuple(DeviceSlot(n, d) for (n, d) in grp)
                                 for grp in placements[s].slots),
                   chunk_layers=chunk_layers(int(layers[s]), cfg.virtual_stages),

@@ -135,6 +135,7 @@ class OptionCosts:
     gl: tuple[float, ...]
     ge: tuple[float, ...]
     go: tuple[float, ...]
+    og: tuple[float, ...] = ()   # optimizer ms per gradient byte (empty: none)
 
     @classmethod
     def of_config(cls, cm: CostModel, cfg: OuterConfig) -> "OptionCosts":
@@ -146,7 +147,8 @@ class OptionCosts:
                    ob=tuple(lc.output_backward_ms for lc in lcs),
                    gl=tuple(lc.grad_bytes for lc in lcs),
                    ge=tuple(lc.embedding_grad_bytes for lc in lcs),
-                   go=tuple(lc.output_grad_bytes for lc in lcs))
+                   go=tuple(lc.output_grad_bytes for lc in lcs),
+                   og=tuple(lc.optimizer_ms_per_grad_byte for lc in lcs))
 
     @property
     def min_layer_fb(self) -> float:

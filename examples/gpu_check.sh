@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# Predicted vs measured on one real GPU: a single-GPU megatron-core training under --poseidon-auto
+# (world size 1). Poseidon profiles the model's layer on the GPU, plans, and the training's
+# calibration line compares the predicted iteration time and peak memory with the measured ones.
+#
+#   bash examples/gpu_check.sh            # on a machine with one CUDA GPU (torch + megatron-core)
+#   bash examples/gpu_check.sh --cpu      # rehearsal on CPU (one emulated device, tiny model)
+#
+# Writes build/gpu-check/<device>/: run.log (the whole launch), profiles-*.json (the measured
+# profile DB), plan.json, and summary.txt: device, driver, torch and megatron-core versions, the
+# plan's predicted iteration time and per-stage memory, and the calibration line (predicted vs
+# measured iteration time, predicted vs measured peak memory). Send summary.txt and the profile DB.
+# Extra Megatron flags: GPU_CHECK_ARGS="--seq-length 4096 ..." (appended, so they win).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+MODE=gpu
+[ "${1:-}" = "--cpu" ] && MODE=cpu
+if [ -x .venv/bin/torchrun ]; then BIN=.venv/bin/; else BIN=""; fi
+if [ -n "$BIN" ]; then PY="${BIN}python"; else PY="$(command -v python || command -v python3)"; fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PORT="${MASTER_PORT:-$((29500 + RANDOM % 2000))}"
+
+if [ "$MODE" = gpu ]; then
+  "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)" || {
+    echo "no CUDA GPU visible to torch; rehearse on CPU with: bash examples/gpu_check.sh --cpu" >&2
+    exit 3; }
+  DEVICE=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '-'))")
+  IMPL=local
+  "$PY" -c "import transformer_engine" 2>/dev/null && IMPL=transformer_engine
+  # four llama3-8b layers (GQA, SwiGLU, RMSNorm, RoPE) with a 32k vocabulary: ~1.1 B parameters,
+  # ~20 GiB of weights, gradients and Adam states on one device
+  MODEL_ARGS=(--num-layers 4 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32
+              --group-query-attention --num-query-groups 8 --swiglu --normalization RMSNorm
+              --position-embedding-type rope --untie-embeddings-and-output-weights
+              --disable-bias-linear --seq-length 2048 --max-position-embeddings 2048
+              --vocab-size 32000 --transformer-impl "$IMPL")
+  TRAIN_ARGS=(--micro-batch-size 1 --global-batch-size 8 --train-iters 20)
+  EMU=()
+else
+  DEVICE=cpu-emulated
+  MODEL_ARGS=(--num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128
+              --max-position-embeddings 128 --vocab-size 512)
+  TRAIN_ARGS=(--micro-batch-size 1 --global-batch-size 4 --train-iters 10)
+  export OMP_NUM_THREADS=1
+fi
+
+OUT="build/gpu-check/$DEVICE"
+mkdir -p "$OUT"
+if [ "$MODE" = cpu ]; then
+  printf 'device_types:\n  emu-one: {speed: 1.0, memory_gib: 16}\nranks: [emu-one]\n' > "$OUT/emulate-1rank.yaml"
+  EMU=(--poseidon-emulate "$OUT/emulate-1rank.yaml")
+fi
+export POSEIDON_PROFILE_DIR="$PWD/$OUT"
+read -r -a EXTRA <<< "${GPU_CHECK_ARGS:-}"
+
+echo "== $MODE check on $DEVICE: torchrun --nproc-per-node 1 -m poseidon_plugin.launch examples/pretrain_gpt.py ... --poseidon-auto"
+set +e
+"${BIN}torchrun" --nproc-per-node 1 --master-addr 127.0.0.1 --master-port "$PORT" \
+    -m poseidon_plugin.launch examples/pretrain_gpt.py "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" \
+    --lr 1e-4 --lr-decay-style constant --mock-data --tokenizer-type NullTokenizer \
+    --log-interval 1 --eval-iters 0 --eval-interval 100000 --num-workers 0 --bf16 --seed 1234 \
+    "${EXTRA[@]}" --poseidon-auto --poseidon-reprofile --poseidon-save-plan "$OUT/plan.json" \
+    "${EMU[@]}" > "$OUT/run.log" 2>&1
+RC=$?
+set -e
+
+"$PY" - "$OUT" "$RC" <<'EOF'
+import json, os, re, subprocess, sys
+
+out, rc = sys.argv[1], int(sys.argv[2])
+log = open(os.path.join(out, "run.log"), encoding="utf-8", errors="replace").read()
+lines = []
+
+def versions():
+    import torch
+    try:
+        from importlib.metadata import version
+        mcore = version("megatron-core")
+    except Exception:  # noqa: BLE001
+        mcore = "source checkout"
+    driver = "n/a"
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                                 "--format=csv,noheader"], capture_output=True, text=True,
+                                timeout=20).stdout.strip() or "n/a"
+    except (OSError, subprocess.SubprocessError):
+        pass
+    cuda = torch.version.cuda or "none"
+    return f"torch {torch.__version__} (CUDA {cuda}), megatron-core {mcore}, GPU/driver: {driver}"
+
+lines.append(f"launch exit code: {rc}")
+lines.append(versions())
+plan_path = os.path.join(out, "plan.json")
+if os.path.exists(plan_path):
+    plan = json.load(open(plan_path, encoding="utf-8"))
+    lines.append(f"plan: {plan['schedule']} pp={plan['pp']} dp={plan['dp']} tp={plan['tp']} "
+                 f"mbs={plan['micro_batch_size']} x {plan['num_microbatches']}; predicted "
+                 f"iteration {plan['predicted_iteration_time_ms']:.1f} ms")
+    for s in plan["stages"]:
+        lines.append(f"  stage {s['index']}: {s['layers']} layers, fwd {s['forward_ms']:.2f} ms, "
+                     f"bwd {s['backward_ms']:.2f} ms, optimizer {s.get('optimizer_ms', 0):.2f} ms, "
+                     f"predicted memory {s['memory_bytes'] / 2**30:.2f} GiB")
+lines += [l.strip() for l in log.splitlines() if re.search(r"\] +\S+ +tp=\d+ mbs=\d+ ", l)]
+cal = list(dict.fromkeys(l.strip() for l in log.splitlines() if "calibration: iteration" in l))
+lines += cal or ["no calibration line (the training failed or ran fewer than 8 iterations; see "
+                 "run.log)"]
+text = "\n".join(lines) + "\n"
+open(os.path.join(out, "summary.txt"), "w", encoding="utf-8").write(text)
+sys.stdout.write(text)
+sys.exit(rc if rc else (0 if cal else 1))
+EOF

@@ -1,0 +1,174 @@
+"""The whole iteration in the search's costs: the measured optimizer step per stage.
+
+Rule (costs.py): O_s = the stage's gradient bytes x the type's measured optimizer ms per gradient
+byte (decoder record ``optimizer_ms`` / its gradient bytes); the simulator's post-pipeline term
+R_s = DP all-reduce A_s + O_s; iteration = max_s (last backward of s + R_s).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from poseidon_plugin.cluster import load_cluster
+from poseidon_plugin.costs import CostModel, simulator_arrays
+from poseidon_plugin.errors import PoseidonError
+from poseidon_plugin.model import get_model
+from poseidon_plugin.plan import Plan
+from poseidon_plugin.profiles import LayerProfile, ProfileDB, ProfileKey, lookup_profile
+from poseidon_plugin.search import SearchContext, SearchOptions, enumerate_configs, search_plan
+from poseidon_plugin.simulator import iteration_time_ms
+
+SMALL = "examples/clusters/small-two-type.yaml"
+TINY = "examples/models/tiny-gpt.yaml"
+SEQ = 128
+OPT_MS = {"fast": 0.5, "slow": 2.0}     # optimizer ms per decoder layer on one device (tp 1)
+
+
+def measured_db(cluster, model, opt_ms=OPT_MS, tps=(1, 2, 4), mbs=(1, 2, 4, 8)) -> ProfileDB:
+    """Measured decoder records = the estimator's times, plus an optimizer step per layer that
+    shrinks with TP (a device holds 1/tp of the layer's parameters)."""
+    db = ProfileDB(None)
+    for name in cluster.type_names:
+        for tp in tps:
+            for b in mbs:
+                key = ProfileKey(name, "decoder", tp, b, SEQ, model.signature())
+                est = lookup_profile(None, cluster, model, key)
+                db.put(LayerProfile(key, est.forward_ms, est.backward_ms, est.activation_bytes,
+                                    est.param_bytes, "measured", optimizer_ms=opt_ms[name] / tp))
+    return db
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cluster, model = load_cluster(SMALL), get_model(TINY)
+    return cluster, model, measured_db(cluster, model)
+
+
+def test_optimizer_scales_with_the_stages_gradient_bytes(setup):
+    cluster, model, db = setup
+    cm = CostModel(cluster, model, db, seq_length=SEQ)
+    stages, _, _ = cm.stage_costs(stage_types=[0, 1], stage_tps=[1, 2], layers=[3, 5], dp=2,
+                                  micro_batch_size=1, num_microbatches=4, schedule="1f1b",
+                                  virtual_stages=1)
+    fast = cm.layer_costs(0, 1, 1)
+    slow = cm.layer_costs(1, 2, 1)
+    per_byte_fast = OPT_MS["fast"] / fast.grad_bytes
+    per_byte_slow = OPT_MS["slow"] / 2 / slow.grad_bytes
+    assert stages[0].optimizer_ms == pytest.approx(
+        (3 * fast.grad_bytes + fast.embedding_grad_bytes) * per_byte_fast, rel=1e-12)
+    assert stages[1].optimizer_ms == pytest.approx(
+        (5 * slow.grad_bytes + slow.output_grad_bytes) * per_byte_slow, rel=1e-12)
+    # decoder layers alone: exactly the measured per-layer optimizer step
+    assert 3 * fast.grad_bytes * per_byte_fast == pytest.approx(3 * OPT_MS["fast"])
+    _, _, _, _, R = simulator_arrays(stages, 1)
+    assert list(R) == [st.allreduce_ms + st.optimizer_ms for st in stages]
+
+
+def test_no_measured_optimizer_adds_nothing():
+    cluster, model = load_cluster(SMALL), get_model(TINY)
+    cm = CostModel(cluster, model, None, seq_length=SEQ)
+    stages, _, _ = cm.stage_costs(stage_types=[0, 1], stage_tps=[1, 1], layers=[4, 4], dp=2,
+                                  micro_batch_size=1, num_microbatches=4, schedule="1f1b",
+                                  virtual_stages=1)
+    assert all(st.optimizer_ms == 0.0 for st in stages)
+
+
+def test_single_stage_iteration_is_compute_then_allreduce_then_optimizer(setup):
+    """Reference by hand: one stage, M micro-batches back to back, then A + O."""
+    cluster, model, db = setup
+    cm = CostModel(cluster, model, db, seq_length=SEQ)
+    m = 4
+    stages, _, _ = cm.stage_costs(stage_types=[0], stage_tps=[1], layers=[model.num_layers],
+                                  dp=2, micro_batch_size=1, num_microbatches=m,
+                                  schedule="1f1b", virtual_stages=1)
+    st = stages[0]
+    assert st.optimizer_ms > 0 and st.allreduce_ms > 0
+    F, B, Pf, Pb, R = simulator_arrays(stages, 1)
+    got = iteration_time_ms(F, B, Pf, Pb, R, m, "1f1b", 1, engine=True)
+    assert got == pytest.approx(m * (st.forward_ms + st.backward_ms) + st.allreduce_ms
+                                + st.optimizer_ms, rel=1e-12)
+
+
+def test_two_stage_iteration_adds_each_stages_post_pipeline_work(setup):
+    """1F1B, N=2, M=2 by hand (warm-up w = N-1-s): stage 0 runs F0 F1 B0 B1, stage 1 F0 B0 F1 B1
+    (zero-time sends); iteration = max(end_0 + R_0, end_1 + R_1)."""
+    f, b = (1.0, 2.0), (2.0, 4.0)
+    r = (5.0, 0.5)
+    # stage 0: F0 [0,1] F1 [1,2]; stage 1: F0 [1,3] B0 [3,7] F1 [7,9] B1 [9,13]
+    # stage 0: B0 after stage 1's B0 (7) -> [7,9]; B1 after 13 -> [13,15]
+    want = max(15.0 + r[0], 13.0 + r[1])
+    assert iteration_time_ms(list(f), list(b), [0.0], [0.0], list(r), 2, "1f1b") == want
+    # the optimizer moved into R changes the answer exactly by the rule
+    r2 = (0.5, 5.0)
+    assert iteration_time_ms(list(f), list(b), [0.0], [0.0], list(r2), 2, "1f1b") == \
+        max(15.0 + r2[0], 13.0 + r2[1])
+
+
+def _brute_force(cluster, model, db, gbs):
+    cm = CostModel(cluster, model, db, seq_length=SEQ)
+    ctx = SearchContext(cm)
+    best = math.inf
+    opts_ = SearchOptions(global_batch_size=gbs, seq_length=SEQ, schedules=("1f1b",),
+                          micro_batch_sizes=(1, 2), max_virtual_stages=1, tp_degrees=(1, 2))
+    for cfg in enumerate_configs(cm, opts_):
+        n, L = cfg.num_stages, model.num_layers
+        for opts in itertools.product(range(len(cfg.options)), repeat=n):
+            for cuts in itertools.combinations(range(1, L), n - 1):
+                bounds = (0,) + cuts + (L,)
+                layers = [bounds[i + 1] - bounds[i] for i in range(n)]
+                try:
+                    stages, _, _ = cm.stage_costs(
+                        stage_types=[cfg.options[o][0] for o in opts],
+                        stage_tps=[cfg.options[o][1] for o in opts], layers=layers, dp=cfg.dp,
+                        micro_batch_size=cfg.micro_batch_size,
+                        num_microbatches=cfg.num_microbatches, schedule=cfg.schedule,
+                        virtual_stages=1)
+                except PoseidonError:
+                    continue
+                if any(s.memory_bytes > s.memory_capacity_bytes for s in stages):
+                    continue
+                best = min(best, ctx.evaluate(cfg, list(opts), layers))
+    return best
+
+
+@pytest.mark.parametrize("opt_ms", [{"fast": 0.5, "slow": 2.0}, {"fast": 40.0, "slow": 1.0}])
+def test_search_with_optimizer_costs_is_exact(opt_ms):
+    """The Cython search adds the same term (build_plan checks it against the Python path) and
+    still finds the brute-force optimum; a large optimizer step changes the plan's time."""
+    cluster, model = load_cluster(SMALL), get_model(TINY)
+    db = measured_db(cluster, model, opt_ms)
+    opts = SearchOptions(global_batch_size=8, seq_length=SEQ, schedules=("1f1b",),
+                         micro_batch_sizes=(1, 2), max_virtual_stages=1, tp_degrees=(1, 2),
+                         workers=1, pruning="none")
+    plan = search_plan(cluster, model, opts, db)
+    assert plan.predicted_iteration_time_ms == pytest.approx(
+        _brute_force(cluster, model, db, 8), rel=1e-9)
+    assert all(st.optimizer_ms > 0 for st in plan.stages)
+    without = search_plan(cluster, model, opts, measured_db(cluster, model,
+                                                            {"fast": 0.0, "slow": 0.0}))
+    assert plan.predicted_iteration_time_ms > without.predicted_iteration_time_ms
+
+
+def test_plan_json_carries_the_optimizer_step(setup):
+    cluster, model, db = setup
+    plan = search_plan(cluster, model, SearchOptions(global_batch_size=8, seq_length=SEQ,
+                                                     workers=1), db)
+    again = Plan.from_json(plan.to_json())
+    assert [s.optimizer_ms for s in again.stages] == pytest.approx(
+        [s.optimizer_ms for s in plan.stages], abs=1e-6)
+    assert "optim ms" in plan.table()
+
+
+def test_mfu_and_tflops_are_consistent(setup):
+    """MFU = model TFLOP/s per device / the used devices' mean peak (<= 1 when the peak is the
+    rate the layer reaches, as calibrate() sets it for emulated types)."""
+    cluster, model, db = setup
+    plan = search_plan(cluster, model, SearchOptions(global_batch_size=8, seq_length=SEQ,
+                                                     workers=1), db)
+    peaks = [cluster.device_types[s.device_type].peak_tflops for s in plan.stages
+             for _ in range(s.tp * s.dp)]
+    assert plan.mfu == pytest.approx(plan.model_tflops_per_device / (sum(peaks) / len(peaks)),
+                                     rel=1e-9)
