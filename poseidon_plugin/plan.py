@@ -144,7 +144,8 @@ class Plan:
         Non-interleaved: ``--num-layer-list``. MindSpeed-LLM refuses ``--num-layer-list`` together
         with a virtual pipeline ("Dynamic pipeline model and virtual pipeline cannot be enabled at
         the same time"), so an interleaved plan uses ``--pipeline-model-parallel-layout``, which
-        MindSpeed master backports onto its core_r0.12 Megatron.
+        MindSpeed-LLM registers from v26.1.0 (MindSpeed's backport onto core_r0.12.1). A launch
+        on an older MindSpeed-LLM searches no interleaved plan (V = 1).
         """
         self._check_executable()
         args = ["--tensor-model-parallel-size", str(self.tp),

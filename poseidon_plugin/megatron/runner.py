@@ -130,6 +130,7 @@ class LaunchContext:
     device: bootstrap.LocalDevice = field(init=False)
     host: str = field(init=False)
     backend: str = field(init=False)  # "megatron" | "mindspeed-llm"
+    mindspeed_layout: bool = field(init=False, default=False)  # MindSpeed-LLM has the layout flag
     # _all_ranks_read_model
     args: Any = field(init=False)     # Megatron's argparse namespace (parsed, not validated)
     model: ModelSpec = field(init=False)
@@ -225,10 +226,22 @@ def _all_ranks_setup_device(ctx: LaunchContext) -> None:
         ctx.host = bootstrap.hostname()
     ctx.backend = argvmod.detect_backend(ctx.opts.backend, ctx.script)
     if ctx.backend == "mindspeed-llm":
-        if ctx.opts.max_virtual_stages > 1:  # --num-layer-list has no interleaving
-            ctx.opts = replace(ctx.opts, max_virtual_stages=1)
-        if ctx.emu is None:
-            argvmod.import_mindspeed_llm(ctx.script, ctx.argv)
+        _setup_mindspeed_llm(ctx)
+
+
+def _setup_mindspeed_llm(ctx: LaunchContext) -> None:
+    """MindSpeed-LLM's adaptor imported as its scripts do (required on real devices; under
+    emulation when installed), and its interleaving rule: the layout flag where the installed
+    MindSpeed-LLM registers it (v26.1.0 and later), otherwise no virtual stages (V = 1), since it
+    refuses ``--num-layer-list`` with a virtual pipeline."""
+    if ctx.emu is None or argvmod.mindspeed_llm_installed():
+        argvmod.import_mindspeed_llm(ctx.script, ctx.argv)
+    ctx.mindspeed_layout = argvmod.mindspeed_llm_registers_layout()
+    if ctx.opts.max_virtual_stages > 1 and not ctx.mindspeed_layout:
+        ctx.opts = replace(ctx.opts, max_virtual_stages=1)
+        if ctx.rank == 0:
+            log.info("MindSpeed-LLM registers no --pipeline-model-parallel-layout (v26.1.0 and "
+                     "later do): interleaved plans are not searched (V = 1)")
 
 
 def _setup_emulated_device(ctx: LaunchContext) -> None:
@@ -390,7 +403,8 @@ def _all_ranks_share_plan(ctx: LaunchContext) -> None:
     ctx.plan_text = text
     ctx.plan = Plan.from_json(text)
     ctx.renum = renumber.renumber(ctx.plan.rank_order(), ctx.topo, ctx.world_size)
-    ctx.new_argv = argvmod.rewrite_argv(ctx.argv, ctx.plan, ctx.backend)
+    ctx.new_argv = argvmod.rewrite_argv(ctx.argv, ctx.plan, ctx.backend,
+                                        mindspeed_layout=ctx.mindspeed_layout)
     ctx.guarded("plan-verified", lambda: ctx.boot.barrier("plan-verified"))
 
 
