@@ -559,6 +559,7 @@ def launch_main(argv: Sequence[str] | None = None) -> int:
     script, rest = argv[0], argv[1:]
     if not os.path.isfile(script):
         return _fail(PoseidonError(f"{script}: no such script"))
+    _script_dir_first(script)  # before planning imports megatron: one megatron for both modes
     try:
         opts, rest = extract_options(rest)
         if opts.auto:
@@ -572,11 +573,19 @@ def launch_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def run_script(script: str, argv: list[str]) -> None:
-    """Run the user's script unchanged as ``__main__`` with its directory on sys.path."""
+def _script_dir_first(script: str) -> None:
+    """The script's directory first on sys.path, as ``python script.py`` has it: a Megatron-LM
+    checkout's own ``megatron/`` then wins over an installed megatron-core, for the planning
+    (which imports megatron) as for the script."""
     script_dir = os.path.dirname(os.path.abspath(script))
-    if script_dir not in sys.path:
-        sys.path.insert(0, script_dir)
+    if script_dir in sys.path:
+        sys.path.remove(script_dir)
+    sys.path.insert(0, script_dir)
+
+
+def run_script(script: str, argv: list[str]) -> None:
+    """Run the user's script unchanged as ``__main__`` with its directory first on sys.path."""
+    _script_dir_first(script)
     sys.argv = [script, *argv]
     runpy.run_path(script, run_name="__main__")
 
