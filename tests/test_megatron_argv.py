@@ -194,3 +194,19 @@ def test_detect_backend_from_script(tmp_path, monkeypatch):
     assert A.detect_backend("auto", str(ms)) == "mindspeed-llm"
     assert A.detect_backend("auto", str(mg)) == "megatron"
     assert A.detect_backend("megatron", str(ms)) == "megatron"
+
+
+def test_overridden_user_flags_are_named():
+    argv = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size=4",
+            "--sequence-parallel", "--num-layers-per-virtual-pipeline-stage", "2",
+            "--global-batch-size", "16", "--use-tp-pp-dp-mapping", "--lr", "1"]
+    new = A.rewrite_argv(argv, make_plan(layers=(6, 2), tp=1), "megatron")
+    assert A.overridden_flags(argv, new) == [
+        "--tensor-model-parallel-size 2 -> 1", "--pipeline-model-parallel-size 4 -> 2",
+        "--num-layers-per-virtual-pipeline-stage dropped",
+        "--use-tp-pp-dp-mapping dropped: Poseidon places ranks in the default order",
+        "--sequence-parallel dropped: tp=1"]
+    # the same values, or flags the user never set: nothing to say
+    assert A.overridden_flags(["--lr", "1"], new) == []
+    same = ["--tensor-model-parallel-size", "1", "--micro-batch-size", "1"]
+    assert A.overridden_flags(same, A.rewrite_argv(same, make_plan(), "megatron")) == []

@@ -156,6 +156,28 @@ def _check_mindspeed_split(argv: Sequence[str], plan: Plan, layout_registered: b
                                 f"remove {switch} or search with --poseidon-max-virtual-stages 1")
 
 
+def overridden_flags(argv: Sequence[str], new_argv: Sequence[str]) -> list[str]:
+    """What the rewrite changed of the user's own plan-owned flags, one item each:
+    ``--tensor-model-parallel-size 2 -> 1``, ``--num-layer-list dropped``,
+    ``--sequence-parallel dropped: tp=1``."""
+    out: list[str] = []
+    for flag in PLAN_VALUE_FLAGS:
+        old = flag_value(argv, flag)
+        if old is None:
+            continue
+        new = flag_value(new_argv, flag)
+        if new is None:
+            out.append(f"{flag} dropped")
+        elif new != old:
+            out.append(f"{flag} {old} -> {new}")
+    for flag in (*PLAN_BOOL_FLAGS, "--sequence-parallel"):
+        if find_flag(argv, flag) and not find_flag(new_argv, flag):
+            why = {"--sequence-parallel": f": tp={flag_value(new_argv, '--tensor-model-parallel-size')}",
+                   "--use-tp-pp-dp-mapping": ": Poseidon places ranks in the default order"}
+            out.append(f"{flag} dropped{why.get(flag, '')}")
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # backend detection and MindSpeed-LLM hand-off
 # ----------------------------------------------------------------------------------------------

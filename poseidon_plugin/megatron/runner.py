@@ -51,15 +51,32 @@ T = TypeVar("T")
 
 
 def _setup_logging(rank: int | None) -> None:
-    if getattr(_setup_logging, "done", False):
+    if getattr(_setup_logging, "handler", None) is not None:
         return
     handler = logging.StreamHandler(sys.stderr)
-    prefix = "[poseidon]" if rank is None else f"[poseidon rank {rank}]"
-    handler.setFormatter(logging.Formatter(f"{prefix} %(message)s"))
     log.addHandler(handler)
     log.setLevel(os.environ.get("POSEIDON_LOG_LEVEL", "INFO").upper())
     log.propagate = False
-    _setup_logging.done = True  # type: ignore[attr-defined]
+    _setup_logging.handler = handler  # type: ignore[attr-defined]
+    _set_log_rank(rank)
+
+
+def rank_label(rank: int | str | None, launch_rank: int | str | None = None) -> str:
+    """``rank 0 (launch rank 2)`` once ranks are renumbered (Megatron's rank first), else
+    ``rank 2``."""
+    if rank is None:
+        return ""
+    if launch_rank is None or str(launch_rank) == str(rank):
+        return f"rank {rank}"
+    return f"rank {rank} (launch rank {launch_rank})"
+
+
+def _set_log_rank(rank: int | None, launch_rank: int | None = None) -> None:
+    handler = getattr(_setup_logging, "handler", None)
+    if handler is not None:
+        label = rank_label(rank, launch_rank)
+        prefix = f"[poseidon {label}]" if label else "[poseidon]"
+        handler.setFormatter(logging.Formatter(f"{prefix} %(message)s"))
 
 
 def _out(text: str) -> None:
@@ -314,9 +331,8 @@ def _all_ranks_discover(ctx: LaunchContext) -> None:
     ctx.cluster = cluster = discovery.discover_cluster(
         topo, links, ctx.overrides, source=ctx.opts.cluster_file or "<discovered>")
     if ctx.rank == 0:
-        log.info("discovered %d rank(s) on %d node(s): %s; link probe %.2f s", env.world_size,
-                 len(topo.nodes), ", ".join(f"{t} x{cluster.devices_of_type(t)}"
-                                            for t in cluster.type_names),
+        log.info("discovered %s: %s; link probe %.2f s", topo.summary(),
+                 ", ".join(f"{t} x{cluster.devices_of_type(t)}" for t in cluster.type_names),
                  time.perf_counter() - t0)
 
 
@@ -405,6 +421,9 @@ def _all_ranks_share_plan(ctx: LaunchContext) -> None:
     ctx.renum = renumber.renumber(ctx.plan.rank_order(), ctx.topo, ctx.world_size)
     ctx.new_argv = argvmod.rewrite_argv(ctx.argv, ctx.plan, ctx.backend,
                                         mindspeed_layout=ctx.mindspeed_layout)
+    overridden = argvmod.overridden_flags(ctx.argv, ctx.new_argv)
+    if ctx.rank == 0 and overridden:
+        log.warning("the plan overrides your %s", ", ".join(overridden))
     ctx.guarded("plan-verified", lambda: ctx.boot.barrier("plan-verified"))
 
 
@@ -479,6 +498,7 @@ def _all_ranks_apply(ctx: LaunchContext) -> AutoResult:
     timeout_min = float(getattr(ctx.args, "distributed_timeout_minutes", 10) or 10)
     ctx.boot.init_main(new_rank, renum.world_size, dist_backend, timeout_min)
     os.environ["POSEIDON_LAUNCH_RANK"] = str(env.rank)
+    _set_log_rank(new_rank, env.rank)
     os.environ["POSEIDON_DEVICE_TYPE"] = ctx.topo.infos[env.rank].device_type
     os.environ["RANK"] = str(new_rank)
     os.environ["WORLD_SIZE"] = str(renum.world_size)
@@ -486,9 +506,9 @@ def _all_ranks_apply(ctx: LaunchContext) -> AutoResult:
     if ctx.backend == "mindspeed-llm":
         sys.argv = [ctx.script, *ctx.new_argv]  # MindSpeed-LLM reads sys.argv
         argvmod.apply_mindspeed_llm(ctx.new_argv)
-    log.info("launch rank %d -> rank %d of %d (stage %d); setup took %.2f s", env.rank, new_rank,
-             renum.world_size, new_rank // max(1, renum.world_size // plan.pp),
-             time.perf_counter() - ctx.t_start)
+    log.info("renumbered: launch rank %d is rank %d of %d (stage %d); setup took %.2f s",
+             env.rank, new_rank, renum.world_size,
+             new_rank // max(1, renum.world_size // plan.pp), time.perf_counter() - ctx.t_start)
     _install_calibration(plan, ctx.model, ctx.cache_path)
     return AutoResult(ctx.new_argv, new_rank, renum.world_size, plan)
 
@@ -542,8 +562,8 @@ def _profiled_tps(cluster: Cluster, model: ModelSpec, world_size: int) -> tuple[
 
 
 def _fail(e: BaseException) -> int:
-    rank = os.environ.get("POSEIDON_LAUNCH_RANK") or os.environ.get("RANK", "?")
-    sys.stderr.write(f"[poseidon rank {rank}] error: {e}\n")
+    label = rank_label(os.environ.get("RANK", "?"), os.environ.get("POSEIDON_LAUNCH_RANK"))
+    sys.stderr.write(f"[poseidon {label}] error: {e}\n")
     sys.stderr.flush()
     return EXIT_USER_ERROR if isinstance(e, PoseidonError) and not isinstance(e, DistributedError) \
         else EXIT_FAILURE
