@@ -251,9 +251,15 @@ def _setup_mindspeed_llm(ctx: LaunchContext) -> None:
     emulation when installed), and its interleaving rule: the layout flag where the installed
     MindSpeed-LLM registers it (v26.1.0 and later), otherwise no virtual stages (V = 1), since it
     refuses ``--num-layer-list`` with a virtual pipeline."""
+    adaptor = None
     if ctx.emu is None or argvmod.mindspeed_llm_installed():
-        argvmod.import_mindspeed_llm(ctx.script, ctx.argv)
+        adaptor = argvmod.import_mindspeed_llm(ctx.script, ctx.argv)
     ctx.mindspeed_layout = argvmod.mindspeed_llm_registers_layout()
+    if ctx.rank == 0:
+        log.info("MindSpeed-LLM: %s; --pipeline-model-parallel-layout %s",
+                 f"adaptor {adaptor.__name__} ({getattr(adaptor, '__file__', '?')})"
+                 if adaptor is not None else "not installed (emulation: its flags only)",
+                 "registered" if ctx.mindspeed_layout else "not registered")
     if ctx.opts.max_virtual_stages > 1 and not ctx.mindspeed_layout:
         ctx.opts = replace(ctx.opts, max_virtual_stages=1)
         if ctx.rank == 0:
