@@ -210,3 +210,19 @@ def test_overridden_user_flags_are_named():
     assert A.overridden_flags(["--lr", "1"], new) == []
     same = ["--tensor-model-parallel-size", "1", "--micro-batch-size", "1"]
     assert A.overridden_flags(same, A.rewrite_argv(same, make_plan(), "megatron")) == []
+
+
+def test_spec_keywords_follow_the_installed_signature():
+    from poseidon_plugin.megatron.profiler import _call_with_known
+
+    def old_spec(num_experts=None, normalization=None):
+        return (num_experts, normalization)
+
+    def wrapped(*args, **kwargs):  # a MindSpeed-style wrapper forwards everything
+        return kwargs
+
+    assert _call_with_known(old_spec, num_experts=None, normalization="RMSNorm",
+                            multi_latent_attention=False) == (None, "RMSNorm")
+    with pytest.raises(PoseidonError, match="takes no multi_latent_attention"):
+        _call_with_known(old_spec, multi_latent_attention=True)
+    assert _call_with_known(wrapped, multi_latent_attention=True) == {"multi_latent_attention": True}

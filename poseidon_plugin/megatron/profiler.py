@@ -163,6 +163,8 @@ def _call_with_known(fn: Any, *args: Any, **kwargs: Any) -> Any:
     from ..errors import PoseidonError
 
     params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return fn(*args, **kwargs)  # e.g. a MindSpeed wrapper: it forwards what it gets
     unknown = {k: v for k, v in kwargs.items() if k not in params}
     lost = sorted(k for k, v in unknown.items() if v)
     if lost:
