@@ -282,7 +282,9 @@ class Plan:
         lines.append(f"devices used: {used}, unused: {len(self.unused_devices)}")
         if self.executable:
             lines.append("megatron:   " + " ".join(self.megatron_args()))
-            lines.append("mindspeed:  " + " ".join(self.mindspeed_llm_args()))
+            lines.append("mindspeed:  " + " ".join(self.mindspeed_llm_args())
+                         + ("  (layout flag: MindSpeed-LLM v26.1.0 or later)"
+                            if self.virtual_stages > 1 else ""))
         elif not self.uniform_tp:
             lines.append("no launch flags: per-stage TP needs a FlagScale-style Megatron; stock "
                          "Megatron-LM / MindSpeed-LLM take one TP degree (plan with --uniform-tp)")
