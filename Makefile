@@ -2,6 +2,8 @@
 #   make demo   - create .venv, build, run the emulated 4-rank --poseidon-auto launch
 #   make test   - create .venv, build, run the test suite
 #   make bench  - simulator and search benchmarks (tables for the README)
+#   make test-py310 - the torch-free core's tests on Python 3.10 (.venv310; CI runs it too)
+#   make test-mcore-versions - the profiler on Megatron-LM core 0.12.1 / 0.15.3 / 0.19.0 trees
 
 SHELL := /bin/bash
 VENV  := .venv
@@ -14,7 +16,20 @@ PYTHON312 ?= $(shell for p in python3.12 $${PYENV_ROOT:-$$HOME/.pyenv}/versions/
 
 PYX := $(wildcard poseidon_plugin/*/*.pyx poseidon_plugin/*/*.pxd)
 
-.PHONY: all venv build test test-core demo bench validate clean
+# Python 3.10 (MindSpeed-LLM / CANN's Python): the torch-free core is tested on it as well.
+PYTHON310 ?= $(shell for p in python3.10 $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.10*/bin/python3.10 /usr/bin/python3.10 /usr/local/bin/python3.10; do \
+	if $$p -c 'import sys; assert sys.version_info[:2] == (3, 10)' >/dev/null 2>&1; then echo $$p; break; fi; done)
+VENV310 := .venv310
+CORE_DEPS := "cython>=3.0" "numpy>=1.26" "pyyaml>=6" "tqdm>=4.60" "pytest>=8" "hypothesis>=6.100" "matplotlib>=3.7"
+
+# Megatron-LM trees (megatron/ at each tag; the PyPI wheels before 0.18 ship no megatron/training)
+# and a side environment with their pure-Python extras that reaches torch through $(VENV).
+MCORE_VERSIONS ?= 0.12.1 0.15.3 0.19.0
+MEGATRON_LM_GIT ?= https://github.com/NVIDIA/Megatron-LM.git
+MCORE_DIR := .mcore
+MCORE_PY := $(MCORE_DIR)/venv/bin/python
+
+.PHONY: all venv build test test-core test-py310 test-mcore-versions demo bench validate clean
 
 all: build
 
@@ -41,6 +56,35 @@ test: build
 test-core: build
 	$(PY) -m pytest -q tests -m "not integration"
 
+$(VENV310)/.stamp-deps: setup.py
+	@if [ -z "$(PYTHON310)" ]; then echo "error: Python 3.10 not found (tried python3.10 and pyenv); install it or set PYTHON310=/path/to/python3.10" >&2; exit 2; fi
+	@[ -x $(VENV310)/bin/python ] || $(PYTHON310) -m venv $(VENV310)
+	$(VENV310)/bin/pip install -q --upgrade pip "setuptools>=69" wheel
+	$(VENV310)/bin/pip install -q $(CORE_DEPS)
+	touch $@
+
+test-py310: $(VENV310)/.stamp-deps
+	$(VENV310)/bin/pip install -q --no-build-isolation --no-deps -e .
+	$(VENV310)/bin/python -m pytest -q -p no:cacheprovider tests -m "not integration"
+
+$(MCORE_DIR)/venv/.stamp: $(VENV)/.stamp-deps
+	rm -rf $(MCORE_DIR)/venv
+	$(PY) -m venv --without-pip $(MCORE_DIR)/venv
+	$(PIP) --python $(MCORE_PY) install -q --no-deps six regex einops
+	$(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
+	  > "$$($(MCORE_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_poseidon_main_venv.pth"
+	touch $@
+
+$(MCORE_DIR)/megatron-lm-%/megatron/core/__init__.py:
+	rm -rf $(MCORE_DIR)/megatron-lm-$*
+	git clone -q --depth 1 --filter=blob:none --sparse --branch core_v$* $(MEGATRON_LM_GIT) $(MCORE_DIR)/megatron-lm-$*
+	git -C $(MCORE_DIR)/megatron-lm-$* sparse-checkout set megatron
+
+test-mcore-versions: build $(MCORE_DIR)/venv/.stamp $(foreach v,$(MCORE_VERSIONS),$(MCORE_DIR)/megatron-lm-$(v)/megatron/core/__init__.py)
+	POSEIDON_MCORE_PYTHON=$(abspath $(MCORE_PY)) \
+	POSEIDON_MEGATRON_TREES="$(foreach v,$(MCORE_VERSIONS),$(v)=$(abspath $(MCORE_DIR)/megatron-lm-$(v)))" \
+	  $(PY) -m pytest -q tests/test_mcore_versions.py
+
 demo: build
 	$(PY) -m poseidon_plugin.cli plan --cluster examples/clusters/paper-setting1.yaml --model llama3-8b --global-batch-size 128 --seq-length 4096
 	bash examples/run_emulated.sh
@@ -54,4 +98,4 @@ validate: build
 	$(PY) -m poseidon_plugin.cli validate
 
 clean:
-	rm -rf build *.egg-info poseidon_plugin/*/*.so poseidon_plugin/*/*.c $(VENV)/.stamp-build
+	rm -rf build *.egg-info poseidon_plugin/*/*.so poseidon_plugin/*/*.c $(VENV)/.stamp-build $(MCORE_DIR)

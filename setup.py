@@ -29,7 +29,7 @@ setup(
     version="0.1.0",
     description="Automatic parallel-plan search for LLM pre-training on heterogeneous clusters "
     "(Megatron-LM / MindSpeed-LLM plugin)",
-    python_requires=">=3.12",
+    python_requires=">=3.10",
     packages=find_packages(include=["poseidon_plugin", "poseidon_plugin.*"]),
     package_data={"poseidon_plugin": ["**/*.pxd", "**/*.pyx"]},
     ext_modules=cythonize(
@@ -45,7 +45,9 @@ setup(
     ),
     install_requires=["numpy>=1.26", "pyyaml>=6", "tqdm>=4.60"],
     extras_require={
-        "megatron": ["torch", "megatron-core==0.19.2"],
+        # megatron-core 0.19.2 needs Python 3.12; MindSpeed-LLM (Python 3.10) brings its own
+        # Megatron-LM core_r0.12 tree
+        "megatron": ["torch", "megatron-core==0.19.2; python_version >= '3.12'"],
         "plot": ["matplotlib>=3.7"],
         "test": ["pytest>=8", "hypothesis>=6.100"],
     },

@@ -186,7 +186,8 @@ class Plan:
         Non-interleaved: ``--num-layer-list``. MindSpeed-LLM refuses ``--num-layer-list`` together
         with a virtual pipeline ("Dynamic pipeline model and virtual pipeline cannot be enabled at
         the same time"), so an interleaved plan uses ``--pipeline-model-parallel-layout``, which
-        MindSpeed master backports onto its core_r0.12 Megatron.
+        MindSpeed-LLM registers from v26.1.0 (MindSpeed's backport onto core_r0.12.1). A launch
+        on an older MindSpeed-LLM searches no interleaved plan (V = 1).
         """
         self._check_executable()
         args = ["--tensor-model-parallel-size", str(self.tp),
@@ -399,7 +400,9 @@ class Plan:
         lines.append(f"devices used: {used}, unused: {len(self.unused_devices)}")
         if self.executable:
             lines.append("megatron:   " + " ".join(self.megatron_args()))
-            lines.append("mindspeed:  " + " ".join(self.mindspeed_llm_args()))
+            lines.append("mindspeed:  " + " ".join(self.mindspeed_llm_args())
+                         + ("  (layout flag: MindSpeed-LLM v26.1.0 or later)"
+                            if self.virtual_stages > 1 else ""))
         elif not self.uniform_tp:
             lines.append("no launch flags: per-stage TP needs a FlagScale-style Megatron; stock "
                          "Megatron-LM / MindSpeed-LLM take one TP degree (plan with --uniform-tp)")

@@ -59,3 +59,24 @@ def test_launcher_without_auto_runs_the_script_unchanged_with_its_dir_on_path(tm
                           env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert f"RESULT __main__ 42 ['{script}', '--lr', '1']" in proc.stdout
+
+
+def test_launcher_plans_with_the_megatron_next_to_the_script(tmp_path):
+    """Run from a Megatron-LM checkout, the planning imports the checkout's megatron (as the
+    script and the one-line patch do), not the installed megatron-core."""
+    (tmp_path / "megatron").mkdir()
+    local = tmp_path / "megatron" / "__init__.py"
+    local.write_text("import sys\n"
+                     "sys.stderr.write('LOCAL MEGATRON ' + __file__ + '\\n')\n"
+                     "raise SystemExit(7)\n")
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("raise RuntimeError('the script must not run')\n")
+    emu = write_emulation(tmp_path / "emu.yaml", ["emu-slow"])
+    proc = subprocess.run([sys.executable, "-m", "poseidon_plugin.launch", str(script), *GPT_ARGS,
+                           "--poseidon-auto", "--poseidon-emulate", emu],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": ROOT, "RANK": "0", "WORLD_SIZE": "1",
+                               "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                               "MASTER_PORT": str(free_port())})
+    assert proc.returncode == 7, proc.stdout + proc.stderr
+    assert f"LOCAL MEGATRON {local}" in proc.stderr

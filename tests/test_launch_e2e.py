@@ -211,7 +211,7 @@ def test_ranks_the_plan_does_not_use_exit_0_and_megatron_sees_only_the_used_ones
     proc, out, _ = torchrun(3, [*GPT_ARGS, "--train-iters", "2", "--poseidon-auto",
                                 "--poseidon-emulate", emu, "--poseidon-tp", "1"], env)
     assert proc.returncode == 0, ok(proc, out)
-    assert re.search(r"\[poseidon rank 0\] this device \(rank 0 \(host [^,]+, local rank 0, emu-slow\)\) "
+    assert re.search(r"\[poseidon rank 0\] this device \(launch rank 0 \(host [^,]+, local rank 0, emu-slow\)\) "
                      r"is not used by the plan \(2 of 3 devices train\); exiting with 0", out), out[-4000:]
     reps = [json.loads(open(f).read()) for f in glob.glob(str(report / "rank*.json"))]
     assert sorted((r["rank"], r["launch_rank"]) for r in reps) == [(0, 1), (1, 2)]

@@ -135,8 +135,20 @@ def test_mindspeed_refuses_what_num_layer_list_cannot_do():
         A.rewrite_argv(["--noop-layers", "7"], make_plan(), "mindspeed-llm")
     with pytest.raises(PoseidonError, match="dualpipev"):
         A.rewrite_argv(["--schedules-method", "dualpipev"], make_plan(), "mindspeed-llm")
-    with pytest.raises(PoseidonError, match="interleaved"):
+    with pytest.raises(PoseidonError, match="virtual pipeline.*--poseidon-max-virtual-stages 1"):
         A.rewrite_argv([], make_plan(vpp=2), "mindspeed-llm")
+    with pytest.raises(PoseidonError, match="--noop-layers with --pipeline-model-parallel-layout"):
+        A.rewrite_argv(["--noop-layers", "7"], make_plan(vpp=2), "mindspeed-llm", mindspeed_layout=True)
+    with pytest.raises(PoseidonError, match="--recompute-in-bubble"):
+        A.rewrite_argv(["--recompute-in-bubble"], make_plan(vpp=2), "mindspeed-llm",
+                       mindspeed_layout=True)
+
+
+def test_mindspeed_interleaved_uses_the_layout_where_registered():
+    out = A.rewrite_argv(["--num-layer-list", "4,4", "--num-layers-per-virtual-pipeline-stage", "2"],
+                         make_plan(layers=(6, 2), vpp=2), "mindspeed-llm", mindspeed_layout=True)
+    assert "--num-layer-list" not in out and "--num-layers-per-virtual-pipeline-stage" not in out
+    assert A.flag_value(out, "--pipeline-model-parallel-layout") == make_plan(vpp=2).pipeline_layout()
 
 
 def test_mindspeed_single_stage_has_no_layer_list():
@@ -150,6 +162,7 @@ def test_mindspeed_repatch_called_when_adaptor_already_imported(monkeypatch):
     tasks = types.ModuleType("mindspeed_llm.tasks")
     adaptor = types.ModuleType("mindspeed_llm.tasks.megatron_adaptor_v2")
     adaptor.repatch = lambda d: calls.append(d)
+    pkg.megatron_adaptor = adaptor  # a name in mindspeed_llm/__init__.py, as upstream
     for name, mod in (("mindspeed_llm", pkg), ("mindspeed_llm.tasks", tasks),
                       ("mindspeed_llm.tasks.megatron_adaptor_v2", adaptor)):
         monkeypatch.setitem(sys.modules, name, mod)
@@ -160,14 +173,14 @@ def test_mindspeed_repatch_called_when_adaptor_already_imported(monkeypatch):
                               "micro_batch_size", "global_batch_size", "num_layer_list")} == {
         "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2, "micro_batch_size": 1,
         "global_batch_size": 16, "num_layer_list": "6,2"}
-    # split flags the rewrite removed are cleared in MindSpeed's cached args
+    # split flags the rewrite removed are cleared on what repatch re-parses
     assert d["num_layers_per_virtual_pipeline_stage"] is None and d["pipeline_model_parallel_layout"] is None
     assert d["account_for_loss_in_pipeline_split"] is False and d["sequence_parallel"] is False
     assert A.detect_backend("auto", None) == "mindspeed-llm"
 
 
 def test_mindspeed_repatch_not_needed_before_import(monkeypatch):
-    monkeypatch.delitem(sys.modules, "mindspeed_llm.tasks.megatron_adaptor_v2", raising=False)
+    monkeypatch.delitem(sys.modules, "mindspeed_llm", raising=False)
     assert A.apply_mindspeed_llm(["--num-layer-list", "6,2"]) is False
 
 
@@ -181,3 +194,35 @@ def test_detect_backend_from_script(tmp_path, monkeypatch):
     assert A.detect_backend("auto", str(ms)) == "mindspeed-llm"
     assert A.detect_backend("auto", str(mg)) == "megatron"
     assert A.detect_backend("megatron", str(ms)) == "megatron"
+
+
+def test_overridden_user_flags_are_named():
+    argv = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size=4",
+            "--sequence-parallel", "--num-layers-per-virtual-pipeline-stage", "2",
+            "--global-batch-size", "16", "--use-tp-pp-dp-mapping", "--lr", "1"]
+    new = A.rewrite_argv(argv, make_plan(layers=(6, 2), tp=1), "megatron")
+    assert A.overridden_flags(argv, new) == [
+        "--tensor-model-parallel-size 2 -> 1", "--pipeline-model-parallel-size 4 -> 2",
+        "--num-layers-per-virtual-pipeline-stage dropped",
+        "--use-tp-pp-dp-mapping dropped: Poseidon places ranks in the default order",
+        "--sequence-parallel dropped: tp=1"]
+    # the same values, or flags the user never set: nothing to say
+    assert A.overridden_flags(["--lr", "1"], new) == []
+    same = ["--tensor-model-parallel-size", "1", "--micro-batch-size", "1"]
+    assert A.overridden_flags(same, A.rewrite_argv(same, make_plan(), "megatron")) == []
+
+
+def test_spec_keywords_follow_the_installed_signature():
+    from poseidon_plugin.megatron.profiler import _call_with_known
+
+    def old_spec(num_experts=None, normalization=None):
+        return (num_experts, normalization)
+
+    def wrapped(*args, **kwargs):  # a MindSpeed-style wrapper forwards everything
+        return kwargs
+
+    assert _call_with_known(old_spec, num_experts=None, normalization="RMSNorm",
+                            multi_latent_attention=False) == (None, "RMSNorm")
+    with pytest.raises(PoseidonError, match="takes no multi_latent_attention"):
+        _call_with_known(old_spec, multi_latent_attention=True)
+    assert _call_with_known(wrapped, multi_latent_attention=True) == {"multi_latent_attention": True}

@@ -83,3 +83,30 @@ def test_launch_env_needs_a_distributed_launch():
                                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500",
                                   "TORCHELASTIC_USE_AGENT_STORE": "True"})
     assert (env.rank, env.local_rank, env.use_agent_store) == (3, 1, True)
+
+
+def test_tracebacks_carry_one_rank_prefix_after_renumbering(monkeypatch, capsys):
+    """torch prefixes tracebacks with "[rank<r>]:" at every init_process_group; the probe
+    group's hook goes with it, so the training's tracebacks read "[rank0]: ..." once."""
+    import sys
+
+    from poseidon_plugin.megatron.bootstrap import Bootstrap
+
+    env = LaunchEnv.from_environ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                                  "MASTER_PORT": str(free_port())})
+    original = sys.excepthook
+    monkeypatch.setattr(sys, "excepthook", original)
+    boot = Bootstrap(env, 30).start()
+    try:
+        assert sys.excepthook is not original  # torch's prefixing hook for the probe group
+        boot.init_main(0, 1, "gloo", 1)
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            sys.excepthook(*sys.exc_info())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    err = capsys.readouterr().err
+    last = [ln for ln in err.splitlines() if "ValueError: boom" in ln]
+    assert last and last[-1].count("[rank") == 1, err

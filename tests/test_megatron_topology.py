@@ -31,6 +31,10 @@ def test_group_nodes_splits_hosts_by_type_in_rank_order():
     assert topo.node_types == ("slow", "fast", "fast")
     assert topo.slot_of(3) == (1, 1) and topo.rank_of(2, 0) == 4
     assert "local rank 3" in topo.describe(3)
+    assert topo.describe(3).startswith("launch rank 3 (host a")
+    assert topo.summary() == "6 rank(s) on 2 host(s), 2 device type(s)"
+    one_host = D.group_nodes(infos([("a", "slow"), ("a", "slow"), ("a", "fast"), ("a", "fast")]))
+    assert len(one_host.nodes) == 2 and one_host.summary() == "4 rank(s) on 1 host(s), 2 device type(s)"
 
 
 def test_probe_pairs_one_per_link_class():
@@ -108,7 +112,7 @@ def test_renumber_moves_fast_devices_to_stage_zero():
     assert ren.new_rank_of == {2: 0, 3: 1, 0: 2, 1: 3}
     assert ren.unused == () and ren.world_size == 4
     lines = R.stage_map(plan, ren, topo)
-    assert lines[0].startswith("new rank   0 <- rank 2") and lines[0].endswith("stage 0")
+    assert lines[0].startswith("new rank   0 <- launch rank 2") and lines[0].endswith("stage 0")
 
 
 def test_renumber_reports_unused_ranks():

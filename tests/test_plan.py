@@ -42,6 +42,14 @@ def test_interleaved_layout_has_n_times_v_segments():
     p = _plan("interleaved-1f1b", 2, layers=(4, 3))
     assert p.pipeline_layout() == "Et*2|t*2|t*2|tL"
     assert p.pipeline_layout().count("|") == 3
+    # MindSpeed-LLM refuses --num-layer-list with a virtual pipeline: the layout flag, which only
+    # v26.1.0 and later register (the table says so)
+    m = p.mindspeed_llm_args()
+    assert "--num-layer-list" not in m
+    assert m[m.index("--pipeline-model-parallel-layout") + 1] == p.pipeline_layout()
+    line = next(ln for ln in p.table().splitlines() if ln.startswith("mindspeed:"))
+    assert line.endswith("(layout flag: MindSpeed-LLM v26.1.0 or later)")
+    assert not any(ln.endswith("or later)") for ln in _plan().table().splitlines())
 
 
 def test_layout_segments_split_stages_by_chunk_layers():

@@ -116,25 +116,66 @@ def backend_flags(plan: Plan, backend: str) -> list[str]:
     return plan.mindspeed_llm_args() if backend == "mindspeed-llm" else plan.megatron_args()
 
 
-def rewrite_argv(argv: Sequence[str], plan: Plan, backend: str) -> list[str]:
-    """``argv`` (script arguments, no program name) with the plan applied; deterministic."""
+def rewrite_argv(argv: Sequence[str], plan: Plan, backend: str,
+                 mindspeed_layout: bool = False) -> list[str]:
+    """``argv`` (script arguments, no program name) with the plan applied; deterministic.
+
+    ``mindspeed_layout``: the installed MindSpeed-LLM registers ``--pipeline-model-parallel-layout``
+    (:func:`mindspeed_llm_registers_layout`); only then can a MindSpeed-LLM plan be interleaved.
+    """
     if backend not in ("megatron", "mindspeed-llm"):
         raise PoseidonError(f"unknown backend {backend!r}; expected megatron or mindspeed-llm")
-    if backend == "mindspeed-llm" and plan.virtual_stages > 1:
-        raise PoseidonError("MindSpeed-LLM's --num-layer-list cannot express an interleaved "
-                            "(virtual-stage) plan; search with --poseidon-max-virtual-stages 1")
+    if backend == "mindspeed-llm":
+        _check_mindspeed_split(argv, plan, mindspeed_layout)
     bool_flags = list(PLAN_BOOL_FLAGS)
     if plan.tp == 1:
         bool_flags.append("--sequence-parallel")  # Megatron rejects SP without TP
-    if backend == "mindspeed-llm" and plan.pp > 1:
-        if find_flag(argv, "--noop-layers"):
-            raise PoseidonError("MindSpeed-LLM disables --num-layer-list when --noop-layers is set; "
-                                "remove --noop-layers to let Poseidon split the layers")
-        if flag_value(argv, "--schedules-method") == "dualpipev":
-            raise PoseidonError("MindSpeed-LLM's dualpipev schedule cannot take a --num-layer-list; "
-                                "remove --schedules-method dualpipev")
     out = strip_flags(argv, PLAN_VALUE_FLAGS, bool_flags)
     return out + backend_flags(plan, backend)
+
+
+def _check_mindspeed_split(argv: Sequence[str], plan: Plan, layout_registered: bool) -> None:
+    """PoseidonError for a split MindSpeed-LLM would refuse: an interleaved plan without the layout
+    flag (it refuses ``--num-layer-list`` with a virtual pipeline), ``--noop-layers``, dualpipev."""
+    if plan.virtual_stages > 1 and not layout_registered:
+        raise PoseidonError("this MindSpeed-LLM has no --pipeline-model-parallel-layout (v26.1.0 "
+                            "and later register it) and refuses --num-layer-list with a virtual "
+                            "pipeline; search with --poseidon-max-virtual-stages 1")
+    if plan.pp <= 1:
+        return
+    flag = "--pipeline-model-parallel-layout" if plan.virtual_stages > 1 else "--num-layer-list"
+    if find_flag(argv, "--noop-layers"):
+        raise PoseidonError(f"MindSpeed-LLM cannot combine --noop-layers with {flag}; remove "
+                            "--noop-layers to let Poseidon split the layers")
+    if flag_value(argv, "--schedules-method") == "dualpipev":
+        raise PoseidonError(f"MindSpeed-LLM's dualpipev schedule cannot take {flag}; remove "
+                            "--schedules-method dualpipev")
+    for switch in ("--recompute-in-bubble", "--recompute-in-advance"):
+        if plan.virtual_stages > 1 and find_flag(argv, switch):
+            raise PoseidonError(f"MindSpeed refuses {switch} with --pipeline-model-parallel-layout; "
+                                f"remove {switch} or search with --poseidon-max-virtual-stages 1")
+
+
+def overridden_flags(argv: Sequence[str], new_argv: Sequence[str]) -> list[str]:
+    """What the rewrite changed of the user's own plan-owned flags, one item each:
+    ``--tensor-model-parallel-size 2 -> 1``, ``--num-layer-list dropped``,
+    ``--sequence-parallel dropped: tp=1``."""
+    out: list[str] = []
+    for flag in PLAN_VALUE_FLAGS:
+        old = flag_value(argv, flag)
+        if old is None:
+            continue
+        new = flag_value(new_argv, flag)
+        if new is None:
+            out.append(f"{flag} dropped")
+        elif new != old:
+            out.append(f"{flag} {old} -> {new}")
+    for flag in (*PLAN_BOOL_FLAGS, "--sequence-parallel"):
+        if find_flag(argv, flag) and not find_flag(new_argv, flag):
+            why = {"--sequence-parallel": f": tp={flag_value(new_argv, '--tensor-model-parallel-size')}",
+                   "--use-tp-pp-dp-mapping": ": Poseidon places ranks in the default order"}
+            out.append(f"{flag} dropped{why.get(flag, '')}")
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -165,11 +206,13 @@ _INT_FLAGS = {"--tensor-model-parallel-size", "--pipeline-model-parallel-size", 
 
 
 def mindspeed_repatch_args(new_argv: Sequence[str]) -> dict[str, Any]:
-    """The dict MindSpeed-LLM's ``repatch`` overlays on its args for the rewritten argv.
+    """The dict handed to MindSpeed-LLM's ``repatch`` for the rewritten argv.
 
-    MindSpeed-LLM caches the args it parsed at import (``FeatureAdaptor._args``) and ``repatch``
-    only overlays this dict, so it carries every flag the plan owns: the plan's values, ``None``
-    for split flags the rewrite removed, ``False`` for stripped switches.
+    ``repatch`` re-parses ``sys.argv`` (``FeatureAdaptor._args`` is never assigned, so
+    ``get_mindspeed_llm_args`` parses afresh) and then sets each key of this dict on the result.
+    The caller sets ``sys.argv`` to the rewritten command line first, so the dict only restates
+    it: every flag the plan owns with the plan's value, ``None`` for split flags the rewrite
+    removed, ``False`` for stripped switches.
     """
     out: dict[str, Any] = {}
     for flag in PLAN_VALUE_FLAGS:
@@ -184,33 +227,83 @@ def mindspeed_repatch_args(new_argv: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def import_mindspeed_llm(script: str, argv: Sequence[str]) -> None:
-    """Import MindSpeed-LLM's adaptor (its NPU / feature patches) so profiling runs the same code as
-    training. It parses ``sys.argv`` at import, hence ``[script] + argv`` (options stripped) first;
-    after the plan, :func:`apply_mindspeed_llm` re-applies its patches for the rewritten flags."""
-    import importlib
+def mindspeed_llm_installed() -> bool:
+    import importlib.util
 
+    try:
+        return importlib.util.find_spec("mindspeed_llm") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def import_mindspeed_llm(script: str, argv: Sequence[str]) -> Any:
+    """Import MindSpeed-LLM's adaptor the way its scripts do (``from mindspeed_llm import
+    megatron_adaptor``: a name ``mindspeed_llm/__init__.py`` binds to ``tasks.megatron_adaptor``
+    (2.0-2.1) or ``tasks.megatron_adaptor_v2`` (2.2 and later), not a submodule), so profiling
+    runs the same patched code as training. It parses ``sys.argv`` at import, hence
+    ``[script] + argv`` (options stripped) first; after the plan, :func:`apply_mindspeed_llm`
+    re-applies its patches for the rewritten flags. Returns the adaptor module."""
     saved = sys.argv
     sys.argv = [script, *argv]
     try:
-        importlib.import_module("mindspeed_llm.megatron_adaptor")
+        from mindspeed_llm import megatron_adaptor  # type: ignore[import-not-found]
     except ImportError as e:
-        raise PoseidonError(f"the MindSpeed-LLM backend needs mindspeed_llm importable ({e}); install "
-                            "MindSpeed-LLM or pass --poseidon-backend megatron") from None
+        backend = os.environ.get("TRAINING_BACKEND")
+        hint = (f" (TRAINING_BACKEND={backend}: MindSpeed-LLM defines megatron_adaptor only "
+                "for mcore)" if backend and backend.lower() != "mcore" else "")
+        raise PoseidonError(f"the MindSpeed-LLM backend needs `from mindspeed_llm import "
+                            f"megatron_adaptor` to work ({e}){hint}; install MindSpeed-LLM or "
+                            "pass --poseidon-backend megatron") from None
     finally:
         sys.argv = saved
+    return megatron_adaptor
+
+
+def mindspeed_llm_registers_layout() -> bool:
+    """Whether the installed MindSpeed-LLM accepts ``--pipeline-model-parallel-layout``: its own
+    argument registration (``process_args_v2``, the feature flags its parse_args wrapper adds)
+    has the flag. True from v26.1.0 (MindSpeed's ``PipelineModelParallelLayoutFeature``); False
+    for v26.0.0 and 2.x, and when MindSpeed-LLM is not importable."""
+    import argparse
+
+    try:
+        from mindspeed_llm.training.arguments import process_args_v2  # type: ignore[import-not-found]
+
+        parser = process_args_v2(argparse.ArgumentParser(allow_abbrev=False))
+    except Exception:  # noqa: BLE001 - not installed, 2.0-2.1 (no v2 arguments), or broken
+        return False
+    return "--pipeline-model-parallel-layout" in getattr(parser, "_option_string_actions", {})
+
+
+def _loaded_adaptor() -> Any:
+    pkg = sys.modules.get("mindspeed_llm")
+    return getattr(pkg, "megatron_adaptor", None) if pkg is not None else None
 
 
 def apply_mindspeed_llm(new_argv: Sequence[str]) -> bool:
-    """Re-apply MindSpeed-LLM's argv-gated patches if its adaptor was imported before the rewrite.
+    """Re-apply MindSpeed-LLM's argv-gated patches after the rewrite, when its adaptor is loaded.
 
-    MindSpeed-LLM parses ``sys.argv`` when ``mindspeed_llm`` is imported and installs feature patches
-    (e.g. ``NumLayerListFeature``) only for flags present then. When the adaptor is already loaded
-    (the user imported it before Poseidon), ``megatron_adaptor_v2.repatch`` re-parses the rewritten
-    argv. Returns True when repatch was called.
+    The adaptor parses ``sys.argv`` at import and installs feature patches only for flags present
+    then (``NumLayerListFeature`` patches ``get_num_layers_to_build`` only if ``--num-layer-list``
+    was there). The caller has set ``sys.argv`` to the rewritten command line. v26.0.0 and later:
+    ``megatron_adaptor_v2.repatch`` (removes every patch, re-parses, re-applies). 2.2-2.3 have no
+    ``repatch``: the same three steps by hand (``MindSpeedFeaturesManager.remove_patches`` then
+    ``FeatureAdaptor.execute``). 2.0-2.1 install the layer-list patches unconditionally: nothing
+    to do. Returns True when patches were re-applied.
     """
-    mod = sys.modules.get("mindspeed_llm.tasks.megatron_adaptor_v2")
-    if mod is None or not hasattr(mod, "repatch"):
+    adaptor = _loaded_adaptor()
+    if adaptor is None:
         return False
-    mod.repatch(mindspeed_repatch_args(new_argv))
+    if hasattr(adaptor, "repatch"):
+        adaptor.repatch(mindspeed_repatch_args(new_argv))
+        return True
+    feature_adaptor = getattr(adaptor, "FeatureAdaptor", None)
+    if feature_adaptor is None:
+        return False
+    from mindspeed.features_manager.features_manager import (  # type: ignore[import-not-found]
+        MindSpeedFeaturesManager,
+    )
+
+    MindSpeedFeaturesManager.remove_patches()
+    feature_adaptor.execute()
     return True

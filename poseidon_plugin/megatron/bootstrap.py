@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -174,6 +175,9 @@ class Bootstrap:
         self.sync = StoreSync(self.store, self.env.rank, self.env.world_size, f"{self.prefix}/sync")
         self.sync.enter("join")
         self.sync.barrier("join", self.timeout_s)
+        # torch wraps sys.excepthook with a "[rank<r>]" prefix at every init_process_group:
+        # restored when the probe group goes, tracebacks carry the (new) rank once
+        self._excepthook = sys.excepthook
         dist.init_process_group("gloo", store=dist.PrefixStore(f"{self.prefix}/probe", self.store),
                                 rank=self.env.rank, world_size=self.env.world_size,
                                 timeout=timedelta(seconds=self.timeout_s))
@@ -214,6 +218,8 @@ class Bootstrap:
 
         if self.probe_up and dist.is_initialized():
             dist.destroy_process_group()
+        if self.probe_up and getattr(self, "_excepthook", None) is not None:
+            sys.excepthook = self._excepthook
         self.probe_up = False
 
     def init_main(self, new_rank: int, new_world: int, backend: str, timeout_minutes: float) -> None:

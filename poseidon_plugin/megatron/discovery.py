@@ -66,9 +66,15 @@ class Topology:
     def rank_of(self, node: int, local_device: int) -> int:
         return self.nodes[node][local_device]
 
+    def summary(self) -> str:
+        """``4 rank(s) on 1 host(s), 2 device type(s)`` (a cluster node is one host's devices
+        of one type; hosts and types are what the user knows)."""
+        return (f"{len(self.infos)} rank(s) on {len(set(self.node_hosts))} host(s), "
+                f"{len(set(self.node_types))} device type(s)")
+
     def describe(self, rank: int) -> str:
         i = self.infos[rank]
-        return f"rank {rank} (host {i.host}, local rank {i.local_rank}, {i.device_type})"
+        return f"launch rank {rank} (host {i.host}, local rank {i.local_rank}, {i.device_type})"
 
 
 def group_nodes(infos: Sequence[DeviceInfo]) -> Topology:

@@ -132,23 +132,15 @@ def layer_config_and_spec(vargs: Any) -> tuple[Any, Any]:
     try:  # megatron-core >= 0.18: the config container path pretrain_gpt.py uses
         from megatron.training.argument_utils import gpt_config_from_args
         from megatron.training.models.gpt import default_layer_spec
-
-        cfg = gpt_config_from_args(vargs)
-        spec = default_layer_spec(cfg, vp_stage=None)
-        config = cfg.transformer
-    except ImportError:  # <= 0.17
-        from megatron.core.models.gpt.gpt_layer_specs import (
-            get_gpt_layer_local_spec,
-            get_gpt_layer_with_transformer_engine_spec,
-        )
+    except ImportError:  # <= 0.17: core_transformer_config_from_args + gpt_builder's spec choice
         from megatron.training.arguments import core_transformer_config_from_args
 
         config = core_transformer_config_from_args(vargs)
-        maker = (get_gpt_layer_with_transformer_engine_spec
-                 if getattr(vargs, "transformer_impl", "local") == "transformer_engine"
-                 else get_gpt_layer_local_spec)
-        spec = maker(vargs.num_experts, getattr(vargs, "moe_grouped_gemm", False),
-                     getattr(vargs, "qk_layernorm", False))
+        spec = _layer_spec_le_017(vargs, config)
+    else:
+        cfg = gpt_config_from_args(vargs)
+        spec = default_layer_spec(cfg, vp_stage=None)
+        config = cfg.transformer
     layer_specs = getattr(getattr(spec, "submodules", None), "layer_specs", None) \
         if not hasattr(spec, "module") else None
     if layer_specs is None and hasattr(spec, "layer_specs"):
@@ -156,6 +148,52 @@ def layer_config_and_spec(vargs: Any) -> tuple[Any, Any]:
     if layer_specs:  # a block spec (MoE): profile its first layer
         spec = layer_specs[0]
     return config, spec
+
+
+def _layer_spec_le_017(vargs: Any, config: Any) -> Any:
+    """The decoder spec ``pretrain_gpt.py`` (core 0.12-0.14) / ``gpt_builders.gpt_builder``
+    (0.15-0.17) picks: the MoE block spec with the normalization, else the TE or local layer spec
+    with MoE, qk-layernorm, MLA, the normalization (local) -- each passed only where the
+    installed megatron-core's function takes it."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    use_te = getattr(vargs, "transformer_impl", "local") == "transformer_engine"
+    if getattr(vargs, "num_experts", None):
+        return _call_with_known(specs.get_gpt_decoder_block_spec, config,
+                                use_transformer_engine=use_te,
+                                normalization=getattr(vargs, "normalization", None),
+                                qk_l2_norm=getattr(vargs, "qk_l2_norm", False), vp_stage=None)
+    maker = (specs.get_gpt_layer_with_transformer_engine_spec if use_te
+             else specs.get_gpt_layer_local_spec)
+    kwargs: dict[str, Any] = dict(
+        num_experts=getattr(vargs, "num_experts", None),
+        moe_grouped_gemm=getattr(vargs, "moe_grouped_gemm", False),
+        qk_layernorm=getattr(vargs, "qk_layernorm", False),
+        multi_latent_attention=getattr(vargs, "multi_latent_attention", False),
+        moe_use_legacy_grouped_gemm=getattr(vargs, "moe_use_legacy_grouped_gemm", False),
+        qk_l2_norm=getattr(vargs, "qk_l2_norm", False),
+        use_kitchen=getattr(config, "use_kitchen", False))
+    if not use_te:
+        kwargs["normalization"] = getattr(vargs, "normalization", None)
+    return _call_with_known(maker, **kwargs)
+
+
+def _call_with_known(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` without the keywords this version of ``fn`` does not take; one
+    that is set (truthy) but not taken means the layer would not be the user's: an error."""
+    import inspect
+
+    from ..errors import PoseidonError
+
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return fn(*args, **kwargs)  # e.g. a MindSpeed wrapper: it forwards what it gets
+    unknown = {k: v for k, v in kwargs.items() if k not in params}
+    lost = sorted(k for k, v in unknown.items() if v)
+    if lost:
+        raise PoseidonError(f"this megatron-core's {fn.__name__} takes no {', '.join(lost)}: the "
+                            "profiled layer would not be the one the script trains")
+    return fn(*args, **{k: v for k, v in kwargs.items() if k in params})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -208,7 +246,8 @@ def _layer_inputs(config: Any, vargs: Any, device: Any) -> tuple[Any, dict[str, 
     x = torch.randn(seq_local, mbs, config.hidden_size, dtype=dtype, device=device, requires_grad=True)
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None]
     kwargs: dict[str, Any] = {"attention_mask": mask}
-    if getattr(vargs, "position_embedding_type", "") == "rope":
+    if getattr(vargs, "position_embedding_type", "") == "rope" and \
+            not getattr(config, "multi_latent_attention", False):  # MLA applies its own rotary
         from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
         rope = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=vargs.rotary_percent,

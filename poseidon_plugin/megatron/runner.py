@@ -52,15 +52,32 @@ T = TypeVar("T")
 
 
 def _setup_logging(rank: int | None) -> None:
-    if getattr(_setup_logging, "done", False):
+    if getattr(_setup_logging, "handler", None) is not None:
         return
     handler = logging.StreamHandler(sys.stderr)
-    prefix = "[poseidon]" if rank is None else f"[poseidon rank {rank}]"
-    handler.setFormatter(logging.Formatter(f"{prefix} %(message)s"))
     log.addHandler(handler)
     log.setLevel(os.environ.get("POSEIDON_LOG_LEVEL", "INFO").upper())
     log.propagate = False
-    _setup_logging.done = True  # type: ignore[attr-defined]
+    _setup_logging.handler = handler  # type: ignore[attr-defined]
+    _set_log_rank(rank)
+
+
+def rank_label(rank: int | str | None, launch_rank: int | str | None = None) -> str:
+    """``rank 0 (launch rank 2)`` once ranks are renumbered (Megatron's rank first), else
+    ``rank 2``."""
+    if rank is None:
+        return ""
+    if launch_rank is None or str(launch_rank) == str(rank):
+        return f"rank {rank}"
+    return f"rank {rank} (launch rank {launch_rank})"
+
+
+def _set_log_rank(rank: int | None, launch_rank: int | None = None) -> None:
+    handler = getattr(_setup_logging, "handler", None)
+    if handler is not None:
+        label = rank_label(rank, launch_rank)
+        prefix = f"[poseidon {label}]" if label else "[poseidon]"
+        handler.setFormatter(logging.Formatter(f"{prefix} %(message)s"))
 
 
 def _out(text: str) -> None:
@@ -131,6 +148,7 @@ class LaunchContext:
     device: bootstrap.LocalDevice = field(init=False)
     host: str = field(init=False)
     backend: str = field(init=False)  # "megatron" | "mindspeed-llm"
+    mindspeed_layout: bool = field(init=False, default=False)  # MindSpeed-LLM has the layout flag
     # _all_ranks_read_model
     args: Any = field(init=False)     # Megatron's argparse namespace (parsed, not validated)
     model: ModelSpec = field(init=False)
@@ -227,10 +245,28 @@ def _all_ranks_setup_device(ctx: LaunchContext) -> None:
         ctx.host = bootstrap.hostname()
     ctx.backend = argvmod.detect_backend(ctx.opts.backend, ctx.script)
     if ctx.backend == "mindspeed-llm":
-        if ctx.opts.max_virtual_stages > 1:  # --num-layer-list has no interleaving
-            ctx.opts = replace(ctx.opts, max_virtual_stages=1)
-        if ctx.emu is None:
-            argvmod.import_mindspeed_llm(ctx.script, ctx.argv)
+        _setup_mindspeed_llm(ctx)
+
+
+def _setup_mindspeed_llm(ctx: LaunchContext) -> None:
+    """MindSpeed-LLM's adaptor imported as its scripts do (required on real devices; under
+    emulation when installed), and its interleaving rule: the layout flag where the installed
+    MindSpeed-LLM registers it (v26.1.0 and later), otherwise no virtual stages (V = 1), since it
+    refuses ``--num-layer-list`` with a virtual pipeline."""
+    adaptor = None
+    if ctx.emu is None or argvmod.mindspeed_llm_installed():
+        adaptor = argvmod.import_mindspeed_llm(ctx.script, ctx.argv)
+    ctx.mindspeed_layout = argvmod.mindspeed_llm_registers_layout()
+    if ctx.rank == 0:
+        log.info("MindSpeed-LLM: %s; --pipeline-model-parallel-layout %s",
+                 f"adaptor {adaptor.__name__} ({getattr(adaptor, '__file__', '?')})"
+                 if adaptor is not None else "not installed (emulation: its flags only)",
+                 "registered" if ctx.mindspeed_layout else "not registered")
+    if ctx.opts.max_virtual_stages > 1 and not ctx.mindspeed_layout:
+        ctx.opts = replace(ctx.opts, max_virtual_stages=1)
+        if ctx.rank == 0:
+            log.info("MindSpeed-LLM registers no --pipeline-model-parallel-layout (v26.1.0 and "
+                     "later do): interleaved plans are not searched (V = 1)")
 
 
 def _setup_emulated_device(ctx: LaunchContext) -> None:
@@ -305,9 +341,8 @@ def _all_ranks_discover(ctx: LaunchContext) -> None:
     ctx.cluster = cluster = discovery.discover_cluster(
         topo, links, ctx.overrides, source=ctx.opts.cluster_file or "<discovered>")
     if ctx.rank == 0:
-        log.info("discovered %d rank(s) on %d node(s): %s; link probe %.2f s", env.world_size,
-                 len(topo.nodes), ", ".join(f"{t} x{cluster.devices_of_type(t)}"
-                                            for t in cluster.type_names),
+        log.info("discovered %s: %s; link probe %.2f s", topo.summary(),
+                 ", ".join(f"{t} x{cluster.devices_of_type(t)}" for t in cluster.type_names),
                  time.perf_counter() - t0)
 
 
@@ -400,7 +435,11 @@ def _all_ranks_share_plan(ctx: LaunchContext) -> None:
     ctx.plan_text = text
     ctx.plan = Plan.from_json(text)
     ctx.renum = renumber.renumber(ctx.plan.rank_order(), ctx.topo, ctx.world_size)
-    ctx.new_argv = argvmod.rewrite_argv(ctx.argv, ctx.plan, ctx.backend)
+    ctx.new_argv = argvmod.rewrite_argv(ctx.argv, ctx.plan, ctx.backend,
+                                        mindspeed_layout=ctx.mindspeed_layout)
+    overridden = argvmod.overridden_flags(ctx.argv, ctx.new_argv)
+    if ctx.rank == 0 and overridden:
+        log.warning("the plan overrides your %s", ", ".join(overridden))
     ctx.guarded("plan-verified", lambda: ctx.boot.barrier("plan-verified"))
 
 
@@ -475,6 +514,7 @@ def _all_ranks_apply(ctx: LaunchContext) -> AutoResult:
     timeout_min = float(getattr(ctx.args, "distributed_timeout_minutes", 10) or 10)
     ctx.boot.init_main(new_rank, renum.world_size, dist_backend, timeout_min)
     os.environ["POSEIDON_LAUNCH_RANK"] = str(env.rank)
+    _set_log_rank(new_rank, env.rank)
     os.environ["POSEIDON_DEVICE_TYPE"] = ctx.topo.infos[env.rank].device_type
     os.environ["RANK"] = str(new_rank)
     os.environ["WORLD_SIZE"] = str(renum.world_size)
@@ -482,9 +522,9 @@ def _all_ranks_apply(ctx: LaunchContext) -> AutoResult:
     if ctx.backend == "mindspeed-llm":
         sys.argv = [ctx.script, *ctx.new_argv]  # MindSpeed-LLM reads sys.argv
         argvmod.apply_mindspeed_llm(ctx.new_argv)
-    log.info("launch rank %d -> rank %d of %d (stage %d); setup took %.2f s", env.rank, new_rank,
-             renum.world_size, new_rank // max(1, renum.world_size // plan.pp),
-             time.perf_counter() - ctx.t_start)
+    log.info("renumbered: launch rank %d is rank %d of %d (stage %d); setup took %.2f s",
+             env.rank, new_rank, renum.world_size,
+             new_rank // max(1, renum.world_size // plan.pp), time.perf_counter() - ctx.t_start)
     _install_calibration(plan, ctx.model, ctx.cache_path)
     return AutoResult(ctx.new_argv, new_rank, renum.world_size, plan)
 
@@ -538,8 +578,8 @@ def _profiled_tps(cluster: Cluster, model: ModelSpec, world_size: int) -> tuple[
 
 
 def _fail(e: BaseException) -> int:
-    rank = os.environ.get("POSEIDON_LAUNCH_RANK") or os.environ.get("RANK", "?")
-    sys.stderr.write(f"[poseidon rank {rank}] error: {e}\n")
+    label = rank_label(os.environ.get("RANK", "?"), os.environ.get("POSEIDON_LAUNCH_RANK"))
+    sys.stderr.write(f"[poseidon {label}] error: {e}\n")
     sys.stderr.flush()
     return EXIT_USER_ERROR if isinstance(e, PoseidonError) and not isinstance(e, DistributedError) \
         else EXIT_FAILURE
@@ -555,6 +595,7 @@ def launch_main(argv: Sequence[str] | None = None) -> int:
     script, rest = argv[0], argv[1:]
     if not os.path.isfile(script):
         return _fail(PoseidonError(f"{script}: no such script"))
+    _script_dir_first(script)  # before planning imports megatron: one megatron for both modes
     try:
         opts, rest = extract_options(rest)
         if opts.auto:
@@ -568,11 +609,19 @@ def launch_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def run_script(script: str, argv: list[str]) -> None:
-    """Run the user's script unchanged as ``__main__`` with its directory on sys.path."""
+def _script_dir_first(script: str) -> None:
+    """The script's directory first on sys.path, as ``python script.py`` has it: a Megatron-LM
+    checkout's own ``megatron/`` then wins over an installed megatron-core, for the planning
+    (which imports megatron) as for the script."""
     script_dir = os.path.dirname(os.path.abspath(script))
-    if script_dir not in sys.path:
-        sys.path.insert(0, script_dir)
+    if script_dir in sys.path:
+        sys.path.remove(script_dir)
+    sys.path.insert(0, script_dir)
+
+
+def run_script(script: str, argv: list[str]) -> None:
+    """Run the user's script unchanged as ``__main__`` with its directory first on sys.path."""
+    _script_dir_first(script)
     sys.argv = [script, *argv]
     runpy.run_path(script, run_name="__main__")
 

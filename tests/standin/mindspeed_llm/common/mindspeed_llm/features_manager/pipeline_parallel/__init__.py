@@ -1,0 +1,1 @@
+"""Stand-in: MindSpeed-LLM pipeline-parallel features."""
