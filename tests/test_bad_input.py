@@ -181,7 +181,7 @@ def test_utf8_bom_is_accepted(tmp_path):
 @pytest.mark.parametrize("text, phrase", [
     ("a: !!python/object:os.system x\n", "could not determine a constructor"),
     ("a: 2001-13-45\n", "month must be in 1..12"),
-    ("a: " + "9" * 5000 + "\n", "4300 digits"),
+    ("a: " + "9" * 5000 + "\n", "(4300"),
     ("a: \x01\n", "control characters"),
 ])
 def test_odd_yaml_scalars_are_one_line_errors(tmp_path, text, phrase):
