@@ -284,3 +284,22 @@ def test_timed_step_uses_the_emulated_clock(monkeypatch):
     f, b = profiler._timed_step(Layer(), x, {}, torch.ones(2, 4), torch.device("cpu"),
                                 profiler.EmulatedClock(4.0, 1))
     assert (f, b) == (pytest.approx(8.0), pytest.approx(16.0))
+
+
+def test_emulated_clock_scales_by_the_host_share(monkeypatch):
+    """Ranks profiled in turns train together: 4 single-thread ranks on 2 cores each get half a
+    core, so the emulated times are twice the uncontended ones (every type alike)."""
+    torch = pytest.importorskip("torch")
+    from poseidon_plugin.megatron import profiler
+
+    alone = profiler.EmulatedClock(3.0, 1)
+    shared = profiler.EmulatedClock(3.0, 1, share=2.0)
+    assert shared.ms(0.5, 0.01) == pytest.approx(2 * alone.ms(0.5, 0.01)) == pytest.approx(60.0)
+    tp2 = profiler.EmulatedClock(3.0, 2, share=2.0)
+    assert tp2.ms(0.02, 0.01) == pytest.approx(2 * (0.02 + 2.0 * 0.01) * 1e3)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert profiler.host_share() == pytest.approx(2.0)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert profiler.host_share() == 1.0

@@ -306,16 +306,38 @@ class EmulatedClock:
     emulated device's time is computed from this process's CPU time t_cpu and wall time t_wall:
     ``factor x t_cpu`` at TP 1 (the whole op is compute; other processes' load on the host does
     not enter), ``t_wall + (factor - 1) x t_cpu`` at TP > 1 (waiting in the TP all-reduces is
-    not compute and is not slowed, as :func:`.emulation.install_slowdown` does in training)."""
+    not compute and is not slowed, as :func:`.emulation.install_slowdown` does in training).
+
+    ``share``: the host's oversubscription in training, ``max(1, ranks on the host x threads per
+    rank / cores)``. The ranks of a host are profiled in turns (one at a time, every core free),
+    but they train together: with 4 single-thread ranks on 2 cores each gets half a core, so the
+    emulated device is that share of the host and its times are ``share`` x the uncontended ones
+    (the same for every type: plan choices do not move, predictions match training)."""
 
     factor: float
     tp: int
+    share: float = 1.0
 
     def ms(self, wall_s: float, cpu_s: float) -> float:
         cpu_s = max(0.0, min(cpu_s, wall_s)) if self.tp > 1 else max(0.0, cpu_s)
         if self.tp > 1:
-            return (wall_s + (self.factor - 1.0) * cpu_s) * 1e3
-        return self.factor * cpu_s * 1e3
+            return self.share * (wall_s + (self.factor - 1.0) * cpu_s) * 1e3
+        return self.share * self.factor * cpu_s * 1e3
+
+
+def host_share() -> float:
+    """``EmulatedClock.share`` of this process: ranks on the host (``LOCAL_WORLD_SIZE``) x torch
+    threads per rank over the cores this process may use, at least 1."""
+    import os
+
+    import torch
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(1.0, ranks * torch.get_num_threads() / max(1, cores))
 
 
 def _timed_step(layer: Any, x: Any, kwargs: dict[str, Any], grad: Any, device: Any,
@@ -343,7 +365,7 @@ def _emulated_clock(device: Any, tp: int) -> EmulatedClock | None:
     factor = emulation.slowdown_factor()
     if device.type != "cpu" or factor is None:
         return None
-    return EmulatedClock(factor, tp)
+    return EmulatedClock(factor, tp, host_share())
 
 
 def _padding_suspended(active: bool):
