@@ -528,30 +528,6 @@ def profile_config(layer: Any, config: Any, vargs: Any, device: Any, iters: int,
                        converged=res.converged and opt.converged, retries=retries)
 
 
-def _memory_inputs(config: Any, vargs: Any, device: Any) -> tuple[Any, dict[str, Any], Any]:
-    """(input, layer kwargs, output gradient) of one micro-batch, as the timing uses them."""
-    import torch
-
-    seq, mbs = int(vargs.seq_length), int(vargs.micro_batch_size)
-    tp = int(vargs.tensor_model_parallel_size)
-    seq_local = seq // tp if config.sequence_parallel else seq
-    dtype = config.params_dtype
-    x = torch.randn(seq_local, mbs, config.hidden_size, dtype=dtype, device=device,
-                    requires_grad=True)
-    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None]
-    kwargs: dict[str, Any] = {"attention_mask": mask}
-    if getattr(vargs, "position_embedding_type", "") == "rope":
-        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
-        rope = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=vargs.rotary_percent,
-                               rotary_interleaved=getattr(vargs, "rotary_interleaved", False),
-                               rotary_base=getattr(vargs, "rotary_base", 10000),
-                               use_cpu_initialization=True)
-        kwargs["rotary_pos_emb"] = rope(seq).to(device)
-    grad = torch.randn(seq_local, mbs, config.hidden_size, dtype=dtype, device=device)
-    return x, kwargs, grad
-
-
 def _allocated(device: Any):
     """The allocator's live-bytes counter of ``device`` (None on CPU: no allocator statistics)."""
     import torch
@@ -569,7 +545,7 @@ def layer_memory_bytes(layer: Any, config: Any, vargs: Any, device: Any) -> int:
     recompute."""
     import torch
 
-    x, kwargs, grad = _memory_inputs(config, vargs, device)
+    x, kwargs, grad = _layer_inputs(config, vargs, device)
     if getattr(vargs, "recompute_granularity", None) == "full":
         return int(x.numel() * x.element_size())
     counter = _SavedBytes({p.untyped_storage().data_ptr() for p in layer.parameters()})
@@ -618,8 +594,8 @@ def profile_rank(args: Any, tps: Sequence[int], micro_batch_sizes: Sequence[int]
                 layer = layer.to(device=device, dtype=config.params_dtype)
                 layer.train()
                 out.append(_in_turns(turns, tp, f"profiling-tp{tp}-mbs{mbs}", checkpoint,
-                                     lambda: profile_config(layer, config, vargs, device, iters,
-                                                            tp, mbs)))
+                                     lambda built=layer: profile_config(built, config, vargs,
+                                                                        device, iters, tp, mbs)))
                 del layer
         finally:
             tensor_parallel.get_cuda_rng_tracker().reset()
