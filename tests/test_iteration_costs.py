@@ -172,3 +172,16 @@ def test_mfu_and_tflops_are_consistent(setup):
              for _ in range(s.tp * s.dp)]
     assert plan.mfu == pytest.approx(plan.model_tflops_per_device / (sum(peaks) / len(peaks)),
                                      rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
+def test_plan_json_rederives_its_time_with_optimizer_costs(setup, schedule):
+    """The plan JSON alone (per-chunk times, links, all-reduce + optimizer per stage) gives the
+    predicted time back, with measured optimizer steps in the post-pipeline term."""
+    cluster, model, db = setup
+    plan = search_plan(cluster, model, SearchOptions(
+        global_batch_size=16, seq_length=SEQ, workers=1, schedules=(schedule,)), db)
+    again = Plan.from_json(plan.to_json())
+    assert any(s.optimizer_ms > 0 for s in again.stages)
+    assert again.rederived_iteration_time_ms() == pytest.approx(
+        plan.predicted_iteration_time_ms, rel=1e-6, abs=1e-4)
