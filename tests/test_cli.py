@@ -410,3 +410,9 @@ def test_nothing_fits_names_a_real_shortfall(capsys, tmp_path):
 def test_negative_warmup_samples_is_rejected(capsys):
     rc, out, err = run_main(capsys, BASE + ["--no-baselines", "--warmup-samples", "-5"])
     _check_one_line_error(rc, out, err, r"warmup")
+
+
+def test_validate_argument_errors_are_one_line(capsys):
+    rc, out, err = run_main(capsys, ["validate", "--bogus"])
+    assert rc == 2 and out == ""
+    assert err == "poseidon: error: validate: unrecognized arguments: --bogus\n"

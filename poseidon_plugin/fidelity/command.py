@@ -12,8 +12,13 @@ from .cases import Emulation, select_cases
 from .report import draw_case, format_table, write_json
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (the CLI prints it), not usage + error
+        raise PoseidonError(f"validate: {message}")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="poseidon validate",
+    p = _Parser(prog="poseidon validate",
                                 description="Measure the simulator against real megatron-core "
                                 "pipeline runs on CPU emulation.",
                                 epilog="-v / --verbose (before or after 'validate'): debug "
