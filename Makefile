@@ -20,7 +20,7 @@ PYX := $(wildcard poseidon_plugin/*/*.pyx poseidon_plugin/*/*.pxd)
 PYTHON310 ?= $(shell for p in python3.10 $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.10*/bin/python3.10 /usr/bin/python3.10 /usr/local/bin/python3.10; do \
 	if $$p -c 'import sys; assert sys.version_info[:2] == (3, 10)' >/dev/null 2>&1; then echo $$p; break; fi; done)
 VENV310 := .venv310
-CORE_DEPS := "cython>=3.0" "numpy>=1.26" "pyyaml>=6" "tqdm>=4.60" "pytest>=8" "hypothesis>=6.100" "matplotlib>=3.7"
+CORE_DEPS := "cython>=3.0" "numpy>=1.26" "pyyaml>=6" "pytest>=8" "hypothesis>=6.100" "matplotlib>=3.7"
 
 # Megatron-LM trees (megatron/ at each tag; the PyPI wheels before 0.18 ship no megatron/training)
 # and a side environment with their pure-Python extras that reaches torch through $(VENV).
@@ -37,7 +37,7 @@ $(VENV)/.stamp-deps: setup.py
 	@if [ -z "$(PYTHON312)" ]; then echo "error: Python 3.12 not found (tried python3.12 and pyenv); install it or set PYTHON312=/path/to/python3.12" >&2; exit 2; fi
 	@[ -x $(PY) ] || $(PYTHON312) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
-	$(PIP) install -q "cython>=3.0" "numpy>=1.26" "pyyaml>=6" "tqdm>=4.60" "pytest>=8" "hypothesis>=6.100" "matplotlib>=3.7"
+	$(PIP) install -q "cython>=3.0" "numpy>=1.26" "pyyaml>=6" "pytest>=8" "hypothesis>=6.100" "matplotlib>=3.7"
 	$(PIP) install -q torch "megatron-core==0.19.2"
 	touch $@
 

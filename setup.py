@@ -43,7 +43,7 @@ setup(
             "cdivision": True,
         },
     ),
-    install_requires=["numpy>=1.26", "pyyaml>=6", "tqdm>=4.60"],
+    install_requires=["numpy>=1.26", "pyyaml>=6"],
     extras_require={
         # megatron-core 0.19.2 needs Python 3.12; MindSpeed-LLM (Python 3.10) brings its own
         # Megatron-LM core_r0.12 tree

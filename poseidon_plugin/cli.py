@@ -260,7 +260,7 @@ def _cmd_plan(ns) -> int:
     plan = plan.with_baselines(_baselines(ns, cluster, model, budget, options, profiles, plan))
     text = plan.to_json()
     if ns.gantt:
-        _draw_plan_gantt(cluster, model, plan, profiles, ns.gantt)
+        _draw_plan_gantt(plan, ns.gantt)
     if ns.out:
         try:
             with open(ns.out, "w", encoding="utf-8") as f:
@@ -304,7 +304,7 @@ class _Budget:
     what is left when it starts) and the baselines (the rest, up to ``end``)."""
 
     def __init__(self, seconds: float | None, share: float) -> None:
-        self.seconds, self.share = seconds, share
+        self.share = share
         self.end = None if seconds is None else time.monotonic() + seconds
 
     def _left(self) -> float:
@@ -337,12 +337,11 @@ def _load_profiles(ns, cluster, model, options):
     return db
 
 
-def _draw_plan_gantt(cluster, model, plan, profiles, path: str) -> None:
-    from .costs import plan_simulator_inputs
+def _draw_plan_gantt(plan, path: str) -> None:
     from .gantt import draw_gantt, plan_stage_labels
     from .simulator import simulate_pipeline
 
-    F, B, Pf, Pb, R = plan_simulator_inputs(cluster, model, plan, profiles)
+    F, B, Pf, Pb, R = plan.simulator_inputs()
     if plan.schedule == "interleaved-1f1b":
         # the search timed it as megatron-core runs it (bundled p2p calls): draw that schedule
         import numpy as np

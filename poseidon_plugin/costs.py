@@ -295,10 +295,11 @@ class CostModel:
                        self.latency_ms)
 
 
-def simulator_arrays(stages: tuple[StageCosts, ...], virtual_stages: int, wrap_send_ms: float = 0.0):
-    """(F, B, Pf, Pb, R) in the simulator's layout (per-chunk arrays of shape (V, N) if V > 1);
-    R[s] is the stage's post-pipeline work (DP all-reduce + optimizer step)."""
-    n, v = len(stages), virtual_stages
+def simulator_arrays(stages, virtual_stages: int, wrap_send_ms: float = 0.0):
+    """(F, B, Pf, Pb, R) in the simulator's layout (per-chunk arrays of shape (V, N) if V > 1)
+    of ``StageCosts`` (or a plan's ``StagePlan``s); R[s] is the stage's post-pipeline work (DP
+    all-reduce + optimizer step)."""
+    v = virtual_stages
     if v > 1:
         F = np.array([[st.chunk_forward_ms[c] for st in stages] for c in range(v)])
         B = np.array([[st.chunk_backward_ms[c] for st in stages] for c in range(v)])
@@ -310,20 +311,3 @@ def simulator_arrays(stages: tuple[StageCosts, ...], virtual_stages: int, wrap_s
     Pb = Pf.copy()
     R = np.array([st.post_pipeline_ms for st in stages])
     return F, B, Pf, Pb, R
-
-
-def plan_simulator_inputs(cluster, model, plan, profiles=None):
-    """(F, B, Pf, Pb, R) of a finished ``Plan``, recomputed through the same cost path the search
-    used (so per-chunk splits and the interleaved wrap-around link are exact)."""
-    cm = CostModel(cluster, model, profiles, seq_length=plan.seq_length,
-                   training=TrainingSetup.from_dict(getattr(plan, "training", None)))
-    index = {name: k for k, name in enumerate(cm.type_names)}
-    stages, placements, _ = cm.stage_costs(
-        stage_types=[index[st.device_type] for st in plan.stages],
-        stage_tps=[st.tp for st in plan.stages], layers=[st.layers for st in plan.stages],
-        dp=plan.dp, micro_batch_size=plan.micro_batch_size,
-        num_microbatches=plan.num_microbatches, schedule=plan.schedule,
-        virtual_stages=plan.virtual_stages)
-    wrap = (cm.wrap_send_ms(placements, plan.micro_batch_size)
-            if plan.virtual_stages > 1 else 0.0)
-    return simulator_arrays(stages, plan.virtual_stages, wrap)

@@ -8,15 +8,16 @@ indent, floats rounded to 6 decimals, trailing newline, so equal plans give equa
      "schedule", "virtual_stages", "dp", "tp" (null when per-stage), "pp", "micro_batch_size",
      "num_microbatches", "global_batch_size", "seq_length", "num_layers",
      "stages": [{"index", "device_type", "tp", "dp", "layers", "forward_ms", "backward_ms",
-                 "send_forward_ms", "send_backward_ms", "allreduce_ms", "optimizer_ms", "memory_bytes",
-                 "memory_capacity_bytes", "devices": [[{"node", "local_device"}, ...tp], ...dp],
-                 "chunk_layers", "chunk_forward_ms", "chunk_backward_ms" (V entries each)}],
-     "links": [{"from_stage", "to_stage", "send_ms", "wrap_around" (interleaved last->first)}],
-     "wrap_send_ms", "timing_model" ("engine": re-derive with Plan.rederived_iteration_time_ms),
+                 "send_forward_ms", "send_backward_ms", "allreduce_ms", "optimizer_ms",
+                 "memory_bytes", "memory_capacity_bytes",
+                 "devices": [[{"node", "local_device"}, ...tp], ...dp],
+                 "chunk_layers", "chunk_forward_ms", "chunk_backward_ms" (V entries each),
                  "provenance": {"decoder"|"embedding"|"output": {"source", "record"}},
                  "memory": {"params_bytes", "grads_bytes", "optimizer_bytes",
                             "activations_bytes", "reserve_bytes", "total_bytes",
                             "activations_source"}}],
+     "links": [{"from_stage", "to_stage", "send_ms", "wrap_around" (interleaved last->first)}],
+     "wrap_send_ms", "timing_model" ("engine": re-derive with Plan.rederived_iteration_time_ms),
      "training": {"recompute", "distributed_optimizer", "params_dtype", "grad_dtype",
                   "attention"},
      "unused_devices": [{"node", "local_device"}], "megatron_args": [...] (null if per-stage TP),
@@ -46,7 +47,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .costs import chunk_layers
+from .costs import chunk_layers, simulator_arrays
 from .errors import PoseidonError
 from .simulator.schedules import LAUNCHABLE_SCHEDULES as EXECUTABLE_SCHEDULES
 
@@ -87,6 +88,11 @@ class StagePlan:
     # (part, bytes) of memory_bytes, then ("activations_source", "measured"|"estimated")
     memory_parts: tuple[tuple[str, Any], ...] = ()
     optimizer_ms: float = 0.0   # optimizer step after the DP all-reduce (measured; 0: none)
+
+    @property
+    def post_pipeline_ms(self) -> float:
+        """What the stage does after its last backward: DP all-reduce, then optimizer step."""
+        return self.allreduce_ms + self.optimizer_ms
 
 
 def _r(x: float) -> float:
@@ -244,24 +250,12 @@ class Plan:
     def simulator_inputs(self):
         """(F, B, Pf, Pb, R) of the simulator from this plan's own numbers alone (per-chunk
         arrays of shape (V, N) when interleaved): what re-derives its predicted time."""
-        import numpy as np
-
         v = self.virtual_stages
-        for s in self.stages:
-            if len(s.chunk_forward_ms) != v or len(s.chunk_backward_ms) != v:
-                if v > 1:
-                    raise PoseidonError(f"plan stage {s.index}: per-chunk times missing "
-                                        f"(plan JSON written before format 1.1?)")
-        if v > 1:
-            F = np.array([[s.chunk_forward_ms[c] for s in self.stages] for c in range(v)])
-            B = np.array([[s.chunk_backward_ms[c] for s in self.stages] for c in range(v)])
-            Pf = np.array([s.send_forward_ms for s in self.stages[:-1]] + [self.wrap_send_ms])
-        else:
-            F = np.array([s.forward_ms for s in self.stages])
-            B = np.array([s.backward_ms for s in self.stages])
-            Pf = np.array([s.send_forward_ms for s in self.stages[:-1]])
-        R = np.array([s.allreduce_ms + s.optimizer_ms for s in self.stages])   # post-pipeline
-        return F, B, Pf, Pf.copy(), R
+        if v > 1 and any(len(s.chunk_forward_ms) != v or len(s.chunk_backward_ms) != v
+                         for s in self.stages):
+            raise PoseidonError("plan: per-chunk times missing (a plan JSON written before "
+                                "they were recorded); re-plan to re-derive its time")
+        return simulator_arrays(self.stages, v, self.wrap_send_ms)
 
     def rederived_iteration_time_ms(self) -> float:
         """The iteration time the simulator gives for ``simulator_inputs()`` under the timing
@@ -423,7 +417,6 @@ class Plan:
                 lines.append(f"searched space: {s['search_space']}")
         return "\n".join(lines) + "\n"
 
-
     def _provenance_lines(self) -> list[str]:
         """One line per (layer kind, source, record) with the stages it serves; the setup."""
         groups: dict[tuple[str, str, str], list[int]] = {}
@@ -434,7 +427,7 @@ class Plan:
             return []
         out = ["", "costs from:"]
         for (kind, src, rec), idx in groups.items():
-            where = "stage" + ("s " if len(idx) > 1 else " ") + _ranges(idx)
+            where = "stage" + ("s " if len(idx) > 1 else " ") + node_ranges(idx, None)
             out.append(f"  {kind:<9} {src:<10} {where:<14} {rec}")
         act = {s.index: dict(s.memory_parts).get("activations_source") for s in self.stages}
         measured = [i for i, v in act.items() if v == "measured"]
@@ -442,7 +435,8 @@ class Plan:
             out.append("  activation memory: estimated on every stage")
         else:
             rest = "" if len(measured) == len(act) else ", estimated elsewhere"
-            out.append(f"  activation memory: measured on stage(s) {_ranges(measured)}{rest}")
+            out.append(f"  activation memory: measured on stage(s) "
+                       f"{node_ranges(measured, None)}{rest}")
         if self.training:
             t = self.training
             out.append(f"  training setup: recompute {t.get('recompute')}, attention "
@@ -452,20 +446,9 @@ class Plan:
         return out
 
 
-def _ranges(indices: list[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2,5'."""
-    parts: list[str] = []
-    for i in sorted(indices):
-        if parts and parts[-1][1] == i - 1:
-            parts[-1] = (parts[-1][0], i)
-        else:
-            parts.append((i, i))
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in parts)
-
-
-def node_ranges(nodes, max_ranges: int = 8) -> str:
-    """Node indices as ranges, e.g. ``0-3,8-11,14``; beyond ``max_ranges`` ranges the rest is
-    counted (``0-3,8-11,... +5 ranges, 96 nodes``): the JSON lists every device."""
+def node_ranges(nodes, max_ranges: int | None = 8) -> str:
+    """Indices as ranges, e.g. ``0-3,8-11,14``; beyond ``max_ranges`` ranges (None: no limit)
+    the rest is counted (``0-3,8-11,... +5 ranges, 96 nodes``): the JSON lists every device."""
     xs = sorted(set(nodes))
     runs: list[tuple[int, int]] = []
     for x in xs:
@@ -473,9 +456,10 @@ def node_ranges(nodes, max_ranges: int = 8) -> str:
             runs[-1] = (runs[-1][0], x)
         else:
             runs.append((x, x))
-    text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:max_ranges])
-    if len(runs) > max_ranges:
-        text += f",... +{len(runs) - max_ranges} ranges, {len(xs)} nodes"
+    shown = runs if max_ranges is None else runs[:max_ranges]
+    text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in shown)
+    if len(runs) > len(shown):
+        text += f",... +{len(runs) - len(shown)} ranges, {len(xs)} nodes"
     return text
 
 

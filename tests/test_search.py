@@ -458,14 +458,13 @@ def test_interleaved_plans_are_timed_as_megatron_core_runs_them():
     blocking, bundled p2p calls), recomputed from the finished plan, and never below the
     paper's DAG for the same inputs."""
     import numpy as np
-    from poseidon_plugin.costs import plan_simulator_inputs
     from poseidon_plugin.simulator.engine import EngineCosts, simulate_engine
     cluster, model = make_instance([(100.0, 2, 2, 1.0), (50.0, 2, 2, 1.0)], 8, None)
     p = search_plan(cluster, model, SearchOptions(
         global_batch_size=16, seq_length=128, workers=1, schedules=("interleaved-1f1b",),
         micro_batch_sizes=(1,), warmup_samples=20))
     assert p.schedule == "interleaved-1f1b" and p.virtual_stages == 2
-    F, B, Pf, Pb, R = plan_simulator_inputs(cluster, model, p)
+    F, B, Pf, Pb, R = p.simulator_inputs()
     eng = simulate_engine(EngineCosts.from_profiles(F, B, Pf, R, np.zeros(len(R))),
                           p.num_microbatches, p.schedule, p.virtual_stages).iteration_time_ms
     paper = iteration_time_ms(F, B, Pf, Pb, R, p.num_microbatches, p.schedule, p.virtual_stages)

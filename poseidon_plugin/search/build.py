@@ -29,7 +29,6 @@ def _stage_plans(cm: CostModel, cfg: OuterConfig, opts, layers, stages, placemen
                   chunk_layers=chunk_layers(int(layers[s]), cfg.virtual_stages),
                   chunk_forward_ms=tuple(st.chunk_forward_ms),
                   chunk_backward_ms=tuple(st.chunk_backward_ms),
-
                   provenance=tuple((p.key.layer_kind, p.source, p.key.describe())
                                    for p in st.provenance),
                   memory_parts=_memory_parts(st))
@@ -85,5 +84,4 @@ def build_plan(cm: CostModel, cfg: OuterConfig, opts, layers, *, global_batch_si
         gap=(t - lb) / t if t > 0 else 0.0, num_layers=cm.model.num_layers,
         wrap_send_ms=(cm.wrap_send_ms(placements, cfg.micro_batch_size)
                       if cfg.virtual_stages > 1 else 0.0),
-
         training=cm.training.to_dict())
