@@ -237,17 +237,21 @@ cdef int capacity(const ConfigData* I, SearchState* S, int x, double avail, int 
     largest cap of the type's options. Greedy over types (caps descending) gives the maximum of
     this relaxation; fewer than K stages possible -> -1.
 
-    Fill/drain (V = 1 schedules only, where every stage's first op is F(s, 0) and its last op
-    B(s, M-1)): the later stage at position p (p = 0..K-1 after x) starts its first forward
-    after micro-batch 0's forward through the later stages before it, and after its last
-    backward the backward of micro-batch M-1 runs back through them, so with w_i = F_i + B_i
-    (>= l_i (f + b)_i) and U_p = sum of w over the later stages before position p:
-    M w_p + U_p <= avail - 2 minsend p, i.e. U_{p+1} <= U_p (1 - 1/M) + (avail - 2 minsend p)/M.
+    Fill/drain (every stage's first op is F(s, chunk 0, 0) and its last op B(s, chunk clast,
+    M-1); applied for V = 1 and for clast = 0, which interleaved-1f1b has): the later stage at
+    position p (p = 0..K-1 after x) starts its first forward after micro-batch 0's chunk-0
+    forward through the later stages before it, and after its last backward chunk 0's
+    backward of micro-batch M-1 runs back through them. Chunk 0 holds >= l_i / V of a stage's
+    layers (``chunk_layers``: larger chunks first), so with w_i = F_i + B_i (all chunks,
+    >= l_i (f + b)_i) and U_p = sum of w over the later stages before position p:
+    M w_p + U_p / V <= avail - 2 minsend p, i.e.
+    U_{p+1} <= U_p (1 - 1/(M V)) + (avail - 2 minsend p)/M.
     The right side is increasing in U_p, so U_K <= the recursion's value from U_0 = 0 (greedy).
     The layers then satisfy sum_j l_j (f + b)_j <= U_K with per type <= min(cnt_k, K) stages
     of <= cap_k layers and (f + b) >= the type's cheapest: a fractional knapsack, filled
     cheapest (f + b) first, bounds them from above; the smaller of the two bounds is returned.
-    ``whi``: an upper limit on U_K = W (``wcut``'s, from the decided stages' RT term); as
+    ``whi`` (V = 1 only: for V > 1 the RT term holds chunk V-1's round trip, not W): an upper
+    limit on U_K = W (``wcut``'s, from the decided stages' RT term); as
     U_p <= U_K <= whi for every p (w >= 0) and the step is increasing in U_p,
     U_{p+1} <= step(min(U_p bound, whi)) by induction, and U_K <= whi. The last later stage
     holds the output layer (x < N - 1), whose w is >= its layers' (f + b) + outmin, so the
@@ -260,12 +264,14 @@ cdef int capacity(const ConfigData* I, SearchState* S, int x, double avail, int 
     total = _topk_layers(tc.tcap, tc.tcnt, tc.ng, K, &taken)
     if taken < K:
         return -1
-    if I.V == 1 and K > 1:
+    if K > 1 and (I.V == 1 or I.clast == 0):
+        if I.V > 1:
+            whi = 1e300     # (the RT term bounds chunk V-1's round trip only, not W)
         U = 0.0
         for p in range(K):
             if U > whi:
                 U = whi
-            U = U + (avail - 2.0 * I.minsend * p - U) / I.M
+            U = U + (avail - 2.0 * I.minsend * p - U / I.V) / I.M
         if U > whi:
             U = whi
         U = (U - I.outmin) * (1.0 + 1e-9)

@@ -16,6 +16,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from ..comm import send_ms
 from ..costs import CostModel
 from ..errors import PoseidonError
 from ..simulator.schedules import SCHEDULES, op_orders, validate_schedule
@@ -245,11 +246,74 @@ def capacity_layers(cm: CostModel, cfg: OuterConfig, t_ms: float,
     return _capacity_at(_capacity_types(cm, cfg, costs), cfg, cm.model.num_layers, t_ms)
 
 
+def min_send_ms(cm: CostModel, micro_batch_size: int) -> float:
+    """The fastest activation send of one micro-batch over any link of the cluster."""
+    best = max(max(cm.intra_gbps), max(cm.inter_gbps), cm.cross_gbps)
+    return send_ms(cm.activation_bytes(micro_batch_size), best, cm.latency_ms)
+
+
+def _fill_carry(cfg: OuterConfig, minsend: float) -> tuple[float, ...]:
+    """Coefficients of the fill/drain recursion's largest carried work (``root_bound``):
+    c_{p+1} = q c_p + (T - 2 minsend p) / M with q = 1 - 1 / (M V), c_0 = 0, so
+    c_p = a_p T - g_p; returns (a_N, g_N, a_{N-1}, g_{N-1}, 2 minsend (N-1))."""
+    n, m, v = cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages
+    q = 1.0 - 1.0 / (m * v)
+    a = g = a_prev = g_prev = 0.0
+    for p in range(n):
+        a_prev, g_prev = a, g
+        a, g = q * a + 1.0 / m, q * g + 2.0 * minsend * p / m
+    return a, g, a_prev, g_prev, 2.0 * minsend * (n - 1)
+
+
+def _fill_feasible(types: list[_TypeCapacity], cfg: OuterConfig, L: int, t_ms: float,
+                   extra: float, carry: tuple[float, ...]) -> bool:
+    """Whether N stages can hold the L layers within t_ms when the pipeline fill and drain
+    are counted (``root_bound``'s third bound): the largest total per-micro-batch work the
+    stages can carry covers the least work the layers need."""
+    n, m, v = cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages
+    limit = L - (n - 1) * v
+    rows = []
+    for ty in types:
+        cap = max(_cap(a, t_ms, limit) for a, _ in ty.options)
+        if cap >= v and ty.count > 0:
+            rows.append((ty.a / m, min(ty.count, n) * cap))
+    need, work = L, extra
+    for c, room in sorted(rows):
+        take = min(room, need)
+        work += take * c
+        need -= take
+        if need == 0:
+            break
+    if need > 0:
+        return False
+    a_n, g_n, a_last, g_last, last_send = carry
+    # the recursion is linear in T while every step's room T - 2 minsend p - c_p / V is >= 0
+    # (it falls with p: checking the last step suffices); otherwise drop the sends (a larger
+    # carry, still an upper bound)
+    if t_ms - last_send - (a_last * t_ms - g_last) / v >= 0.0:
+        carried = a_n * t_ms - g_n
+    else:
+        carried = a_n * t_ms
+    return work <= carried * (1 + 1e-9)
+
+
 def root_bound(cm: CostModel, cfg: OuterConfig, costs: OptionCosts | None = None) -> float:
-    """Lower bound on every plan of ``cfg``: the larger of the per-stage work bound and the
+    """Lower bound on every plan of ``cfg``: the largest of the per-stage work bound, the
     capacity bound (the smallest t with ``capacity_layers(t) >= L``; capacity only changes at
     t = M (f + b)_k n, so that t is found by bisection over those values, and returned
-    1e-9 below); inf when no plan of ``cfg`` can hold the layers."""
+    1e-9 below) and the fill/drain bound; inf when no plan of ``cfg`` can hold the layers.
+
+    Fill/drain: stage p's first op waits for micro-batch 0's chunk-0 forward through the
+    stages before it and after its last op (chunk 0's backward of micro-batch M-1, for every
+    schedule here) that backward runs back through them, so with w_i = F_i + B_i (all chunks;
+    chunk 0 holds >= l_i / V of stage i's layers) M w_p + (sum_{i<p} w_i) / V + 2 minsend p
+    <= T. The sum of w that N stages can carry under these is at most the greedy recursion's
+    (each step is increasing in the sum before it), and it must cover the least work of the
+    layers: a fractional knapsack of L layers over the types' rooms at T (<= count x cap
+    stages' layers each), cheapest (f + b) first, plus the cheapest embedding and output
+    layers. Feasibility is monotone in T, so the smallest feasible T is found by bisection
+    (``docs/search.md``; ``tests/test_search.py`` holds it below every configuration's
+    exhaustive optimum)."""
     costs = OptionCosts.of_config(cm, cfg) if costs is None else costs
     minfb = costs.min_layer_fb
     L, n, m, v = cm.model.num_layers, cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages
@@ -266,7 +330,25 @@ def root_bound(cm: CostModel, cfg: OuterConfig, costs: OptionCosts | None = None
             hi = mid
         else:
             lo = mid + 1
-    return max(base, cands[lo] * (1 - 1e-9))
+    bound = max(base, cands[lo] * (1 - 1e-9))
+    if n == 1:
+        return bound
+    extra = (min(f + b for f, b in zip(costs.ef, costs.eb)) + costs.min_output_fb)
+    carry = _fill_carry(cfg, min_send_ms(cm, cfg.micro_batch_size))
+    lo_t, hi_t = bound, 2.0 * bound
+    while not _fill_feasible(types, cfg, L, hi_t, extra, carry):
+        lo_t, hi_t = hi_t, 2.0 * hi_t
+        if hi_t > 1e15:
+            return math.inf
+    if _fill_feasible(types, cfg, L, lo_t, extra, carry):
+        return bound
+    while hi_t - lo_t > 1e-5 * hi_t:       # lo_t infeasible, hi_t feasible
+        mid = 0.5 * (lo_t + hi_t)
+        if _fill_feasible(types, cfg, L, mid, extra, carry):
+            hi_t = mid
+        else:
+            lo_t = mid
+    return lo_t
 
 
 # --------------------------------------------------------------------------- bound structure

@@ -21,7 +21,8 @@ from ..plan import TIMING_MODEL
 from ..simulator._core import get_dag
 from ..simulator.pipeline import iteration_time_ms
 from . import _search
-from .configs import OptionCosts, OuterConfig, bound_structure, layer_limits, root_bound
+from .configs import (OptionCosts, OuterConfig, bound_structure, layer_limits, min_send_ms,
+                      root_bound)
 
 ENGINE_TIMING = TIMING_MODEL == "engine"
 """Plans are timed as megatron-core runs them (``_core.EngineDAG``: blocking, bundled p2p
@@ -95,10 +96,9 @@ class SearchContext:
     def send_range_ms(self, micro_batch_size: int) -> tuple[float, float]:
         """(fastest, slowest) activation send of one micro-batch over any link."""
         cm = self.cm
-        act = cm.activation_bytes(micro_batch_size)
-        best = max(max(cm.intra_gbps), max(cm.inter_gbps), cm.cross_gbps)
         worst = min(min(cm.intra_gbps), min(cm.inter_gbps), cm.cross_gbps)
-        return send_ms(act, best, cm.latency_ms), send_ms(act, worst, cm.latency_ms)
+        return (min_send_ms(cm, micro_batch_size),
+                send_ms(cm.activation_bytes(micro_batch_size), worst, cm.latency_ms))
 
     def ridge_rule(self, cfg: OuterConfig, pruning: str) -> RidgeRule:
         """``ridge``: the paper's cut everywhere; ``safe``: its provably safe form where
