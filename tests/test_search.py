@@ -873,3 +873,44 @@ def test_polish_improves_a_bad_split_and_stays_exact():
         assert ctx.evaluate(cfg, list(o), list(lay)) == pytest.approx(t, rel=1e-9)
         return
     pytest.fail("no 3-stage configuration to polish")
+
+
+def test_round_step_shrinks_only_when_the_next_round_would_not_end_in_time():
+    """Under a time budget the next round's step is sized to the time left: a full step
+    when rounds are quick, the least step when the last round took most of what is left, in
+    between by the growth the last two rounds showed; no budget, the fixed step."""
+    import time
+    from poseidon_plugin.search import driver as drv
+    cluster, model = _small()
+    d = drv.SearchDriver(cluster, model, SearchOptions(global_batch_size=8, seq_length=128))
+    assert d.next_round_step([(100.0, 5.0)]) == drv.ROUND_STEP      # no deadline
+    d.pass_deadline = time.monotonic() + 100.0
+    assert d.next_round_step([(100.0, 0.01)]) == drv.ROUND_STEP     # too quick to judge
+    assert d.next_round_step([(100.0, 0.1)]) == drv.ROUND_STEP      # 40 s left for it
+    assert d.next_round_step([(100.0, 90.0)]) == drv.MIN_ROUND_STEP
+    # x 4 over the last 1 %: a round 4 x 4 s = 16 s at +1 % fits 40 s, at +2 % (64 s) not
+    step = d.next_round_step([(99.0, 1.0), (100.0, 4.0)])
+    assert 0.01 < step < 0.02
+    assert 4.0 * ((1 + step) * 100.0 / 100.0) ** (math.log(4.0) / math.log(100 / 99.0)) \
+        == pytest.approx(0.4 * 100.0, rel=0.01)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(instance_st)
+def test_smallest_round_steps_keep_the_optimum_and_a_valid_bound(inst):
+    """Rounds forced to the least step (every round judged, none given time): with a
+    generous budget the search still ends exhaustive at the exact optimum."""
+    from poseidon_plugin.search import driver as drv
+    exact = _run(inst, "none")
+    old = drv.ROUND_TIMED_S, drv.ROUND_SHARE
+    drv.ROUND_TIMED_S, drv.ROUND_SHARE = 0.0, 1e-12
+    try:
+        got = _run(inst, "safe", time_budget_s=600.0)
+    finally:
+        drv.ROUND_TIMED_S, drv.ROUND_SHARE = old
+    if exact is None:
+        assert got is None
+        return
+    assert got.predicted_iteration_time_ms == pytest.approx(exact.predicted_iteration_time_ms,
+                                                             rel=1e-9)
+    assert got.lower_bound_ms <= exact.predicted_iteration_time_ms * (1 + 1e-9)
