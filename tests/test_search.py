@@ -771,6 +771,36 @@ def test_constructed_plans_are_feasible_and_never_beat_the_optimum(inst):
         assert built == 0
 
 
+def test_per_stage_tp_construction_reaches_pipelines_deeper_than_the_fastest_tp_allows():
+    """Per-stage TP on compute-bound layers: the fastest option of each type is a large TP
+    degree, one or two stage slots per 8-device node; deeper configurations are constructed
+    with smaller TP degrees (the old construction, fastest option only, built none)."""
+    from poseidon_plugin.search.construct import _type_slots, construct_plan
+    cluster = cluster_from_dict({
+        "name": "two", "device_types": {
+            "A": {"memory_gib": 80, "peak_tflops": 300, "intra_node_gbps": 400},
+            "B": {"memory_gib": 80, "peak_tflops": 150, "intra_node_gbps": 400}},
+        "nodes": [{"device_type": "A", "devices_per_node": 8, "count": 1},
+                  {"device_type": "B", "devices_per_node": 8, "count": 1}],
+        "links": {"inter_node_gbps": {"A": 100, "B": 100}, "cross_type_gbps": 50,
+                  "latency_ms": 0.01}})
+    model = model_from_dict({"name": "m", "num_layers": 16, "hidden_size": 4096,
+                             "ffn_hidden_size": 16384, "num_attention_heads": 32,
+                             "vocab_size": 1024, "seq_length": 2048})
+    ctx = SearchContext(CostModel(cluster, model, None, seq_length=2048))
+    cfgs = [c for c in enumerate_configs(ctx.cm, SearchOptions(
+        global_batch_size=8, seq_length=2048, micro_batch_sizes=(1,), tp_mode="per-stage",
+        schedules=("1f1b",))) if c.dp == 1]
+    deep = [c for c in cfgs if c.num_stages > sum(n for *_, n in _type_slots(ctx, c))]
+    assert deep
+    for cfg in deep:
+        got = construct_plan(ctx, cfg)
+        assert got is not None, cfg
+        t, opts, layers = got
+        assert ctx.evaluate(cfg, opts, layers) == pytest.approx(t, rel=1e-9)
+        assert sum(layers) == model.num_layers
+
+
 def test_construction_gives_the_first_plan_and_the_search_keeps_it_as_a_bound():
     """The construction seeds the incumbent: the plan returned under a tiny budget is never
     worse than the best constructed plan, and the statistics say how many were built."""

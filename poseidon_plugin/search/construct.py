@@ -16,8 +16,10 @@ For one configuration (schedule, V, b, d, N, TP options) the construction picks
 Each candidate is placed with the search's own placement (TP groups inside a node) and timed by
 the simulator through ``SearchContext.replay`` (the exact time the search would give it), so a
 constructed plan is always feasible and its time is a valid incumbent: the branch and bound that
-follows only returns plans at least as fast. The construction is a heuristic: it is not the
-optimum (interleaved type orders, per-stage TP mixes and uneven splits are left to the search).
+follows only returns plans at least as fast. With per-stage TP every type gets one option (the
+best few per-type choices by an estimate, not only the fastest option: a deep pipeline needs
+the slots of smaller TP degrees). The construction is a heuristic: it is not the optimum
+(interleaved type orders, TP mixes within a type and uneven splits are left to the search).
 """
 
 from __future__ import annotations
@@ -29,13 +31,19 @@ from .configs import OuterConfig
 from .instance import SearchContext
 
 
-def _type_slots(ctx: SearchContext, cfg: OuterConfig) -> list[tuple[float, int, int, int]]:
-    """Per usable type: (layer time f + b of its cheapest option, type, option, stage slots)."""
+def _type_slots(ctx: SearchContext, cfg: OuterConfig, choice: dict[int, int] | None = None
+                ) -> list[tuple[float, int, int, int]]:
+    """Per usable type: (layer time f + b of its option, type, option, stage slots); the
+    option is ``choice[type]`` where given, else the type's cheapest (f + b)."""
     costs = ctx.option_costs(cfg)
     lmax = ctx.lmax(cfg)
     best: dict[int, int] = {}
     for o, (k, _t) in enumerate(cfg.options):
         if int(lmax[o].max()) < cfg.virtual_stages:
+            continue
+        if choice is not None and k in choice:
+            if choice[k] == o:
+                best[k] = o
             continue
         if k not in best or costs.f[o] + costs.b[o] < costs.f[best[k]] + costs.b[best[k]]:
             best[k] = o
@@ -44,13 +52,53 @@ def _type_slots(ctx: SearchContext, cfg: OuterConfig) -> list[tuple[float, int, 
                   for k, o in best.items())
 
 
-def _stage_types(ctx: SearchContext, cfg: OuterConfig, swaps: int = 0
-                 ) -> list[tuple[int, int]] | None:
+TP_CHOICES = 2   # per-stage TP: the constructions tried, best estimated per-type TP choices first
+
+
+def _tp_choices(ctx: SearchContext, cfg: OuterConfig) -> list[dict[int, int] | None]:
+    """Per-stage TP: one option per type for every type, the TP_CHOICES combinations whose
+    N fastest stage slots reach the layer count at the smallest target time (each slot holds
+    min(its memory limit, T / (M (f + b))) layers; a bisection on T per combination). One TP
+    per type is still a construction's restriction (the search mixes them); the cheapest
+    (f + b) alone (the fastest option) gives few slots, too few for deep pipelines."""
+    per_type: dict[int, list[int]] = {}
+    for o, (k, _t) in enumerate(cfg.options):
+        per_type.setdefault(k, []).append(o)
+    if all(len(os_) == 1 for os_ in per_type.values()):
+        return [None]
+    costs, lmax = ctx.option_costs(cfg), ctx.lmax(cfg)
+    n, m, L = cfg.num_stages, cfg.num_microbatches, ctx.cm.model.num_layers
+    scored = []
+    for combo in itertools.product(*per_type.values()):
+        groups = sorted((m * (costs.f[o] + costs.b[o]), int(lmax[o].max()),
+                         ctx.cm.pools[cfg.options[o][0]].size // (cfg.dp * cfg.options[o][1]))
+                        for o in combo)
+        chosen, left = [], n
+        for load, cap, cnt in groups:
+            if cap >= cfg.virtual_stages and cnt > 0 and left > 0:
+                chosen.append((load, cap, min(cnt, left)))
+                left -= min(cnt, left)
+        if left > 0 or sum(cap * c for _, cap, c in chosen) < L:
+            continue
+        lo, hi = 0.0, max(load for load, _, _ in chosen) * L
+        for _ in range(40):
+            mid = 0.5 * (lo + hi)
+            if sum(c * min(cap, int(mid / load)) for load, cap, c in chosen) >= L:
+                hi = mid
+            else:
+                lo = mid
+        scored.append((hi, combo))
+    scored.sort()
+    return [{cfg.options[o][0]: o for o in combo} for _, combo in scored[:TP_CHOICES]]
+
+
+def _stage_types(ctx: SearchContext, cfg: OuterConfig, swaps: int = 0,
+                 choice: dict[int, int] | None = None) -> list[tuple[int, int]] | None:
     """(type, option) of the N stages: the N fastest stage slots over the usable types; then
     ``swaps`` times, a slot of the type with the least memory room (layers it can hold) is
     traded for a free slot of the type with the most (memory, not speed, is what a large model
     runs out of first)."""
-    types = _type_slots(ctx, cfg)
+    types = _type_slots(ctx, cfg, choice)
     n = cfg.num_stages
     if sum(c for *_, c in types) < n:
         return None
@@ -102,12 +150,13 @@ def _fill_layers(caps_at, n: int, total: int, v: int, loads: list[float]) -> lis
     return layers
 
 
-def _most_layers(ctx: SearchContext, cfg: OuterConfig) -> int:
+def _most_layers(ctx: SearchContext, cfg: OuterConfig, choice: dict[int, int] | None = None
+                 ) -> int:
     """Most layers any N usable stage slots can hold under memory (each slot at its type's
     largest limit over the positions): below the layer count, no swap can help."""
     lmax = ctx.lmax(cfg)
     rooms = []
-    for _, k, o, c in _type_slots(ctx, cfg):
+    for _, k, o, c in _type_slots(ctx, cfg, choice):
         rooms += [int(lmax[o].max())] * c
     rooms.sort(reverse=True)
     return sum(rooms[:cfg.num_stages]) if len(rooms) >= cfg.num_stages else -1
@@ -150,10 +199,19 @@ def _construct_with(ctx: SearchContext, cfg: OuterConfig, stages):
 
 def construct_plan(ctx: SearchContext, cfg: OuterConfig):
     """(time ms, stage options, layers) of the best constructed plan of ``cfg``, or None when
-    the construction finds no feasible one. The fastest slots first; when they cannot hold the
-    model, the fewest memory swaps that can (1, 2, 4, ... then bisection), and twice that."""
-    first = _stage_types(ctx, cfg)
-    if first is None or _most_layers(ctx, cfg) < ctx.cm.model.num_layers:
+    the construction finds no feasible one: per type one option (its fastest, or with
+    per-stage TP the best estimated per-type TP choices, ``_tp_choices``), then
+    ``_construct_choice``."""
+    got = [c for c in (_construct_choice(ctx, cfg, ch) for ch in _tp_choices(ctx, cfg))
+           if c is not None]
+    return min(got) if got else None
+
+
+def _construct_choice(ctx: SearchContext, cfg: OuterConfig, choice: dict[int, int] | None):
+    """The fastest slots first; when they cannot hold the model, the fewest memory swaps that
+    can (1, 2, 4, ... then bisection), and twice that; then ``polish``."""
+    first = _stage_types(ctx, cfg, choice=choice)
+    if first is None or _most_layers(ctx, cfg, choice) < ctx.cm.model.num_layers:
         return None
     got = _construct_with(ctx, cfg, first)
     if got is not None:
@@ -162,7 +220,7 @@ def construct_plan(ctx: SearchContext, cfg: OuterConfig):
 
     def attempt(s: int):
         if s not in tried:
-            st = _stage_types(ctx, cfg, s)
+            st = _stage_types(ctx, cfg, s, choice)
             tried[s] = None if st is None else _construct_with(ctx, cfg, st)
         return tried[s]
 
