@@ -55,6 +55,13 @@ def _positive_finite_float(text: str) -> float:
     return value
 
 
+def _timeout_seconds(text: str) -> float:
+    """argparse type of ``poseidon profile --timeout`` (the launch's --poseidon-timeout rule)."""
+    from .megatron.options import timeout_seconds
+
+    return timeout_seconds("--timeout", text)
+
+
 def _check_writable(flag: str, path: str) -> None:
     """PoseidonError unless ``path`` can be written: checked before the search, so a typo in an
     output path costs nothing. An existing file is left untouched."""
@@ -174,9 +181,11 @@ def _add_profile_parser(sub) -> None:
     pr = sub.add_parser(
         "profile", help="measure the model's layer on this machine's device into a profile DB",
         description="Time the model's decoder layer (megatron-core, built from the model spec "
-        "and the training setup) on this machine's device for each micro-batch size and merge "
-        "the measured records into -o DB (one device type per run; TP 1 only: one process "
-        "measures no TP group, TP > 1 comes from a --poseidon-auto launch or is calibrated). "
+        "and the training setup) on this machine's devices for each TP degree and micro-batch "
+        "size and merge the measured records into -o DB (one device type per run). One "
+        "process measures TP 1; for TP > 1 run it under torchrun, one process per device: "
+        "torchrun --nproc-per-node 4 -m poseidon_plugin profile ... --tp 1 2 4 (real TP "
+        "groups; rank 0 writes the DB). "
         "Or merge DBs from several machines: --merge a.json b.json -o db.json.")
     pr.add_argument("-o", "--out", required=True, metavar="DB",
                     help="profile DB to write (records merged into it when it exists)")
@@ -187,10 +196,15 @@ def _add_profile_parser(sub) -> None:
     pr.add_argument("--device-type", metavar="NAME",
                     help="this device's type name, as the cluster file calls it")
     pr.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1])
-    pr.add_argument("--tp", type=int, nargs="+", default=[1], help="TP degrees: 1 only")
+    pr.add_argument("--tp", type=int, nargs="+", default=[1], metavar="T",
+                    help="TP degrees (default 1); each must divide the processes per node "
+                    "(torchrun --nproc-per-node) and the model's attention heads")
     pr.add_argument("--device", choices=["auto", "cpu", "cuda", "npu"], default="auto",
                     help="auto: CUDA, then NPU, else CPU (megatron-core under CPU shims)")
     pr.add_argument("--iters", type=int, default=5, help="timed repetitions per config")
+    pr.add_argument("--timeout", type=_timeout_seconds, default=300.0, metavar="S",
+                    help="under torchrun: seconds a rank waits for the others at each step "
+                    "before it names the ones missing and stops (default %(default)g)")
     _add_setup_flags(pr, attention_default=None)
 
 
@@ -378,6 +392,10 @@ def _cmd_profile(ns) -> int:
     from .model import get_model
 
     model = get_model(ns.model)
+    procs = offline.Processes.from_environ()
+    offline.check_tps(ns.tp, procs, model)   # before torch is imported
+    if procs.rank == 0:
+        _check_writable("-o", ns.out)
     attention = ns.attention or ("unfused" if ns.device == "cpu" else None)
     if attention is None:   # auto device: decided by what torch sees
         attention = "flash" if offline._pick_device("auto") != "cpu" else "unfused"
@@ -386,8 +404,10 @@ def _cmd_profile(ns) -> int:
                                  device_type=ns.device_type,
                                  micro_batch_sizes=tuple(ns.micro_batch_sizes),
                                  tps=tuple(ns.tp), setup=setup, device=ns.device,
-                                 iters=ns.iters)
-    records = offline.profile_layers(req)
+                                 iters=ns.iters, timeout_s=ns.timeout)
+    records = offline.profile_layers(req, procs)
+    if records is None:   # a torchrun rank other than 0: rank 0 writes
+        return 0
     stored, total = offline.write_profiles(records, ns.out)
     for r in records:
         sys.stdout.write(f"{r.key.describe()}: forward {r.forward_ms:.3f} ms, backward "
