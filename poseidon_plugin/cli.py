@@ -425,6 +425,26 @@ def _cmd_validate(ns) -> int:
     return int(fidelity_main(ns.args) or 0)
 
 
+REPORT_GRACE_S = 10.0   # a failing torchrun rank > 0 of `poseidon profile` waits this long
+
+
+def _leave_the_report_to_rank0(argv: list[str]) -> None:
+    """``poseidon profile`` under torchrun: a rank > 0 that fails waits before it reports, so
+    the error is one line: an argument error every rank finds alike, or a rank's failure, which
+    rank 0 names (posted to the store), is reported by rank 0, and torchrun stops the other
+    ranks when it exits. A rank still running after ``REPORT_GRACE_S`` reports it itself."""
+    if "profile" not in argv:
+        return
+    from .megatron.offline import Processes
+
+    try:
+        procs = Processes.from_environ()
+    except PoseidonError:
+        return
+    if procs.rank > 0:
+        time.sleep(REPORT_GRACE_S)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -448,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_validate(ns)
         raise PoseidonError("expected a command: plan, profile or validate (see poseidon --help)")
     except PoseidonError as exc:
+        _leave_the_report_to_rank0(argv)
         msg = " ".join(str(exc).split())
         sys.stderr.write(f"poseidon: error: {msg}\n")
         return 2
