@@ -376,7 +376,10 @@ def _draw_plan_gantt(plan, path: str) -> None:
 def _cmd_profile(ns) -> int:
     from .megatron import offline
 
+    procs = offline.Processes.from_environ()   # torchrun's ranks, or one process
     if ns.merge:
+        if procs.rank != 0:   # under torchrun rank 0 merges
+            return 0
         total = offline.merge_files(ns.merge, ns.out)
         sys.stderr.write(f"poseidon: merged {len(ns.merge)} DB(s) into {ns.out} "
                          f"({total} records)\n")
@@ -385,14 +388,13 @@ def _cmd_profile(ns) -> int:
                               ("--device-type", ns.device_type)) if v is None]
     if missing:
         raise PoseidonError(f"poseidon profile needs {', '.join(missing)} (or --merge DB...)")
-    for name, values in (("--micro-batch-sizes", ns.micro_batch_sizes), ("--tp", ns.tp),
+    for name, values in (("--micro-batch-sizes", ns.micro_batch_sizes),
                          ("--seq-length", [ns.seq_length]), ("--iters", [ns.iters])):
         if any(v < 1 for v in values):
             raise PoseidonError(f"{name}: expected integers >= 1, got {values}")
     from .model import get_model
 
     model = get_model(ns.model)
-    procs = offline.Processes.from_environ()
     offline.check_tps(ns.tp, procs, model)   # before torch is imported
     if procs.rank == 0:
         _check_writable("-o", ns.out)
