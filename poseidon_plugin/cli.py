@@ -375,8 +375,9 @@ def _draw_plan_gantt(plan, path: str) -> None:
 
 def _cmd_profile(ns) -> int:
     from .megatron import offline
+    from .megatron.profile_tps import Processes, check_tps
 
-    procs = offline.Processes.from_environ()   # torchrun's ranks, or one process
+    procs = Processes.from_environ()   # torchrun's ranks, or one process
     if ns.merge:
         if procs.rank != 0:   # under torchrun rank 0 merges
             return 0
@@ -395,7 +396,7 @@ def _cmd_profile(ns) -> int:
     from .model import get_model
 
     model = get_model(ns.model)
-    offline.check_tps(ns.tp, procs, model)   # before torch is imported
+    check_tps(ns.tp, procs, model)   # before torch is imported
     if procs.rank == 0:
         _check_writable("-o", ns.out)
     attention = ns.attention or ("unfused" if ns.device == "cpu" else None)
@@ -437,7 +438,7 @@ def _leave_the_report_to_rank0(argv: list[str]) -> None:
     ranks when it exits. A rank still running after ``REPORT_GRACE_S`` reports it itself."""
     if "profile" not in argv:
         return
-    from .megatron.offline import Processes
+    from .megatron.profile_tps import Processes
 
     try:
         procs = Processes.from_environ()

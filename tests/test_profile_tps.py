@@ -1,5 +1,5 @@
-"""``poseidon profile --tp``: which TP degrees a run can measure (``offline.check_tps``), checked
-before torch is imported, every refusal one line naming the fix (no torch needed)."""
+"""``poseidon profile --tp``: which TP degrees a run can measure (``profile_tps.check_tps``),
+checked before torch is imported, every refusal one line naming the fix (no torch needed)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from poseidon_plugin import cli
 from poseidon_plugin.errors import PoseidonError
-from poseidon_plugin.megatron.offline import Processes, check_tps
+from poseidon_plugin.megatron.profile_tps import Processes, check_tps
 from poseidon_plugin.model import get_model
 
 ONE = Processes()

@@ -12,7 +12,7 @@ into a profile DB (merged into the file when it exists), which ``poseidon plan -
 * TP: one process measures TP 1. Under torchrun (``WORLD_SIZE`` > 1) every TP degree ``t`` runs
   on real TP groups of ``t`` consecutive ranks inside a node, as the launch profiles them
   (:func:`.group_profile.profile_and_gather`): the degrees must divide the processes per node
-  (:func:`check_tps`). Rank 0 aggregates (median over the ranks) and writes the DB.
+  (:func:`.profile_tps.check_tps`). Rank 0 aggregates (median over the ranks) and writes the DB.
 * Process group: one process: a one-rank group on a temporary file store. Under torchrun: the
   launch's bootstrap (rendezvous store, deadline barriers: a rank that fails or never answers
   is named within ``--timeout`` seconds), then the default group on gloo (CPU), NCCL (GPU) or
@@ -23,15 +23,15 @@ into a profile DB (merged into the file when it exists), which ``poseidon plan -
 from __future__ import annotations
 
 import logging
-import math
 import os
 import tempfile
 import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 from ..errors import PoseidonError
 from ..training import TrainingSetup, megatron_flags
+from .profile_tps import Processes, check_tps
 
 log = logging.getLogger("poseidon")
 
@@ -50,75 +50,6 @@ class ProfileRequest:
     iters: int = 5
     seed: int = 1234
     timeout_s: float = 300.0         # every barrier / collective under torchrun
-
-
-@dataclass(frozen=True)
-class Processes:
-    """This run's processes, from torchrun's environment (one process without it)."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    local_world_size: int = 1
-
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "Processes":
-        env = os.environ if environ is None else environ
-        try:
-            world = int(env.get("WORLD_SIZE", "1") or 1)
-            if world <= 1:
-                return cls()
-            return cls(int(env.get("RANK", "0")), world, int(env.get("LOCAL_RANK", "0")),
-                       int(env.get("LOCAL_WORLD_SIZE", str(world))))
-        except ValueError as e:
-            raise PoseidonError(f"malformed torchrun environment: {e}") from None
-
-
-def check_tps(tps: Sequence[int], procs: Processes, model: Any = None) -> tuple[int, ...]:
-    """The TP degrees to profile (sorted, once each), or a one-line PoseidonError naming the fix.
-
-    Each degree ``t`` needs ``t`` processes of one node (a TP group never spans nodes) and must
-    divide the processes per node (the node's ranks form ``local / t`` groups side by side) and,
-    when ``model`` is given, its attention heads and query groups (Megatron shards them)."""
-    bad = sorted({t for t in tps if t < 1})
-    if bad or not tps:
-        raise PoseidonError(f"--tp: expected integers >= 1, got {list(tps)}")
-    out = tuple(sorted(set(tps)))
-    local = procs.local_world_size
-    big = [t for t in out if t > local]
-    if big:
-        have = ("this run is one process" if procs.world_size == 1 else
-                f"this run has {local} process(es) per node")
-        raise PoseidonError(f"--tp {_words(big)}: TP {big[-1]} needs {big[-1]} processes on one "
-                            f"node (one per TP rank) and {have}: run it with torchrun "
-                            f"--nproc-per-node >= {big[-1]}, a multiple of every TP degree "
-                            f"(e.g. torchrun --nproc-per-node {_lcm(out)} -m poseidon_plugin "
-                            f"profile ...)")
-    odd = [t for t in out if local % t]
-    if odd:
-        raise PoseidonError(f"--tp {_words(odd)}: TP {odd[0]} does not divide the {local} "
-                            f"processes per node (each node's ranks form equal TP groups): run "
-                            f"with --nproc-per-node {_lcm(out)} or drop TP {_words(odd)}")
-    if model is not None:
-        for what, count in (("attention heads", model.num_attention_heads),
-                            ("query groups", model.num_query_groups)):
-            odd = [t for t in out if count % t]
-            if odd:
-                raise PoseidonError(f"--tp {_words(odd)}: TP {odd[0]} does not divide the "
-                                    f"model's {count} {what} (Megatron splits them over the TP "
-                                    f"ranks)")
-    return out
-
-
-def _words(values: Sequence[int]) -> str:
-    return " ".join(str(v) for v in values)
-
-
-def _lcm(values: Sequence[int]) -> int:
-    out = 1
-    for v in values:
-        out = out * v // math.gcd(out, v)
-    return out
 
 
 def model_flags(model, seq_length: int, micro_batch_size: int) -> list[str]:
@@ -317,5 +248,5 @@ def merge_files(inputs: Sequence[str], out: str) -> int:
     return len(db)
 
 
-__all__ = ["ProfileRequest", "Processes", "check_tps", "profile_layers", "write_profiles",
+__all__ = ["ProfileRequest", "profile_layers", "write_profiles",
            "merge_files", "model_flags"]
