@@ -55,6 +55,13 @@ def _positive_finite_float(text: str) -> float:
     return value
 
 
+def _timeout_seconds(text: str) -> float:
+    """argparse type of ``poseidon profile --timeout`` (the launch's --poseidon-timeout rule)."""
+    from .megatron.options import timeout_seconds
+
+    return timeout_seconds("--timeout", text)
+
+
 def _check_writable(flag: str, path: str) -> None:
     """PoseidonError unless ``path`` can be written: checked before the search, so a typo in an
     output path costs nothing. An existing file is left untouched."""
@@ -174,9 +181,11 @@ def _add_profile_parser(sub) -> None:
     pr = sub.add_parser(
         "profile", help="measure the model's layer on this machine's device into a profile DB",
         description="Time the model's decoder layer (megatron-core, built from the model spec "
-        "and the training setup) on this machine's device for each micro-batch size and merge "
-        "the measured records into -o DB (one device type per run; TP 1 only: one process "
-        "measures no TP group, TP > 1 comes from a --poseidon-auto launch or is calibrated). "
+        "and the training setup) on this machine's devices for each TP degree and micro-batch "
+        "size and merge the measured records into -o DB (one device type per run). One "
+        "process measures TP 1; for TP > 1 run it under torchrun, one process per device: "
+        "torchrun --nproc-per-node 4 -m poseidon_plugin profile ... --tp 1 2 4 (real TP "
+        "groups; rank 0 writes the DB). "
         "Or merge DBs from several machines: --merge a.json b.json -o db.json.")
     pr.add_argument("-o", "--out", required=True, metavar="DB",
                     help="profile DB to write (records merged into it when it exists)")
@@ -187,10 +196,15 @@ def _add_profile_parser(sub) -> None:
     pr.add_argument("--device-type", metavar="NAME",
                     help="this device's type name, as the cluster file calls it")
     pr.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1])
-    pr.add_argument("--tp", type=int, nargs="+", default=[1], help="TP degrees: 1 only")
+    pr.add_argument("--tp", type=int, nargs="+", default=[1], metavar="T",
+                    help="TP degrees (default 1); each must divide the processes per node "
+                    "(torchrun --nproc-per-node) and the model's attention heads")
     pr.add_argument("--device", choices=["auto", "cpu", "cuda", "npu"], default="auto",
                     help="auto: CUDA, then NPU, else CPU (megatron-core under CPU shims)")
     pr.add_argument("--iters", type=int, default=5, help="timed repetitions per config")
+    pr.add_argument("--timeout", type=_timeout_seconds, default=300.0, metavar="S",
+                    help="under torchrun: seconds a rank waits for the others at each step "
+                    "before it names the ones missing and stops (default %(default)g)")
     _add_setup_flags(pr, attention_default=None)
 
 
@@ -361,8 +375,12 @@ def _draw_plan_gantt(plan, path: str) -> None:
 
 def _cmd_profile(ns) -> int:
     from .megatron import offline
+    from .megatron.profile_tps import Processes, check_tps
 
+    procs = Processes.from_environ()   # torchrun's ranks, or one process
     if ns.merge:
+        if procs.rank != 0:   # under torchrun rank 0 merges
+            return 0
         total = offline.merge_files(ns.merge, ns.out)
         sys.stderr.write(f"poseidon: merged {len(ns.merge)} DB(s) into {ns.out} "
                          f"({total} records)\n")
@@ -371,13 +389,16 @@ def _cmd_profile(ns) -> int:
                               ("--device-type", ns.device_type)) if v is None]
     if missing:
         raise PoseidonError(f"poseidon profile needs {', '.join(missing)} (or --merge DB...)")
-    for name, values in (("--micro-batch-sizes", ns.micro_batch_sizes), ("--tp", ns.tp),
+    for name, values in (("--micro-batch-sizes", ns.micro_batch_sizes),
                          ("--seq-length", [ns.seq_length]), ("--iters", [ns.iters])):
         if any(v < 1 for v in values):
             raise PoseidonError(f"{name}: expected integers >= 1, got {values}")
     from .model import get_model
 
     model = get_model(ns.model)
+    check_tps(ns.tp, procs, model)   # before torch is imported
+    if procs.rank == 0:
+        _check_writable("-o", ns.out)
     attention = ns.attention or ("unfused" if ns.device == "cpu" else None)
     if attention is None:   # auto device: decided by what torch sees
         attention = "flash" if offline._pick_device("auto") != "cpu" else "unfused"
@@ -386,8 +407,10 @@ def _cmd_profile(ns) -> int:
                                  device_type=ns.device_type,
                                  micro_batch_sizes=tuple(ns.micro_batch_sizes),
                                  tps=tuple(ns.tp), setup=setup, device=ns.device,
-                                 iters=ns.iters)
-    records = offline.profile_layers(req)
+                                 iters=ns.iters, timeout_s=ns.timeout)
+    records = offline.profile_layers(req, procs)
+    if records is None:   # a torchrun rank other than 0: rank 0 writes
+        return 0
     stored, total = offline.write_profiles(records, ns.out)
     for r in records:
         sys.stdout.write(f"{r.key.describe()}: forward {r.forward_ms:.3f} ms, backward "
@@ -403,6 +426,26 @@ def _cmd_validate(ns) -> int:
     from .fidelity import main as fidelity_main
 
     return int(fidelity_main(ns.args) or 0)
+
+
+REPORT_GRACE_S = 10.0   # a failing torchrun rank > 0 of `poseidon profile` waits this long
+
+
+def _leave_the_report_to_rank0(argv: list[str]) -> None:
+    """``poseidon profile`` under torchrun: a rank > 0 that fails waits before it reports, so
+    the error is one line: an argument error every rank finds alike, or a rank's failure, which
+    rank 0 names (posted to the store), is reported by rank 0, and torchrun stops the other
+    ranks when it exits. A rank still running after ``REPORT_GRACE_S`` reports it itself."""
+    if "profile" not in argv:
+        return
+    from .megatron.profile_tps import Processes
+
+    try:
+        procs = Processes.from_environ()
+    except PoseidonError:
+        return
+    if procs.rank > 0:
+        time.sleep(REPORT_GRACE_S)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -428,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_validate(ns)
         raise PoseidonError("expected a command: plan, profile or validate (see poseidon --help)")
     except PoseidonError as exc:
+        _leave_the_report_to_rank0(argv)
         msg = " ".join(str(exc).split())
         sys.stderr.write(f"poseidon: error: {msg}\n")
         return 2

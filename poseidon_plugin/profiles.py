@@ -330,14 +330,15 @@ class ProfileDB:
             raise ProfileDBError(f"{source}: expected a JSON object with 'version' and 'records'")
         version = payload.get("version")
         if version != cls.VERSION:
-            raise ProfileDBError(f"{source}: profile DB version {version!r} is not supported "
-                                 f"(expected {cls.VERSION}); re-profile or convert the file")
+            raise ProfileDBError(f"{source}: profile DB version {short_repr(version)} is not "
+                                 f"supported (expected {cls.VERSION}); re-profile or convert "
+                                 "the file")
         extra = set(payload) - {"version", "records"}
         if extra:
             raise ProfileDBError(f"{source}: unknown top-level field(s) {sorted(extra)}")
         records = payload.get("records")
         if not isinstance(records, list):
-            raise ProfileDBError(f"{source}: records: expected a list, got {records!r}")
+            raise ProfileDBError(f"{source}: records: expected a list, got {short_repr(records)}")
         db = cls()
         for i, record in enumerate(records):
             db.put(profile_from_record(record, f"{source}: records[{i}]"))

@@ -39,12 +39,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(nproc: int, args: list[str], env: dict[str, str], timeout: float = 240):
+def torchrun(nproc: int, args: list[str], env: dict[str, str], timeout: float = 240,
+             module: list[str] | None = None, cwd: str = ROOT):
+    """``torchrun`` of ``module`` (default: the launch of examples/pretrain_gpt.py) on ``nproc``
+    local CPU processes: (process, stdout + stderr, seconds)."""
+    module = module or ["poseidon_plugin.launch", SCRIPT]
     cmd = [TORCHRUN, "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "poseidon_plugin.launch", SCRIPT, *args]
+           "--master-port", str(free_port()), "-m", *module, *args]
     full_env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **env}
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
     return proc, proc.stdout + proc.stderr, time.monotonic() - t0
 
 

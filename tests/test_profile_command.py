@@ -74,7 +74,7 @@ def test_profile_on_cpu_then_plan_uses_the_measured_records(tmp_path):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--tp", "2"], "measures TP 1 only"),
+    (["--tp", "2"], "this run is one process: run it with torchrun --nproc-per-node >= 2"),
     (["--attention", "flash"], "pass --attention unfused"),
 ])
 def test_profile_refusals(tmp_path, extra, message):

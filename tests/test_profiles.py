@@ -298,6 +298,10 @@ _DEL = object()
     (json.dumps({"version": 2, "records": []}), "version 2 is not supported (expected 1)"),
     (json.dumps({"records": []}), "version None is not supported"),
     (json.dumps({"version": 1, "records": {}}), "records: expected a list"),
+    # a wrapped record list / version: the value is cut, the line stays short (fuzz finding)
+    (json.dumps({"version": 1, "records": {"x": [{"field": "v" * 50}] * 40}}),
+     "records: expected a list, got {'x': [{"),
+    (json.dumps({"version": ["v" * 50] * 40, "records": []}), "profile DB version ['vvv"),
     (json.dumps({"version": 1, "records": [], "extra": 1}), "unknown top-level field"),
     (json.dumps({"version": 1, "records": [3]}), "records[0]: expected an object"),
     (json.dumps(bad_record(tp=0)), "records[1].tp: expected an integer >= 1"),
@@ -319,7 +323,7 @@ def test_corrupt_files(tmp_path, text, phrase):
     message = str(info.value)
     assert message.startswith(str(path))
     assert phrase in message
-    assert "\n" not in message
+    assert "\n" not in message and len(message) < len(str(path)) + 300
     assert isinstance(info.value, PoseidonError)
 
 

@@ -37,12 +37,13 @@ class LaunchEnv:
     use_agent_store: bool
 
     @classmethod
-    def from_environ(cls, environ: dict[str, str] | None = None) -> "LaunchEnv":
+    def from_environ(cls, environ: dict[str, str] | None = None,
+                     needed_by: str = "--poseidon-auto") -> "LaunchEnv":
         env = dict(os.environ if environ is None else environ)
         missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
         if missing:
             raise PoseidonError(
-                "--poseidon-auto needs a distributed launch (torchrun, or the variables RANK, "
+                f"{needed_by} needs a distributed launch (torchrun, or the variables RANK, "
                 f"WORLD_SIZE, MASTER_ADDR, MASTER_PORT); missing: {', '.join(missing)}")
         try:
             rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
@@ -257,7 +258,7 @@ def setup_device(local_rank: int, *, emulated_name: str | None = None,
         torch.cuda.set_device(local_rank)
         props = torch.cuda.get_device_properties(local_rank)
         return LocalDevice("cuda", local_rank, props.name, int(props.total_memory))
-    npu = _npu()
+    npu = npu_module()
     if npu is not None:
         npu.set_device(local_rank)
         props = npu.get_device_properties(local_rank)
@@ -271,7 +272,7 @@ def setup_device(local_rank: int, *, emulated_name: str | None = None,
     return LocalDevice("cpu", local_rank, "cpu", mem)
 
 
-def _npu():
+def npu_module():
     """torch.npu if torch_npu is installed and usable; never imported unless torch lacks CUDA."""
     import importlib.util
 
@@ -290,10 +291,29 @@ def hostname() -> str:
     return socket.gethostname()
 
 
+def maybe_inject_fault(phase: str, rank: int) -> None:
+    """Test hook: POSEIDON_FAULT_INJECT='phase:rank:hang|raise|exit' makes one rank misbehave."""
+    spec = os.environ.get("POSEIDON_FAULT_INJECT")
+    if not spec:
+        return
+    f_phase, f_rank, mode = (spec.split(":") + ["", "", ""])[:3]
+    if f_phase != phase or str(rank) != f_rank:
+        return
+    log.warning("fault injection: %s in %s", mode, phase)
+    if mode == "hang":
+        while True:
+            time.sleep(3600)
+    if mode == "exit":
+        os._exit(17)
+    raise RuntimeError(f"injected fault in {phase}")
+
+
 def run_guarded(boot: Bootstrap, phase: str, fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` in ``phase``; on error post it to the store (others name this rank) and re-raise."""
+    """Run ``fn`` in ``phase``; on error post it to the store (others name this rank) and re-raise.
+    (``POSEIDON_FAULT_INJECT`` can make this rank misbehave here.)"""
     boot.phase(phase)
     try:
+        maybe_inject_fault(phase, boot.env.rank)
         return fn()
     except BaseException as e:  # noqa: BLE001 - includes KeyboardInterrupt / SystemExit
         if not isinstance(e, DistributedError):

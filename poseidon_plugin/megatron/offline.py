@@ -2,17 +2,22 @@
 
 One device type per run: the model's decoder layer, built by megatron-core from Megatron flags
 made from the model spec and the training setup, is timed (:func:`.profiler.profile_rank`) on
-this machine's device for each micro-batch size, and written as measured records into a
-profile DB (merged into the file when it exists), which ``poseidon plan --profiles`` reads.
+this machine's devices for each TP degree and micro-batch size, and written as measured records
+into a profile DB (merged into the file when it exists), which ``poseidon plan --profiles`` reads.
 
 * Device: ``auto`` takes CUDA, then an Ascend NPU, else the CPU. On the CPU megatron-core runs
   under the emulation's CUDA shims (``emulation.install_cpu_shims``) with the local
   (unfused-attention) layer spec, so ``--attention unfused`` is required there; on GPU / NPU
   ``flash`` uses Transformer Engine's layer spec, ``unfused`` Megatron's local one.
-* TP: one process measures TP 1 only. TP > 1 records come from a ``--poseidon-auto`` launch
-  (its profiler runs real TP groups) or are estimated (calibrated) by ``poseidon plan``.
-* Process group: a one-rank group (gloo on CPU, NCCL / HCCL otherwise) on a temporary file
-  store, destroyed afterwards.
+* TP: one process measures TP 1. Under torchrun (``WORLD_SIZE`` > 1) every TP degree ``t`` runs
+  on real TP groups of ``t`` consecutive ranks inside a node, as the launch profiles them
+  (:func:`.group_profile.profile_and_gather`): the degrees must divide the processes per node
+  (:func:`.profile_tps.check_tps`). Rank 0 aggregates (median over the ranks) and writes the DB.
+* Process group: one process: a one-rank group on a temporary file store. Under torchrun: the
+  launch's bootstrap (rendezvous store, deadline barriers: a rank that fails or never answers
+  is named within ``--timeout`` seconds), then the default group on gloo (CPU), NCCL (GPU) or
+  HCCL (NPU), which megatron-core splits into TP groups; destroyed afterwards. On the CPU the
+  ranks of a host get an equal share of its cores and measure TP 1 groups in turns.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any, Sequence
 
 from ..errors import PoseidonError
 from ..training import TrainingSetup, megatron_flags
+from .profile_tps import Processes, check_tps
 
 log = logging.getLogger("poseidon")
 
@@ -43,6 +49,7 @@ class ProfileRequest:
     device: str = "auto"             # auto | cpu | cuda | npu
     iters: int = 5
     seed: int = 1234
+    timeout_s: float = 300.0         # every barrier / collective under torchrun
 
 
 def model_flags(model, seq_length: int, micro_batch_size: int) -> list[str]:
@@ -82,17 +89,20 @@ def _pick_device(requested: str) -> str:
     if requested in ("cpu", "cuda", "npu"):
         if requested == "cuda" and not torch.cuda.is_available():
             raise PoseidonError("--device cuda: no CUDA device is visible to torch")
+        if requested == "npu" and not _npu_available():
+            raise PoseidonError("--device npu: no Ascend NPU is visible to torch (torch_npu "
+                                "missing or no device)")
         return requested
     if torch.cuda.is_available():
         return "cuda"
-    try:
-        import torch_npu  # type: ignore  # noqa: F401
+    return "npu" if _npu_available() else "cpu"
 
-        if torch.npu.is_available():  # type: ignore[attr-defined]
-            return "npu"
-    except ImportError:
-        pass
-    return "cpu"
+
+def _npu_available() -> bool:
+    """torch_npu imported (lazily: only where torch has no CUDA) and an NPU visible."""
+    from .bootstrap import npu_module
+
+    return npu_module() is not None
 
 
 def backend_flags(kind: str, setup: TrainingSetup) -> list[str]:
@@ -118,60 +128,102 @@ def backend_flags(kind: str, setup: TrainingSetup) -> list[str]:
     return ["--transformer-impl", "local", "--attention-backend", "unfused"]
 
 
-def _init_group(kind: str, store_dir: str) -> None:
+_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+def _init_alone(kind: str, store_dir: str) -> None:
+    """One process: a one-rank default group on a file store."""
     import torch.distributed as dist
 
-    backend = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[kind]
-    dist.init_process_group(backend, init_method=f"file://{os.path.join(store_dir, 'store')}",
+    dist.init_process_group(_BACKENDS[kind],
+                            init_method=f"file://{os.path.join(store_dir, 'store')}",
                             rank=0, world_size=1)
 
 
-def profile_layers(req: ProfileRequest) -> list:
-    """Measured ``LayerProfile`` records of ``req`` (TP 1, each micro-batch size)."""
-    if any(t != 1 for t in req.tps):
-        raise PoseidonError("poseidon profile measures TP 1 only (one process); TP > 1 records "
-                            "come from a --poseidon-auto launch or are calibrated by poseidon "
-                            "plan")
+def _setup_device(kind: str, req: ProfileRequest, procs: Processes) -> tuple[Any, str]:
+    """(torch device, its name) of this process's local device (the CPU shims on the CPU)."""
     import torch
+
+    from . import emulation
+
+    local = procs.local_rank
+    if kind == "cpu":
+        emulation.install_cpu_shims(local_rank=local, device_count=procs.local_world_size,
+                                    device_name=req.device_type, memory_bytes=16 << 30)
+        if procs.world_size > 1:   # the host's ranks share its cores, as a CPU launch trains
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // procs.local_world_size))
+        return torch.device("cpu"), f"cpu ({req.device_type})"
+    if kind == "cuda":
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local), torch.cuda.get_device_properties(local).name
+    torch.npu.set_device(local)  # type: ignore[attr-defined]
+    return torch.device("npu", local), torch.npu.get_device_name(local)  # type: ignore
+
+
+def profile_layers(req: ProfileRequest, procs: Processes | None = None) -> list | None:
+    """Measured ``LayerProfile`` records of ``req`` (each TP degree and micro-batch size), on
+    rank 0; None on the other ranks of a torchrun launch."""
+    procs = procs or Processes.from_environ()
+    tps = check_tps(req.tps, procs, req.model)
     import torch.distributed as dist
 
-    from . import emulation, profile_gather, profiler
+    from . import profile_gather, profiler
     from .compat import patch_dataset_helpers
 
     kind = _pick_device(req.device)
     flags = backend_flags(kind, req.setup)
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    if kind == "cpu":
-        emulation.install_cpu_shims(local_rank=0, device_count=1, device_name=req.device_type,
-                                    memory_bytes=16 << 30)
-        device = torch.device("cpu")
-        name = f"cpu ({req.device_type})"
-    elif kind == "cuda":
-        torch.cuda.set_device(0)
-        device = torch.device("cuda", 0)
-        name = torch.cuda.get_device_properties(0).name
-    else:
-        torch.npu.set_device(0)  # type: ignore[attr-defined]
-        device = torch.device("npu", 0)
-        name = torch.npu.get_device_name(0)  # type: ignore[attr-defined]
+    device, name = _setup_device(kind, req, procs)
     patch_dataset_helpers()
     argv = (model_flags(req.model, req.seq_length, req.micro_batch_sizes[0])
             + megatron_flags(req.setup) + flags + ["--seed", str(req.seed)])
     args = profiler.parse_megatron_args("poseidon-profile", argv)
-    with tempfile.TemporaryDirectory(prefix="poseidon-profile-") as tmp, \
-            warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # megatron-core's "Apex / TE not installed" notes
-        _init_group(kind, tmp)
-        try:
-            timings = profiler.profile_rank(args, [1], req.micro_batch_sizes, world_size=1,
-                                            rank=0, device=device, iters=req.iters,
-                                            seed=req.seed)
-        finally:
-            dist.destroy_process_group()
-    aggs, _ = profiler.aggregate({0: timings}, {0: req.device_type})
+        if procs.world_size == 1:
+            with tempfile.TemporaryDirectory(prefix="poseidon-profile-") as tmp:
+                _init_alone(kind, tmp)
+                try:
+                    gathered = [profiler.profile_rank(
+                        args, tps, req.micro_batch_sizes, world_size=1, rank=0, device=device,
+                        iters=req.iters, seed=req.seed)]
+                finally:
+                    dist.destroy_process_group()
+        else:
+            gathered = _profile_group(req, tps, args, kind, device, procs)
+    if procs.rank != 0:
+        return None
+    aggs, stragglers = profiler.aggregate(dict(enumerate(gathered)),
+                                          {r: req.device_type for r in range(len(gathered))})
+    for line in stragglers:
+        log.warning("straggler: %s", line)
     return profile_gather.measured_records(aggs, req.seq_length, req.model.signature(),
                                            req.setup,
                                            profile_gather.measurement_env(name, kind))
+
+
+def _profile_group(req: ProfileRequest, tps: Sequence[int], args: Any, kind: str, device: Any,
+                   procs: Processes) -> list:
+    """Every rank's timings (the launch's bootstrap and TP-group profiling, see the module
+    docstring), gathered on every rank."""
+    import torch.distributed as dist
+
+    from . import bootstrap, group_profile, profiler
+
+    env = bootstrap.LaunchEnv.from_environ(needed_by="poseidon profile on several processes")
+    boot = bootstrap.Bootstrap(env, req.timeout_s).start()
+    try:
+        if _BACKENDS[kind] != "gloo":   # TP all-reduces on NCCL / HCCL, as training runs them
+            bootstrap.run_guarded(boot, "process-group", lambda: boot.init_main(
+                env.rank, env.world_size, _BACKENDS[kind], req.timeout_s / 60.0))
+        turns = profiler.Turns(procs.local_rank, procs.local_world_size) if kind == "cpu" else None
+        return group_profile.profile_and_gather(boot, args, tps, req.micro_batch_sizes,
+                                                device=device, iters=req.iters, seed=req.seed,
+                                                turns=turns)
+    finally:
+        boot.finish_probe()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def write_profiles(records: Sequence, out: str) -> tuple[int, int]:
@@ -196,4 +248,5 @@ def merge_files(inputs: Sequence[str], out: str) -> int:
     return len(db)
 
 
-__all__ = ["ProfileRequest", "profile_layers", "write_profiles", "merge_files", "model_flags"]
+__all__ = ["ProfileRequest", "profile_layers", "write_profiles",
+           "merge_files", "model_flags"]

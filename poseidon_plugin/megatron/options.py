@@ -74,7 +74,8 @@ def _positive_float(name: str, text: str) -> float:
     return value
 
 
-def _timeout(name: str, text: str) -> float:
+def timeout_seconds(name: str, text: str) -> float:
+    """``text`` as a --poseidon-timeout / --timeout value (seconds in TIMEOUT_RANGE_S)."""
     value = _positive_float(name, text)
     low, high = TIMEOUT_RANGE_S
     if not low <= value <= high:
@@ -160,7 +161,7 @@ def extract_options(argv: list[str]) -> tuple[PoseidonOptions, list[str]]:
         elif kind == "float":
             values[fld] = _positive_float(name, raw)
         elif kind == "timeout":
-            values[fld] = _timeout(name, raw)
+            values[fld] = timeout_seconds(name, raw)
         elif kind == "int":
             values[fld] = _positive_int(name, raw)
         elif kind == "iters":

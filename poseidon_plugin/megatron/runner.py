@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 from ..errors import DistributedError, PoseidonError
 from . import argv as argvmod
-from . import bootstrap, discovery, emulation, profile_gather, profiler, renumber
+from . import bootstrap, discovery, emulation, group_profile, profile_gather, profiler, renumber
 from .compat import CPU_EMULATION_FLAGS, CPU_INCOMPATIBLE_BOOL_FLAGS, patch_dataset_helpers
 from .options import PoseidonOptions, extract_options
 
@@ -95,23 +95,6 @@ def _enable_stack_dumps() -> None:
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     except (AttributeError, ValueError, RuntimeError):  # not the main thread / no SIGUSR1
         pass
-
-
-def _maybe_inject_fault(phase: str, rank: int) -> None:
-    """Test hook: POSEIDON_FAULT_INJECT='phase:rank:hang|raise|exit' makes one rank misbehave."""
-    spec = os.environ.get("POSEIDON_FAULT_INJECT")
-    if not spec:
-        return
-    f_phase, f_rank, mode = (spec.split(":") + ["", "", ""])[:3]
-    if f_phase != phase or str(rank) != f_rank:
-        return
-    log.warning("fault injection: %s in %s", mode, phase)
-    if mode == "hang":
-        while True:
-            time.sleep(3600)
-    if mode == "exit":
-        os._exit(17)
-    raise RuntimeError(f"injected fault in {phase}")
 
 
 def plan_checksum(text: str) -> str:
@@ -187,10 +170,7 @@ class LaunchContext:
     def guarded(self, phase: str, fn: Callable[[], T]) -> T:
         """``fn`` run as ``phase``: an error is posted to the other ranks, which name this one
         (``POSEIDON_FAULT_INJECT`` can make this rank misbehave here)."""
-        def body() -> T:
-            _maybe_inject_fault(phase, self.rank)
-            return fn()
-        return bootstrap.run_guarded(self.boot, phase, body)
+        return bootstrap.run_guarded(self.boot, phase, fn)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -371,13 +351,10 @@ def _all_ranks_profile(ctx: LaunchContext) -> None:
         return
     t0 = time.perf_counter()
     dev = _torch_device(ctx.device)
-    timings = ctx.guarded("profiling", lambda: profiler.profile_rank(
-        args, ctx.tps, ctx.micro_batch_sizes, world_size=ctx.world_size, rank=ctx.rank,
-        device=dev, iters=ctx.opts.profile_iters, checkpoint=ctx.boot.barrier,
+    gathered = group_profile.profile_and_gather(
+        ctx.boot, args, ctx.tps, ctx.micro_batch_sizes, device=dev, iters=ctx.opts.profile_iters,
         turns=(profiler.Turns(ctx.env.local_rank, ctx.env.local_world_size)
-               if ctx.emu is not None else None)))
-    gathered = ctx.guarded("profiling-gather",
-                           lambda: ctx.boot.all_gather_object(timings, "profiling-gather"))
+               if ctx.emu is not None else None))
     if ctx.rank == 0:
         _rank0_store_profiles(ctx, gathered, time.perf_counter() - t0)
 

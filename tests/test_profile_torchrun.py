@@ -1,0 +1,83 @@
+"""``poseidon profile`` under torchrun: two CPU processes measure the tiny model's layer at TP 1
+and with a real TP 2 group, rank 0 writes the DB, and ``poseidon plan --profiles`` plans a TP 2
+stage from the measured record; a rank that never answers is named within ``--timeout``; a TP
+degree above the processes per node is one error line (integration: torch + megatron-core;
+about 40 s on a 2-core box)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from poseidon_plugin.profiles import ProfileDB
+from test_launch_e2e import ok, torchrun
+from test_profile_command import CLUSTER, TINY, poseidon
+
+pytestmark = pytest.mark.integration
+pytest.importorskip("megatron.core")
+
+PROFILE = ["profile", "--model", TINY, "--seq-length", "128", "--device-type", "cpu",
+           "--device", "cpu", "--micro-batch-sizes", "1", "--iters", "2"]
+
+
+def profile(tmp_path, nproc: int, *extra: str, env: dict[str, str] | None = None,
+            timeout: float = 180):
+    return torchrun(nproc, [*PROFILE, *extra, "-o", str(tmp_path / "db.json")],
+                    {"PYTHONWARNINGS": "ignore", **(env or {})}, timeout=timeout,
+                    module=["poseidon_plugin"], cwd=str(tmp_path))
+
+
+def test_two_processes_measure_tp_2_and_the_plan_uses_it(tmp_path):
+    proc, out, _ = profile(tmp_path, 2, "--tp", "1", "2")
+    assert proc.returncode == 0, ok(proc, out)
+    records = {r.key.tp: r for r in ProfileDB.load(str(tmp_path / "db.json")).profiles()}
+    assert sorted(records) == [1, 2]
+    one, two = records[1], records[2]
+    for r in (one, two):
+        assert r.source == "measured" and r.key.device_type == "cpu"
+        assert (r.key.attention, r.key.micro_batch_size, r.key.seq_length) == ("unfused", 1, 128)
+        assert r.forward_ms > 0 and r.backward_ms > 0 and r.optimizer_ms > 0
+        assert set(dict(r.env)) == {"device", "torch", "megatron_core"}
+        assert dict(r.env)["device"] == "cpu (cpu)"
+    assert two.key.describe() == "cpu decoder tp2 mbs1 seq128 bf16/unfused/none"
+    # a TP 2 rank holds half of the sharded weights (the layer norms are replicated)
+    assert 0.45 * one.param_bytes < two.param_bytes < 0.55 * one.param_bytes
+    assert two.activation_bytes < one.activation_bytes
+    assert out.count("cpu decoder tp") == 2   # rank 0 alone prints the records
+
+    (tmp_path / "c.yaml").write_text(CLUSTER)
+    proc = poseidon("plan", "--cluster", "c.yaml", "--model", TINY, "--global-batch-size", "4",
+                    "--seq-length", "128", "--tp", "2", "--micro-batch-sizes", "1",
+                    "--attention", "unfused", "--profiles", "db.json", "--no-baselines",
+                    "--workers", "1", "--out", "plan.json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert re.search(r"^\s+decoder\s+measured\s+stage 0\s+cpu decoder tp2 mbs1 seq128",
+                     proc.stdout, re.M), proc.stdout
+    (stage,) = json.loads((tmp_path / "plan.json").read_text())["stages"]
+    assert stage["tp"] == 2
+    assert stage["provenance"]["decoder"] == {
+        "source": "measured", "record": "cpu decoder tp2 mbs1 seq128 bf16/unfused/none"}
+    assert stage["memory"]["activations_source"] == "measured"
+
+
+def test_a_rank_that_never_answers_is_named(tmp_path):
+    proc, out, took = profile(tmp_path, 2, "--tp", "1", "2", "--timeout", "3",
+                              env={"POSEIDON_FAULT_INJECT": "profiling:1:hang"}, timeout=120)
+    assert proc.returncode != 0
+    assert re.search(r"poseidon: error: timed out after 3 s waiting for 1 rank\(s\) at "
+                     r"'profiling-tp1': rank 1 \(last seen entering 'profiling'", out), out[-4000:]
+    assert took < 60
+    assert not (tmp_path / "db.json").exists()
+
+
+def test_tp_above_the_processes_is_one_error_line(tmp_path):
+    proc, out, _ = profile(tmp_path, 2, "--tp", "1", "4", timeout=120)
+    assert proc.returncode != 0
+    errors = [ln for ln in out.splitlines() if ln.startswith("poseidon: error:")]
+    assert len(errors) == 1, out[-3000:]
+    assert "TP 4 needs 4 processes on one node" in errors[0]
+    assert "torchrun --nproc-per-node >= 4" in errors[0]
+    assert "poseidon_plugin/" not in out   # no traceback of ours (torchrun prints its own)
+    assert not (tmp_path / "db.json").exists()
