@@ -74,6 +74,10 @@ def test_rename_and_override_file(tmp_path):
     bad.write_text("nodez: 1\n")
     with pytest.raises(SpecError, match="nodez"):
         D.load_overrides(str(bad))
+    nodes = tmp_path / "nodes.yaml"      # once accepted and silently ignored
+    nodes.write_text("nodes: [{device_type: A100, devices_per_node: 8, count: 2}]\n")
+    with pytest.raises(SpecError, match="found by discovery"):
+        D.load_overrides(str(nodes))
 
 
 def test_calibrate_sets_measured_speed():

@@ -295,7 +295,11 @@ def load_overrides(path: str | None) -> dict[str, Any]:
     data = load_yaml(path, "cluster override") or {}  # bounded: size, depth, aliases, keys
     if not isinstance(data, dict):
         raise SpecError(path, "<root>", "a mapping", type(data).__name__)
-    allowed = {"name", "device_types", "links", "device_names", "nodes"}
+    if "nodes" in data:    # accepted and then ignored before: say so instead
+        raise SpecError(path, "nodes", "no nodes: a launch's nodes are its ranks, found by "
+                        "discovery (override device_types, links or device_names)",
+                        data["nodes"])
+    allowed = {"name", "device_types", "links", "device_names"}
     unknown = set(data) - allowed
     if unknown:
         raise SpecError(path, "<root>", f"only the keys {sorted(allowed)}", sorted(unknown))
