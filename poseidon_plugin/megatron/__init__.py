@@ -5,7 +5,8 @@ Modules, in the order the ``--poseidon-auto`` flow uses them:
 * ``options``   -- ``--poseidon-*`` options, stripped from argv
 * ``argv``      -- refused flags, argv rewrite with the plan's flags, MindSpeed-LLM repatch
 * ``emulation`` -- CPU emulation of device types (``--poseidon-emulate FILE``)
-* ``bootstrap`` -- rendezvous store, deadline barriers, probe gloo group, devices, re-init
+* ``bootstrap`` -- rendezvous store, deadline barriers, probe gloo group, devices and their
+  collective backend, the NCCL / HCCL group for profiling, re-init
 * ``discovery`` -- who runs where; nodes, device types, link probe; the discovered Cluster
 * ``profiler``  -- the user's own layer, timed per TP degree and micro-batch size
 * ``profile_gather`` -- the profile cache, gathered timings as profile records, calibration

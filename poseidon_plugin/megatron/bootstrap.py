@@ -8,6 +8,7 @@ passes, with the phase it was last seen in.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -16,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ..errors import DistributedError, PoseidonError
 
@@ -160,6 +161,7 @@ class Bootstrap:
         self.store: Any = None
         self.sync: StoreSync | None = None
         self.probe_up = False
+        self._groups = 0          # default groups made so far (each on its own store prefix)
 
     @property
     def prefix(self) -> str:
@@ -179,11 +181,62 @@ class Bootstrap:
         # torch wraps sys.excepthook with a "[rank<r>]" prefix at every init_process_group:
         # restored when the probe group goes, tracebacks carry the (new) rank once
         self._excepthook = sys.excepthook
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"{self.prefix}/probe", self.store),
+        self._init_probe()
+        return self
+
+    def _init_probe(self) -> None:
+        """The gloo probe group as the default group, on a store prefix never used before (a
+        re-created group must not read the keys of an earlier one: gloo would connect to its
+        addresses)."""
+        import torch.distributed as dist
+
+        self._groups += 1
+        name = "probe" if self._groups == 1 else f"probe{self._groups}"
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"{self.prefix}/{name}", self.store),
                                 rank=self.env.rank, world_size=self.env.world_size,
                                 timeout=timedelta(seconds=self.timeout_s))
         self.probe_up = True
-        return self
+
+    @contextlib.contextmanager
+    def device_group(self, backend: str) -> Iterator[None]:
+        """For the block, the default group is ``backend`` (NCCL / HCCL: :func:`device_backend`)
+        over the launch's ranks, so megatron-core's TP groups, which name no backend and inherit
+        the default one, run their collectives on the device's own backend; afterwards the gloo
+        probe group is the default group again (a fresh one), the store barriers unchanged.
+
+        On an error in the block the device group is destroyed and the probe group is not
+        re-created (``probe_up`` is False): re-creating it waits for every rank, and a failing
+        launch stops."""
+        import torch.distributed as dist
+
+        if not self.probe_up:
+            raise RuntimeError("Bootstrap.device_group needs the probe group (start() first)")
+        self.finish_probe()
+        self._groups += 1
+        name = f"{backend}{self._groups}"
+        dist.init_process_group(backend, store=dist.PrefixStore(f"{self.prefix}/{name}", self.store),
+                                rank=self.env.rank, world_size=self.env.world_size,
+                                timeout=timedelta(seconds=self.timeout_s))
+        try:
+            yield
+            # every rank done with the group before it goes (and a rank that failed in the
+            # block is named here, not by the probe group's connect timing out)
+            self.barrier(f"{name}-done")
+        except BaseException:
+            self._destroy_default()
+            raise
+        self._destroy_default()
+        self._init_probe()
+
+    def _destroy_default(self) -> None:
+        """The default group (and every group made from it) destroyed; torch's traceback prefix
+        undone."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if getattr(self, "_excepthook", None) is not None:
+            sys.excepthook = self._excepthook
 
     # -- guarded collectives on the probe group --------------------------------------------------
     def phase(self, name: str) -> None:
@@ -215,12 +268,8 @@ class Bootstrap:
             self.sync.post_error(message)
 
     def finish_probe(self) -> None:
-        import torch.distributed as dist
-
-        if self.probe_up and dist.is_initialized():
-            dist.destroy_process_group()
-        if self.probe_up and getattr(self, "_excepthook", None) is not None:
-            sys.excepthook = self._excepthook
+        if self.probe_up:
+            self._destroy_default()
         self.probe_up = False
 
     def init_main(self, new_rank: int, new_world: int, backend: str, timeout_minutes: float) -> None:
@@ -270,6 +319,22 @@ def setup_device(local_rank: int, *, emulated_name: str | None = None,
     except ImportError:
         mem = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     return LocalDevice("cpu", local_rank, "cpu", mem)
+
+
+_DEVICE_BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo", "emulated": "gloo"}
+
+
+def device_backend(kind: str) -> str:
+    """The collective backend of a device kind (``LocalDevice.kind``, or ``poseidon profile``'s
+    ``cpu | cuda | npu``): NCCL on CUDA, HCCL on an Ascend NPU (registered by ``torch_npu``,
+    which :func:`setup_device` / :func:`npu_module` imported when it found the NPU), gloo on the
+    CPU and under emulation. The launch and ``poseidon profile`` time TP groups on it, and the
+    launch's training group defaults to it."""
+    try:
+        return _DEVICE_BACKENDS[kind]
+    except KeyError:
+        raise PoseidonError(f"no collective backend known for device kind {kind!r} (expected "
+                            f"one of {', '.join(sorted(_DEVICE_BACKENDS))})") from None
 
 
 def npu_module():

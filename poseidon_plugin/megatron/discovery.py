@@ -141,7 +141,9 @@ def measure_links(boot: Any, topo: Topology, device: Any, skip: set[str] = froze
     dev = torch.device("cpu")
     if device.kind in ("cuda", "npu"):
         # the probe group is gloo (host memory); device links need the device backend
-        group = dist.new_group(backend="nccl" if device.kind == "cuda" else "hccl")
+        from .bootstrap import device_backend
+
+        group = dist.new_group(backend=device_backend(device.kind))
         dev = torch.device(device.kind, device.index)
     big = torch.empty(message_bytes // 4, dtype=torch.float32, device=dev)
     small = torch.zeros(1, dtype=torch.float32, device=dev)

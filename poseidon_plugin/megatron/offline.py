@@ -15,9 +15,11 @@ into a profile DB (merged into the file when it exists), which ``poseidon plan -
   (:func:`.profile_tps.check_tps`). Rank 0 aggregates (median over the ranks) and writes the DB.
 * Process group: one process: a one-rank group on a temporary file store. Under torchrun: the
   launch's bootstrap (rendezvous store, deadline barriers: a rank that fails or never answers
-  is named within ``--timeout`` seconds), then the default group on gloo (CPU), NCCL (GPU) or
-  HCCL (NPU), which megatron-core splits into TP groups; destroyed afterwards. On the CPU the
-  ranks of a host get an equal share of its cores and measure TP 1 groups in turns.
+  is named within ``--timeout`` seconds), then, for the timing, the default group on gloo (CPU),
+  NCCL (GPU) or HCCL (NPU) (:func:`.bootstrap.device_backend`, as the launch), which
+  megatron-core splits into TP groups; the gather on the gloo probe group; destroyed afterwards.
+  On the CPU the ranks of a host get an equal share of its cores and measure TP 1 groups in
+  turns.
 """
 
 from __future__ import annotations
@@ -128,14 +130,13 @@ def backend_flags(kind: str, setup: TrainingSetup) -> list[str]:
     return ["--transformer-impl", "local", "--attention-backend", "unfused"]
 
 
-_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
-
-
 def _init_alone(kind: str, store_dir: str) -> None:
-    """One process: a one-rank default group on a file store."""
+    """One process: a one-rank default group on the device's backend, on a file store."""
     import torch.distributed as dist
 
-    dist.init_process_group(_BACKENDS[kind],
+    from .bootstrap import device_backend
+
+    dist.init_process_group(device_backend(kind),
                             init_method=f"file://{os.path.join(store_dir, 'store')}",
                             rank=0, world_size=1)
 
@@ -213,12 +214,11 @@ def _profile_group(req: ProfileRequest, tps: Sequence[int], args: Any, kind: str
     env = bootstrap.LaunchEnv.from_environ(needed_by="poseidon profile on several processes")
     boot = bootstrap.Bootstrap(env, req.timeout_s).start()
     try:
-        if _BACKENDS[kind] != "gloo":   # TP all-reduces on NCCL / HCCL, as training runs them
-            bootstrap.run_guarded(boot, "process-group", lambda: boot.init_main(
-                env.rank, env.world_size, _BACKENDS[kind], req.timeout_s / 60.0))
         turns = profiler.Turns(procs.local_rank, procs.local_world_size) if kind == "cpu" else None
+        # TP all-reduces on NCCL / HCCL, as training runs them (gloo on the CPU)
         return group_profile.profile_and_gather(boot, args, tps, req.micro_batch_sizes,
                                                 device=device, iters=req.iters, seed=req.seed,
+                                                backend=bootstrap.device_backend(kind),
                                                 turns=turns)
     finally:
         boot.finish_probe()

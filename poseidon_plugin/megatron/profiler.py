@@ -7,7 +7,8 @@ own arguments, timed forward and backward for each candidate TP degree and micro
   (``gpt_config_from_args`` + Megatron's default layer spec on >= core 0.18; the core transformer
   config + local/TE spec on older versions).
 * TP: a real tensor-parallel group of ``t`` consecutive launch ranks (inside one node) via
-  ``parallel_state.initialize_model_parallel(t)`` on the probe group; destroyed afterwards.
+  ``parallel_state.initialize_model_parallel(t)`` on the default group (NCCL / HCCL on a GPU /
+  NPU, gloo on the CPU: :mod:`.group_profile`); destroyed afterwards.
 * Timing (:mod:`.sampling`): warm-up, then forward + backward repeated until both medians' 95%
   confidence intervals are within 2% (at least N = --poseidon-profile-iters repetitions, at most
   40 or 5 s), outliers dropped by a MAD rule; measured once more when the backward median is

@@ -4,6 +4,14 @@
       -> gather -> search on rank 0 -> broadcast plan + checksum -> [dry-run: print, exit 0]
       -> renumber ranks + real process group -> rewrite argv -> the user's script
 
+Process groups: the bootstrap's gloo probe group is the default group throughout, except while
+the layer is timed on a GPU / NPU (the default group is then NCCL / HCCL over the launch's ranks,
+so megatron-core's TP groups, which inherit its backend, are the training's; destroyed, and a
+fresh probe group made, before the gather). Before the script runs the probe group goes too and
+the default group is made once more, with the renumbered ranks and the training's backend; no
+model-parallel state is left (the profiler destroys its own), so Megatron's
+``initialize_megatron`` finds torch.distributed initialised and makes its own groups from it.
+
 :func:`plan_and_apply` is that line, one phase function per step over a :class:`LaunchContext`.
 ``_all_ranks_*`` phases run on every rank (most of them meet in a collective); ``_rank0_*`` phases
 run on rank 0 only (calibration, search, the report).
@@ -350,13 +358,22 @@ def _all_ranks_profile(ctx: LaunchContext) -> None:
                      ctx.cache_path)
         return
     t0 = time.perf_counter()
-    dev = _torch_device(ctx.device)
-    gathered = group_profile.profile_and_gather(
-        ctx.boot, args, ctx.tps, ctx.micro_batch_sizes, device=dev, iters=ctx.opts.profile_iters,
-        turns=(profiler.Turns(ctx.env.local_rank, ctx.env.local_world_size)
-               if ctx.emu is not None else None))
+    gathered = _all_ranks_measure(ctx)
     if ctx.rank == 0:
         _rank0_store_profiles(ctx, gathered, time.perf_counter() - t0)
+
+
+def _all_ranks_measure(ctx: LaunchContext) -> list[list[profiler.LayerTiming]]:
+    """The layer timed on every rank for ``ctx.tps`` x ``ctx.micro_batch_sizes``, gathered (on
+    every rank, by launch rank). The TP groups run on the device's backend (NCCL on GPU, HCCL on
+    NPU, gloo under emulation): megatron-core's TP groups inherit the default group's backend
+    and the probe group is gloo, so the default group is switched for the timing
+    (:func:`.group_profile.profile_and_gather`) and is the probe group again afterwards."""
+    return group_profile.profile_and_gather(
+        ctx.boot, ctx.args, ctx.tps, ctx.micro_batch_sizes, device=_torch_device(ctx.device),
+        iters=ctx.opts.profile_iters, backend=bootstrap.device_backend(ctx.device.kind),
+        turns=(profiler.Turns(ctx.env.local_rank, ctx.env.local_world_size)
+               if ctx.emu is not None else None))
 
 
 def _rank0_store_profiles(ctx: LaunchContext, gathered: list[list[profiler.LayerTiming]],
@@ -486,8 +503,8 @@ def _all_ranks_apply(ctx: LaunchContext) -> AutoResult:
              f"by the plan ({renum.world_size} of {env.world_size} devices train); exiting with 0")
         raise SystemExit(0)
     new_rank = renum.new_rank_of[env.rank]
-    dist_backend = argvmod.flag_value(ctx.new_argv, "--distributed-backend") or (
-        "hccl" if ctx.device.kind == "npu" else "nccl")
+    dist_backend = (argvmod.flag_value(ctx.new_argv, "--distributed-backend")
+                    or bootstrap.device_backend(ctx.device.kind))
     timeout_min = float(getattr(ctx.args, "distributed_timeout_minutes", 10) or 10)
     ctx.boot.init_main(new_rank, renum.world_size, dist_backend, timeout_min)
     os.environ["POSEIDON_LAUNCH_RANK"] = str(env.rank)
