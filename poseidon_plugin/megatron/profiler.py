@@ -303,16 +303,20 @@ _CPU = time.process_time
 @dataclass(frozen=True)
 class EmulatedClock:
     """How a step is timed under CPU emulation: the slowdown's sleep is suspended and the
-    emulated device's time is computed from this process's CPU time t_cpu and wall time t_wall:
-    ``factor x t_cpu`` at TP 1 (the whole op is compute; other processes' load on the host does
-    not enter), ``t_wall + (factor - 1) x t_cpu`` at TP > 1 (waiting in the TP all-reduces is
-    not compute and is not slowed, as :func:`.emulation.install_slowdown` does in training).
+    emulated device's time is computed from this process's CPU time t_cpu and wall time t_wall,
+    as :func:`.emulation.install_slowdown` makes training take it (compute, then a sleep of
+    ``(factor - 1) x`` the compute's CPU time):
 
-    ``share``: the host's oversubscription in training, ``max(1, ranks on the host x threads per
-    rank / cores)``. The ranks of a host are profiled in turns (one at a time, every core free),
-    but they train together: with 4 single-thread ranks on 2 cores each gets half a core, so the
-    emulated device is that share of the host and its times are ``share`` x the uncontended ones
-    (the same for every type: plan choices do not move, predictions match training)."""
+    * TP 1: ``(share + factor - 1) x t_cpu`` -- the compute itself (``share x t_cpu`` when the
+      host's ranks run together) plus the padding; other processes' load while profiling does
+      not enter;
+    * TP > 1: ``share x t_wall + (factor - 1) x t_cpu`` -- waiting in the TP all-reduces is not
+      compute and is not padded.
+
+    ``share``: how much the ranks of the host slow each other's compute in training
+    (:mod:`.contention`: measured by running every rank's layer at once; 1 = a free core). The
+    ranks of a host are profiled in turns (one at a time, every core free) but train together;
+    the padding is a sleep and needs no core, so only the compute part is scaled."""
 
     factor: float
     tp: int
@@ -321,13 +325,15 @@ class EmulatedClock:
     def ms(self, wall_s: float, cpu_s: float) -> float:
         cpu_s = max(0.0, min(cpu_s, wall_s)) if self.tp > 1 else max(0.0, cpu_s)
         if self.tp > 1:
-            return self.share * (wall_s + (self.factor - 1.0) * cpu_s) * 1e3
-        return self.share * self.factor * cpu_s * 1e3
+            return (self.share * wall_s + (self.factor - 1.0) * cpu_s) * 1e3
+        return (self.share + self.factor - 1.0) * cpu_s * 1e3
 
 
 def host_share() -> float:
-    """``EmulatedClock.share`` of this process: ranks on the host (``LOCAL_WORLD_SIZE``) x torch
-    threads per rank over the cores this process may use, at least 1."""
+    """The fixed oversubscription rule: ranks on the host (``LOCAL_WORLD_SIZE``) x torch threads
+    per rank over the cores this process may use, at least 1. An upper bound of the contention
+    (every rank busy all the time); :mod:`.contention` measures the real one, and this rule is
+    the fallback where it cannot (no TP-1 layer is profiled)."""
     import os
 
     import torch
@@ -358,14 +364,18 @@ def _timed_step(layer: Any, x: Any, kwargs: dict[str, Any], grad: Any, device: A
     return clock.ms(t1 - t0, c1 - c0), clock.ms(t2 - t1, c2 - c1)
 
 
-def _emulated_clock(device: Any, tp: int) -> EmulatedClock | None:
+def _emulated_clock(device: Any, tp: int, share: float = 1.0) -> EmulatedClock | None:
     """The clock of a CPU-emulated device (None on a real accelerator or plain CPU)."""
+    factor = _emulation_factor(device)
+    return None if factor is None else EmulatedClock(factor, tp, share)
+
+
+def _emulation_factor(device: Any) -> float | None:
+    """The emulated type's slowdown on a CPU device under emulation, else None."""
     from . import emulation
 
     factor = emulation.slowdown_factor()
-    if device.type != "cpu" or factor is None:
-        return None
-    return EmulatedClock(factor, tp, host_share())
+    return None if device.type != "cpu" else factor
 
 
 def _padding_suspended(active: bool):
@@ -419,14 +429,14 @@ def tp_group_any(device: Any) -> Callable[[bool], bool] | None:
 
 
 def time_layer(layer: Any, config: Any, vargs: Any, device: Any, iters: int,
-               warmup: int = 3) -> tuple[Sampled, int, int]:
+               warmup: int = 3, share: float = 1.0) -> tuple[Sampled, int, int]:
     """(forward/backward sampling result, re-measurements, activation bytes) of one micro-batch
     (see :mod:`.sampling`: warm-up, repetitions until the medians' 95% CIs are within 2%,
     outliers dropped; measured again when backward < 0.8 x forward)."""
     x, kwargs, grad = _layer_inputs(config, vargs, device)
     act_bytes = _activation_bytes(layer, x, kwargs, grad)
     policy = replace(sampling_policy(iters), warmup=warmup)
-    clock = _emulated_clock(device, int(vargs.tensor_model_parallel_size))
+    clock = _emulated_clock(device, int(vargs.tensor_model_parallel_size), share)
     with _padding_suspended(clock is not None):
         res, retries = sample_until_plausible(
             lambda: _timed_step(layer, x, kwargs, grad, device, clock), policy,
@@ -507,12 +517,15 @@ def _in_turns(turns: Turns | None, tp: int, name: str, checkpoint: Any,
 
 
 def profile_config(layer: Any, config: Any, vargs: Any, device: Any, iters: int, tp: int,
-                   mbs: int) -> LayerTiming:
-    """Forward, backward and optimizer step of one built layer (this rank's measurement)."""
+                   mbs: int, share: float = 1.0) -> LayerTiming:
+    """Forward, backward and optimizer step of one built layer (this rank's measurement).
+    ``share``: the host's measured contention under CPU emulation (:class:`EmulatedClock`; the
+    optimizer step, plain compute, is scaled by it too)."""
     hooks = attach_main_grads(layer)
     param_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
-    res, retries, _ = time_layer(layer, config, vargs, device, iters)
+    res, retries, _ = time_layer(layer, config, vargs, device, iters, share=share)
     opt = time_optimizer_step(layer, device, iters)
+    opt_share = share if _emulation_factor(device) is not None else 1.0
     for h in hooks:
         h.remove()
     act = layer_memory_bytes(layer, config, vargs, device)
@@ -524,7 +537,7 @@ def profile_config(layer: Any, config: Any, vargs: Any, device: Any, iters: int,
     if getattr(vargs, "recompute_granularity", None) == "full":
         b_ms += f_ms   # the block re-runs the layer's forward before its backward
     return LayerTiming(tp, mbs, f_ms, b_ms, act, int(param_bytes),
-                       optimizer_ms=opt.medians[0], samples=res.samples,
+                       optimizer_ms=opt.medians[0] * opt_share, samples=res.samples,
                        converged=res.converged and opt.converged, retries=retries)
 
 
@@ -567,17 +580,34 @@ def layer_memory_bytes(layer: Any, config: Any, vargs: Any, device: Any) -> int:
 
 def profile_rank(args: Any, tps: Sequence[int], micro_batch_sizes: Sequence[int], *, world_size: int,
                  rank: int, device: Any, iters: int, seed: int = 1234,
-                 checkpoint: Any = None, turns: Turns | None = None) -> list[LayerTiming]:
+                 checkpoint: Any = None, turns: Turns | None = None,
+                 contention: Callable[[Callable[[], tuple[float, float]]], float] | None = None
+                 ) -> list[LayerTiming]:
     """Profile one decoder layer for every (tp, mbs) on this rank. Collective per TP degree.
 
     ``checkpoint(name)`` (a deadline barrier) is called before each collective step, so a rank that
     hangs is named by the others instead of surfacing as an anonymous collective timeout.
     ``turns``: the ranks of a host measure one TP group at a time (see :class:`Turns`).
+    ``contention(step)`` (CPU emulation; collective: every rank calls it once): given this rank's
+    timed forward + backward of a TP-1 layer, runs :func:`.contention.measure_contention` with
+    the others and returns this host's share, the ``share`` of every emulated time measured
+    here (:class:`EmulatedClock`). Without a TP-1 candidate the fixed rule :func:`host_share`.
     """
     import torch
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.transformer.spec_utils import build_module
 
+    def built(tp: int, mbs: int):
+        vargs = profiling_args(args, tp, mbs, world_size, rank)
+        config, spec = layer_config_and_spec(vargs)
+        layer = build_module(spec, config=config, layer_number=1)
+        layer = layer.to(device=device, dtype=config.params_dtype)
+        layer.train()
+        return layer, config, vargs
+
+    share = 1.0
+    if contention is not None and _emulation_factor(device) is not None:
+        share = _host_contention(built, contention, tps, micro_batch_sizes, seed, checkpoint)
     out: list[LayerTiming] = []
     for tp in tps:
         if checkpoint is not None:
@@ -588,14 +618,10 @@ def profile_rank(args: Any, tps: Sequence[int], micro_batch_sizes: Sequence[int]
             for mbs in micro_batch_sizes:
                 if checkpoint is not None and tp > 1:
                     checkpoint(f"profiling-tp{tp}-mbs{mbs}")
-                vargs = profiling_args(args, tp, mbs, world_size, rank)
-                config, spec = layer_config_and_spec(vargs)
-                layer = build_module(spec, config=config, layer_number=1)
-                layer = layer.to(device=device, dtype=config.params_dtype)
-                layer.train()
+                layer, config, vargs = built(tp, mbs)
                 out.append(_in_turns(turns, tp, f"profiling-tp{tp}-mbs{mbs}", checkpoint,
-                                     lambda built=layer: profile_config(built, config, vargs,
-                                                                        device, iters, tp, mbs)))
+                                     lambda lay=layer, c=config, va=vargs: profile_config(
+                                         lay, c, va, device, iters, tp, mbs, share)))
                 del layer
         finally:
             tensor_parallel.get_cuda_rng_tracker().reset()
@@ -603,6 +629,45 @@ def profile_rank(args: Any, tps: Sequence[int], micro_batch_sizes: Sequence[int]
             if device.type == "cuda" and torch.cuda.is_available():
                 torch.cuda.empty_cache()
     return out
+
+
+def _host_contention(built: Callable[[int, int], tuple[Any, Any, Any]],
+                     contention: Callable[[Callable[[], tuple[float, float]]], float],
+                     tps: Sequence[int], micro_batch_sizes: Sequence[int], seed: int,
+                     checkpoint: Any) -> float:
+    """The host's share: ``contention`` run on a TP-1 layer of the first micro-batch size (every
+    rank at once, padding suspended: the probe sleeps the padding itself); the fixed rule
+    :func:`host_share` when TP 1 is not a candidate."""
+    import torch
+    from megatron.core import parallel_state, tensor_parallel
+
+    from .contention import timed_compute
+
+    if 1 not in tps:
+        return host_share()
+    if checkpoint is not None:
+        checkpoint("contention")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    try:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        layer, config, vargs = built(1, micro_batch_sizes[0])
+        hooks = attach_main_grads(layer)
+        x, kwargs, grad = _layer_inputs(config, vargs, torch.device("cpu"))
+
+        def run() -> None:
+            out = layer(hidden_states=x, **kwargs)
+            (out[0] if isinstance(out, tuple) else out).backward(grad)
+            x.grad = None
+
+        with _padding_suspended(True):
+            share = contention(lambda: timed_compute(run, _WALL, _CPU))
+        for h in hooks:
+            h.remove()
+        del layer
+        return share
+    finally:
+        tensor_parallel.get_cuda_rng_tracker().reset()
+        parallel_state.destroy_model_parallel()
 
 
 # ----------------------------------------------------------------------------------------------

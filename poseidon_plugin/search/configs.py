@@ -249,7 +249,8 @@ def root_bound(cm: CostModel, cfg: OuterConfig, costs: OptionCosts | None = None
     """Lower bound on every plan of ``cfg``: the larger of the per-stage work bound and the
     capacity bound (the smallest t with ``capacity_layers(t) >= L``; capacity only changes at
     t = M (f + b)_k n, so that t is found by bisection over those values, and returned
-    1e-9 below); inf when no plan of ``cfg`` can hold the layers."""
+    1e-9 below), plus the per-iteration overhead every plan adds after its pipeline; inf when
+    no plan of ``cfg`` can hold the layers."""
     costs = OptionCosts.of_config(cm, cfg) if costs is None else costs
     minfb = costs.min_layer_fb
     L, n, m, v = cm.model.num_layers, cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages
@@ -266,7 +267,7 @@ def root_bound(cm: CostModel, cfg: OuterConfig, costs: OptionCosts | None = None
             hi = mid
         else:
             lo = mid + 1
-    return max(base, cands[lo] * (1 - 1e-9))
+    return max(base, cands[lo] * (1 - 1e-9)) + cm.iteration_overhead_ms
 
 
 # --------------------------------------------------------------------------- bound structure
