@@ -263,3 +263,12 @@ def test_overhead_never_negative():
     plan = real_plan()
     fit = fit_iteration(plan, [6.0, 4.0], [12.0, 8.0], [1.0, 2.0])   # faster than simulated
     assert fit.overhead_ms == 0.0
+
+
+def test_windows_follow_the_run_length():
+    from poseidon_plugin.megatron.calibration import calibration_windows
+
+    assert calibration_windows(8) == (1, 3, 4)        # the demo: fit 2-4, check 5-8
+    assert calibration_windows(12) == (1, 5, 6)
+    assert calibration_windows(100000) == (1, 10, 10)
+    assert calibration_windows(None) == calibration_windows(2) == (1, 3, 4)

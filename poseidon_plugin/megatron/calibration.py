@@ -419,6 +419,19 @@ class LiveCalibration:
             (self._emit or log.warning)(line)
 
 
+MAX_WINDOW = 10   # calibration / measured iterations at most (a long run reports early)
+
+
+def calibration_windows(train_iters: int | None) -> tuple[int, int, int]:
+    """(warm-up, calibration, measured) iterations for a run of ``train_iters``: one warm-up,
+    then the rest split in two (the measured half the larger), each at most
+    :data:`MAX_WINDOW`; (1, 3, 4) when the count is unknown or below 3."""
+    if not train_iters or train_iters < 3:
+        return 1, 3, 4
+    rest = min(int(train_iters) - 1, 2 * MAX_WINDOW)
+    return 1, rest // 2, rest - rest // 2
+
+
 def install_calibration(plan: Plan, *, model_signature: str = "",
                         profile_db_path: str | None = None, warmup_iterations: int = 1,
                         calibrate_iterations: int = 3, measure_iterations: int = 4,

@@ -552,21 +552,25 @@ def _all_ranks_apply(ctx: LaunchContext) -> AutoResult:
     log.info("renumbered: launch rank %d is rank %d of %d (stage %d); setup took %.2f s",
              env.rank, new_rank, renum.world_size,
              new_rank // max(1, renum.world_size // plan.pp), time.perf_counter() - ctx.t_start)
-    _install_calibration(plan, ctx.model, ctx.cache_path, ctx.cluster.type_names)
+    _install_calibration(plan, ctx.model, ctx.cache_path, ctx.cluster.type_names,
+                         getattr(ctx.args, "train_iters", None))
     return AutoResult(ctx.new_argv, new_rank, renum.world_size, plan)
 
 
 def _install_calibration(plan: Plan, model: ModelSpec, cache_path: str,
-                         device_types: Sequence[str]) -> None:
+                         device_types: Sequence[str], train_iters: int | None = None) -> None:
     """Live calibration (one log line: predicted and re-predicted vs measured iteration time;
     measured per-layer times and the per-iteration overhead written back to the profile cache).
     ``POSEIDON_CALIBRATION=0`` turns it off; it never stops the training."""
     if os.environ.get("POSEIDON_CALIBRATION", "1") == "0":
         return
     try:
-        from .calibration import install_calibration
+        from .calibration import calibration_windows, install_calibration
+
+        warm, cal, meas = calibration_windows(train_iters)
         install_calibration(plan, model_signature=model.signature(), profile_db_path=cache_path,
-                            device_types=device_types)
+                            device_types=device_types, warmup_iterations=warm,
+                            calibrate_iterations=cal, measure_iterations=meas)
     except Exception as exc:  # calibration is an observer: report, never fail the launch
         log.warning("calibration not installed: %s", exc)
 
