@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from poseidon_plugin.megatron.calibration import (CalibrationReport, LiveCalibration,
-                                                  StageTiming, iteration_walls,
+                                                  StageTiming, iteration_times,
                                                   measured_profiles, stage_timing,
                                                   window_compute)
 from poseidon_plugin.megatron.recorder import IterationRecord, OpRecorder
@@ -55,12 +55,14 @@ def _fill(rec: OpRecorder, iterations: int, f_s: float, b_s: float, m: int = 4):
 
 def test_stage_timing_medians_and_every_iteration():
     rec = OpRecorder(1)
-    _fill(rec, 5, 0.004, 0.008)
-    t = stage_timing(rec, 1, skip=2)
+    _fill(rec, 5, 0.004, 0.008)       # iterations start every 10 s and last 50 ms
+    t = stage_timing(rec, 1, skip=2, next_start_s=45.0)
     assert t.forward_ms == pytest.approx(4.0) and t.backward_ms == pytest.approx(8.0)
     assert t.iteration_ms == pytest.approx(50.0)
-    # every recorded iteration, the skipped ones too: wall, forward / backward per micro-batch
-    assert len(t.walls_ms) == 5 and t.walls_ms[0] == pytest.approx(50.0)
+    # every recorded iteration, the skipped ones too: its period (start to the next start; the
+    # last one closed by next_start_s), forward / backward per micro-batch
+    assert t.periods_ms == pytest.approx((1e4, 1e4, 1e4, 1e4, 5e3))
+    assert stage_timing(rec, 1, skip=2).periods_ms[-1] == pytest.approx(50.0)   # wall fallback
     assert t.forward_mb_ms == pytest.approx((4.0,) * 5)
     assert t.backward_mb_ms == pytest.approx((8.0,) * 5)
     assert stage_timing(OpRecorder(0), 0, skip=0) is None
@@ -78,12 +80,14 @@ def test_chunks_of_a_device_add_up_per_micro_batch():
     assert t.forward_mb_ms == pytest.approx((6.0,)) and t.backward_mb_ms == pytest.approx((10.0,))
 
 
-def test_an_iteration_takes_as_long_as_its_slowest_rank():
-    a = StageTiming(0, 1, 1, 1, walls_ms=(10.0, 30.0, 20.0), forward_mb_ms=(1, 2, 3),
+def test_an_iterations_time_is_its_ranks_mean_period():
+    a = StageTiming(0, 1, 1, 1, periods_ms=(10.0, 30.0, 20.0), forward_mb_ms=(1, 2, 3),
                     backward_mb_ms=(2, 4, 6))
-    b = StageTiming(1, 1, 1, 1, walls_ms=(12.0, 25.0), forward_mb_ms=(5, 5), backward_mb_ms=(7, 9))
-    assert iteration_walls([a, b]) == [12.0, 30.0]          # the shorter record bounds the list
-    c = StageTiming(0, 1, 1, 1, walls_ms=(10.0, 30.0), forward_mb_ms=(3, 4), backward_mb_ms=(6, 8))
+    b = StageTiming(1, 1, 1, 1, periods_ms=(12.0, 26.0), forward_mb_ms=(5, 5),
+                    backward_mb_ms=(7, 9))
+    assert iteration_times([a, b]) == [11.0, 28.0]          # the shorter record bounds the list
+    c = StageTiming(0, 1, 1, 1, periods_ms=(10.0, 30.0), forward_mb_ms=(3, 4),
+                    backward_mb_ms=(6, 8))
     comp = window_compute([a, b, c], 1, 2)                  # iteration 2, replicas averaged
     assert comp[0] == pytest.approx((3.0, 6.0)) and comp[1] == pytest.approx((5.0, 9.0))
 
@@ -131,6 +135,7 @@ def _run(cal: LiveCalibration, plan: Plan, per_iteration) -> None:
                 it.ops.append((0, mb, True, t, t + ratio * plan.stages[0].backward_ms / 1e3))
             now[0] += (retimed_ms(plan, (ratio, ratio), (ratio, ratio)) + extra) / 1e3
             cal.end_iteration()
+        cal.begin_iteration()         # the next iteration's start closes the last period
     finally:
         recorder.clock = saved
 
@@ -145,7 +150,7 @@ def both_stages(monkeypatch):
         scale = plan.stages[1].forward_ms / plan.stages[0].forward_ms
         bscale = plan.stages[1].backward_ms / plan.stages[0].backward_ms
         other = StageTiming(1, mine.forward_ms * scale, mine.backward_ms * bscale,
-                            mine.iteration_ms, walls_ms=mine.walls_ms,
+                            mine.iteration_ms, periods_ms=mine.periods_ms,
                             forward_mb_ms=tuple(x * scale for x in mine.forward_mb_ms),
                             backward_mb_ms=tuple(x * bscale for x in mine.backward_mb_ms))
         return [mine, other]
@@ -190,7 +195,7 @@ def test_the_check_never_sees_the_measured_iterations(both_stages):
     """The later iterations get 60 ms more overhead: the re-prediction, fitted to iterations
     2-4 only, must miss them by exactly that (a fit that peeked would not)."""
     plan = real_plan()
-    cal = LiveCalibration(plan, stage=0, emit=lambda line: None)
+    cal = LiveCalibration(plan, stage=0, emit=lambda line: None, measure_iterations=4)
     cal.recorder = OpRecorder(0)
     _run(cal, plan, lambda i: (1.0, 10.0 if i < 4 else 70.0))
     rep = cal.report()
@@ -215,6 +220,7 @@ def test_a_failed_calibration_reports_nan_and_uninstalls(monkeypatch):
             cal.recorder._current.ops.append((0, 0, False, 0.0, 0.001))
         cal.end_iteration()
     assert cal.report().measured_ms != cal.report().measured_ms   # nan
+    assert not cal._undo
 
 
 def test_report_line_compares_peak_memory_per_stage():
@@ -268,7 +274,8 @@ def test_overhead_never_negative():
 def test_windows_follow_the_run_length():
     from poseidon_plugin.megatron.calibration import calibration_windows
 
-    assert calibration_windows(8) == (1, 3, 4)        # the demo: fit 2-4, check 5-8
-    assert calibration_windows(12) == (1, 5, 6)
+    # one warm-up; the last iteration's start closes the measured periods
+    assert calibration_windows(8) == (1, 3, 3)        # fit 2-4, check 5-7, report at 8's start
+    assert calibration_windows(16) == (1, 7, 7)
     assert calibration_windows(100000) == (1, 10, 10)
-    assert calibration_windows(None) == calibration_windows(2) == (1, 3, 4)
+    assert calibration_windows(None) == calibration_windows(3) == (1, 3, 3)

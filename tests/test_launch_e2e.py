@@ -128,15 +128,15 @@ def test_emulated_heterogeneous_training(tmp_path):
     assert "profiling:" in out
 
     # the host's contention was measured, not assumed; the live calibration fitted the stage
-    # compute and the per-iteration overhead to iterations 2-4, checked them on 5-8 and wrote
+    # compute and the per-iteration overhead to iterations 2-4, checked them on 5-7 and wrote
     # the overhead to the profile cache, where the next plan of this model and cluster finds it
     assert "host contention: 4 rank(s) running at once" in out
-    (cal,) = {l[l.index("calibration:"):] for l in out.splitlines() if "calibration: iteration 8" in l}
-    assert "over iterations 5-8" in cal and "fitted to iterations 2-4" in cal, cal
+    (cal,) = {l[l.index("calibration:"):] for l in out.splitlines() if "calibration: iteration 7" in l}
+    assert "over iterations 5-7" in cal and "fitted to iterations 2-4" in cal, cal
     assert plan["iteration_overhead"] is None           # a fresh cache has none
     (cache,) = glob.glob(str(tmp_path / "profiles" / "profiles-*.json"))
     (over,) = json.loads(open(cache).read())["overheads"]
-    assert over["source"] == "calibrated" and over["calibrated_on"].endswith("iterations 2-8")
+    assert over["source"] == "calibrated" and over["calibrated_on"].endswith("iterations 2-7")
     again = tmp_path / "plan2.json"
     proc, out, _ = torchrun(4, [*GPT_ARGS, "--train-iters", "2", "--poseidon-auto",
                                 "--poseidon-dry-run", "--poseidon-emulate", EMULATE4,

@@ -11,7 +11,7 @@ API (the ``--poseidon-auto`` runner installs it after the plan is applied, befor
         model_signature=model.signature(),     # ProfileKey.model_signature of the run's model
         profile_db_path=cache_path,            # JSON ProfileDB; None = do not write back
         device_types=cluster.type_names,       # the overhead record's key (default: the plan's)
-        warmup_iterations=1, calibrate_iterations=3, measure_iterations=4)
+        warmup_iterations=1, calibrate_iterations=3, measure_iterations=3)
 
 ``install_calibration`` wraps ``megatron.training.training.train_step`` (looked up as a module
 global by ``train()`` in megatron-core 0.19, so the wrapper is used) and installs an
@@ -21,12 +21,14 @@ call ``cal.begin_iteration()`` / ``cal.end_iteration()`` around each iteration i
 ``cal.install(wrap_train_step=False)``, or use ``LiveCalibration`` directly).
 
 Iterations, in order: ``warmup`` (not used: allocations, first-call costs), ``calibrate`` (the
-fit), ``measure`` (the check). After all of them, ONCE:
+fit), ``measure`` (the check); ``calibration_windows(train_iters)`` picks them. At the start of
+the iteration after them (it closes the last one's period), ONCE:
 
-* every rank summarises its recorded iterations (:class:`StageTiming`: each iteration's wall
-  time and its forward and backward time per micro-batch, all chunks of the device summed);
-  with ``torch.distributed`` up they are all-gathered so rank 0 sees every stage; an
-  iteration's measured time is the longest of its ranks';
+* every rank summarises its recorded iterations (:class:`StageTiming`: each iteration's period
+  -- from its start to the next one's, so Megatron's work between ``train_step`` calls counts,
+  as in its "elapsed time per iteration" -- and its forward and backward time per micro-batch,
+  all chunks of the device summed); with ``torch.distributed`` up they are all-gathered so rank
+  0 sees every stage; an iteration's measured time is the mean of its ranks' periods;
 * rank 0 fits the plan to the *calibration* iterations (:mod:`poseidon_plugin.iteration_fit`:
   each stage's compute measured over planned, and the per-iteration overhead = what the
   iterations take beyond the simulated pipeline with that compute) and compares that
@@ -35,8 +37,8 @@ fit), ``measure`` (the check). After all of them, ONCE:
 * rank 0 logs one line on ``logging.getLogger("poseidon")`` (and returns it from
   :meth:`LiveCalibration.report`)::
 
-      poseidon: calibration: iteration 8: predicted 452.1 ms, measured 590.3 ms (-23.4%) over
-      iterations 5-8; re-predicted 583.0 ms (-1.2%) with the stage compute (s0 x1.02/x1.01,
+      poseidon: calibration: iteration 7: predicted 452.1 ms, measured 590.3 ms (-23.4%) over
+      iterations 5-7; re-predicted 583.0 ms (-1.2%) with the stage compute (s0 x1.02/x1.01,
       ...) and a per-iteration overhead of 131.2 ms fitted to iterations 2-4; per stage ...
 
 * rank 0 writes back to the profile DB, fitted to every iteration after the warm-up
@@ -80,9 +82,11 @@ class StageTiming:
     tail_ms: float = 0.0   # mean time from the stage's last op to the iteration's end (DP
     #                        all-reduce, optimizer step, per-iteration overheads)
     peak_memory_bytes: int = 0   # the device's peak allocated memory (0: not measurable)
-    # every recorded iteration (warm-up included), in order: wall time, and the forward and
-    # backward time per micro-batch (the sum of the iteration's ops over its micro-batches)
-    walls_ms: tuple[float, ...] = ()
+    # every recorded iteration (warm-up included), in order: its period (from its start to the
+    # next iteration's start: train_step and Megatron's work between steps, as Megatron's
+    # "elapsed time per iteration"), and the forward and backward time per micro-batch (the sum
+    # of the iteration's ops over its micro-batches)
+    periods_ms: tuple[float, ...] = ()
     forward_mb_ms: tuple[float, ...] = ()
     backward_mb_ms: tuple[float, ...] = ()
 
@@ -169,9 +173,12 @@ def _per_microbatch(ops, is_bwd: bool) -> float:
     return 1e3 * sum(d for _, d in sel) / len(mbs) if mbs else 0.0
 
 
-def stage_timing(recorder: OpRecorder, stage: int, skip: int) -> StageTiming | None:
+def stage_timing(recorder: OpRecorder, stage: int, skip: int,
+                 next_start_s: float | None = None) -> StageTiming | None:
     """This rank's summary: medians per micro-batch and mean wall / tail of the iterations after
-    ``skip``; every recorded iteration's wall and per-micro-batch forward / backward time."""
+    ``skip``; every recorded iteration's period (``next_start_s``: the start of the iteration
+    after the last recorded one; without it the last period is its wall time) and
+    per-micro-batch forward / backward time."""
     its = recorder.iterations[skip:]
     if not its:
         return None
@@ -188,10 +195,12 @@ def stage_timing(recorder: OpRecorder, stage: int, skip: int) -> StageTiming | N
     wall = statistics.fmean(it.end_s - it.start_s for it in its)
     tails = [it.end_s - max(op[4] for op in it.ops) for it in its if it.ops]
     every = recorder.iterations
+    starts = [it.start_s for it in every[1:]] + [
+        next_start_s if next_start_s is not None else every[-1].end_s]
     return StageTiming(stage, statistics.median(fwd) * 1e3 if fwd else 0.0,
                        statistics.median(bwd) * 1e3 if bwd else 0.0, wall * 1e3,
                        statistics.fmean(tails) * 1e3 if tails else 0.0, _peak_memory_bytes(),
-                       tuple(1e3 * (it.end_s - it.start_s) for it in every),
+                       tuple(1e3 * (nxt - it.start_s) for it, nxt in zip(every, starts)),
                        tuple(_per_microbatch(it.ops, False) for it in every),
                        tuple(_per_microbatch(it.ops, True) for it in every))
 
@@ -209,11 +218,12 @@ def _peak_memory_bytes() -> int:
     return 0
 
 
-def iteration_walls(timings: Sequence[StageTiming]) -> list[float]:
-    """Each recorded iteration's measured time: the longest of its ranks' (iterations that some
-    rank did not record are dropped)."""
-    n = min((len(t.walls_ms) for t in timings), default=0)
-    return [max(t.walls_ms[k] for t in timings) for k in range(n)]
+def iteration_times(timings: Sequence[StageTiming]) -> list[float]:
+    """Each recorded iteration's measured time: the mean of its ranks' periods (ranks meet in
+    every iteration's collectives, so over a window their periods agree; one rank starting an
+    iteration late shortens its next one). Iterations some rank did not record are dropped."""
+    n = min((len(t.periods_ms) for t in timings), default=0)
+    return [statistics.fmean(t.periods_ms[k] for t in timings) for k in range(n)]
 
 
 def window_compute(timings: Sequence[StageTiming], first: int, stop: int
@@ -235,7 +245,7 @@ def fit_window(plan: Plan, timings: Sequence[StageTiming], first: int, stop: int
     from ..iteration_fit import fit_iteration
 
     comp = window_compute(timings, first, stop)
-    walls = iteration_walls(timings)[first:stop]
+    walls = iteration_times(timings)[first:stop]
     n = len(plan.stages)
     if not walls or any(s not in comp for s in range(n)):
         return None
@@ -305,7 +315,7 @@ class LiveCalibration:
 
     def __init__(self, plan: Plan, *, model_signature: str = "", profile_db_path: str | None = None,
                  warmup_iterations: int = 1, calibrate_iterations: int = 3,
-                 measure_iterations: int = 4, stage: int | None = None,
+                 measure_iterations: int = 3, stage: int | None = None,
                  device_types: Sequence[str] | None = None,
                  emit: Callable[[str], None] | None = None) -> None:
         self.plan = plan
@@ -355,36 +365,43 @@ class LiveCalibration:
 
     # -- per iteration -------------------------------------------------------------------------
     def begin_iteration(self) -> None:
-        if self.result is None and self.recorder is not None:
-            if self.stage is None:  # Megatron's parallel state exists once training runs
-                self.recorder.stage = _pp_rank()
-            self.recorder.begin_iteration()
-
-    def end_iteration(self) -> None:
         if self.result is not None or self.recorder is None:
             return
-        self.recorder.end_iteration()
-        self._iteration += 1
         if self._iteration >= self.warmup + self.calibrate + self.measure:
+            # the start of the next iteration closes the last one's period: report now
+            from .recorder import clock
+
             try:
-                self._finish()
+                self._finish(clock())
             except Exception as exc:  # never break the training
                 log.warning("calibration failed: %s", exc)
                 self.result = CalibrationReport(self._iteration, self.predicted_ms, float("nan"),
                                                 (), 0)
             finally:
                 self.uninstall()
+            return
+        if self.stage is None:  # Megatron's parallel state exists once training runs
+            self.recorder.stage = _pp_rank()
+        self.recorder.begin_iteration()
+
+    def end_iteration(self) -> None:
+        if self.result is not None or self.recorder is None \
+                or self.recorder._current is None:
+            return
+        self.recorder.end_iteration()
+        self._iteration += 1
 
     def report(self) -> CalibrationReport | None:
         return self.result
 
     # -- the one-time report -------------------------------------------------------------------
-    def _finish(self) -> None:
-        mine = stage_timing(self.recorder, self.recorder.stage, self.warmup + self.calibrate)
+    def _finish(self, next_start_s: float) -> None:
+        mine = stage_timing(self.recorder, self.recorder.stage, self.warmup + self.calibrate,
+                            next_start_s)
         timings = _gather(mine)
         rank0 = _rank() == 0
         w, c = self.warmup, self.calibrate
-        walls = iteration_walls(timings)
+        walls = iteration_times(timings)
         measured = statistics.fmean(walls[w + c:]) if walls[w + c:] else float("nan")
         # one timing per stage (DP replicas of a stage: keep the first)
         per_stage: dict[int, StageTiming] = {}
@@ -424,17 +441,18 @@ MAX_WINDOW = 10   # calibration / measured iterations at most (a long run report
 
 def calibration_windows(train_iters: int | None) -> tuple[int, int, int]:
     """(warm-up, calibration, measured) iterations for a run of ``train_iters``: one warm-up,
-    then the rest split in two (the measured half the larger), each at most
-    :data:`MAX_WINDOW`; (1, 3, 4) when the count is unknown or below 3."""
-    if not train_iters or train_iters < 3:
-        return 1, 3, 4
-    rest = min(int(train_iters) - 1, 2 * MAX_WINDOW)
+    then all but the last iteration (whose start closes the measured ones' periods) split in
+    two (the measured half the larger), each at most :data:`MAX_WINDOW`; (1, 3, 3) when the
+    count is unknown or below 4."""
+    if not train_iters or train_iters < 4:
+        return 1, 3, 3
+    rest = min(int(train_iters) - 2, 2 * MAX_WINDOW)
     return 1, rest // 2, rest - rest // 2
 
 
 def install_calibration(plan: Plan, *, model_signature: str = "",
                         profile_db_path: str | None = None, warmup_iterations: int = 1,
-                        calibrate_iterations: int = 3, measure_iterations: int = 4,
+                        calibrate_iterations: int = 3, measure_iterations: int = 3,
                         device_types: Sequence[str] | None = None, wrap_train_step: bool = True,
                         emit: Callable[[str], None] | None = None) -> LiveCalibration:
     """Create and install a :class:`LiveCalibration` (see the module docstring)."""
