@@ -15,12 +15,16 @@ own arguments, timed forward and backward for each candidate TP degree and micro
   gradient (``main_grad += grad``, fp32 buffers). Device synchronisation and the wall clock on
   GPU/NPU. Under CPU emulation the ranks of a host measure in turns (:class:`Turns`), so they
   never compete for its cores, and the emulated device's time is computed from the CPU time
-  (:class:`EmulatedClock`: factor x CPU time at TP 1) with the slowdown's sleep suspended: the
-  sleep-then-wake padding made the slow type read 4.5-5x for a configured 4x on a loaded host
-  (the work after a sleep runs on cold caches), and wall time took in other processes' load.
-  The ranks of a TP group stop sampling together (their layer is collective).
+  (:class:`EmulatedClock`: (share + factor - 1) x CPU time at TP 1) with the slowdown's sleep
+  suspended: the sleep-then-wake padding made the slow type read 4.5-5x for a configured 4x on
+  a loaded host (the work after a sleep runs on cold caches), and wall time took in other
+  processes' load. ``share`` is how much the host's ranks slow each other's compute when they
+  train together, measured first by running every rank's TP-1 layer at once
+  (:mod:`.contention`). The ranks of a TP group stop sampling together (their layer is
+  collective).
 * Optimizer step: the layer's parameters through what Megatron's mixed-precision optimizer does
-  per step (grad norm, clipping, AdamW on fp32 master copies, the copy back), per device.
+  per step (grad norm, clipping, AdamW on fp32 master copies, the copy back), per device
+  (x ``share`` under emulation).
 * Activation memory (:func:`layer_memory_bytes`, after the timing, on a warm layer): on GPU / NPU
   the allocator's ``memory_allocated`` after one forward minus before it (what a micro-batch keeps
   alive until its backward, the layer's output included); on CPU, emulated devices included (no
