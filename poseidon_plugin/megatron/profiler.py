@@ -585,17 +585,18 @@ def layer_memory_bytes(layer: Any, config: Any, vargs: Any, device: Any) -> int:
 def profile_rank(args: Any, tps: Sequence[int], micro_batch_sizes: Sequence[int], *, world_size: int,
                  rank: int, device: Any, iters: int, seed: int = 1234,
                  checkpoint: Any = None, turns: Turns | None = None,
-                 contention: Callable[[Callable[[], tuple[float, float]]], float] | None = None
-                 ) -> list[LayerTiming]:
+                 contention: Callable[[Callable[[], tuple[float, float]], float], float]
+                 | None = None) -> list[LayerTiming]:
     """Profile one decoder layer for every (tp, mbs) on this rank. Collective per TP degree.
 
     ``checkpoint(name)`` (a deadline barrier) is called before each collective step, so a rank that
     hangs is named by the others instead of surfacing as an anonymous collective timeout.
     ``turns``: the ranks of a host measure one TP group at a time (see :class:`Turns`).
-    ``contention(step)`` (CPU emulation; collective: every rank calls it once): given this rank's
-    timed forward + backward of a TP-1 layer, runs :func:`.contention.measure_contention` with
-    the others and returns this host's share, the ``share`` of every emulated time measured
-    here (:class:`EmulatedClock`). Without a TP-1 candidate the fixed rule :func:`host_share`.
+    ``contention(step, alone_s)`` (CPU emulation; collective: every rank calls it once): given
+    this rank's timed forward + backward of a TP-1 layer and its mean wall time alone on the
+    host (measured here, in ``turns``), runs :func:`.contention.measure_contention` with the
+    others and returns this host's share, the ``share`` of every emulated time measured here
+    (:class:`EmulatedClock`). Without a TP-1 candidate the fixed rule :func:`host_share`.
     """
     import torch
     from megatron.core import parallel_state, tensor_parallel
@@ -611,7 +612,8 @@ def profile_rank(args: Any, tps: Sequence[int], micro_batch_sizes: Sequence[int]
 
     share = 1.0
     if contention is not None and _emulation_factor(device) is not None:
-        share = _host_contention(built, contention, tps, micro_batch_sizes, seed, checkpoint)
+        share = _host_contention(built, contention, tps, micro_batch_sizes, seed, checkpoint,
+                                 turns)
     out: list[LayerTiming] = []
     for tp in tps:
         if checkpoint is not None:
@@ -636,16 +638,17 @@ def profile_rank(args: Any, tps: Sequence[int], micro_batch_sizes: Sequence[int]
 
 
 def _host_contention(built: Callable[[int, int], tuple[Any, Any, Any]],
-                     contention: Callable[[Callable[[], tuple[float, float]]], float],
+                     contention: Callable[[Callable[[], tuple[float, float]], float], float],
                      tps: Sequence[int], micro_batch_sizes: Sequence[int], seed: int,
-                     checkpoint: Any) -> float:
-    """The host's share: ``contention`` run on a TP-1 layer of the first micro-batch size (every
-    rank at once, padding suspended: the probe sleeps the padding itself); the fixed rule
-    :func:`host_share` when TP 1 is not a candidate."""
+                     checkpoint: Any, turns: Turns | None) -> float:
+    """The host's share: a TP-1 layer of the first micro-batch size timed alone (the host's
+    ranks in ``turns``), then ``contention`` (every rank at once); padding suspended (the probe
+    sleeps the padding itself). The fixed rule :func:`host_share` when TP 1 is not a
+    candidate."""
     import torch
     from megatron.core import parallel_state, tensor_parallel
 
-    from .contention import timed_compute
+    from .contention import measure_alone, timed_compute
 
     if 1 not in tps:
         return host_share()
@@ -663,8 +666,13 @@ def _host_contention(built: Callable[[int, int], tuple[Any, Any, Any]],
             (out[0] if isinstance(out, tuple) else out).backward(grad)
             x.grad = None
 
+        def step() -> tuple[float, float]:
+            return timed_compute(run, _WALL, _CPU)
+
         with _padding_suspended(True):
-            share = contention(lambda: timed_compute(run, _WALL, _CPU))
+            alone = _in_turns(turns, 1, "contention-alone", checkpoint,
+                              lambda: measure_alone(step))
+            share = contention(step, alone)
         for h in hooks:
             h.remove()
         del layer

@@ -383,27 +383,33 @@ def _all_ranks_profile(ctx: LaunchContext) -> None:
         _rank0_store_profiles(ctx, gathered, time.perf_counter() - t0)
 
 
-def _contention_probe(ctx: LaunchContext) -> Callable[[Callable[[], tuple[float, float]]], float]:
-    """Under CPU emulation: every rank runs its TP-1 layer at once (:mod:`.contention`); returns
-    the share of this rank's physical host (the median of its ranks' ratios)."""
-    import torch
-
+def _contention_probe(ctx: LaunchContext
+                      ) -> Callable[[Callable[[], tuple[float, float]], float], float]:
+    """Under CPU emulation: every rank runs its TP-1 layer at once (:mod:`.contention`), its mean
+    step time over its time alone (``alone_s``); returns the share of this rank's physical host
+    and device type (the median of those ranks' ratios)."""
     from . import contention
 
     factor = emulation.slowdown_factor() or 1.0
     real_host = bootstrap.hostname()   # emulated hosts of one machine share its cores
+    my_type = ctx.topo.infos[ctx.rank].device_type
 
-    def probe(step: Callable[[], tuple[float, float]]) -> float:
+    def probe(step: Callable[[], tuple[float, float]], alone_s: float) -> float:
         ctx.boot.barrier("contention-start")
-        sample = contention.measure_contention(step, factor, threads=torch.get_num_threads())
-        got = ctx.boot.all_gather_object((sample.ratio, real_host), "contention-gather")
+        sample = contention.measure_contention(step, factor, alone_s)
+        got = ctx.boot.all_gather_object((sample.ratio, real_host, my_type),
+                                         "contention-gather")
         shares = contention.host_shares({r: g[0] for r, g in enumerate(got)},
-                                        {r: g[1] for r, g in enumerate(got)})
+                                        {r: g[1] for r, g in enumerate(got)},
+                                        {r: g[2] for r, g in enumerate(got)})
         if ctx.rank == 0:
+            per_type = {g[2]: shares[r] for r, g in enumerate(got)}
             log.info("host contention: %d rank(s) running at once slow each other's compute "
-                     "x%.2f (measured for %.1f s; per rank %s; the fixed rule ranks x threads / "
-                     "cores would say x%.2f)", len(got), shares[0], contention.CONTENTION_SECONDS,
-                     " ".join(f"{g[0]:.2f}" for g in got), profiler.host_share())
+                     "%s (step time together over alone, %.1f s; per rank %s; the fixed rule "
+                     "ranks x threads / cores would say x%.2f for every type)", len(got),
+                     ", ".join(f"{t} x{v:.2f}" for t, v in sorted(per_type.items())),
+                     contention.CONTENTION_SECONDS, " ".join(f"{g[0]:.2f}" for g in got),
+                     profiler.host_share())
         return shares[ctx.rank]
 
     return probe
