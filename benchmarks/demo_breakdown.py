@@ -12,7 +12,8 @@ the training script: in that role (``DEMO_BREAKDOWN_DIR`` set) it wraps, in ever
 unchanged, and writes ``OUTDIR/rank<N>.json``. Then it prints, from iteration 2 on:
 
 * per stage: the plan's forward / backward per micro-batch against the measured wall and CPU
-  time (wall / CPU = the contention the ops saw);
+  time (wall / CPU = the contention the ops saw; for a slow emulated type it includes the
+  padding sleep);
 * the pipeline re-timed with the measured compute (``iteration_fit.retimed_ms``) against the
   measured iteration (its longest rank), and where the rest goes: the critical rank's tail
   (finalize = DP + embedding all-reduce, including the wait for the other replica; optimizer:
@@ -155,11 +156,14 @@ def analyse(out: str, skip: int = 1) -> None:
               f"{fw:6.1f}/{bw:6.1f}                 {fc:5.1f}/{bc:5.1f}    "
               f"{(fw + bw) / (fc + bc):.2f}")
     pipe = retimed_ms(plan, ratios_f, ratios_b)
-    walls = [max(_ms(steps[r][k][2] - steps[r][k][1]) for r in steps) for k in range(n_it)]
-    meas = st.fmean(walls[skip:])
+    # an iteration's time as the live calibration takes it: its period (start to the next
+    # start), the mean over the ranks
+    periods = [st.fmean(_ms(steps[r][k + 1][1] - steps[r][k][1]) for r in steps)
+               for k in range(n_it - 1)]
+    meas = st.fmean(periods[skip:])
     print(f"pipeline re-timed with the measured compute (plan's DP all-reduce + optimizer, no "
-          f"overhead): {pipe:.1f} ms; measured iteration (mean of iterations {skip + 1}-{n_it}, "
-          f"longest rank): {meas:.1f} ms; the rest: {meas - pipe:.1f} ms")
+          f"overhead): {pipe:.1f} ms; measured iteration (mean period of iterations "
+          f"{skip + 1}-{n_it - 1}): {meas:.1f} ms; the rest: {meas - pipe:.1f} ms")
     print(f"plan's post-pipeline term per stage: "
           + ", ".join(f"s{s.index} {s.allreduce_ms:.1f} + {s.optimizer_ms:.1f} ms"
                       for s in plan.stages))
@@ -172,6 +176,8 @@ def analyse(out: str, skip: int = 1) -> None:
         for k in range(skip, n_it):
             t = ss[k]
             inside = [e for e in ev if t[1] <= e[1] <= t[2]]
+            if not any(e[0] in ("F", "B") for e in inside):
+                continue   # after the live calibration reported (it unwraps forward/backward)
             last = max(e[2] for e in inside if e[0] in ("F", "B"))
             g = {nm: sum(_ms(e[2] - e[1]) for e in inside if e[0] == nm)
                  for nm in ("finalize", "dp_sync", "embedding_ar", "grad_norm", "opt_update",
