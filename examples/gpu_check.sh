@@ -103,7 +103,7 @@ if os.path.exists(plan_path):
                      f"predicted memory {s['memory_bytes'] / 2**30:.2f} GiB")
 lines += [l.strip() for l in log.splitlines() if re.search(r"\] +\S+ +tp=\d+ mbs=\d+ ", l)]
 cal = list(dict.fromkeys(l.strip() for l in log.splitlines() if "calibration: iteration" in l))
-lines += cal or ["no calibration line (the training failed or ran fewer than 8 iterations; see "
+lines += cal or ["no calibration line (the training failed or ran fewer than 4 iterations; see "
                  "run.log)"]
 text = "\n".join(lines) + "\n"
 open(os.path.join(out, "summary.txt"), "w", encoding="utf-8").write(text)

@@ -21,7 +21,7 @@ GPT_ARGS=(
   --num-layers 8 --hidden-size 128 --num-attention-heads 4
   --seq-length 128 --max-position-embeddings 128
   --micro-batch-size 1 --global-batch-size 16
-  --train-iters 8 --lr 2e-3 --lr-decay-style constant
+  --train-iters 16 --lr 2e-3 --lr-decay-style constant
   --mock-data --tokenizer-type NullTokenizer --vocab-size 512
   --log-interval 1 --eval-iters 0 --eval-interval 1000 --num-workers 0 --bf16 --seed 1234
 )

@@ -18,11 +18,16 @@ Per stage s of a plan (type k, TP t, l layers, micro-batch b, sequence S, DP d):
 * optimizer step O_s = the stage's gradient bytes x the type's measured optimizer ms per
   gradient byte (the decoder record's ``optimizer_ms`` over its gradient bytes: Adam, the grad norm
   and the copy back scale with the parameters a device holds); 0 where no record measured it.
-* post-pipeline work: the simulator's R_s is A_s + O_s, so the iteration time is
-  max over stages of (the stage's last backward + its DP all-reduce + its optimizer step). This
-  folds Megatron's order (finalize: DP all-reduce; then the optimizer: grad norm, update) into each
-  stage; the grad-norm all-reduce that lines the stages up before the update is not modelled (it
-  matters only when the stage finishing last is not the one with the largest O_s).
+* per-iteration overhead X = the profile DB's ``IterationOverhead`` record of (model, sequence,
+  setup, the cluster's device types) (``overhead.py``: calibrated by a live run; 0 when none):
+  what an iteration takes beyond the simulated pipeline (the embedding and grad-norm
+  all-reduces, Megatron's per-iteration work, replicas and stages waiting for each other), the
+  same for every stage.
+* post-pipeline work: the simulator's R_s is A_s + O_s + X, so the iteration time is
+  max over stages of (the stage's last backward + its DP all-reduce + its optimizer step) + X.
+  This folds Megatron's order (finalize: DP all-reduce; then the optimizer: grad norm, update)
+  into each stage; the grad-norm all-reduce that lines the stages up before the update is part
+  of X where a live run calibrated it.
 * memory: ``memory.stage_memory`` of the stage under the training setup (``training.py``), with
   a measured decoder record's activation and parameter bytes when the DB has one, plus the
   device type's runtime reserve, against the device type's capacity.
@@ -40,7 +45,7 @@ import numpy as np
 from . import memory as memory_mod
 from .comm import allreduce_ms, send_ms
 from .placement import Pool, StagePlacement, place_stages, ring_gbps, send_link_gbps, type_pools
-from .profiles import LayerProfile, ProfileKey, lookup_profile
+from .profiles import LayerProfile, ProfileKey, lookup_overhead, lookup_profile
 from .training import TrainingSetup
 
 BYTES_PER_ACTIVATION = 2   # bf16
@@ -77,11 +82,13 @@ class StageCosts:
     memory: memory_mod.StageMemory | None = None        # the peak's parts
     provenance: tuple[LayerProfile, ...] = ()           # the layer kinds this stage runs
     optimizer_ms: float = 0.0
+    overhead_ms: float = 0.0        # the per-iteration overhead X (every stage alike)
 
     @property
     def post_pipeline_ms(self) -> float:
-        """What the stage does after its last backward: DP all-reduce, then optimizer step."""
-        return self.allreduce_ms + self.optimizer_ms
+        """What the stage does after its last backward: DP all-reduce, then optimizer step,
+        then the per-iteration overhead."""
+        return self.allreduce_ms + self.optimizer_ms + self.overhead_ms
 
 
 def chunk_layers(layers: int, virtual_stages: int) -> tuple[int, ...]:
@@ -125,6 +132,9 @@ class CostModel:
         self._layer_cache: dict[tuple[int, int, int], LayerCosts] = {}
         self._mem_cache: dict[tuple, tuple[int, int]] = {}
         self._sig = model.signature() if callable(getattr(model, "signature", None)) else model.name
+        self.overhead = (lookup_overhead(profiles, cluster, model, seq_length, self.training)
+                         if callable(getattr(model, "signature", None)) else None)
+        self.iteration_overhead_ms = self.overhead.overhead_ms if self.overhead else 0.0
 
     # ------------------------------------------------------------------ profiles
     def layer_costs(self, type_index: int, tp: int, micro_batch_size: int) -> LayerCosts:
@@ -286,7 +296,8 @@ class CostModel:
                 send_backward_ms=sends[s] if s < n - 1 else 0.0,
                 allreduce_ms=ar, memory_bytes=mem.total_bytes,
                 memory_capacity_bytes=self.capacity_bytes[k], memory=mem, provenance=kinds,
-                optimizer_ms=grad * lc.optimizer_ms_per_grad_byte))
+                optimizer_ms=grad * lc.optimizer_ms_per_grad_byte,
+                overhead_ms=self.iteration_overhead_ms))
         return tuple(out), placements, unused
 
     def wrap_send_ms(self, placements, micro_batch_size: int) -> float:
@@ -298,7 +309,7 @@ class CostModel:
 def simulator_arrays(stages, virtual_stages: int, wrap_send_ms: float = 0.0):
     """(F, B, Pf, Pb, R) in the simulator's layout (per-chunk arrays of shape (V, N) if V > 1)
     of ``StageCosts`` (or a plan's ``StagePlan``s); R[s] is the stage's post-pipeline work (DP
-    all-reduce + optimizer step)."""
+    all-reduce + optimizer step + per-iteration overhead)."""
     v = virtual_stages
     if v > 1:
         F = np.array([[st.chunk_forward_ms[c] for st in stages] for c in range(v)])

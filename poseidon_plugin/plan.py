@@ -9,7 +9,7 @@ indent, floats rounded to 6 decimals, trailing newline, so equal plans give equa
      "num_microbatches", "global_batch_size", "seq_length", "num_layers",
      "stages": [{"index", "device_type", "tp", "dp", "layers", "forward_ms", "backward_ms",
                  "send_forward_ms", "send_backward_ms", "allreduce_ms", "optimizer_ms",
-                 "memory_bytes", "memory_capacity_bytes",
+                 "overhead_ms", "memory_bytes", "memory_capacity_bytes",
                  "devices": [[{"node", "local_device"}, ...tp], ...dp],
                  "chunk_layers", "chunk_forward_ms", "chunk_backward_ms" (V entries each),
                  "provenance": {"decoder"|"embedding"|"output": {"source", "record"}},
@@ -18,6 +18,7 @@ indent, floats rounded to 6 decimals, trailing newline, so equal plans give equa
                             "activations_source"}}],
      "links": [{"from_stage", "to_stage", "send_ms", "wrap_around" (interleaved last->first)}],
      "wrap_send_ms", "timing_model" ("engine": re-derive with Plan.rederived_iteration_time_ms),
+     "iteration_overhead": {"ms", "source", "record"} or null,
      "training": {"recompute", "distributed_optimizer", "params_dtype", "grad_dtype",
                   "attention"},
      "unused_devices": [{"node", "local_device"}], "megatron_args": [...] (null if per-stage TP),
@@ -36,6 +37,12 @@ Provenance: per stage and layer kind it runs, ``source`` is ``measured`` (a prof
 file's peak x efficiency); ``record`` is the profile key used (``ProfileKey.describe``).
 ``memory`` is the predicted peak (= ``memory_bytes``) and its parts; ``activations_source`` says
 whether the per-layer activations were measured. Both are empty in plans of older versions.
+
+Per-iteration overhead (``overhead.py``): each stage's ``overhead_ms`` (the same on every stage)
+is part of its post-pipeline work (DP all-reduce + optimizer step + overhead), so the iteration
+re-derives with it; ``iteration_overhead`` says where it came from (``source`` ``calibrated``:
+a live run measured it; ``record``: the key and the plan and iterations it was calibrated on),
+null when the profile DB had none (0 ms).
 
 Rank order: Megatron's default order tp-cp-ep-dp-pp (cp = ep = 1):
 ``rank = stage * (tp * dp) + dp_rank * tp + tp_rank`` (uniform TP).
@@ -88,11 +95,13 @@ class StagePlan:
     # (part, bytes) of memory_bytes, then ("activations_source", "measured"|"estimated")
     memory_parts: tuple[tuple[str, Any], ...] = ()
     optimizer_ms: float = 0.0   # optimizer step after the DP all-reduce (measured; 0: none)
+    overhead_ms: float = 0.0    # the per-iteration overhead (calibrated; 0: none)
 
     @property
     def post_pipeline_ms(self) -> float:
-        """What the stage does after its last backward: DP all-reduce, then optimizer step."""
-        return self.allreduce_ms + self.optimizer_ms
+        """What the stage does after its last backward: DP all-reduce, then optimizer step,
+        then the per-iteration overhead."""
+        return self.allreduce_ms + self.optimizer_ms + self.overhead_ms
 
 
 def _r(x: float) -> float:
@@ -128,6 +137,8 @@ class Plan:
     wrap_send_ms: float = 0.0      # interleaved: last stage -> first stage (next chunk)
     baselines: tuple[dict[str, Any], ...] = ()   # see the module docstring; () = not computed
     training: dict[str, Any] = field(default_factory=dict)   # TrainingSetup.to_dict()
+    # where the stages' overhead_ms came from: {"ms", "source", "record"}; {} = none
+    iteration_overhead: dict[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ shape
     @property
@@ -279,7 +290,7 @@ class Plan:
             "layers": s.layers, "forward_ms": _r(s.forward_ms), "backward_ms": _r(s.backward_ms),
             "send_forward_ms": _r(s.send_forward_ms), "send_backward_ms": _r(s.send_backward_ms),
             "allreduce_ms": _r(s.allreduce_ms), "optimizer_ms": _r(s.optimizer_ms),
-            "memory_bytes": int(s.memory_bytes),
+            "overhead_ms": _r(s.overhead_ms), "memory_bytes": int(s.memory_bytes),
             "memory_capacity_bytes": int(s.memory_capacity_bytes),
             "devices": [[{"node": d.node, "local_device": d.local_device} for d in grp]
                         for grp in s.devices],
@@ -315,6 +326,7 @@ class Plan:
             "wrap_send_ms": _r(self.wrap_send_ms),
             "timing_model": TIMING_MODEL,
             "training": _jsonable(self.training),
+            "iteration_overhead": _jsonable(self.iteration_overhead) or None,
         }
         if self.baselines:
             out["baselines"] = _jsonable(list(self.baselines))
@@ -333,7 +345,7 @@ class Plan:
                 send_forward_ms=s["send_forward_ms"], send_backward_ms=s["send_backward_ms"],
                 allreduce_ms=s["allreduce_ms"], memory_bytes=s["memory_bytes"],
                 memory_capacity_bytes=s["memory_capacity_bytes"],
-                optimizer_ms=s.get("optimizer_ms", 0.0),
+                optimizer_ms=s.get("optimizer_ms", 0.0), overhead_ms=s.get("overhead_ms", 0.0),
                 devices=tuple(tuple(DeviceSlot(x["node"], x["local_device"]) for x in grp)
                               for grp in s["devices"]),
                 chunk_layers=tuple(s.get("chunk_layers", ())),
@@ -357,7 +369,8 @@ class Plan:
                 gap=d.get("gap", 0.0), num_layers=d.get("num_layers", 0),
                 wrap_send_ms=d.get("wrap_send_ms", 0.0),
                 baselines=tuple(dict(e) for e in d.get("baselines", ())),
-                training=d.get("training", {}))
+                training=d.get("training", {}),
+                iteration_overhead=dict(d.get("iteration_overhead") or {}))
         except (ValueError, KeyError, TypeError) as exc:
             raise PoseidonError(f"plan JSON: malformed ({type(exc).__name__}: {exc})") from None
 
@@ -417,6 +430,13 @@ class Plan:
                 lines.append(f"searched space: {s['search_space']}")
         return "\n".join(lines) + "\n"
 
+    def _overhead_line(self) -> str:
+        """The per-iteration overhead's provenance line of the table."""
+        if self.iteration_overhead:
+            return _overhead_text(self.iteration_overhead)
+        return (f"  {'iteration':<9} {'none':<10} {'every stage':<14} +0 ms per iteration (no "
+                "live run has calibrated the per-iteration overhead of this model and cluster)")
+
     def _provenance_lines(self) -> list[str]:
         """One line per (layer kind, source, record) with the stages it serves; the setup."""
         groups: dict[tuple[str, str, str], list[int]] = {}
@@ -429,6 +449,7 @@ class Plan:
         for (kind, src, rec), idx in groups.items():
             where = "stage" + ("s " if len(idx) > 1 else " ") + node_ranges(idx, None)
             out.append(f"  {kind:<9} {src:<10} {where:<14} {rec}")
+        out.append(self._overhead_line())
         act = {s.index: dict(s.memory_parts).get("activations_source") for s in self.stages}
         measured = [i for i, v in act.items() if v == "measured"]
         if not measured:
@@ -444,6 +465,11 @@ class Plan:
                        f"{t.get('grad_dtype')}, distributed optimizer "
                        f"{'on' if t.get('distributed_optimizer') else 'off'}")
         return out
+
+
+def _overhead_text(o: dict[str, Any]) -> str:
+    return (f"  {'iteration':<9} {o.get('source', '?'):<10} {'every stage':<14} "
+            f"+{float(o.get('ms', 0.0)):.2f} ms per iteration ({o.get('record', '')})")
 
 
 def node_ranges(nodes, max_ranges: int | None = 8) -> str:

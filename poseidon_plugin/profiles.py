@@ -16,6 +16,10 @@ On-disk format (``ProfileDB.VERSION`` = 1), deterministic (records sorted by key
 device; the cost model adds it, scaled by each stage's parameters, to the stage's post-pipeline
 work (``costs.py``). Written only when non-zero.
 
+``overheads`` (optional top-level list, written only when non-empty): per-iteration overhead
+records (``overhead.py``: what an iteration takes beyond the simulated pipeline, calibrated by
+a live run), keyed by the model, sequence, setup and the cluster's device types.
+
 The key is the device type, layer kind, TP, micro-batch, sequence, the model's signature
 (``ModelSpec.signature``) and the training setup the layer ran under (``dtype``, ``attention``,
 ``recompute``: ``TrainingSetup.profile_fields``; absent in older files: bf16, flash, none).
@@ -70,6 +74,8 @@ from typing import Any, Iterator, Literal, get_args
 from . import memory
 from .comm import allreduce_ms
 from .errors import ProfileDBError, SpecError, short_repr
+from .overhead import (IterationOverhead, OverheadKey, overhead_from_record, overhead_to_record,
+                       wins as _overhead_wins)
 from .training import TrainingSetup
 
 LayerKind = Literal["decoder", "embedding", "output"]
@@ -249,8 +255,10 @@ class ProfileDB:
     def __init__(self, path: str | None = None) -> None:
         self.path = path
         self._records: dict[ProfileKey, LayerProfile] = {}
+        self._overheads: dict[OverheadKey, IterationOverhead] = {}
         if path is not None and os.path.exists(path):
-            self._records = ProfileDB.load(path)._records
+            loaded = ProfileDB.load(path)
+            self._records, self._overheads = loaded._records, loaded._overheads
 
     def __len__(self) -> int:
         return len(self._records)
@@ -279,10 +287,28 @@ class ProfileDB:
         """Put every record of ``other`` (in its sorted order) by the merge rule."""
         for profile in other.profiles():
             self.put(profile)
+        for o in other.overheads():
+            self.put_overhead(o)
+
+    # per-iteration overheads (overhead.py)
+    def overheads(self) -> list[IterationOverhead]:
+        return [self._overheads[k] for k in sorted(self._overheads, key=OverheadKey.sort_key)]
+
+    def get_overhead(self, key: OverheadKey) -> IterationOverhead | None:
+        return self._overheads.get(key)
+
+    def put_overhead(self, overhead: IterationOverhead) -> bool:
+        """Insert by the merge rule (calibrated > estimated; same source: the newer)."""
+        if _overhead_wins(overhead, self._overheads.get(overhead.key)):
+            self._overheads[overhead.key] = overhead
+            return True
+        return False
 
     def to_json(self) -> str:
-        payload = {"version": self.VERSION,
-                   "records": [profile_to_record(p) for p in self.profiles()]}
+        payload: dict[str, Any] = {"version": self.VERSION,
+                                   "records": [profile_to_record(p) for p in self.profiles()]}
+        if self._overheads:
+            payload["overheads"] = [overhead_to_record(o) for o in self.overheads()]
         return json.dumps(payload, indent=2, sort_keys=True) + "\n"
 
     def save(self, path: str | None = None) -> None:
@@ -333,15 +359,21 @@ class ProfileDB:
             raise ProfileDBError(f"{source}: profile DB version {short_repr(version)} is not "
                                  f"supported (expected {cls.VERSION}); re-profile or convert "
                                  "the file")
-        extra = set(payload) - {"version", "records"}
+        extra = set(payload) - {"version", "records", "overheads"}
         if extra:
             raise ProfileDBError(f"{source}: unknown top-level field(s) {sorted(extra)}")
         records = payload.get("records")
         if not isinstance(records, list):
             raise ProfileDBError(f"{source}: records: expected a list, got {short_repr(records)}")
+        overheads = payload.get("overheads", [])
+        if not isinstance(overheads, list):
+            raise ProfileDBError(f"{source}: overheads: expected a list, got "
+                                 f"{short_repr(overheads)}")
         db = cls()
         for i, record in enumerate(records):
             db.put(profile_from_record(record, f"{source}: records[{i}]"))
+        for i, record in enumerate(overheads):
+            db.put_overhead(overhead_from_record(record, f"{source}: overheads[{i}]"))
         return db
 
     @classmethod
@@ -444,6 +476,18 @@ def lookup_profile(db: ProfileDB | None, cluster, model, key: ProfileKey) -> Lay
         if found is not None and found.source == "measured":
             return found
     return estimate_profile(cluster, model, key)
+
+
+def lookup_overhead(db: ProfileDB | None, cluster, model, seq_length: int,
+                    setup: TrainingSetup | None = None) -> IterationOverhead | None:
+    """The per-iteration overhead record of (model, sequence, setup, the cluster's device
+    types), or None (no live run calibrated one: the cost model then adds 0)."""
+    if db is None:
+        return None
+    from .overhead import overhead_key
+
+    return db.get_overhead(overhead_key(model.signature(), seq_length, cluster.type_names,
+                                        (setup or TrainingSetup()).profile_fields))
 
 
 def profile_key(model, device_type: str, layer_kind: LayerKind, tp: int, micro_batch_size: int,
@@ -578,6 +622,6 @@ def calibrate_cluster(cluster, db: ProfileDB | None, model, seq_length: int,
 
 __all__ = [
     "LayerKind", "Source", "ProfileKey", "LayerProfile", "ProfileDB", "estimate_profile",
-    "lookup_profile", "profile_key", "tp_link_gbps", "diagnose", "signature_diff",
+    "lookup_profile", "lookup_overhead", "profile_key", "tp_link_gbps", "diagnose", "signature_diff",
     "calibrate_cluster",
 ]

@@ -131,6 +131,28 @@ def test_emulated_heterogeneous_training(tmp_path):
     assert losses[-1] < losses[0] and sum(losses[half:]) / (len(losses) - half) < sum(losses[:half]) / half, losses
     assert "profiling:" in out
 
+    # the host's contention was measured, not assumed; the live calibration fitted the stage
+    # compute and the per-iteration overhead to iterations 2-4, checked them on 5-7 and wrote
+    # the overhead to the profile cache, where the next plan of this model and cluster finds it
+    assert "host contention: 4 rank(s) running at once" in out
+    (cal,) = {l[l.index("calibration:"):] for l in out.splitlines() if "calibration: iteration 7" in l}
+    assert "over iterations 5-7" in cal and "fitted to iterations 2-4" in cal, cal
+    assert plan["iteration_overhead"] is None           # a fresh cache has none
+    (cache,) = glob.glob(str(tmp_path / "profiles" / "profiles-*.json"))
+    (over,) = json.loads(open(cache).read())["overheads"]
+    assert over["source"] == "calibrated" and over["calibrated_on"].endswith("iterations 2-7")
+    again = tmp_path / "plan2.json"
+    proc, out, _ = torchrun(4, [*GPT_ARGS, "--train-iters", "2", "--poseidon-auto",
+                                "--poseidon-dry-run", "--poseidon-emulate", EMULATE4,
+                                "--poseidon-save-plan", str(again)],
+                            {"POSEIDON_PROFILE_DIR": str(tmp_path / "profiles")})
+    assert proc.returncode == 0, ok(proc, out)
+    plan2 = json.loads(again.read_text())
+    assert plan2["iteration_overhead"]["source"] == "calibrated", plan2["iteration_overhead"]
+    assert plan2["iteration_overhead"]["ms"] == pytest.approx(over["overhead_ms"])
+    assert all(s["overhead_ms"] == pytest.approx(over["overhead_ms"]) for s in plan2["stages"])
+    assert "iteration calibrated" in " ".join(out.split())
+
 
 def test_dry_run_prints_flags_builds_nothing_and_second_launch_uses_the_cache(tmp_path):
     report = tmp_path / "report"

@@ -286,17 +286,19 @@ def test_timed_step_uses_the_emulated_clock(monkeypatch):
     assert (f, b) == (pytest.approx(8.0), pytest.approx(16.0))
 
 
-def test_emulated_clock_scales_by_the_host_share(monkeypatch):
-    """Ranks profiled in turns train together: 4 single-thread ranks on 2 cores each get half a
-    core, so the emulated times are twice the uncontended ones (every type alike)."""
+def test_emulated_clock_scales_the_compute_by_the_host_share(monkeypatch):
+    """Ranks profiled in turns train together: their compute shares the host's cores and takes
+    ``share`` x as long; the emulation's padding is a sleep (no core needed) and is not scaled."""
     torch = pytest.importorskip("torch")
     from poseidon_plugin.megatron import profiler
 
     alone = profiler.EmulatedClock(3.0, 1)
-    shared = profiler.EmulatedClock(3.0, 1, share=2.0)
-    assert shared.ms(0.5, 0.01) == pytest.approx(2 * alone.ms(0.5, 0.01)) == pytest.approx(60.0)
-    tp2 = profiler.EmulatedClock(3.0, 2, share=2.0)
-    assert tp2.ms(0.02, 0.01) == pytest.approx(2 * (0.02 + 2.0 * 0.01) * 1e3)
+    shared = profiler.EmulatedClock(3.0, 1, share=1.5)
+    assert alone.ms(0.5, 0.01) == pytest.approx(30.0)                # 3 x 10 ms of CPU
+    assert shared.ms(0.5, 0.01) == pytest.approx((1.5 + 2.0) * 10.0)  # compute x1.5 + 2 x padding
+    tp2 = profiler.EmulatedClock(3.0, 2, share=1.5)
+    assert tp2.ms(0.02, 0.01) == pytest.approx((1.5 * 0.02 + 2.0 * 0.01) * 1e3)
+    # the fixed rule (the fallback without a TP-1 layer to measure with)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)

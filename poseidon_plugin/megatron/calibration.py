@@ -1,17 +1,17 @@
-"""Live calibration: predicted vs measured iteration time of a running job, and measured per-stage
-timings written back to the profile cache.
+"""Live calibration: predicted vs measured iteration time of a running job; the stage compute and
+the per-iteration overhead fitted to its first iterations, checked against the later ones, and
+written back to the profile cache.
 
 API (the ``--poseidon-auto`` runner installs it after the plan is applied, before the script runs)::
 
     from poseidon_plugin.megatron.calibration import install_calibration
 
     cal = install_calibration(
-        plan,                                  # poseidon_plugin.plan.Plan (read: stages[i].layers/
-                                               #   .device_type/.tp, micro_batch_size, seq_length,
-                                               #   predicted_iteration_time_ms)
+        plan,                                  # poseidon_plugin.plan.Plan
         model_signature=model.signature(),     # ProfileKey.model_signature of the run's model
         profile_db_path=cache_path,            # JSON ProfileDB; None = do not write back
-        warmup_iterations=3, measure_iterations=5)
+        device_types=cluster.type_names,       # the overhead record's key (default: the plan's)
+        warmup_iterations=1, calibrate_iterations=3, measure_iterations=3)
 
 ``install_calibration`` wraps ``megatron.training.training.train_step`` (looked up as a module
 global by ``train()`` in megatron-core 0.19, so the wrapper is used) and installs an
@@ -20,22 +20,37 @@ global by ``train()`` in megatron-core 0.19, so the wrapper is used) and install
 call ``cal.begin_iteration()`` / ``cal.end_iteration()`` around each iteration instead (after
 ``cal.install(wrap_train_step=False)``, or use ``LiveCalibration`` directly).
 
-After ``warmup_iterations + measure_iterations`` iterations, ONCE:
+Iterations, in order: ``warmup`` (not used: allocations, first-call costs), ``calibrate`` (the
+fit), ``measure`` (the check); ``calibration_windows(train_iters)`` picks them. At the start of
+the iteration after them (it closes the last one's period), ONCE:
 
-* every rank computes the mean wall time of the measured iterations and the median forward and
-  backward op time of its stage (all micro-batches, all chunks of a device summed per
-  micro-batch); with ``torch.distributed`` up they are all-gathered so rank 0 sees every stage;
+* every rank summarises its recorded iterations (:class:`StageTiming`: each iteration's period
+  -- from its start to the next one's, so Megatron's work between ``train_step`` calls counts,
+  as in its "elapsed time per iteration" -- and its forward and backward time per micro-batch,
+  all chunks of the device summed); with ``torch.distributed`` up they are all-gathered so rank
+  0 sees every stage; an iteration's measured time is the mean of its ranks' periods;
+* rank 0 fits the plan to the *calibration* iterations (:mod:`poseidon_plugin.iteration_fit`:
+  each stage's compute measured over planned, and the per-iteration overhead = what the
+  iterations take beyond the simulated pipeline with that compute) and compares that
+  re-prediction, and the plan's own prediction, with the mean of the *measured* iterations --
+  never with the iterations it was fitted to;
 * rank 0 logs one line on ``logging.getLogger("poseidon")`` (and returns it from
   :meth:`LiveCalibration.report`)::
 
-      poseidon: calibration: iteration 8: predicted 812.4 ms, measured 829.0 ms (+2.0%); ...
+      poseidon: calibration: iteration 7: predicted 452.1 ms, measured 590.3 ms (-23.4%) over
+      iterations 5-7; re-predicted 583.0 ms (-1.2%) with the stage compute (s0 x1.02/x1.01,
+      ...) and a per-iteration overhead of 131.2 ms fitted to iterations 2-4; per stage ...
 
-* rank 0 writes per-layer ``LayerProfile`` records (``source="measured"``, ``layer_kind
-  "decoder"``) to the profile DB: for each device type, the stage op time divided by the stage's
-  layer count, preferring stages that hold neither the embedding nor the output layer (their
-  times include those). Measured records beat estimated ones in ``ProfileDB``'s merge rule, so
-  the next plan uses them. Activation / parameter bytes are kept from an existing record of the
-  same key (0 if none).
+* rank 0 writes back to the profile DB, fitted to every iteration after the warm-up
+  (calibration and measured ones: the most data for the next plan): per-layer ``LayerProfile``
+  records (``source="measured"``, ``layer_kind "decoder"``) -- the profiled record of the
+  stage's (type, tp) scaled by the stage's measured / planned ratio, preferring stages that hold
+  neither the embedding nor the output layer (without a profiled record: the stage's time over
+  its layers) -- and the per-iteration overhead (:mod:`poseidon_plugin.overhead`,
+  ``source="calibrated"``). Measured records beat estimated ones in ``ProfileDB``'s merge rule,
+  and the cost model adds the overhead to every stage's post-pipeline term, so the next plan
+  uses both. Activation / parameter bytes are kept from an existing record of the same key (0
+  if none).
 
 Nothing here changes the training; a failure inside calibration is logged and swallowed.
 """
@@ -45,11 +60,13 @@ from __future__ import annotations
 import logging
 import statistics
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .recorder import OpRecorder
 
 if TYPE_CHECKING:
+    from ..iteration_fit import IterationFit
+    from ..overhead import IterationOverhead
     from ..plan import Plan
     from ..profiles import LayerProfile, ProfileDB
 
@@ -59,12 +76,19 @@ log = logging.getLogger("poseidon")
 @dataclass(frozen=True)
 class StageTiming:
     stage: int
-    forward_ms: float      # per micro-batch, whole device (all chunks)
+    forward_ms: float      # per micro-batch, whole device (all chunks): median, measured window
     backward_ms: float
     iteration_ms: float    # mean wall time of the measured iterations on this rank
     tail_ms: float = 0.0   # mean time from the stage's last op to the iteration's end (DP
     #                        all-reduce, optimizer step, per-iteration overheads)
     peak_memory_bytes: int = 0   # the device's peak allocated memory (0: not measurable)
+    # every recorded iteration (warm-up included), in order: its period (from its start to the
+    # next iteration's start: train_step and Megatron's work between steps, as Megatron's
+    # "elapsed time per iteration"), and the forward and backward time per micro-batch (the sum
+    # of the iteration's ops over its micro-batches)
+    periods_ms: tuple[float, ...] = ()
+    forward_mb_ms: tuple[float, ...] = ()
+    backward_mb_ms: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -75,18 +99,59 @@ class CalibrationReport:
     stages: tuple[StageTiming, ...]
     profiles_written: int
     predicted_memory_bytes: tuple[int, ...] = ()   # the plan's per-stage peak memory
+    check: IterationFit | None = None      # fitted to the calibration iterations
+    written: IterationFit | None = None    # fitted to every iteration after the warm-up
+    windows: tuple[tuple[int, int], ...] = ()   # 1-based (first, last) of calibration, measured
+    overhead_written: bool = False
 
     @property
     def error(self) -> float:
         return (self.predicted_ms - self.measured_ms) / self.measured_ms
 
+    @property
+    def repredicted_error(self) -> float | None:
+        if self.check is None:
+            return None
+        return (self.check.predicted_ms - self.measured_ms) / self.measured_ms
+
     def line(self) -> str:
         per = ", ".join(f"s{t.stage} F {t.forward_ms:.1f}/B {t.backward_ms:.1f}"
                         f"/tail {t.tail_ms:.1f}" for t in self.stages)
         return (f"calibration: iteration {self.iteration}: predicted {self.predicted_ms:.1f} ms, "
-                f"measured {self.measured_ms:.1f} ms ({100 * self.error:+.1f}%); "
+                f"measured {self.measured_ms:.1f} ms ({100 * self.error:+.1f}%)"
+                f"{self._over(1)}{self.refit_text()}; "
                 f"per stage (ms per micro-batch): {per}; {self.memory_text()}; "
-                f"{self.profiles_written} measured profile record(s) written")
+                f"{self.written_text()}")
+
+    def _range(self, i: int) -> str:
+        """``iterations 2-4`` of window i (0: calibration, 1: measured); empty if unknown."""
+        if len(self.windows) <= i:
+            return ""
+        a, b = self.windows[i]
+        return f"iterations {a}-{b}" if b > a else f"iteration {a}"
+
+    def _over(self, i: int) -> str:
+        r = self._range(i)
+        return f" over {r}" if r else ""
+
+    def refit_text(self) -> str:
+        """The re-prediction from the calibration iterations (empty without one)."""
+        c = self.check
+        if c is None:
+            return ""
+        err = self.repredicted_error
+        return (f"; re-predicted {c.predicted_ms:.1f} ms ({100 * err:+.1f}%) with the stage "
+                f"compute ({c.ratio_text()} of the plan's forward/backward) and a per-iteration "
+                f"overhead of {c.overhead_ms:.1f} ms fitted to {self._range(0)}")
+
+    def written_text(self) -> str:
+        text = f"{self.profiles_written} measured profile record(s)"
+        if self.overhead_written and self.written is not None:
+            text += (f" and the per-iteration overhead ({self.written.overhead_ms:.1f} ms, "
+                     f"{self.written.iterations} iterations) written")
+        else:
+            text += " written"
+        return text
 
     def memory_text(self) -> str:
         """Predicted vs measured peak memory per stage (the device's max allocated bytes)."""
@@ -101,8 +166,19 @@ class CalibrationReport:
             f"({100 * (p - m) / m:+.1f}%)" for s, p, m in pairs)
 
 
-def stage_timing(recorder: OpRecorder, stage: int, skip: int) -> StageTiming | None:
-    """Median per-micro-batch forward / backward time of one rank's recorded iterations."""
+def _per_microbatch(ops, is_bwd: bool) -> float:
+    """The iteration's forward (or backward) op time per micro-batch (ms; chunks summed)."""
+    sel = [(mb, t1 - t0) for _, mb, b, t0, t1 in ops if b == is_bwd]
+    mbs = {mb for mb, _ in sel}
+    return 1e3 * sum(d for _, d in sel) / len(mbs) if mbs else 0.0
+
+
+def stage_timing(recorder: OpRecorder, stage: int, skip: int,
+                 next_start_s: float | None = None) -> StageTiming | None:
+    """This rank's summary: medians per micro-batch and mean wall / tail of the iterations after
+    ``skip``; every recorded iteration's period (``next_start_s``: the start of the iteration
+    after the last recorded one; without it the last period is its wall time) and
+    per-micro-batch forward / backward time."""
     its = recorder.iterations[skip:]
     if not its:
         return None
@@ -118,9 +194,15 @@ def stage_timing(recorder: OpRecorder, stage: int, skip: int) -> StageTiming | N
         bwd.extend(per_mb_b.values())
     wall = statistics.fmean(it.end_s - it.start_s for it in its)
     tails = [it.end_s - max(op[4] for op in it.ops) for it in its if it.ops]
+    every = recorder.iterations
+    starts = [it.start_s for it in every[1:]] + [
+        next_start_s if next_start_s is not None else every[-1].end_s]
     return StageTiming(stage, statistics.median(fwd) * 1e3 if fwd else 0.0,
                        statistics.median(bwd) * 1e3 if bwd else 0.0, wall * 1e3,
-                       statistics.fmean(tails) * 1e3 if tails else 0.0, _peak_memory_bytes())
+                       statistics.fmean(tails) * 1e3 if tails else 0.0, _peak_memory_bytes(),
+                       tuple(1e3 * (nxt - it.start_s) for it, nxt in zip(every, starts)),
+                       tuple(_per_microbatch(it.ops, False) for it in every),
+                       tuple(_per_microbatch(it.ops, True) for it in every))
 
 
 def _peak_memory_bytes() -> int:
@@ -136,23 +218,69 @@ def _peak_memory_bytes() -> int:
     return 0
 
 
-def measured_profiles(plan: Plan, timings: list[StageTiming], model_signature: str,
-                      existing: ProfileDB | None = None) -> list[LayerProfile]:
-    """Per-layer measured ``LayerProfile``s, one per (device type, tp) of the plan."""
+def iteration_times(timings: Sequence[StageTiming]) -> list[float]:
+    """Each recorded iteration's measured time: the mean of its ranks' periods (ranks meet in
+    every iteration's collectives, so over a window their periods agree; one rank starting an
+    iteration late shortens its next one). Iterations some rank did not record are dropped."""
+    n = min((len(t.periods_ms) for t in timings), default=0)
+    return [statistics.fmean(t.periods_ms[k] for t in timings) for k in range(n)]
+
+
+def window_compute(timings: Sequence[StageTiming], first: int, stop: int
+                   ) -> dict[int, tuple[float, float]]:
+    """Per stage: the mean forward and backward time per micro-batch over iterations
+    ``[first, stop)`` (0-based) and the stage's DP replicas."""
+    acc: dict[int, tuple[list[float], list[float]]] = {}
+    for t in timings:
+        f, b = acc.setdefault(t.stage, ([], []))
+        f.extend(t.forward_mb_ms[first:stop])
+        b.extend(t.backward_mb_ms[first:stop])
+    return {s: (statistics.fmean(f), statistics.fmean(b)) for s, (f, b) in acc.items() if f and b}
+
+
+def fit_window(plan: Plan, timings: Sequence[StageTiming], first: int, stop: int
+               ) -> IterationFit | None:
+    """:func:`poseidon_plugin.iteration_fit.fit_iteration` of iterations ``[first, stop)``; None
+    when a stage or the iterations are missing."""
+    from ..iteration_fit import fit_iteration
+
+    comp = window_compute(timings, first, stop)
+    walls = iteration_times(timings)[first:stop]
+    n = len(plan.stages)
+    if not walls or any(s not in comp for s in range(n)):
+        return None
+    return fit_iteration(plan, [comp[s][0] for s in range(n)], [comp[s][1] for s in range(n)],
+                         walls)
+
+
+def measured_profiles(plan: Plan, stage_compute: dict[int, tuple[float, float]],
+                      model_signature: str, existing: ProfileDB | None = None
+                      ) -> list[LayerProfile]:
+    """Per-layer measured ``LayerProfile``s, one per (device type, tp) of the plan, from each
+    stage's measured forward / backward per micro-batch (``stage_compute[s]``): the existing
+    decoder record scaled by the stage's measured / planned ratio where the DB has one and the
+    plan its stage time, else the stage's time over its layers; stages holding neither the
+    embedding nor the output layer preferred."""
     from ..profiles import LayerProfile, ProfileKey
     from ..training import TrainingSetup
+    from .profile_gather import quantize_ms
 
     setup = TrainingSetup.from_dict(getattr(plan, "training", None)).profile_fields
     n = len(plan.stages)
-    by_stage = {t.stage: t for t in timings}
     groups: dict[tuple[str, int], list[tuple[bool, float, float]]] = {}
     for i, st in enumerate(plan.stages):
-        t = by_stage.get(i)
-        if t is None or st.layers <= 0:
+        if i not in stage_compute or st.layers <= 0:
             continue
-        inner = 0 < i < n - 1
-        groups.setdefault((st.device_type, int(st.tp)), []).append(
-            (inner, t.forward_ms / st.layers, t.backward_ms / st.layers))
+        f_meas, b_meas = stage_compute[i]
+        key = ProfileKey(st.device_type, "decoder", int(st.tp), int(plan.micro_batch_size),
+                         int(plan.seq_length), model_signature, **setup)
+        old = existing.get(key) if existing is not None else None
+        f_plan, b_plan = getattr(st, "forward_ms", 0.0), getattr(st, "backward_ms", 0.0)
+        if old is not None and f_plan > 0 and b_plan > 0:
+            f, b = old.forward_ms * f_meas / f_plan, old.backward_ms * b_meas / b_plan
+        else:
+            f, b = f_meas / st.layers, b_meas / st.layers
+        groups.setdefault((st.device_type, int(st.tp)), []).append((0 < i < n - 1, f, b))
     out = []
     for (dtype, tp), rows in sorted(groups.items()):
         pick = [r for r in rows if r[0]] or rows
@@ -160,22 +288,44 @@ def measured_profiles(plan: Plan, timings: list[StageTiming], model_signature: s
                          model_signature, **setup)
         old = existing.get(key) if existing is not None else None
         out.append(LayerProfile(
-            key, statistics.median(r[1] for r in pick), statistics.median(r[2] for r in pick),
-            old.activation_bytes if old else 0, old.param_bytes if old else 0, "measured"))
+            key, quantize_ms(statistics.median(r[1] for r in pick)),
+            quantize_ms(statistics.median(r[2] for r in pick)),
+            old.activation_bytes if old else 0, old.param_bytes if old else 0, "measured",
+            old.env if old else (), old.optimizer_ms if old else 0.0))
     return out
+
+
+def overhead_record(plan: Plan, fit: IterationFit, model_signature: str,
+                    device_types: Sequence[str], first: int, last: int) -> IterationOverhead:
+    """The fitted per-iteration overhead as a ``calibrated`` record (iterations 1-based)."""
+    from ..overhead import IterationOverhead, overhead_key
+    from ..training import TrainingSetup
+
+    setup = TrainingSetup.from_dict(getattr(plan, "training", None)).profile_fields
+    tps = sorted({int(s.tp) for s in plan.stages})
+    on = (f"{plan.schedule}" + (f" V={plan.virtual_stages}" if plan.virtual_stages > 1 else "")
+          + f" pp={len(plan.stages)} dp={plan.dp} tp={','.join(map(str, tps))} "
+          f"mbs={plan.micro_batch_size} m={plan.num_microbatches}, iterations {first}-{last}")
+    return IterationOverhead(overhead_key(model_signature, int(plan.seq_length), device_types,
+                                          setup), round(fit.overhead_ms, 3), "calibrated", on)
 
 
 class LiveCalibration:
     """Times iterations, reports once, writes measured profiles (see the module docstring)."""
 
     def __init__(self, plan: Plan, *, model_signature: str = "", profile_db_path: str | None = None,
-                 warmup_iterations: int = 3, measure_iterations: int = 5, stage: int | None = None,
+                 warmup_iterations: int = 1, calibrate_iterations: int = 3,
+                 measure_iterations: int = 3, stage: int | None = None,
+                 device_types: Sequence[str] | None = None,
                  emit: Callable[[str], None] | None = None) -> None:
         self.plan = plan
         self.model_signature = model_signature
         self.profile_db_path = profile_db_path
         self.warmup = int(warmup_iterations)
+        self.calibrate = int(calibrate_iterations)
         self.measure = int(measure_iterations)
+        self.device_types = tuple(device_types) if device_types else tuple(
+            sorted({s.device_type for s in plan.stages}))
         self.predicted_ms = float(plan.predicted_iteration_time_ms)
         self.stage = stage
         self.recorder: OpRecorder | None = None
@@ -215,35 +365,44 @@ class LiveCalibration:
 
     # -- per iteration -------------------------------------------------------------------------
     def begin_iteration(self) -> None:
-        if self.result is None and self.recorder is not None:
-            if self.stage is None:  # Megatron's parallel state exists once training runs
-                self.recorder.stage = _pp_rank()
-            self.recorder.begin_iteration()
-
-    def end_iteration(self) -> None:
         if self.result is not None or self.recorder is None:
             return
-        self.recorder.end_iteration()
-        self._iteration += 1
-        if self._iteration >= self.warmup + self.measure:
+        if self._iteration >= self.warmup + self.calibrate + self.measure:
+            # the start of the next iteration closes the last one's period: report now
+            from .recorder import clock
+
             try:
-                self._finish()
+                self._finish(clock())
             except Exception as exc:  # never break the training
                 log.warning("calibration failed: %s", exc)
                 self.result = CalibrationReport(self._iteration, self.predicted_ms, float("nan"),
                                                 (), 0)
             finally:
                 self.uninstall()
+            return
+        if self.stage is None:  # Megatron's parallel state exists once training runs
+            self.recorder.stage = _pp_rank()
+        self.recorder.begin_iteration()
+
+    def end_iteration(self) -> None:
+        if self.result is not None or self.recorder is None \
+                or self.recorder._current is None:
+            return
+        self.recorder.end_iteration()
+        self._iteration += 1
 
     def report(self) -> CalibrationReport | None:
         return self.result
 
     # -- the one-time report -------------------------------------------------------------------
-    def _finish(self) -> None:
-        mine = stage_timing(self.recorder, self.recorder.stage, self.warmup)
+    def _finish(self, next_start_s: float) -> None:
+        mine = stage_timing(self.recorder, self.recorder.stage, self.warmup + self.calibrate,
+                            next_start_s)
         timings = _gather(mine)
         rank0 = _rank() == 0
-        measured = max((t.iteration_ms for t in timings), default=float("nan"))
+        w, c = self.warmup, self.calibrate
+        walls = iteration_times(timings)
+        measured = statistics.fmean(walls[w + c:]) if walls[w + c:] else float("nan")
         # one timing per stage (DP replicas of a stage: keep the first)
         per_stage: dict[int, StageTiming] = {}
         for t in timings:
@@ -251,31 +410,57 @@ class LiveCalibration:
             if t.peak_memory_bytes > kept.peak_memory_bytes:  # the stage's largest replica
                 per_stage[t.stage] = replace(kept, peak_memory_bytes=t.peak_memory_bytes)
         stages = tuple(per_stage[s] for s in sorted(per_stage))
-        written = 0
+        check = written = None
+        profiles_written, overhead_written = 0, False
+        if rank0 and c > 0:
+            check = fit_window(self.plan, timings, w, w + c)
+            written = fit_window(self.plan, timings, w, len(walls))
         if rank0 and self.profile_db_path:
             from ..profiles import ProfileDB
 
             db = ProfileDB(self.profile_db_path)
-            for prof in measured_profiles(self.plan, list(stages), self.model_signature, db):
-                written += bool(db.put(prof))
+            comp = window_compute(timings, w, len(walls))
+            for prof in measured_profiles(self.plan, comp, self.model_signature, db):
+                profiles_written += bool(db.put(prof))
+            if written is not None:
+                overhead_written = db.put_overhead(overhead_record(
+                    self.plan, written, self.model_signature, self.device_types, w + 1,
+                    len(walls)))
             db.save()
-        self.result = CalibrationReport(self._iteration, self.predicted_ms, measured, stages,
-                                        written, tuple(int(getattr(s, "memory_bytes", 0))
-                                                       for s in self.plan.stages))
+        self.result = CalibrationReport(
+            self._iteration, self.predicted_ms, measured, stages, profiles_written,
+            tuple(int(getattr(s, "memory_bytes", 0)) for s in self.plan.stages), check, written,
+            ((w + 1, w + c), (w + c + 1, len(walls))), overhead_written)
         if rank0:
             line = self.result.line()
             (self._emit or log.warning)(line)
 
 
+MAX_WINDOW = 10   # calibration / measured iterations at most (a long run reports early)
+
+
+def calibration_windows(train_iters: int | None) -> tuple[int, int, int]:
+    """(warm-up, calibration, measured) iterations for a run of ``train_iters``: one warm-up,
+    then all but the last iteration (whose start closes the measured ones' periods) split in
+    two (the measured half the larger), each at most :data:`MAX_WINDOW`; (1, 3, 3) when the
+    count is unknown or below 4."""
+    if not train_iters or train_iters < 4:
+        return 1, 3, 3
+    rest = min(int(train_iters) - 2, 2 * MAX_WINDOW)
+    return 1, rest // 2, rest - rest // 2
+
+
 def install_calibration(plan: Plan, *, model_signature: str = "",
-                        profile_db_path: str | None = None, warmup_iterations: int = 3,
-                        measure_iterations: int = 5, wrap_train_step: bool = True,
+                        profile_db_path: str | None = None, warmup_iterations: int = 1,
+                        calibrate_iterations: int = 3, measure_iterations: int = 3,
+                        device_types: Sequence[str] | None = None, wrap_train_step: bool = True,
                         emit: Callable[[str], None] | None = None) -> LiveCalibration:
     """Create and install a :class:`LiveCalibration` (see the module docstring)."""
     return LiveCalibration(plan, model_signature=model_signature,
                            profile_db_path=profile_db_path, warmup_iterations=warmup_iterations,
-                           measure_iterations=measure_iterations, emit=emit
-                           ).install(wrap_train_step)
+                           calibrate_iterations=calibrate_iterations,
+                           measure_iterations=measure_iterations, device_types=device_types,
+                           emit=emit).install(wrap_train_step)
 
 
 def _rank() -> int:

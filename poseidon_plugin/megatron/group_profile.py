@@ -26,7 +26,8 @@ from . import bootstrap, profiler
 def profile_and_gather(boot: bootstrap.Bootstrap, args: Any, tps: Sequence[int],
                        micro_batch_sizes: Sequence[int], *, device: Any, iters: int,
                        backend: str, seed: int = 1234,
-                       turns: profiler.Turns | None = None
+                       turns: profiler.Turns | None = None,
+                       contention: Any = None
                        ) -> list[list[profiler.LayerTiming]]:
     """Every rank's ``LayerTiming`` list, indexed by launch rank (on every rank).
 
@@ -34,14 +35,16 @@ def profile_and_gather(boot: bootstrap.Bootstrap, args: Any, tps: Sequence[int],
     ``backend``: the collective backend the TP groups time on (:func:`.bootstrap.device_backend`
     of the device; no default: gloo with a GPU's tensors is the mistake this avoids): other than
     gloo, the default group is switched to it for the timing.
-    ``turns``: ranks sharing a host's CPU cores measure one TP group at a time."""
+    ``turns``: ranks sharing a host's CPU cores measure one TP group at a time.
+    ``contention``: under emulation, the host-contention probe (``profiler.profile_rank``)."""
     env = boot.env
 
     def measure() -> list[profiler.LayerTiming]:
         with (boot.device_group(backend) if backend != "gloo" else contextlib.nullcontext()):
             return profiler.profile_rank(
                 args, tps, micro_batch_sizes, world_size=env.world_size, rank=env.rank,
-                device=device, iters=iters, seed=seed, checkpoint=boot.barrier, turns=turns)
+                device=device, iters=iters, seed=seed, checkpoint=boot.barrier, turns=turns,
+                contention=contention)
 
     timings = bootstrap.run_guarded(boot, "profiling", measure)
     return bootstrap.run_guarded(boot, "profiling-gather",

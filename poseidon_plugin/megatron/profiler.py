@@ -16,12 +16,16 @@ own arguments, timed forward and backward for each candidate TP degree and micro
   gradient (``main_grad += grad``, fp32 buffers). Device synchronisation and the wall clock on
   GPU/NPU. Under CPU emulation the ranks of a host measure in turns (:class:`Turns`), so they
   never compete for its cores, and the emulated device's time is computed from the CPU time
-  (:class:`EmulatedClock`: factor x CPU time at TP 1) with the slowdown's sleep suspended: the
-  sleep-then-wake padding made the slow type read 4.5-5x for a configured 4x on a loaded host
-  (the work after a sleep runs on cold caches), and wall time took in other processes' load.
-  The ranks of a TP group stop sampling together (their layer is collective).
+  (:class:`EmulatedClock`: (share + factor - 1) x CPU time at TP 1) with the slowdown's sleep
+  suspended: the sleep-then-wake padding made the slow type read 4.5-5x for a configured 4x on
+  a loaded host (the work after a sleep runs on cold caches), and wall time took in other
+  processes' load. ``share`` is how much the host's ranks slow each other's compute when they
+  train together, measured first by running every rank's TP-1 layer at once
+  (:mod:`.contention`). The ranks of a TP group stop sampling together (their layer is
+  collective).
 * Optimizer step: the layer's parameters through what Megatron's mixed-precision optimizer does
-  per step (grad norm, clipping, AdamW on fp32 master copies, the copy back), per device.
+  per step (grad norm, clipping, AdamW on fp32 master copies, the copy back), per device
+  (x ``share`` under emulation).
 * Activation memory (:func:`layer_memory_bytes`, after the timing, on a warm layer): on GPU / NPU
   the allocator's ``memory_allocated`` after one forward minus before it (what a micro-batch keeps
   alive until its backward, the layer's output included); on CPU, emulated devices included (no
@@ -304,16 +308,20 @@ _CPU = time.process_time
 @dataclass(frozen=True)
 class EmulatedClock:
     """How a step is timed under CPU emulation: the slowdown's sleep is suspended and the
-    emulated device's time is computed from this process's CPU time t_cpu and wall time t_wall:
-    ``factor x t_cpu`` at TP 1 (the whole op is compute; other processes' load on the host does
-    not enter), ``t_wall + (factor - 1) x t_cpu`` at TP > 1 (waiting in the TP all-reduces is
-    not compute and is not slowed, as :func:`.emulation.install_slowdown` does in training).
+    emulated device's time is computed from this process's CPU time t_cpu and wall time t_wall,
+    as :func:`.emulation.install_slowdown` makes training take it (compute, then a sleep of
+    ``(factor - 1) x`` the compute's CPU time):
 
-    ``share``: the host's oversubscription in training, ``max(1, ranks on the host x threads per
-    rank / cores)``. The ranks of a host are profiled in turns (one at a time, every core free),
-    but they train together: with 4 single-thread ranks on 2 cores each gets half a core, so the
-    emulated device is that share of the host and its times are ``share`` x the uncontended ones
-    (the same for every type: plan choices do not move, predictions match training)."""
+    * TP 1: ``(share + factor - 1) x t_cpu`` -- the compute itself (``share x t_cpu`` when the
+      host's ranks run together) plus the padding; other processes' load while profiling does
+      not enter;
+    * TP > 1: ``share x t_wall + (factor - 1) x t_cpu`` -- waiting in the TP all-reduces is not
+      compute and is not padded.
+
+    ``share``: how much the ranks of the host slow each other's compute in training
+    (:mod:`.contention`: measured by running every rank's layer at once; 1 = a free core). The
+    ranks of a host are profiled in turns (one at a time, every core free) but train together;
+    the padding is a sleep and needs no core, so only the compute part is scaled."""
 
     factor: float
     tp: int
@@ -322,13 +330,15 @@ class EmulatedClock:
     def ms(self, wall_s: float, cpu_s: float) -> float:
         cpu_s = max(0.0, min(cpu_s, wall_s)) if self.tp > 1 else max(0.0, cpu_s)
         if self.tp > 1:
-            return self.share * (wall_s + (self.factor - 1.0) * cpu_s) * 1e3
-        return self.share * self.factor * cpu_s * 1e3
+            return (self.share * wall_s + (self.factor - 1.0) * cpu_s) * 1e3
+        return (self.share + self.factor - 1.0) * cpu_s * 1e3
 
 
 def host_share() -> float:
-    """``EmulatedClock.share`` of this process: ranks on the host (``LOCAL_WORLD_SIZE``) x torch
-    threads per rank over the cores this process may use, at least 1."""
+    """The fixed oversubscription rule: ranks on the host (``LOCAL_WORLD_SIZE``) x torch threads
+    per rank over the cores this process may use, at least 1. An upper bound of the contention
+    (every rank busy all the time); :mod:`.contention` measures the real one, and this rule is
+    the fallback where it cannot (no TP-1 layer is profiled)."""
     import os
 
     import torch
@@ -359,14 +369,18 @@ def _timed_step(layer: Any, x: Any, kwargs: dict[str, Any], grad: Any, device: A
     return clock.ms(t1 - t0, c1 - c0), clock.ms(t2 - t1, c2 - c1)
 
 
-def _emulated_clock(device: Any, tp: int) -> EmulatedClock | None:
+def _emulated_clock(device: Any, tp: int, share: float = 1.0) -> EmulatedClock | None:
     """The clock of a CPU-emulated device (None on a real accelerator or plain CPU)."""
+    factor = _emulation_factor(device)
+    return None if factor is None else EmulatedClock(factor, tp, share)
+
+
+def _emulation_factor(device: Any) -> float | None:
+    """The emulated type's slowdown on a CPU device under emulation, else None."""
     from . import emulation
 
     factor = emulation.slowdown_factor()
-    if device.type != "cpu" or factor is None:
-        return None
-    return EmulatedClock(factor, tp, host_share())
+    return None if device.type != "cpu" else factor
 
 
 def _padding_suspended(active: bool):
@@ -420,14 +434,14 @@ def tp_group_any(device: Any) -> Callable[[bool], bool] | None:
 
 
 def time_layer(layer: Any, config: Any, vargs: Any, device: Any, iters: int,
-               warmup: int = 3) -> tuple[Sampled, int, int]:
+               warmup: int = 3, share: float = 1.0) -> tuple[Sampled, int, int]:
     """(forward/backward sampling result, re-measurements, activation bytes) of one micro-batch
     (see :mod:`.sampling`: warm-up, repetitions until the medians' 95% CIs are within 2%,
     outliers dropped; measured again when backward < 0.8 x forward)."""
     x, kwargs, grad = _layer_inputs(config, vargs, device)
     act_bytes = _activation_bytes(layer, x, kwargs, grad)
     policy = replace(sampling_policy(iters), warmup=warmup)
-    clock = _emulated_clock(device, int(vargs.tensor_model_parallel_size))
+    clock = _emulated_clock(device, int(vargs.tensor_model_parallel_size), share)
     with _padding_suspended(clock is not None):
         res, retries = sample_until_plausible(
             lambda: _timed_step(layer, x, kwargs, grad, device, clock), policy,
@@ -508,12 +522,15 @@ def _in_turns(turns: Turns | None, tp: int, name: str, checkpoint: Any,
 
 
 def profile_config(layer: Any, config: Any, vargs: Any, device: Any, iters: int, tp: int,
-                   mbs: int) -> LayerTiming:
-    """Forward, backward and optimizer step of one built layer (this rank's measurement)."""
+                   mbs: int, share: float = 1.0) -> LayerTiming:
+    """Forward, backward and optimizer step of one built layer (this rank's measurement).
+    ``share``: the host's measured contention under CPU emulation (:class:`EmulatedClock`; the
+    optimizer step, plain compute, is scaled by it too)."""
     hooks = attach_main_grads(layer)
     param_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
-    res, retries, _ = time_layer(layer, config, vargs, device, iters)
+    res, retries, _ = time_layer(layer, config, vargs, device, iters, share=share)
     opt = time_optimizer_step(layer, device, iters)
+    opt_share = share if _emulation_factor(device) is not None else 1.0
     for h in hooks:
         h.remove()
     act = layer_memory_bytes(layer, config, vargs, device)
@@ -525,7 +542,7 @@ def profile_config(layer: Any, config: Any, vargs: Any, device: Any, iters: int,
     if getattr(vargs, "recompute_granularity", None) == "full":
         b_ms += f_ms   # the block re-runs the layer's forward before its backward
     return LayerTiming(tp, mbs, f_ms, b_ms, act, int(param_bytes),
-                       optimizer_ms=opt.medians[0], samples=res.samples,
+                       optimizer_ms=opt.medians[0] * opt_share, samples=res.samples,
                        converged=res.converged and opt.converged, retries=retries)
 
 
@@ -568,17 +585,36 @@ def layer_memory_bytes(layer: Any, config: Any, vargs: Any, device: Any) -> int:
 
 def profile_rank(args: Any, tps: Sequence[int], micro_batch_sizes: Sequence[int], *, world_size: int,
                  rank: int, device: Any, iters: int, seed: int = 1234,
-                 checkpoint: Any = None, turns: Turns | None = None) -> list[LayerTiming]:
+                 checkpoint: Any = None, turns: Turns | None = None,
+                 contention: Callable[[Callable[[], tuple[float, float]], float], float]
+                 | None = None) -> list[LayerTiming]:
     """Profile one decoder layer for every (tp, mbs) on this rank. Collective per TP degree.
 
     ``checkpoint(name)`` (a deadline barrier) is called before each collective step, so a rank that
     hangs is named by the others instead of surfacing as an anonymous collective timeout.
     ``turns``: the ranks of a host measure one TP group at a time (see :class:`Turns`).
+    ``contention(step, alone_s)`` (CPU emulation; collective: every rank calls it once): given
+    this rank's timed forward + backward of a TP-1 layer and its mean wall time alone on the
+    host (measured here, in ``turns``), runs :func:`.contention.measure_contention` with the
+    others and returns this host's share, the ``share`` of every emulated time measured here
+    (:class:`EmulatedClock`). Without a TP-1 candidate the fixed rule :func:`host_share`.
     """
     import torch
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.transformer.spec_utils import build_module
 
+    def built(tp: int, mbs: int):
+        vargs = profiling_args(args, tp, mbs, world_size, rank)
+        config, spec = layer_config_and_spec(vargs)
+        layer = build_module(spec, config=config, layer_number=1)
+        layer = layer.to(device=device, dtype=config.params_dtype)
+        layer.train()
+        return layer, config, vargs
+
+    share = 1.0
+    if contention is not None and _emulation_factor(device) is not None:
+        share = _host_contention(built, contention, tps, micro_batch_sizes, seed, checkpoint,
+                                 turns)
     out: list[LayerTiming] = []
     for tp in tps:
         if checkpoint is not None:
@@ -589,14 +625,10 @@ def profile_rank(args: Any, tps: Sequence[int], micro_batch_sizes: Sequence[int]
             for mbs in micro_batch_sizes:
                 if checkpoint is not None and tp > 1:
                     checkpoint(f"profiling-tp{tp}-mbs{mbs}")
-                vargs = profiling_args(args, tp, mbs, world_size, rank)
-                config, spec = layer_config_and_spec(vargs)
-                layer = build_module(spec, config=config, layer_number=1)
-                layer = layer.to(device=device, dtype=config.params_dtype)
-                layer.train()
+                layer, config, vargs = built(tp, mbs)
                 out.append(_in_turns(turns, tp, f"profiling-tp{tp}-mbs{mbs}", checkpoint,
-                                     lambda built=layer: profile_config(built, config, vargs,
-                                                                        device, iters, tp, mbs)))
+                                     lambda lay=layer, c=config, va=vargs: profile_config(
+                                         lay, c, va, device, iters, tp, mbs, share)))
                 del layer
         finally:
             tensor_parallel.get_cuda_rng_tracker().reset()
@@ -604,6 +636,51 @@ def profile_rank(args: Any, tps: Sequence[int], micro_batch_sizes: Sequence[int]
             if device.type == "cuda" and torch.cuda.is_available():
                 torch.cuda.empty_cache()
     return out
+
+
+def _host_contention(built: Callable[[int, int], tuple[Any, Any, Any]],
+                     contention: Callable[[Callable[[], tuple[float, float]], float], float],
+                     tps: Sequence[int], micro_batch_sizes: Sequence[int], seed: int,
+                     checkpoint: Any, turns: Turns | None) -> float:
+    """The host's share: a TP-1 layer of the first micro-batch size timed alone (the host's
+    ranks in ``turns``), then ``contention`` (every rank at once); padding suspended (the probe
+    sleeps the padding itself). The fixed rule :func:`host_share` when TP 1 is not a
+    candidate."""
+    import torch
+    from megatron.core import parallel_state, tensor_parallel
+
+    from .contention import measure_alone, timed_compute
+
+    if 1 not in tps:
+        return host_share()
+    if checkpoint is not None:
+        checkpoint("contention")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    try:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        layer, config, vargs = built(1, micro_batch_sizes[0])
+        hooks = attach_main_grads(layer)
+        x, kwargs, grad = _layer_inputs(config, vargs, torch.device("cpu"))
+
+        def run() -> None:
+            out = layer(hidden_states=x, **kwargs)
+            (out[0] if isinstance(out, tuple) else out).backward(grad)
+            x.grad = None
+
+        def step() -> tuple[float, float]:
+            return timed_compute(run, _WALL, _CPU)
+
+        with _padding_suspended(True):
+            alone = _in_turns(turns, 1, "contention-alone", checkpoint,
+                              lambda: measure_alone(step))
+            share = contention(step, alone)
+        for h in hooks:
+            h.remove()
+        del layer
+        return share
+    finally:
+        tensor_parallel.get_cuda_rng_tracker().reset()
+        parallel_state.destroy_model_parallel()
 
 
 # ----------------------------------------------------------------------------------------------

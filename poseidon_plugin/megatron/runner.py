@@ -373,7 +373,40 @@ def _all_ranks_measure(ctx: LaunchContext) -> list[list[profiler.LayerTiming]]:
         ctx.boot, ctx.args, ctx.tps, ctx.micro_batch_sizes, device=_torch_device(ctx.device),
         iters=ctx.opts.profile_iters, backend=bootstrap.device_backend(ctx.device.kind),
         turns=(profiler.Turns(ctx.env.local_rank, ctx.env.local_world_size)
-               if ctx.emu is not None else None))
+               if ctx.emu is not None else None),
+        contention=_contention_probe(ctx) if ctx.emu is not None else None)
+
+
+def _contention_probe(ctx: LaunchContext
+                      ) -> Callable[[Callable[[], tuple[float, float]], float], float]:
+    """Under CPU emulation: every rank runs its TP-1 layer at once (:mod:`.contention`), its mean
+    step time over its time alone (``alone_s``); returns the share of this rank's physical host
+    and device type (the median of those ranks' ratios)."""
+    from . import contention
+
+    factor = emulation.slowdown_factor() or 1.0
+    real_host = bootstrap.hostname()   # emulated hosts of one machine share its cores
+    my_type = ctx.topo.infos[ctx.rank].device_type
+
+    def probe(step: Callable[[], tuple[float, float]], alone_s: float) -> float:
+        ctx.boot.barrier("contention-start")
+        sample = contention.measure_contention(step, factor, alone_s)
+        got = ctx.boot.all_gather_object((sample.ratio, real_host, my_type),
+                                         "contention-gather")
+        shares = contention.host_shares({r: g[0] for r, g in enumerate(got)},
+                                        {r: g[1] for r, g in enumerate(got)},
+                                        {r: g[2] for r, g in enumerate(got)})
+        if ctx.rank == 0:
+            per_type = {g[2]: shares[r] for r, g in enumerate(got)}
+            log.info("host contention: %d rank(s) running at once slow each other's compute "
+                     "%s (step time together over alone, %.1f s; per rank %s; the fixed rule "
+                     "ranks x threads / cores would say x%.2f for every type)", len(got),
+                     ", ".join(f"{t} x{v:.2f}" for t, v in sorted(per_type.items())),
+                     contention.CONTENTION_SECONDS, " ".join(f"{g[0]:.2f}" for g in got),
+                     profiler.host_share())
+        return shares[ctx.rank]
+
+    return probe
 
 
 def _rank0_store_profiles(ctx: LaunchContext, gathered: list[list[profiler.LayerTiming]],
@@ -519,19 +552,25 @@ def _all_ranks_apply(ctx: LaunchContext) -> AutoResult:
     log.info("renumbered: launch rank %d is rank %d of %d (stage %d); setup took %.2f s",
              env.rank, new_rank, renum.world_size,
              new_rank // max(1, renum.world_size // plan.pp), time.perf_counter() - ctx.t_start)
-    _install_calibration(plan, ctx.model, ctx.cache_path)
+    _install_calibration(plan, ctx.model, ctx.cache_path, ctx.cluster.type_names,
+                         getattr(ctx.args, "train_iters", None))
     return AutoResult(ctx.new_argv, new_rank, renum.world_size, plan)
 
 
-def _install_calibration(plan: Plan, model: ModelSpec, cache_path: str) -> None:
-    """Live calibration (one log line predicted vs measured after the first iterations, measured
-    per-layer times written back to the profile cache). ``POSEIDON_CALIBRATION=0`` turns it off;
-    it never stops the training."""
+def _install_calibration(plan: Plan, model: ModelSpec, cache_path: str,
+                         device_types: Sequence[str], train_iters: int | None = None) -> None:
+    """Live calibration (one log line: predicted and re-predicted vs measured iteration time;
+    measured per-layer times and the per-iteration overhead written back to the profile cache).
+    ``POSEIDON_CALIBRATION=0`` turns it off; it never stops the training."""
     if os.environ.get("POSEIDON_CALIBRATION", "1") == "0":
         return
     try:
-        from .calibration import install_calibration
-        install_calibration(plan, model_signature=model.signature(), profile_db_path=cache_path)
+        from .calibration import calibration_windows, install_calibration
+
+        warm, cal, meas = calibration_windows(train_iters)
+        install_calibration(plan, model_signature=model.signature(), profile_db_path=cache_path,
+                            device_types=device_types, warmup_iterations=warm,
+                            calibrate_iterations=cal, measure_iterations=meas)
     except Exception as exc:  # calibration is an observer: report, never fail the launch
         log.warning("calibration not installed: %s", exc)
 

@@ -65,7 +65,8 @@ cdef struct ConfigData:
     double ogl[MAXO]               # gradient bytes of one layer / the embedding / the output
     double oge[MAXO]
     double ogo[MAXO]
-    double oog[MAXO]               # optimizer ms per gradient byte (R = all-reduce + G * oog)
+    double oog[MAXO]               # optimizer ms per gradient byte (R = all-reduce + G * oog + X)
+    double overhead_ms             # X: the per-iteration overhead, in every stage's R
     const int* lmax                # O * N: most layers option o fits at stage x (memory)
     const int* suffix_lmax         # N + 1: sum over j >= x of max_o lmax[o, j]
     const int* suf_omax            # O * (N + 1): max over j >= x of lmax[o, j]

@@ -158,7 +158,8 @@ cdef class ConfigInstance:
                  double act_bytes, double latency_ms, double cross_gbps, double minsend,
                  double minfb, double outmin, double alpha, int ridge_mode, int ridge_ends,
                  int blocks, int use_bound, opt_type, opt_tp, f, b, ef, eb, of, ob, gl, ge, go,
-                 lmax, ndev, type_off, intra, inter, node_of, local_of, og=None):
+                 lmax, ndev, type_off, intra, inter, node_of, local_of, og=None,
+                 double overhead_ms=0.0):
         cdef ConfigData* I = &self.data
         cdef int N = structure.N, V = structure.V, O = len(opt_type), T = len(ndev), o, x, k
         if N > MAXN or V > MAXV or O > MAXO or T > MAXT:
@@ -168,6 +169,7 @@ cdef class ConfigInstance:
         I.N, I.M, I.V, I.clast = N, structure.M, V, structure.clast
         I.d, I.L, I.O, I.T = dp, num_layers, O, T
         I.act_bytes, I.latency_ms, I.cross_gbps = act_bytes, latency_ms, cross_gbps
+        I.overhead_ms = overhead_ms
         I.minsend, I.minfb, I.outmin, I.alpha = minsend, minfb, outmin, alpha
         I.ridge_mode, I.ridge_ends, I.blocks, I.use_bound = ridge_mode, ridge_ends, blocks, use_bound
         for o in range(O):
@@ -318,8 +320,8 @@ cdef inline double _place_stage(const ConfigData* I, SearchState* S, int x, int 
 
 cdef void _set_stage(const ConfigData* I, SearchState* S, int x, int o, int l,
                      double ring) noexcept nogil:
-    """Chunk costs, forward total and post-pipeline time (DP all-reduce + optimizer step) of
-    stage x with option o and l layers
+    """Chunk costs, forward total and post-pipeline time (DP all-reduce + optimizer step +
+    per-iteration overhead) of stage x with option o and l layers
     (the embedding on chunk 0 of stage 0, the output layer on chunk V-1 of the last stage)."""
     cdef int V = I.V, cc
     cdef double G, F = 0.0
@@ -338,7 +340,8 @@ cdef void _set_stage(const ConfigData* I, SearchState* S, int x, int o, int l,
     for cc in range(V):
         F += S.fc[x * V + cc]
     S.Fst[x] = F
-    S.R[x] = (_allreduce_ms(G, I.d, ring, I.latency_ms) if I.d > 1 else 0.0) + G * I.oog[o]
+    S.R[x] = ((_allreduce_ms(G, I.d, ring, I.latency_ms) if I.d > 1 else 0.0) + G * I.oog[o]
+              + I.overhead_ms)
 
 
 cdef inline int _ridge_stage(const ConfigData* I, int x) noexcept nogil:

@@ -23,7 +23,7 @@ def _stage_plans(cm: CostModel, cfg: OuterConfig, opts, layers, stages, placemen
                   send_forward_ms=st.send_forward_ms, send_backward_ms=st.send_backward_ms,
                   allreduce_ms=st.allreduce_ms, memory_bytes=int(st.memory_bytes),
                   memory_capacity_bytes=int(st.memory_capacity_bytes),
-                  optimizer_ms=st.optimizer_ms,
+                  optimizer_ms=st.optimizer_ms, overhead_ms=st.overhead_ms,
                   devices=tuple(tuple(DeviceSlot(n, d) for (n, d) in grp)
                                 for grp in placements[s].slots),
                   chunk_layers=chunk_layers(int(layers[s]), cfg.virtual_stages),
@@ -84,4 +84,14 @@ def build_plan(cm: CostModel, cfg: OuterConfig, opts, layers, *, global_batch_si
         gap=(t - lb) / t if t > 0 else 0.0, num_layers=cm.model.num_layers,
         wrap_send_ms=(cm.wrap_send_ms(placements, cfg.micro_batch_size)
                       if cfg.virtual_stages > 1 else 0.0),
-        training=cm.training.to_dict())
+        training=cm.training.to_dict(), iteration_overhead=overhead_provenance(cm))
+
+
+def overhead_provenance(cm: CostModel) -> dict:
+    """The plan's ``iteration_overhead``: {"ms", "source", "record"} of the cost model's
+    overhead record ({} = none)."""
+    o = cm.overhead
+    if o is None:
+        return {}
+    record = o.key.describe() + (f"; {o.calibrated_on}" if o.calibrated_on else "")
+    return {"ms": o.overhead_ms, "source": o.source, "record": record}

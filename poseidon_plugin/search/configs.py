@@ -301,7 +301,8 @@ def root_bound(cm: CostModel, cfg: OuterConfig, costs: OptionCosts | None = None
     """Lower bound on every plan of ``cfg``: the largest of the per-stage work bound, the
     capacity bound (the smallest t with ``capacity_layers(t) >= L``; capacity only changes at
     t = M (f + b)_k n, so that t is found by bisection over those values, and returned
-    1e-9 below) and the fill/drain bound; inf when no plan of ``cfg`` can hold the layers.
+    1e-9 below) and the fill/drain bound, plus the per-iteration overhead every plan adds after
+    its pipeline; inf when no plan of ``cfg`` can hold the layers.
 
     Fill/drain: stage p's first op waits for micro-batch 0's chunk-0 forward through the
     stages before it and after its last op (chunk 0's backward of micro-batch M-1, for every
@@ -331,7 +332,14 @@ def root_bound(cm: CostModel, cfg: OuterConfig, costs: OptionCosts | None = None
         else:
             lo = mid + 1
     bound = max(base, cands[lo] * (1 - 1e-9))
-    if n == 1:
+    return _fill_bound(types, cfg, L, bound, costs, cm) + cm.iteration_overhead_ms
+
+
+def _fill_bound(types: list[_TypeCapacity], cfg: OuterConfig, L: int, bound: float,
+                costs: OptionCosts, cm: CostModel) -> float:
+    """``root_bound``'s fill/drain bound on the pipeline's time (>= ``bound``, the work and
+    capacity bounds; inf when no T holds the layers)."""
+    if cfg.num_stages == 1:
         return bound
     extra = (min(f + b for f, b in zip(costs.ef, costs.eb)) + costs.min_output_fb)
     carry = _fill_carry(cfg, min_send_ms(cm, cfg.micro_batch_size))

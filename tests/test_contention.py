@@ -1,0 +1,98 @@
+"""Host contention under CPU emulation (``megatron/contention.py``), with fake steps and clocks:
+what the concurrent probe measures, and how a host's share is formed from its ranks'."""
+
+from __future__ import annotations
+
+import pytest
+
+from poseidon_plugin.megatron.contention import (ContentionSample, host_shares, measure_alone,
+                                                 measure_contention, timed_compute)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def stepper(clock: Clock, walls_cpus):
+    """A step taking (wall, cpu) from the list in turn, advancing the clock by its wall."""
+    it = iter(walls_cpus)
+
+    def step():
+        wall, cpu = next(it)
+        clock.t += wall
+        return wall, cpu
+    return step
+
+
+def test_ratio_is_the_step_time_together_over_alone_after_a_warm_up():
+    clock = Clock()
+    slept = []
+
+    def sleep(s):
+        slept.append(s)
+        clock.t += s
+    # warm-up step (ignored), then 3 steps of 12 ms wall (8 ms of CPU) against 8 ms alone
+    step = stepper(clock, [(1.0, 0.001)] + [(0.012, 0.008)] * 3)
+    got = measure_contention(step, 4.0, 0.008, seconds=0.0, min_steps=3, clock=clock,
+                             sleep=sleep)
+    assert got == ContentionSample(pytest.approx(1.5), 3)
+    # each step is followed by the emulated type's padding: (factor - 1) x its CPU time
+    assert slept == pytest.approx([0.024] * 3)
+    # cache and memory interference count too: same CPU time, longer wall than alone
+    step = stepper(clock, [(1.0, 0.001)] + [(0.010, 0.010)] * 3)
+    assert measure_contention(step, 1.0, 0.008, seconds=0.0, clock=clock,
+                              sleep=sleep).ratio == pytest.approx(1.25)
+
+
+def test_alone_is_the_mean_step_time_after_a_warm_up():
+    clock = Clock()
+    step = stepper(clock, [(1.0, 1.0), (0.01, 0.01), (0.02, 0.02), (0.03, 0.03)])
+    assert measure_alone(step, seconds=0.0, min_steps=3, clock=clock) == pytest.approx(0.02)
+
+
+def test_runs_for_the_window_and_stops_at_max_steps():
+    clock = Clock()
+    step = stepper(clock, [(0.25, 0.25)] * 1000)
+    got = measure_contention(step, 1.0, 0.25, seconds=1.0, min_steps=1, clock=clock,
+                             sleep=lambda s: None)
+    assert got.steps == 4 and got.ratio == pytest.approx(1.0)   # a 1 s window of 0.25 s steps
+    clock = Clock()
+    step = stepper(clock, [(0.01, 0.01)] * 1000)
+    got = measure_contention(step, 1.0, 0.01, seconds=100.0, max_steps=7, clock=clock,
+                             sleep=lambda s: None)
+    assert got.steps == 7
+
+
+def test_never_below_one():
+    clock = Clock()
+    step = stepper(clock, [(0.001, 0.001)] * 10)   # faster together than alone: noise
+    got = measure_contention(step, 1.0, 0.002, seconds=0.0, min_steps=5, clock=clock,
+                             sleep=lambda s: None)
+    assert got.ratio == 1.0
+
+
+def test_host_share_is_the_median_of_its_ranks_and_never_below_one():
+    ratios = {0: 1.2, 1: 1.4, 2: 3.0, 3: 1.3, 4: 0.9, 5: 0.95}
+    hosts = {0: "a", 1: "a", 2: "a", 3: "a", 4: "b", 5: "b"}
+    shares = host_shares(ratios, hosts)
+    assert shares[0] == shares[2] == pytest.approx(1.35)     # one outlier rank does not rule
+    assert shares[4] == shares[5] == 1.0                     # a free host is 1, not below
+    # per host and device type
+    types = {0: "slow", 1: "slow", 2: "fast", 3: "fast", 4: "slow", 5: "fast"}
+    by_type = host_shares(ratios, hosts, types)
+    assert by_type[0] == by_type[1] == pytest.approx(1.3)
+    assert by_type[2] == by_type[3] == pytest.approx(2.15)
+    assert by_type[4] == by_type[5] == 1.0
+
+
+def test_timed_compute_reads_both_clocks():
+    wall = iter([1.0, 1.5])
+    cpu = iter([2.0, 2.25])
+    ran = []
+    assert timed_compute(lambda: ran.append(1), lambda: next(wall), lambda: next(cpu)) == (
+        pytest.approx(0.5), pytest.approx(0.25))
+    assert ran == [1]
