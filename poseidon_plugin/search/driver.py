@@ -35,10 +35,6 @@ from .progress import SearchProgress, Snapshot
 log = logging.getLogger("poseidon")
 
 ROUND_STEP = 0.02   # iterative deepening: each round's threshold cap is 2 % above the last
-MIN_ROUND_STEP = 0.001  # ... or less under a time budget, where the next round would not end
-ROUND_GROWTH = 8.0  # a round's cost x this per ROUND_STEP, until two rounds have been timed
-ROUND_SHARE = 0.4   # under a time budget the next round is sized to this share of the time left
-ROUND_TIMED_S = 0.05  # ... judged from rounds that took at least this long (shorter: ROUND_STEP)
 BISECT_GAP = 0.002  # ... until it passes the incumbent: then one midpoint round if the gap > 0.2 %
 MAX_ROUNDS = 64     # per pass; the last round searches with the incumbent alone
 SPLIT_NODES = 20000  # a configuration whose last search took this many nodes is split over threads
@@ -394,9 +390,7 @@ class SearchDriver:
         """Iterative deepening over ``pass_order``; True when the pass completed (the
         incumbent is the best plan of the pass's space, or better).
 
-        Round r searches with cap_r = cap_{r-1} * (1 + step) from the smallest root bound
-        (step = ROUND_STEP, smaller under a time budget: ``next_round_step``); a cap that would
-        pass the incumbent
+        Round r searches with cap_r = root * (1+step)^r; a cap that would pass the incumbent
         becomes, once per pass, the midpoint of the proven bound and the incumbent if their gap
         is > 0.2 %, else the incumbent (cap = inf: threshold = incumbent). A round
         that ends with no plan <= cap_r proves every plan of the pass is > cap_r; the first
@@ -410,7 +404,6 @@ class SearchDriver:
         proven = 0.0
         rounds = 0
         bisected = False
-        timed: list[tuple[float, float]] = []    # (cap, seconds) of the completed rounds
         while True:
             if deepen and cap >= self.threshold:
                 # the next geometric cap passes the incumbent: once, if the gap is wide, search
@@ -427,39 +420,16 @@ class SearchDriver:
                 cap = math.inf
             rounds += 1
             self.stats.rounds += 1
-            t_round = time.monotonic()
             self.run_round(cap, pass_order, pass_type_order)
             if self.timed_out or self.threshold <= cap or not math.isfinite(cap):
                 break
             proven = max(proven, cap)
-            timed.append((cap, time.monotonic() - t_round))
-            cap *= 1 + self.next_round_step(timed)
+            cap *= 1 + ROUND_STEP
         # every configuration of the pass has no plan below ``proven`` (completed rounds) in
         # the pass's space
         for i in pass_order:
             self.lbs[i] = max(self.lbs[i], proven)
         return not self.timed_out
-
-    def next_round_step(self, timed: list[tuple[float, float]]) -> float:
-        """The next round's cap step: ROUND_STEP, or under a time budget less (down to
-        MIN_ROUND_STEP) where a full step would not end in the time left. A round's cost
-        grows steeply with its cap near the optimum (x 8 to x 150 per 2 % on the frontier
-        cases), and only a completed round proves anything: the step is sized so that the
-        round's predicted cost, the last round's scaled by the growth the last two rounds
-        showed (ROUND_GROWTH per ROUND_STEP before that), is ROUND_SHARE of the time left.
-        Any completed cap is a valid bound, so the step changes what is proven by the
-        deadline, never the plan a completed search returns."""
-        if self.pass_deadline is None or not timed:
-            return ROUND_STEP
-        cap, seconds = timed[-1]
-        left = self.pass_deadline - time.monotonic()
-        if seconds < ROUND_TIMED_S or left <= 0:
-            return ROUND_STEP
-        rho = math.log(ROUND_GROWTH) / math.log1p(ROUND_STEP)
-        if len(timed) >= 2 and timed[-2][1] >= ROUND_TIMED_S and seconds > timed[-2][1]:
-            rho = max(1.0, math.log(seconds / timed[-2][1]) / math.log(cap / timed[-2][0]))
-        step = (ROUND_SHARE * left / seconds) ** (1.0 / rho) - 1.0
-        return min(ROUND_STEP, max(MIN_ROUND_STEP, step))
 
     def run_round(self, cap: float, pass_order: list[int], pass_type_order: str) -> None:
         """Search every configuration of ``pass_order`` whose root bound is <= min(cap,
