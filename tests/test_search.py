@@ -903,23 +903,3 @@ def test_polish_improves_a_bad_split_and_stays_exact():
         assert ctx.evaluate(cfg, list(o), list(lay)) == pytest.approx(t, rel=1e-9)
         return
     pytest.fail("no 3-stage configuration to polish")
-
-
-def test_round_caps_step_on_the_incumbents_grid():
-    """With an incumbent the rounds' caps lie on incumbent / (1 + step)^j: the round before
-    the incumbent's proves a gap of exactly the step whatever the root bound was; steps of
-    less than a tenth of the step are skipped; without an incumbent, proven x (1 + step)."""
-    from poseidon_plugin.search import driver as drv
-    cluster, model = _small()
-    d = drv.SearchDriver(cluster, model, SearchOptions(global_batch_size=8, seq_length=128))
-    step = drv.ROUND_STEP
-    assert d.next_cap(100.0) == pytest.approx(100.0 * (1 + step))      # no incumbent yet
-    d.threshold = 1000.0
-    caps, c = [], 500.0
-    while c < 1000.0:
-        c = d.next_cap(c)
-        caps.append(c)
-    assert caps[-2] == pytest.approx(1000.0 / (1 + step))
-    assert all(b > a * (1 + 0.1 * step) for a, b in zip(caps, caps[1:]))
-    assert all(b <= a * (1 + step) * (1 + 1e-12) for a, b in zip(caps, caps[1:]))
-    assert d.next_cap(1000.0 / (1 + step) * 0.9999) == pytest.approx(1000.0)

@@ -390,9 +390,7 @@ class SearchDriver:
         """Iterative deepening over ``pass_order``; True when the pass completed (the
         incumbent is the best plan of the pass's space, or better).
 
-        Round r searches with cap_r about (1+step) above cap_{r-1} (``next_cap``: on the grid
-        incumbent / (1+step)^j, first above the smallest root bound); a cap that would pass the
-        incumbent
+        Round r searches with cap_r = root * (1+step)^r; a cap that would pass the incumbent
         becomes, once per pass, the midpoint of the proven bound and the incumbent if their gap
         is > 0.2 %, else the incumbent (cap = inf: threshold = incumbent). A round
         that ends with no plan <= cap_r proves every plan of the pass is > cap_r; the first
@@ -402,7 +400,7 @@ class SearchDriver:
         plan found beats or ties the seed, and if none, the seed is the best plan."""
         r0 = self.roots[pass_order[0]] if pass_order else math.inf
         deepen = not self.exact and math.isfinite(r0) and r0 > 0
-        cap = self.next_cap(r0) if deepen else math.inf
+        cap = r0 * (1 + ROUND_STEP) if deepen else math.inf
         proven = 0.0
         rounds = 0
         bisected = False
@@ -426,27 +424,12 @@ class SearchDriver:
             if self.timed_out or self.threshold <= cap or not math.isfinite(cap):
                 break
             proven = max(proven, cap)
-            cap = self.next_cap(proven)
+            cap *= 1 + ROUND_STEP
         # every configuration of the pass has no plan below ``proven`` (completed rounds) in
         # the pass's space
         for i in pass_order:
             self.lbs[i] = max(self.lbs[i], proven)
         return not self.timed_out
-
-    def next_cap(self, proven: float) -> float:
-        """The next round's cap above ``proven``: about ROUND_STEP higher, on the grid
-        incumbent / (1 + ROUND_STEP)^j once there is an incumbent (so that the round before
-        the incumbent's proves a gap of exactly ROUND_STEP, whatever the root bound was; a step
-        of less than a tenth of ROUND_STEP skips to the next grid point), else
-        proven x (1 + ROUND_STEP)."""
-        inc = self.threshold
-        if not math.isfinite(inc) or inc <= proven * (1 + ROUND_STEP):
-            return proven * (1 + ROUND_STEP)
-        j = math.floor(math.log(inc / proven) / math.log1p(ROUND_STEP))
-        cap = inc / (1 + ROUND_STEP) ** j
-        if cap <= proven * (1 + 0.1 * ROUND_STEP):
-            cap = inc / (1 + ROUND_STEP) ** (j - 1)
-        return cap
 
     def run_round(self, cap: float, pass_order: list[int], pass_type_order: str) -> None:
         """Search every configuration of ``pass_order`` whose root bound is <= min(cap,
