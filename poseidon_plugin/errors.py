@@ -50,3 +50,18 @@ class InfeasibleError(PoseidonError):
 
 class DistributedError(PoseidonError):
     """A collective timed out or a rank failed during bootstrap, discovery or profiling."""
+
+
+def check_record_fields(record: object, where: str, known, required) -> dict:
+    """A profile DB record's shape: an object, only ``known`` fields, every ``required`` one;
+    ProfileDBError naming ``where`` and the field otherwise. Returns the record."""
+    if not isinstance(record, dict):
+        raise ProfileDBError(f"{where}: expected an object, got {type(record).__name__}")
+    for field in record:
+        if field not in known:
+            raise ProfileDBError(f"{where}.{str(field)[:80]}: expected a known field ("
+                                 + ", ".join(sorted(known)) + "), got 'unknown field'")
+    for field in required:
+        if field not in record:
+            raise ProfileDBError(f"{where}.{field}: missing")
+    return record

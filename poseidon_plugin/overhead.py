@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal
 
-from .errors import ProfileDBError, short_repr
+from .errors import ProfileDBError, check_record_fields, short_repr
 
 OverheadSource = Literal["calibrated", "estimated"]
 OVERHEAD_SOURCES: tuple[str, ...] = ("calibrated", "estimated")
@@ -98,15 +98,8 @@ def overhead_from_record(record: object, where: str) -> IterationOverhead:
     def bad(field: str, expected: str, got: object) -> ProfileDBError:
         return ProfileDBError(f"{where}.{field}: expected {expected}, got {short_repr(got)}")
 
-    if not isinstance(record, dict):
-        raise ProfileDBError(f"{where}: expected an object, got {type(record).__name__}")
-    for field in record:
-        if field not in _FIELDS:
-            raise bad(str(field)[:80], "a known field (" + ", ".join(sorted(_FIELDS)) + ")",
-                      "unknown field")
-    for field in ("model_signature", "seq_length", "device_types", "overhead_ms"):
-        if field not in record:
-            raise ProfileDBError(f"{where}.{field}: missing")
+    record = check_record_fields(record, where, _FIELDS,
+                                 ("model_signature", "seq_length", "device_types", "overhead_ms"))
     for field in ("model_signature", "device_types"):
         v = record[field]
         if not isinstance(v, str) or not v or len(v) > 1024:

@@ -73,7 +73,7 @@ from typing import Any, Iterator, Literal, get_args
 
 from . import memory
 from .comm import allreduce_ms
-from .errors import ProfileDBError, SpecError, short_repr
+from .errors import ProfileDBError, SpecError, check_record_fields, short_repr
 from .overhead import (IterationOverhead, OverheadKey, overhead_from_record, overhead_to_record,
                        wins as _overhead_wins)
 from .training import TrainingSetup
@@ -164,15 +164,7 @@ def profile_from_record(record: object, where: str) -> LayerProfile:
     def bad(field: str, expected: str, got: object) -> ProfileDBError:
         return ProfileDBError(f"{where}.{field}: expected {expected}, got {short_repr(got)}")
 
-    if not isinstance(record, dict):
-        raise ProfileDBError(f"{where}: expected an object, got {type(record).__name__}")
-    for field in record:
-        if field not in _RECORD_FIELDS:
-            raise bad(str(field)[:80], "a known field (" + ", ".join(sorted(_RECORD_FIELDS)) + ")",
-                      "unknown field")
-    for field in (*_KEY_FIELDS, *_VALUE_FIELDS):
-        if field not in record:
-            raise ProfileDBError(f"{where}.{field}: missing")
+    record = check_record_fields(record, where, _RECORD_FIELDS, (*_KEY_FIELDS, *_VALUE_FIELDS))
     for field, typ in _KEY_FIELDS.items():
         value = record[field]
         if typ is int:

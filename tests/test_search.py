@@ -237,27 +237,31 @@ def test_closed_form_bound_structure_matches_op_orders(schedule):
             assert a.arrays() == b.arrays()
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
-@given(instance_st, st.integers(0, 10_000))
-def test_root_bound_never_exceeds_any_plan(inst, seed):
+def _random_plans(inst, seed, tries=5):
+    """(cost model, configuration, random feasible assignment) of up to ``tries`` random
+    configurations of a random instance (V up to 3)."""
     import random
-    from poseidon_plugin.search.configs import capacity_layers, root_bound
     types, layers, gbs, scheds, tp_mode = inst
     cluster, model = make_instance(types, layers, None)
     cm = CostModel(cluster, model, None, seq_length=128)
     ctx = SearchContext(cm)
     cfgs = _configs(ctx, gbs, tuple(scheds), tp_mode, max_virtual_stages=3)
     rng = random.Random(seed)
-    for _ in range(5):
-        if not cfgs:
-            return
+    for _ in range(tries if cfgs else 0):
         cfg = rng.choice(cfgs)
         a = ctx.random_assignment(cfg, rng)
-        if a is None:
-            continue
-        T = ctx.evaluate(cfg, *a)
+        if a is not None:
+            yield cm, cfg, a
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(instance_st, st.integers(0, 10_000))
+def test_root_bound_never_exceeds_any_plan(inst, seed):
+    from poseidon_plugin.search.configs import capacity_layers, root_bound
+    for cm, cfg, a in _random_plans(inst, seed):
+        T = time_assignment(cm, cfg, *a)[3]
         assert root_bound(cm, cfg) <= T * (1 + 1e-9)
-        assert capacity_layers(cm, cfg, T * (1 + 1e-9)) >= model.num_layers
+        assert capacity_layers(cm, cfg, T * (1 + 1e-9)) >= cm.model.num_layers
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
@@ -467,20 +471,7 @@ def test_fill_drain_inequality_holds_for_every_plan(inst, seed):
     plans of every schedule: stage p's M (F_p + B_p), after the chunk-0 forward chain of the
     stages before it and before the chunk-0 backward chain back through them, is on a path:
     T >= M w_p + sum_{i<p} (F_i,0 + B_i,0) + sends >= M w_p + sum_{i<p} w_i / V."""
-    import random
-    types, layers, gbs, scheds, tp_mode = inst
-    cluster, model = make_instance(types, layers, None)
-    cm = CostModel(cluster, model, None, seq_length=128)
-    ctx = SearchContext(cm)
-    cfgs = _configs(ctx, gbs, tuple(scheds), tp_mode, max_virtual_stages=3)
-    rng = random.Random(seed)
-    for _ in range(5):
-        if not cfgs:
-            return
-        cfg = rng.choice(cfgs)
-        a = ctx.random_assignment(cfg, rng)
-        if a is None:
-            continue
+    for cm, cfg, a in _random_plans(inst, seed):
         stages, _, _, T = time_assignment(cm, cfg, *a)
         v, m = cfg.virtual_stages, cfg.num_microbatches
         chain = relaxed = 0.0
