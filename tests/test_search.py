@@ -894,3 +894,39 @@ def test_polish_improves_a_bad_split_and_stays_exact():
         assert ctx.evaluate(cfg, list(o), list(lay)) == pytest.approx(t, rel=1e-9)
         return
     pytest.fail("no 3-stage configuration to polish")
+
+
+def _round_caps(r0, incumbent, monkeypatch):
+    """The caps run_pass gives its rounds when no round finds a plan below the incumbent."""
+    from poseidon_plugin.search.driver import SearchDriver
+
+    cluster, model = _small()
+    d = SearchDriver(cluster, model, SearchOptions(global_batch_size=8, seq_length=128,
+                                                   progress=False))
+    d.roots, d.lbs, d.order = [r0], [r0], [0]
+    d.threshold = incumbent
+    caps = []
+    monkeypatch.setattr(d, "run_round", lambda cap, order, kind: caps.append(cap))
+    assert d.run_pass([0], "any")
+    return caps, d
+
+
+def test_rounds_stop_at_gap_milestones_without_moving_the_grid(monkeypatch):
+    from poseidon_plugin.search import driver as drv
+
+    caps, d = _round_caps(100.0, 110.0, monkeypatch)
+    grid = [100.0 * 1.02 ** k for k in (1, 2, 3, 4)]
+    assert caps[:-1] == pytest.approx([
+        grid[0], grid[1], 110 * 0.95, grid[2], 110 * 0.98, grid[3],
+        0.5 * (grid[3] + 110.0)])          # the grid's next cap passes 110: the midpoint
+    assert caps[-1] == math.inf and d.lbs[0] == pytest.approx(0.5 * (grid[3] + 110.0))
+    # every milestone level the proof passed was a round of its own (a completed round at
+    # U (1 - m) is what proves gap <= m)
+    for m in drv.GAP_MILESTONES:
+        level = 110.0 * (1 - m)
+        if 100.0 < level < grid[3]:
+            assert any(c == pytest.approx(level) for c in caps)
+    assert caps[:-1] == sorted(caps[:-1])
+    # without an incumbent the rounds are the plain grid
+    caps, _ = _round_caps(100.0, math.inf, monkeypatch)
+    assert caps[:4] == pytest.approx([100.0 * 1.02 ** k for k in (1, 2, 3, 4)])

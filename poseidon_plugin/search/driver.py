@@ -36,6 +36,7 @@ log = logging.getLogger("poseidon")
 
 ROUND_STEP = 0.02   # iterative deepening: each round's threshold cap is 2 % above the last
 BISECT_GAP = 0.002  # ... until it passes the incumbent: then one midpoint round if the gap > 0.2 %
+GAP_MILESTONES = (0.10, 0.05, 0.02, 0.01, 0.005)  # a round's cap stops at incumbent x (1 - m)
 MAX_ROUNDS = 64     # per pass; the last round searches with the incumbent alone
 SPLIT_NODES = 20000  # a configuration whose last search took this many nodes is split over threads
 WARMUP_CONFIGS = 16  # warm-up samples come from this many configurations of lowest root bound
@@ -400,11 +401,13 @@ class SearchDriver:
         plan found beats or ties the seed, and if none, the seed is the best plan."""
         r0 = self.roots[pass_order[0]] if pass_order else math.inf
         deepen = not self.exact and math.isfinite(r0) and r0 > 0
-        cap = r0 * (1 + ROUND_STEP) if deepen else math.inf
+        grid = r0 * (1 + ROUND_STEP) if deepen else math.inf   # the geometric caps
         proven = 0.0
         rounds = 0
         bisected = False
         while True:
+            cap = grid
+            on_grid = True
             if deepen and cap >= self.threshold:
                 # the next geometric cap passes the incumbent: once, if the gap is wide, search
                 # with the midpoint of the proven bound and the incumbent (a round that finds
@@ -416,6 +419,9 @@ class SearchDriver:
                     cap = 0.5 * (proven + self.threshold)
                 else:
                     cap = math.inf
+            elif deepen:
+                cap = self._milestone_cap(max(proven, r0), cap)
+                on_grid = cap == grid
             if rounds >= MAX_ROUNDS - 1:
                 cap = math.inf
             rounds += 1
@@ -424,12 +430,28 @@ class SearchDriver:
             if self.timed_out or self.threshold <= cap or not math.isfinite(cap):
                 break
             proven = max(proven, cap)
-            cap *= 1 + ROUND_STEP
+            if on_grid or cap >= grid:
+                grid = cap * (1 + ROUND_STEP)
         # every configuration of the pass has no plan below ``proven`` (completed rounds) in
         # the pass's space
         for i in pass_order:
             self.lbs[i] = max(self.lbs[i], proven)
         return not self.timed_out
+
+    def _milestone_cap(self, proven: float, cap: float) -> float:
+        """A round inserted at the first gap milestone the next cap would step over: with
+        the incumbent U, a completed round at cap U (1 - m) proves a gap <= m, while a step of
+        the 2 % grid past that level that does not complete in time (the rounds grow steeply)
+        proves nothing more than the last one. The grid itself does not move: the inserted
+        round costs a fraction of the grid round after it (a lower cap cuts more)."""
+        u = self.threshold
+        if not math.isfinite(u):
+            return cap
+        for m in GAP_MILESTONES:
+            level = u * (1 - m)
+            if proven * (1 + 1e-6) < level < cap:
+                return level
+        return cap
 
     def run_round(self, cap: float, pass_order: list[int], pass_type_order: str) -> None:
         """Search every configuration of ``pass_order`` whose root bound is <= min(cap,
