@@ -87,6 +87,9 @@ test-mcore-versions: build $(MCORE_DIR)/venv/.stamp $(foreach v,$(MCORE_VERSIONS
 
 demo: build
 	$(PY) -m poseidon_plugin.cli plan --cluster examples/clusters/paper-setting1.yaml --model llama3-8b --global-batch-size 128 --seq-length 4096
+	@echo "== launch 1 of 2: profiles every rank, trains 16 iterations and calibrates the per-iteration overhead into the profile DB (build/poseidon-profiles; its plan and calibration lines only)"
+	bash -o pipefail -c 'bash examples/run_emulated.sh | grep -E "^predicted iteration|^  iteration |calibration:"'
+	@echo "== launch 2 of 2: plans from the calibrated profile DB and trains"
 	bash examples/run_emulated.sh
 
 bench: build
