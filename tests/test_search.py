@@ -930,3 +930,57 @@ def test_rounds_stop_at_gap_milestones_without_moving_the_grid(monkeypatch):
     # without an incumbent the rounds are the plain grid
     caps, _ = _round_caps(100.0, math.inf, monkeypatch)
     assert caps[:4] == pytest.approx([100.0 * 1.02 ** k for k in (1, 2, 3, 4)])
+
+
+def _two_stage_path_ms(F, B, Pf, Pb, R, orders):
+    """Reference for the interleaved two-stage path bound (``configs.pair_counts``), walked
+    op by op: for stages a < b, stage a's ops up to F(a, 0, k*), micro-batch k*'s chunk-0
+    forwards to b, stage b's ops up to B(b, 0, 0), micro-batch 0's chunk-0 backwards down to
+    a, stage a's ops from B(a, 0, 0) on, R_a; the longest such path."""
+    n = len(orders)
+    first = orders[0]
+    c1 = next(i for i, op in enumerate(first) if not op.is_backward and op.chunk == 1)
+    kstar = max(op.microbatch for op in first[:c1] if not op.is_backward and op.chunk == 0)
+
+    def at(s, backward, chunk, mb):
+        return next(i for i, op in enumerate(orders[s]) if op.is_backward == backward
+                    and op.chunk == chunk and op.microbatch == mb)
+
+    def work(s, lo, hi):
+        return sum((B if op.is_backward else F)[op.chunk][s] for op in orders[s][lo:hi])
+
+    best = 0.0
+    for a in range(n):
+        head = sum(F[0][j] + Pf[j] for j in range(a))
+        fk, b0 = at(a, False, 0, kstar), at(a, True, 0, 0)
+        own = head + work(a, 0, fk + 1) + work(a, b0, len(orders[a])) + R[a]
+        for b in range(a + 1, n):
+            chain = sum(F[0][j] + B[0][j] for j in range(a + 1, b)) + sum(
+                Pf[j] + Pb[j] for j in range(a, b))
+            mid = work(b, at(b, False, 0, kstar), at(b, True, 0, 0) + 1)
+            best = max(best, own + chain + mid)
+    return best
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(instance_st, st.integers(0, 10_000))
+def test_interleaved_leaf_bound_holds_the_two_stage_path(inst, seed):
+    """At a complete assignment the search's bound is at least the longest two-stage path
+    (reference above) and that path is at most the simulated time."""
+    from poseidon_plugin.costs import simulator_arrays
+    from poseidon_plugin.simulator.schedules import op_orders
+
+    types, layers, gbs, _, tp_mode = inst
+    inst = (types, layers, gbs, ["interleaved-1f1b"], tp_mode)
+    for cm, cfg, a in _random_plans(inst, seed):
+        if cfg.virtual_stages == 1 or cfg.num_stages < 2:
+            continue
+        stages, placements, _, T = time_assignment(cm, cfg, *a)
+        wrap = cm.wrap_send_ms(placements, cfg.micro_batch_size)
+        F, B, Pf, Pb, R = simulator_arrays(stages, cfg.virtual_stages, wrap)
+        ref = _two_stage_path_ms(F, B, Pf, Pb, R, op_orders(
+            cfg.schedule, cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages))
+        trace, t = SearchContext(cm).replay(cfg, *a)
+        assert t == pytest.approx(T, rel=1e-9)
+        assert ref <= T * (1 + 1e-9)
+        assert trace[-1] >= ref * (1 - 1e-9), (cfg, a, trace[-1], ref)

@@ -108,6 +108,9 @@ cdef double bound(const ConfigData* I, SearchState* S, int x, int Lrem) noexcept
     cdef int V = I.V, M = I.M, N = I.N, cc, K
     cdef double A, C, Z, fut, g, gy, lay
     cdef int clast = I.clast
+    cdef double gp = 0.0
+    if I.pair:
+        gp = _pair_bound(I, S, x)
     if x == 0:
         S.head[0] = 0.0
         S.tail[0] = S.R[0]
@@ -132,7 +135,7 @@ cdef double bound(const ConfigData* I, SearchState* S, int x, int Lrem) noexcept
         S.MC[x] = dmax(S.MC[x - 1], C - S.P[x] + Z + S.tail[x])
     K = N - 1 - x
     if K == 0:
-        return dmax(S.MA[x], S.MC[x] + S.P[x])
+        return dmax(dmax(S.MA[x], S.MC[x] + S.P[x]), gp)
     if V == 1:
         lay = Lrem
     else:
@@ -143,7 +146,43 @@ cdef double bound(const ConfigData* I, SearchState* S, int x, int Lrem) noexcept
     g = dmax(S.MA[x], S.MC[x] + S.P[x] + fut)
     gy = (S.head[x] + S.fc[x * V] + 2.0 * I.minsend + M * ceil(Lrem / <double> K) * I.minfb
           + S.bc[x * V + clast] + S.tail[x])
-    return dmax(g, gy)
+    return dmax(dmax(g, gy), gp)
+
+
+cdef inline double _pair_bound(const ConfigData* I, SearchState* S, int x) noexcept nogil:
+    """Two-stage path bound of interleaved schedules (``configs.pair_counts``) with stage x
+    as the far stage b and the best decided a < x: stage a up to F(a, 0, k*), the chunk-0
+    forwards of micro-batch k* from a+1 to x, stage x up to B(x, 0, 0), the chunk-0
+    backwards of micro-batch 0 from x-1 down to a, stage a from B(a, 0, 0) to its end, R_a.
+    With Sg[x] = sum_{i<x} (Pf_i + Pb_i + fc[i,0] + bc[i,0]) the path is
+    (K_a - Sg[a] - fc[a,0] - bc[a,0]) + Sg[x] + fc[x,0] + mid_x; the first term's max over
+    a < x is Qp[x] (both incremental: they depend on the stages < x only)."""
+    cdef int V = I.V, a = x - 1, cc
+    cdef const int* px
+    cdef double ka, mid
+    if x == 0:
+        S.Sg[0] = 0.0
+        return 0.0
+    S.Sg[x] = S.Sg[a] + S.Pf[a] + S.Pb[a] + S.fc[a * V] + S.bc[a * V]
+    ka = _pair_near(I, S, a)
+    S.Qp[x] = ka if x == 1 else dmax(S.Qp[a], ka)
+    px = I.pcnt + x * 6 * V
+    mid = S.fc[x * V]
+    for cc in range(V):
+        mid += px[2 * V + cc] * S.fc[x * V + cc] + px[3 * V + cc] * S.bc[x * V + cc]
+    return S.Qp[x] + S.Sg[x] + mid
+
+
+cdef inline double _pair_near(const ConfigData* I, SearchState* S, int a) noexcept nogil:
+    """Stage a's part of the two-stage path (head, its ops up to F(a, 0, k*) and from
+    B(a, 0, 0) on, R_a) less Sg[a] and its chunk-0 work (``_pair_bound``)."""
+    cdef int V = I.V, cc
+    cdef const int* pa = I.pcnt + a * 6 * V
+    cdef double ka = S.head[a] + S.R[a]
+    for cc in range(V):
+        ka += ((pa[cc] + pa[4 * V + cc]) * S.fc[a * V + cc]
+               + (pa[V + cc] + pa[5 * V + cc]) * S.bc[a * V + cc])
+    return ka - S.Sg[a] - S.fc[a * V] - S.bc[a * V]
 
 
 cdef struct TypeCaps:

@@ -83,6 +83,8 @@ cdef struct ConfigData:
     const int* acnt                # N * V: forwards of chunk c before the first backward
     const int* t1cnt               # N * V: forwards of chunk c up to F(s, V-1, mb 0)
     int acnt_sufmax[MAXN + 1]      # V = 1: max over j >= x of acnt[j]
+    int pair                       # 1: the two-stage path bound (interleaved)
+    const int* pcnt                # N * 3 * 2 * V: its op counts (``configs.pair_counts``)
 
 
 cdef struct SearchState:
@@ -107,6 +109,8 @@ cdef struct SearchState:
     double P[MAXN]
     double MA[MAXN]
     double MC[MAXN]
+    double Sg[MAXN]                # two-stage path: chunk-0 round trip of the stages < x
+    double Qp[MAXN]                # ... max over a < x of (stage a's part - Sg[a] - its w0)
     # ridge rule memory per option
     int rl[MAXO]
     int rdec[MAXO]

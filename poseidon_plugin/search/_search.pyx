@@ -114,21 +114,31 @@ cdef class BoundStructure:
 
     acnt[s*V + c]: forward ops of chunk c that device s runs before its first backward;
     t1cnt[s*V + c]: forward ops of chunk c up to and including F(s, V-1, mb 0);
-    clast: chunk of every device's last op (a backward of the last micro-batch).
+    clast: chunk of every device's last op (a backward of the last micro-batch);
+    pair_counts (interleaved, optional): ``configs.pair_counts``, the op counts of the
+    two-stage path bound (``pair`` = 1 when given).
     Built by ``search.configs.bound_structure`` from ``schedules.op_orders``.
     """
 
-    cdef public int N, M, V, clast
+    cdef public int N, M, V, clast, pair
     cdef int[::1] acnt
     cdef int[::1] t1cnt
+    cdef int[::1] pcnt
 
-    def __init__(self, int N, int M, int V, acnt, t1cnt, int clast):
+    def __init__(self, int N, int M, int V, acnt, t1cnt, int clast, pair_counts=None):
         self.N = N
         self.M = M
         self.V = V
         self.acnt = np.ascontiguousarray(acnt, dtype=np.int32)
         self.t1cnt = np.ascontiguousarray(t1cnt, dtype=np.int32)
         self.clast = clast
+        self.pair = 0 if pair_counts is None else 1
+        if pair_counts is None:
+            self.pcnt = np.zeros(1, dtype=np.int32)
+        else:
+            self.pcnt = np.ascontiguousarray(pair_counts, dtype=np.int32).reshape(-1)
+            if self.pcnt.shape[0] != N * 6 * V:
+                raise ValueError("BoundStructure: pair counts must have N*3*2*V entries")
 
     def arrays(self):
         """(acnt, t1cnt) as lists (for the tests)."""
@@ -215,6 +225,8 @@ cdef class ConfigInstance:
         I.local_of = _int_ptr(arrays[4])
         I.acnt = &structure.acnt[0]
         I.t1cnt = &structure.t1cnt[0]
+        I.pair = structure.pair
+        I.pcnt = &structure.pcnt[0]
         I.acnt_sufmax[N] = 0
         for x in range(N - 1, -1, -1):
             I.acnt_sufmax[x] = I.acnt_sufmax[x + 1]

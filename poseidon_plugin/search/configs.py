@@ -413,4 +413,31 @@ def bound_structure_from_orders(schedule: str, n: int, m: int, v: int
             clast = last.chunk
         elif clast != last.chunk:
             raise AssertionError(f"{schedule}: last chunk differs between stages")
-    return _search.BoundStructure(n, m, v, acnt, t1cnt, clast)
+    return _search.BoundStructure(n, m, v, acnt, t1cnt, clast,
+                                  pair_counts(orders, v) if v > 1 else None)
+
+
+def pair_counts(orders, v: int) -> np.ndarray | None:
+    """Op counts of the two-stage path bound of interleaved schedules, (N, 3, 2, V) int32:
+    per stage s, [0] the ops up to and including F(s, 0, k*) (k* = the last micro-batch of
+    the first chunk-0 forward group), [1] the ops after it up to and including B(s, 0, 0),
+    [2] the ops from B(s, 0, 0) on (B(s, 0, 0) counts in both [1] and [2]), each per (forward
+    / backward, chunk). For stages a < b the path stage a up to F(a, 0, k*), micro-batch k*'s
+    chunk-0 forwards to b, stage b up to B(b, 0, 0), micro-batch 0's chunk-0 backwards down
+    to a, stage a to its end, R_a is a lower bound (``_bounds.bound``, ``docs/search.md``).
+    None when some stage runs B(s, 0, 0) before F(s, 0, k*) (no such path)."""
+    first = orders[0]
+    c1 = next(i for i, op in enumerate(first) if not op.is_backward and op.chunk == 1)
+    kstar = max(op.microbatch for op in first[:c1] if not op.is_backward and op.chunk == 0)
+    out = np.zeros((len(orders), 3, 2, v), dtype=np.int32)
+    for s, ops in enumerate(orders):
+        fk = next(i for i, op in enumerate(ops)
+                  if not op.is_backward and op.chunk == 0 and op.microbatch == kstar)
+        b0 = next(i for i, op in enumerate(ops)
+                  if op.is_backward and op.chunk == 0 and op.microbatch == 0)
+        if b0 < fk:
+            return None
+        for part, (lo, hi) in enumerate(((0, fk + 1), (fk + 1, b0 + 1), (b0, len(ops)))):
+            for op in ops[lo:hi]:
+                out[s, part, int(op.is_backward), op.chunk] += 1
+    return out
