@@ -52,6 +52,20 @@ class DistributedError(PoseidonError):
     """A collective timed out or a rank failed during bootstrap, discovery or profiling."""
 
 
+def record_field_error(where: str, field: str, expected: str, got: object) -> ProfileDBError:
+    """The one-line error of a profile DB record's field."""
+    return ProfileDBError(f"{where}.{field}: expected {expected}, got {short_repr(got)}")
+
+
+def record_choice(record: dict, where: str, field: str, allowed, default: str) -> str:
+    """``record[field]`` (``default`` when absent), one of ``allowed``; ProfileDBError
+    otherwise."""
+    value = record.get(field, default)
+    if value not in allowed:
+        raise record_field_error(where, field, "one of " + ", ".join(allowed), value)
+    return value
+
+
 def check_record_fields(record: object, where: str, known, required) -> dict:
     """A profile DB record's shape: an object, only ``known`` fields, every ``required`` one;
     ProfileDBError naming ``where`` and the field otherwise. Returns the record."""

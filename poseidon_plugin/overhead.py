@@ -33,7 +33,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal
 
-from .errors import ProfileDBError, check_record_fields, short_repr
+from .errors import (ProfileDBError, check_record_fields, record_choice,
+                     record_field_error)
 
 OverheadSource = Literal["calibrated", "estimated"]
 OVERHEAD_SOURCES: tuple[str, ...] = ("calibrated", "estimated")
@@ -89,14 +90,16 @@ def overhead_to_record(o: IterationOverhead) -> dict[str, Any]:
 
 _FIELDS = {"model_signature", "seq_length", "device_types", "dtype", "attention", "recompute",
            "overhead_ms", "source", "calibrated_on"}
-_SETUP = {"dtype": ("bf16", "fp16", "fp32"), "attention": ("flash", "unfused"),
-          "recompute": ("none", "selective", "full")}
+# the training-setup fields of profile and overhead records: allowed values, default first
+SETUP_CHOICES: dict[str, tuple[str, ...]] = {
+    "dtype": ("bf16", "fp16", "fp32"), "attention": ("flash", "unfused"),
+    "recompute": ("none", "selective", "full")}
 
 
 def overhead_from_record(record: object, where: str) -> IterationOverhead:
     """Parse one record; ProfileDBError naming ``where`` and the field."""
     def bad(field: str, expected: str, got: object) -> ProfileDBError:
-        return ProfileDBError(f"{where}.{field}: expected {expected}, got {short_repr(got)}")
+        return record_field_error(where, field, expected, got)
 
     record = check_record_fields(record, where, _FIELDS,
                                  ("model_signature", "seq_length", "device_types", "overhead_ms"))
@@ -111,15 +114,9 @@ def overhead_from_record(record: object, where: str) -> IterationOverhead:
     if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not math.isfinite(ms) \
             or not 0.0 <= ms <= MAX_OVERHEAD_MS:
         raise bad("overhead_ms", f"a number in [0, {MAX_OVERHEAD_MS:g}] (ms per iteration)", ms)
-    source = record.get("source", "calibrated")
-    if source not in OVERHEAD_SOURCES:
-        raise bad("source", "one of " + ", ".join(OVERHEAD_SOURCES), source)
-    setup = {}
-    for field, allowed in _SETUP.items():
-        value = record.get(field, allowed[0])
-        if value not in allowed:
-            raise bad(field, "one of " + ", ".join(allowed), value)
-        setup[field] = value
+    source = record_choice(record, where, "source", OVERHEAD_SOURCES, "calibrated")
+    setup = {field: record_choice(record, where, field, allowed, allowed[0])
+             for field, allowed in SETUP_CHOICES.items()}
     on = record.get("calibrated_on", "")
     if not isinstance(on, str) or len(on) > 1024:
         raise bad("calibrated_on", "a string of at most 1024 characters", on)

@@ -73,9 +73,10 @@ from typing import Any, Iterator, Literal, get_args
 
 from . import memory
 from .comm import allreduce_ms
-from .errors import ProfileDBError, SpecError, check_record_fields, short_repr
-from .overhead import (IterationOverhead, OverheadKey, overhead_from_record, overhead_to_record,
-                       wins as _overhead_wins)
+from .errors import (ProfileDBError, SpecError, check_record_fields, record_choice,
+                     record_field_error, short_repr)
+from .overhead import (SETUP_CHOICES, IterationOverhead, OverheadKey, overhead_from_record,
+                       overhead_to_record, wins as _overhead_wins)
 from .training import TrainingSetup
 
 LayerKind = Literal["decoder", "embedding", "output"]
@@ -138,10 +139,7 @@ _KEY_FIELDS: dict[str, type] = {
     "seq_length": int, "model_signature": str,
 }
 _VALUE_FIELDS = ("forward_ms", "backward_ms", "activation_bytes", "param_bytes")
-_SETUP_FIELDS: dict[str, tuple[str, ...]] = {
-    "dtype": ("bf16", "fp16", "fp32"), "attention": ("flash", "unfused"),
-    "recompute": ("none", "selective", "full")}
-_RECORD_FIELDS = set(_KEY_FIELDS) | set(_VALUE_FIELDS) | set(_SETUP_FIELDS) | {"source", "env", "optimizer_ms"}
+_RECORD_FIELDS = set(_KEY_FIELDS) | set(_VALUE_FIELDS) | set(SETUP_CHOICES) | {"source", "env", "optimizer_ms"}
 _RANK = {"estimated": 0, "calibrated": 1, "measured": 2}
 
 
@@ -162,7 +160,7 @@ def profile_to_record(profile: LayerProfile) -> dict[str, Any]:
 def profile_from_record(record: object, where: str) -> LayerProfile:
     """Parse one record; ProfileDBError naming ``where`` (e.g. 'db.json: records[3].tp')."""
     def bad(field: str, expected: str, got: object) -> ProfileDBError:
-        return ProfileDBError(f"{where}.{field}: expected {expected}, got {short_repr(got)}")
+        return record_field_error(where, field, expected, got)
 
     record = check_record_fields(record, where, _RECORD_FIELDS, (*_KEY_FIELDS, *_VALUE_FIELDS))
     for field, typ in _KEY_FIELDS.items():
@@ -192,15 +190,9 @@ def profile_from_record(record: object, where: str) -> LayerProfile:
             raise bad(field, "an integer >= 0", value)
         if value > MAX_LAYER_BYTES:
             raise bad(field, f"at most {MAX_LAYER_BYTES} bytes (64 TiB)", value)
-    source = record.get("source", "measured")
-    if source not in SOURCES:
-        raise bad("source", "one of " + ", ".join(SOURCES), source)
-    setup = {}
-    for field, allowed in _SETUP_FIELDS.items():
-        value = record.get(field, allowed[0])
-        if value not in allowed:
-            raise bad(field, "one of " + ", ".join(allowed), value)
-        setup[field] = value
+    source = record_choice(record, where, "source", SOURCES, "measured")
+    setup = {field: record_choice(record, where, field, allowed, allowed[0])
+             for field, allowed in SETUP_CHOICES.items()}
     env = record.get("env", {})
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                             for k, v in env.items()):

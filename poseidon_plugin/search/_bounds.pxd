@@ -14,6 +14,10 @@ from poseidon_plugin.search._search cimport ConfigData, SearchState
 # S) and return the stage-level lower bound g on the iteration time of every completion.
 cdef double bound(const ConfigData* I, SearchState* S, int x, int Lrem) noexcept nogil
 
+# Interleaved two-stage path bound: its terms of the stages < x (I.pair only; call once stage
+# x's link from x-1 is set, before ``bound`` of x).
+cdef void pair_prefix(const ConfigData* I, SearchState* S, int x) noexcept nogil
+
 # Most layers the K stages after x can hold in a completion with time <= the threshold
 # (-1: no completion places K stages). ``avail`` = threshold - cap_path(x); ``whi`` bounds the
 # later stages' round-trip work (fill/drain cut, V = 1).

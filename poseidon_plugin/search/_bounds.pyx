@@ -109,7 +109,7 @@ cdef double bound(const ConfigData* I, SearchState* S, int x, int Lrem) noexcept
     cdef double A, C, Z, fut, g, gy, lay
     cdef int clast = I.clast
     cdef double gp = 0.0
-    if I.pair:
+    if I.pair and x > 0:
         gp = _pair_bound(I, S, x)
     if x == 0:
         S.head[0] = 0.0
@@ -149,25 +149,31 @@ cdef double bound(const ConfigData* I, SearchState* S, int x, int Lrem) noexcept
     return dmax(dmax(g, gy), gp)
 
 
-cdef inline double _pair_bound(const ConfigData* I, SearchState* S, int x) noexcept nogil:
-    """Two-stage path bound of interleaved schedules (``configs.pair_counts``) with stage x
-    as the far stage b and the best decided a < x: stage a up to F(a, 0, k*), the chunk-0
-    forwards of micro-batch k* from a+1 to x, stage x up to B(x, 0, 0), the chunk-0
-    backwards of micro-batch 0 from x-1 down to a, stage a from B(a, 0, 0) to its end, R_a.
-    With Sg[x] = sum_{i<x} (Pf_i + Pb_i + fc[i,0] + bc[i,0]) the path is
-    (K_a - Sg[a] - fc[a,0] - bc[a,0]) + Sg[x] + fc[x,0] + mid_x; the first term's max over
-    a < x is Qp[x] (both incremental: they depend on the stages < x only)."""
-    cdef int V = I.V, a = x - 1, cc
-    cdef const int* px
-    cdef double ka, mid
+cdef void pair_prefix(const ConfigData* I, SearchState* S, int x) noexcept nogil:
+    """Sg[x] = sum_{i<x} (Pf_i + Pb_i + fc[i,0] + bc[i,0]) and Qp[x] = max over a < x of
+    stage a's part of the two-stage path less Sg[a] and its chunk-0 work (``_pair_near``):
+    they depend on the stages < x and the link into x only, so ``_place_stage`` sets them
+    once per option of stage x."""
+    cdef int a = x - 1
+    cdef double ka
     if x == 0:
         S.Sg[0] = 0.0
-        return 0.0
-    S.Sg[x] = S.Sg[a] + S.Pf[a] + S.Pb[a] + S.fc[a * V] + S.bc[a * V]
+        return
+    S.Sg[x] = S.Sg[a] + S.Pf[a] + S.Pb[a] + S.fc[a * I.V] + S.bc[a * I.V]
     ka = _pair_near(I, S, a)
     S.Qp[x] = ka if x == 1 else dmax(S.Qp[a], ka)
-    px = I.pcnt + x * 6 * V
-    mid = S.fc[x * V]
+
+
+cdef inline double _pair_bound(const ConfigData* I, SearchState* S, int x) noexcept nogil:
+    """Two-stage path bound of interleaved schedules (``configs.pair_counts``) with stage x
+    (x >= 1) as the far stage b and the best decided a < x: stage a up to F(a, 0, k*), the
+    chunk-0 forwards of micro-batch k* from a+1 to x, stage x up to B(x, 0, 0), the chunk-0
+    backwards of micro-batch 0 from x-1 down to a, stage a from B(a, 0, 0) to its end, R_a.
+    The path is (K_a - Sg[a] - fc[a,0] - bc[a,0]) + Sg[x] + fc[x,0] + mid_x; the first
+    term's max over a < x is Qp[x] (``pair_prefix``)."""
+    cdef int V = I.V, cc
+    cdef const int* px = I.pcnt + x * 6 * V
+    cdef double mid = S.fc[x * V]
     for cc in range(V):
         mid += px[2 * V + cc] * S.fc[x * V + cc] + px[3 * V + cc] * S.bc[x * V + cc]
     return S.Qp[x] + S.Sg[x] + mid

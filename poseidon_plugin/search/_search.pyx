@@ -31,7 +31,7 @@ import numpy as np
 cimport numpy as cnp
 
 from poseidon_plugin.simulator._core cimport PipelineDAG
-from poseidon_plugin.search._bounds cimport bound, capacity, cap_path, wcut
+from poseidon_plugin.search._bounds cimport bound, capacity, cap_path, pair_prefix, wcut
 
 cnp.import_array()
 
@@ -323,6 +323,8 @@ cdef inline double _place_stage(const ConfigData* I, SearchState* S, int x, int 
         else:
             S.Pf[x] = 0.0
             S.Pb[x] = 0.0
+    if I.pair:
+        pair_prefix(I, S, x)
     if I.d <= 1:
         return 0.0
     if I.node_of[I.type_off[k] + start] == I.node_of[I.type_off[k] + start + dt - 1]:
