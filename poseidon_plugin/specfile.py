@@ -183,6 +183,9 @@ def _parse(text: str, path: str) -> Any:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         problem = getattr(exc, "problem", None) or str(exc)
+        if "nesting depth" in problem:   # PyYAML >= 6.0.4's parser refuses deep nesting first
+            raise SpecError(path, _line(mark), f"YAML nested at most {MAX_SPEC_DEPTH} deep",
+                            "deeper") from None
         raise SpecError(path, _line(mark), "valid YAML", problem) from None
     except (ValueError, OverflowError) as exc:  # e.g. an int of 5000 digits, a bad timestamp
         raise SpecError(path, "<file>", "valid YAML", str(exc)) from None
