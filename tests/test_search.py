@@ -871,10 +871,11 @@ def test_type_order_blocks_returns_only_block_orders(inst, budget):
     assert len(blocks) == len(set(blocks)), seq
 
 
-def test_polish_improves_a_bad_split_and_stays_exact():
-    """The local search after the construction moves layers off the most loaded stage while the
-    simulated time falls; the result is re-timed by the search's own replay (same time)."""
-    from poseidon_plugin.search.construct import polish
+def test_construction_polish_improves_a_bad_split_and_stays_exact():
+    """The cheap polish after the construction (first improvement, CONSTRUCT_EVALS simulations)
+    moves layers off the most loaded stage while the simulated time falls; the result is
+    re-timed by the search's own replay (same time)."""
+    from poseidon_plugin.search.construct import _polish
     cluster, model = make_instance([(100.0, 2, 4, 1.0), (50.0, 2, 4, 1.0)], 12, None)
     ctx = SearchContext(CostModel(cluster, model, None, seq_length=128))
     cfgs = [c for c in _configs(ctx, 16, ("1f1b",), "uniform") if c.num_stages == 3]
@@ -888,7 +889,7 @@ def test_polish_improves_a_bad_split_and_stays_exact():
             t0 = ctx.replay(cfg, opts, layers)[1]
         except ValueError:
             continue
-        t, o, lay = polish(ctx, cfg, t0, opts, layers)
+        t, o, lay = _polish(ctx, cfg, t0, opts, layers)
         assert t < t0 and sum(lay) == 12 and tuple(o) == tuple(opts)
         assert ctx.replay(cfg, list(o), list(lay))[1] == pytest.approx(t, rel=1e-12)
         assert ctx.evaluate(cfg, list(o), list(lay)) == pytest.approx(t, rel=1e-9)

@@ -29,6 +29,7 @@ import math
 
 from .configs import OuterConfig
 from .instance import SearchContext
+from .polish import CONSTRUCT_EVALS, polish
 
 
 def _type_slots(ctx: SearchContext, cfg: OuterConfig, choice: dict[int, int] | None = None
@@ -215,7 +216,7 @@ def _construct_choice(ctx: SearchContext, cfg: OuterConfig, choice: dict[int, in
         return None
     got = _construct_with(ctx, cfg, first)
     if got is not None:
-        return polish(ctx, cfg, *got)
+        return _polish(ctx, cfg, *got)
     tried: dict[int, object] = {0: None}
 
     def attempt(s: int):
@@ -237,48 +238,11 @@ def _construct_choice(ctx: SearchContext, cfg: OuterConfig, choice: dict[int, in
         else:
             hi = mid
     cands = [c for c in (attempt(hi), attempt(min(2 * hi, cfg.num_stages))) if c is not None]
-    return polish(ctx, cfg, *min(cands))
+    return _polish(ctx, cfg, *min(cands))
 
 
-POLISH_EVALS = 400   # simulator calls per polished plan (about 100 us each at N = 62, M = 128)
-
-
-def polish(ctx: SearchContext, cfg: OuterConfig, t: float, opts, layers):
-    """Local search from a feasible plan: move one layer from a stage to another (the most
-    loaded stages give, every other stage may take) while that lowers the simulated time,
-    within ``POLISH_EVALS`` simulations; every accepted plan is re-timed by ``replay`` (the
-    search's own feasibility and cost path), so the result stays feasible and exact."""
-    lmax, v = ctx.lmax(cfg), cfg.virtual_stages
-    costs = ctx.option_costs(cfg)
-    m = cfg.num_microbatches
-    opts, layers = tuple(opts), list(layers)
-    n = len(layers)
-    evals = 0
-    improved = True
-    while improved and evals < POLISH_EVALS:
-        improved = False
-        load = [m * layers[x] * (costs.f[o] + costs.b[o]) for x, o in enumerate(opts)]
-        givers = sorted(range(n), key=lambda x: -load[x])[:3]
-        takers = sorted(range(n), key=lambda x: load[x])
-        for g in givers:
-            if layers[g] <= v:
-                continue
-            for r in takers:
-                if r == g or layers[r] + 1 > lmax[opts[r], r]:
-                    continue
-                if evals >= POLISH_EVALS:
-                    break
-                cand = list(layers)
-                cand[g] -= 1
-                cand[r] += 1
-                evals += 1
-                try:
-                    tc = ctx.replay(cfg, list(opts), cand)[1]
-                except ValueError:
-                    continue
-                if tc < t * (1 - 1e-12):
-                    t, layers, improved = tc, cand, True
-                    break
-            if improved:
-                break
-    return t, opts, tuple(layers)
+def _polish(ctx: SearchContext, cfg: OuterConfig, t: float, opts, layers):
+    """The cheap polish of a constructed plan: first improvement, at most
+    ``polish.CONSTRUCT_EVALS`` simulations."""
+    got = polish(ctx, cfg, opts, layers, t, max_evals=CONSTRUCT_EVALS, first_improvement=True)
+    return got.time_ms, got.opts, got.layers

@@ -9,10 +9,12 @@
    incumbent of the per-stage space.
 4. **warm-up** -- random feasible plans of the most promising configurations seed the
    incumbent threshold.
-5. **passes** -- iterative deepening over the configurations (``run_pass``: rounds of
+5. **polish** -- local search (``polish.py``) from the best plan found so far of the most
+   promising configurations: a better incumbent, in a second or two.
+6. **passes** -- iterative deepening over the configurations (``run_pass``: rounds of
    ``run_round`` with a rising cap, then the incumbent), first over contiguous device-type
    blocks, then over every type sequence where that space is larger.
-6. **result** -- the best plan, the proven lower bound and the statistics (``SearchStats``).
+7. **result** -- the best plan, the proven lower bound and the statistics (``SearchStats``).
 
 Why this finds the optimum, and what each cut proves: ``docs/search.md``.
 """
@@ -43,6 +45,8 @@ WARMUP_CONFIGS = 16  # warm-up samples come from this many configurations of low
 CONSTRUCT_CONFIGS = 64  # constructive plans for (at least) this many configurations, by root bound
 BLOCKS_PASS_SHARE = 0.5  # under a budget, the blocks pass gets at most this share of what is left
 CONSTRUCT_SECONDS = 2.0  # ... and for more while this long (or 10 % of a time budget) has not passed
+POLISH_CONFIGS = 8   # local search from the best plan of this many configurations (fastest first)
+POLISH_SECONDS = 2.0  # ... for at most this long (or 5 % of a time budget)
 _COUNTERS = ("nodes", "plans_simulated", "cut_bound", "cut_memory", "cut_ridge", "cut_devices",
              "cut_capacity")
 
@@ -64,6 +68,9 @@ class SearchStats:
     rounds: int = 0
     constructed_plans: int = 0
     constructed_best_ms: float | None = None   # the best constructive plan (an upper bound)
+    polished_plans: int = 0            # local searches run (polish.py)
+    polish_evals: int = 0              # plans they timed
+    polished_best_ms: float | None = None     # the incumbent after the polish phase
     warmup_plans: int = 0
     type_order_restricted_configs: int = 0
     uniform_tp_seed_ms: float | None = None   # per-stage TP: the uniform-TP seed's time
@@ -126,6 +133,7 @@ class SearchDriver:
         self.order: list[int] = []
         self.lbs: list[float] = []          # per configuration: no plan of it is faster
         self.searched_ever: set[int] = set()
+        self.found: dict[OuterConfig, tuple] = {}   # per configuration: its best plan so far
         self.work: dict[int, int] = {}      # configuration -> nodes of its last search
         self.timed_out = False
         self.pass_deadline = self.deadline   # the current pass's deadline (<= the budget's)
@@ -167,6 +175,8 @@ class SearchDriver:
             return False
         self.threshold = min(self.threshold, t)
         cand = Incumbent(t, cfg.key, tuple(opts), tuple(layers), cfg)
+        if cfg not in self.found or cand < self.found[cfg]:
+            self.found[cfg] = cand
         if self.best is None:
             self.stats.first_plan_s = round(time.perf_counter() - self.t0, 3)
         if self.best is None or cand < self.best:
@@ -214,6 +224,9 @@ class SearchDriver:
             if not self.exact and self.options.warmup_samples > 0:
                 self.set_phase("warm-up")
                 self.warm_up()
+            if not self.exact and self.found:
+                self.set_phase("polish")
+                self.polish_found()
             self.run_passes()
         finally:
             self.progress.close(self.snapshot() if self.best is not None else None)
@@ -286,6 +299,37 @@ class SearchDriver:
         self.stats.warmup_plans += sub.stats.warmup_plans
         self.stats.uniform_tp_seed_ms = round(sub.best.time_ms, 3)
         self.consider(sub.best.time_ms, sub.best.cfg, sub.best.opts, sub.best.layers)
+
+    def polish_found(self) -> None:
+        """Local search from the best plan so far of each of the POLISH_CONFIGS configurations
+        whose best is fastest, for at most POLISH_SECONDS (5 % of a time budget); each one
+        ends at a local optimum, a cap or that deadline, and only improves."""
+        slice_s = POLISH_SECONDS
+        if self.options.time_budget_s is not None:
+            slice_s = min(slice_s, 0.05 * self.options.time_budget_s)
+        end = time.monotonic() + slice_s
+        if self.deadline is not None:
+            end = min(end, self.deadline)
+        for cand in sorted(self.found.values())[:POLISH_CONFIGS]:
+            if time.monotonic() > end:
+                break
+            self.polish_plan(cand, end)
+        if self.best is not None:
+            self.stats.polished_best_ms = self.best.time_ms
+        log.debug("polish: %d plans, %d timed, best %.3f ms (at %.2f s)",
+                  self.stats.polished_plans, self.stats.polish_evals, self.threshold,
+                  time.perf_counter() - self.t0)
+
+    def polish_plan(self, cand: Incumbent, deadline: float) -> None:
+        from .polish import polish
+
+        cfg = cand.cfg
+        res = polish(self.ctx, cfg, cand.opts, cand.layers, cand.time_ms, deadline=deadline,
+                     allowed=lambda opts: self.in_space(cfg, opts))
+        self.stats.polished_plans += 1
+        self.stats.polish_evals += res.evals
+        if res.time_ms < cand.time_ms:
+            self.consider(res.time_ms, cfg, res.opts, res.layers)
 
     def warm_up(self) -> None:
         """Random feasible plans seed the threshold. They come from the first WARMUP_CONFIGS
@@ -497,7 +541,14 @@ class SearchDriver:
             self.lbs[i] = max(self.lbs[i], thr_used)
         if res.best is not None:
             t, opts, layers = res.best
+            before = self.best
             self.consider(t, self.configs[i], opts, layers)
+            if not self.exact and self.best is not before and self.best.time_ms == t:
+                # a new incumbent from the tree: its neighbours may be faster still
+                end = time.monotonic() + POLISH_SECONDS
+                if self.pass_deadline is not None:
+                    end = min(end, self.pass_deadline)
+                self.polish_plan(self.best, end)
 
     # ------------------------------------------------------------------ result
     def lower_bound_ms(self) -> float:
