@@ -40,6 +40,11 @@ def _fits(ctx, cfg, opts, layers) -> bool:
     return all(s.memory_bytes <= s.memory_capacity_bytes for s in stages)
 
 
+def _resizer(cfgs):
+    by_shape = {c.key[:-1] + (c.num_stages,): c for c in cfgs}
+    return lambda c, n: by_shape.get(c.key[:-1] + (n,))
+
+
 def _one_layer_neighbours(cfg, opts, layers):
     n = cfg.num_stages
     for i in range(n):
@@ -66,15 +71,19 @@ def test_polished_plans_fit_never_slow_down_and_end_at_a_local_optimum(inst, see
             continue
         opts, layers = a
         t0 = ctx.evaluate(cfg, opts, layers)
-        got = polish(ctx, cfg, opts, layers, t0)
+        got = polish(ctx, cfg, opts, layers, t0, resize=_resizer(cfgs) if seed % 2 else None)
         assert got.complete
         assert got.time_ms <= t0 * (1 + 1e-12)
         assert (got.steps == 0) == (got.time_ms == t0)
-        assert _fits(ctx, cfg, got.opts, got.layers)
-        assert ctx.evaluate(cfg, got.opts, got.layers) == pytest.approx(got.time_ms, rel=1e-9)
-        for o, l in _one_layer_neighbours(cfg, got.opts, got.layers):
-            if _fits(ctx, cfg, o, l):
-                assert ctx.evaluate(cfg, o, l) >= got.time_ms * (1 - 1e-9), (o, l, got)
+        if seed % 2 == 0:
+            assert got.cfg is cfg
+        c = got.cfg
+        assert c in cfgs
+        assert _fits(ctx, c, got.opts, got.layers)
+        assert ctx.evaluate(c, got.opts, got.layers) == pytest.approx(got.time_ms, rel=1e-9)
+        for o, l in _one_layer_neighbours(c, got.opts, got.layers):
+            if _fits(ctx, c, o, l):
+                assert ctx.evaluate(c, o, l) >= got.time_ms * (1 - 1e-9), (o, l, got)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
@@ -134,9 +143,9 @@ def test_polish_keeps_to_the_allowed_space():
             continue
         t = ctx.evaluate(cfg, *a)
         if blocks(a[0]):
-            assert blocks(list(polish(ctx, cfg, *a, t, allowed=blocks).opts))
+            assert blocks(list(polish(ctx, cfg, *a, t, allowed=lambda c, o: blocks(o)).opts))
         first = a[0][0]
-        got = polish(ctx, cfg, *a, t, allowed=lambda o: o[0] == first)
+        got = polish(ctx, cfg, *a, t, allowed=lambda c, o: o[0] == first)
         assert got.opts[0] == first and got.time_ms <= t
         kept += 1
         moved_first += polish(ctx, cfg, *a, t).opts[0] != first
@@ -156,6 +165,36 @@ def test_polish_stops_at_its_cap_with_the_best_plan_so_far():
     assert not capped.complete and capped.evals == 3 and capped.time_ms <= t
     full = polish(ctx, cfg, opts, layers, t)
     assert full.complete and full.time_ms < t and full.time_ms <= capped.time_ms
+
+
+def test_grow_moves_add_a_stage_on_idle_devices_and_shrink_moves_remove_one():
+    """Four devices of one type, 8 layers, 1F1B with 16 micro-batches: a two-stage plan
+    leaves two devices idle; with ``resize`` the polish grows the pipeline (more stages, a
+    faster plan in another configuration of the same schedule, micro-batch and DP). From a
+    four-stage plan on an instance where the sends dominate, it shrinks."""
+    cluster, model = make_instance([(100.0, 1, 4, 1.0)], 8, None)
+    ctx = SearchContext(CostModel(cluster, model, None, seq_length=128))
+    cfgs = [c for c in enumerate_configs(ctx.cm, SearchOptions(
+        global_batch_size=16, seq_length=128, schedules=("1f1b",), micro_batch_sizes=(1,)))
+        if c.dp == 1]
+    two = next(c for c in cfgs if c.num_stages == 2)
+    t = ctx.evaluate(two, [0, 0], [4, 4])
+    fixed = polish(ctx, two, [0, 0], [4, 4], t)
+    assert fixed.cfg is two and fixed.time_ms == t       # [4, 4] is the best 2-stage split
+    grown = polish(ctx, two, [0, 0], [4, 4], t, resize=_resizer(cfgs))
+    assert grown.cfg.num_stages > 2 and grown.time_ms < 0.9 * t, grown
+    assert ctx.evaluate(grown.cfg, grown.opts, grown.layers) == pytest.approx(grown.time_ms)
+
+    slow = make_instance([(100.0, 1, 4, 1.0)], 4, None)
+    ctx = SearchContext(CostModel(slow[0], slow[1], None, seq_length=128))
+    ctx.cm.latency_ms = 50.0        # every send costs more than the layers it spreads
+    cfgs = [c for c in enumerate_configs(ctx.cm, SearchOptions(
+        global_batch_size=16, seq_length=128, schedules=("1f1b",), micro_batch_sizes=(1,)))
+        if c.dp == 1]
+    four = next(c for c in cfgs if c.num_stages == 4)
+    t = ctx.evaluate(four, [0] * 4, [1] * 4)
+    shrunk = polish(ctx, four, [0] * 4, [1] * 4, t, resize=_resizer(cfgs))
+    assert shrunk.cfg.num_stages < 4 and shrunk.time_ms < t, shrunk
 
 
 def test_search_reports_the_polish_and_never_returns_worse_than_it():
@@ -186,7 +225,7 @@ def test_polish_evens_out_the_interleaved_split_of_the_70b_frontier_construction
         if c.virtual_stages == 2 and c.dp == 64 and c.num_stages == 16)
     t, opts, layers = construct_plan(ctx, cfg)
     got = polish(ctx, cfg, opts, layers, t)
-    assert got.time_ms < 0.95 * t, (t, got)
+    assert got.cfg is cfg and got.time_ms < 0.95 * t, (t, got)
     assert ctx.evaluate(cfg, got.opts, got.layers) == pytest.approx(got.time_ms, rel=1e-9)
     slow = [l for o, l in zip(got.opts, got.layers) if cfg.options[o][0] != 0]
     assert sum(l % 2 for l in slow) < sum(l % 2 for o, l in zip(opts, layers)

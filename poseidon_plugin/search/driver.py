@@ -134,6 +134,7 @@ class SearchDriver:
         self.lbs: list[float] = []          # per configuration: no plan of it is faster
         self.searched_ever: set[int] = set()
         self.found: dict[OuterConfig, tuple] = {}   # per configuration: its best plan so far
+        self._by_shape: dict[tuple, OuterConfig] | None = None   # polish's grow / shrink
         self.work: dict[int, int] = {}      # configuration -> nodes of its last search
         self.timed_out = False
         self.pass_deadline = self.deadline   # the current pass's deadline (<= the budget's)
@@ -323,13 +324,18 @@ class SearchDriver:
     def polish_plan(self, cand: Incumbent, deadline: float) -> None:
         from .polish import polish
 
-        cfg = cand.cfg
-        res = polish(self.ctx, cfg, cand.opts, cand.layers, cand.time_ms, deadline=deadline,
-                     allowed=lambda opts: self.in_space(cfg, opts))
+        if self._by_shape is None:
+            self._by_shape = {c.key[:-1] + (c.num_stages,): c for c in self.configs}
+
+        def resize(c: OuterConfig, n: int) -> OuterConfig | None:
+            return self._by_shape.get(c.key[:-1] + (n,))
+
+        res = polish(self.ctx, cand.cfg, cand.opts, cand.layers, cand.time_ms,
+                     deadline=deadline, allowed=self.in_space, resize=resize)
         self.stats.polished_plans += 1
         self.stats.polish_evals += res.evals
         if res.time_ms < cand.time_ms:
-            self.consider(res.time_ms, cfg, res.opts, res.layers)
+            self.consider(res.time_ms, res.cfg, res.opts, res.layers)
 
     def warm_up(self) -> None:
         """Random feasible plans seed the threshold. They come from the first WARMUP_CONFIGS
