@@ -60,9 +60,10 @@ def ok(proc, out: str) -> str:
     return "\n".join(errors[-40:]) + "\n----- tail -----\n" + out[-5000:]
 
 
-def write_emulation(path, ranks: list[str], slow_memory_gib: float = 16) -> str:
+def write_emulation(path, ranks: list[str], slow_memory_gib: float = 16,
+                    slow_speed: float = 0.5) -> str:
     path.write_text("device_types:\n  emu-fast: {speed: 1.0, memory_gib: 16}\n"
-                    f"  emu-slow: {{speed: 0.5, memory_gib: {slow_memory_gib}}}\n"
+                    f"  emu-slow: {{speed: {slow_speed}, memory_gib: {slow_memory_gib}}}\n"
                     f"ranks: [{', '.join(ranks)}]\n")
     return str(path)
 
@@ -88,11 +89,14 @@ def expected_layers(plan: dict) -> list[list[list[int]]]:
 # ------------------------------------------------------------------------------------------
 
 def test_emulated_heterogeneous_training(tmp_path):
-    # The slow type is 2x slower here, not examples/emulate-2types.yaml's 4x: at 4x a mixed
-    # pipeline beats the two fast devices alone by only about 6 % (7/1 layers: 8 x 7 + 4 layer
-    # times against 8 x 8), and the noise of CPU profiling can flip that choice (CI did once).
-    # At 2x the mixed plans win by about 16 % for any measured ratio up to 3.
-    emu = write_emulation(tmp_path / "emu.yaml", ["emu-slow", "emu-slow", "emu-fast", "emu-fast"])
+    # Three slow ranks (4x slower) and one fast: the fast device alone takes 16 x 8 layer times
+    # an iteration, a four-stage pipeline about 16 x 5 + 3 x 4 (5/1/1/1 layers), so mixing wins
+    # by >= 11 % for any measured slow/fast ratio up to 6. (With two of each type, as in
+    # examples/emulate-2types.yaml, the two fast devices alone come within 6 % of the best mixed
+    # plan, and the noise of CPU profiling, measured ratios 1.7-3.9 at a nominal 2x, decided
+    # between them: CI twice got the fast devices alone.)
+    emu = write_emulation(tmp_path / "emu.yaml", ["emu-slow", "emu-slow", "emu-slow", "emu-fast"],
+                          slow_speed=0.25)
     report = tmp_path / "report"
     plan_file = tmp_path / "plan.json"
     proc, out, took = torchrun(4, [*GPT_ARGS, "--train-iters", "8", "--poseidon-auto",
@@ -104,14 +108,15 @@ def test_emulated_heterogeneous_training(tmp_path):
     print(f"e2e run took {took:.1f} s")
     plan = json.loads(plan_file.read_text())
     types = [s["device_type"] for s in plan["stages"]]
-    layers = {t: sum(s["layers"] for s in plan["stages"] if s["device_type"] == t) for t in set(types)}
 
-    # the plan uses both types and gives the fast one more layers
+    # the plan uses both types and gives the fast stage more layers than any slow stage
     assert set(types) == {"emu-fast", "emu-slow"}, plan["stages"]
-    assert layers["emu-fast"] > layers["emu-slow"], layers
+    most = {t: max(s["layers"] for s in plan["stages"] if s["device_type"] == t) for t in types}
+    assert min(s["layers"] for s in plan["stages"] if s["device_type"] == "emu-fast") \
+        > most["emu-slow"], plan["stages"]
 
     # every rank built exactly the layers of its planned stage, on the device the plan put there
-    nodes = [[0, 1], [2, 3]]  # discovery: node 0 = the slow ranks (local 0,1), node 1 = the fast
+    nodes = [[0, 1, 2], [3]]  # discovery: node 0 = the slow ranks (local 0-2), node 1 = the fast
     reports = {r["rank"]: r for r in (json.loads(open(f).read())
                                       for f in glob.glob(str(report / "rank*.json")))}
     assert sorted(reports) == [0, 1, 2, 3]
@@ -123,9 +128,9 @@ def test_emulated_heterogeneous_training(tmp_path):
         assert rep["device_type"] == stage["device_type"], (rep, stage)
         assert rep["layer_numbers"] == want[rep["pp_rank"]], (rep, want)
         assert rep["pp_size"] == plan["pp"] and rep["tp_size"] == plan["tp"]
-    # the fast devices (launch ranks 2, 3 on LOCAL_RANK 2, 3) had to move to the fast stage(s)
+    # the fast device (launch rank 3 on LOCAL_RANK 3) had to move to the fast stage
     fast_stages = {i for i, t in enumerate(types) if t == "emu-fast"}
-    assert {reports[r]["pp_rank"] for r in reports if reports[r]["launch_rank"] in (2, 3)} <= fast_stages
+    assert {reports[r]["pp_rank"] for r in reports if reports[r]["launch_rank"] == 3} <= fast_stages
 
     # Megatron's own training log: >= 5 iterations, finite loss going down
     losses = [float(m.group(2)) for m in

@@ -836,7 +836,8 @@ def test_restricted_type_orders_are_named_and_their_bound_holds_for_every_order(
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(instance_st, st.sampled_from([1e-6, 1e-3, 0.05]), st.sampled_from(["safe", "ridge"]))
 def test_budgeted_result_is_never_worse_than_the_construction(inst, budget, pruning):
-    """Under any time budget the returned plan is at least as fast as the best constructed one,
+    """Under any time budget the returned plan is at least as fast as the best constructed one
+    and the best polished one,
     its lower bound never passes the exhaustive optimum, and only a really infeasible instance
     returns no plan."""
     exact = _run(inst, "none")
@@ -848,6 +849,10 @@ def test_budgeted_result_is_never_worse_than_the_construction(inst, budget, prun
     built = quick.search["constructed_best_ms"]
     if built is not None:
         assert quick.predicted_iteration_time_ms <= built * (1 + 1e-9)
+    polished = quick.search["polished_best_ms"]
+    if polished is not None:       # the polish phase ran: the result is at least as fast
+        assert quick.predicted_iteration_time_ms <= polished * (1 + 1e-9)
+        assert built is None or polished <= built * (1 + 1e-9)
     assert quick.predicted_iteration_time_ms >= exact.predicted_iteration_time_ms * (1 - 1e-9)
     assert quick.lower_bound_ms <= exact.predicted_iteration_time_ms * (1 + 1e-9)
 

@@ -47,6 +47,8 @@ BLOCKS_PASS_SHARE = 0.5  # under a budget, the blocks pass gets at most this sha
 CONSTRUCT_SECONDS = 2.0  # ... and for more while this long (or 10 % of a time budget) has not passed
 POLISH_CONFIGS = 8   # local search from the best plan of this many configurations (fastest first)
 POLISH_SECONDS = 2.0  # ... for at most this long (or 5 % of a time budget)
+POLISH_TREE = 16     # the first this many incumbents the tree finds are polished, each for at
+POLISH_TREE_EVALS = 20_000   # most this many timed plans (a count, not a clock: deterministic)
 _COUNTERS = ("nodes", "plans_simulated", "cut_bound", "cut_memory", "cut_ridge", "cut_devices",
              "cut_capacity")
 
@@ -135,6 +137,7 @@ class SearchDriver:
         self.searched_ever: set[int] = set()
         self.found: dict[OuterConfig, tuple] = {}   # per configuration: its best plan so far
         self._by_shape: dict[tuple, OuterConfig] | None = None   # polish's grow / shrink
+        self._tree_polished = 0             # incumbents from the tree polished so far
         self.work: dict[int, int] = {}      # configuration -> nodes of its last search
         self.timed_out = False
         self.pass_deadline = self.deadline   # the current pass's deadline (<= the budget's)
@@ -321,7 +324,8 @@ class SearchDriver:
                   self.stats.polished_plans, self.stats.polish_evals, self.threshold,
                   time.perf_counter() - self.t0)
 
-    def polish_plan(self, cand: Incumbent, deadline: float) -> None:
+    def polish_plan(self, cand: Incumbent, deadline: float,
+                    max_evals: int | None = None) -> None:
         from .polish import polish
 
         if self._by_shape is None:
@@ -331,7 +335,8 @@ class SearchDriver:
             return self._by_shape.get(c.key[:-1] + (n,))
 
         res = polish(self.ctx, cand.cfg, cand.opts, cand.layers, cand.time_ms,
-                     deadline=deadline, allowed=self.in_space, resize=resize)
+                     deadline=deadline, allowed=self.in_space, resize=resize,
+                     **({} if max_evals is None else {"max_evals": max_evals}))
         self.stats.polished_plans += 1
         self.stats.polish_evals += res.evals
         if res.time_ms < cand.time_ms:
@@ -549,12 +554,14 @@ class SearchDriver:
             t, opts, layers = res.best
             before = self.best
             self.consider(t, self.configs[i], opts, layers)
-            if not self.exact and self.best is not before and self.best.time_ms == t:
+            if (not self.exact and self.best is not before and self.best.time_ms == t
+                    and self._tree_polished < POLISH_TREE):
                 # a new incumbent from the tree: its neighbours may be faster still
+                self._tree_polished += 1
                 end = time.monotonic() + POLISH_SECONDS
                 if self.pass_deadline is not None:
                     end = min(end, self.pass_deadline)
-                self.polish_plan(self.best, end)
+                self.polish_plan(self.best, end, POLISH_TREE_EVALS)
 
     # ------------------------------------------------------------------ result
     def lower_bound_ms(self) -> float:
