@@ -175,15 +175,12 @@ def _construct_with(ctx: SearchContext, cfg: OuterConfig, stages):
     for order in itertools.permutations(sorted(blocks)):
         opts = [o for k in order for o in blocks[k]]
         loads = [m * (costs.f[o] + costs.b[o]) for o in opts]
+        caps = [int(lmax[o, x]) for x, o in enumerate(opts)]
 
-        def caps_at(t: float, opts=opts, loads=loads) -> list[int]:
-            out = []
-            for x, o in enumerate(opts):
-                c = int(lmax[o, x])
-                if math.isfinite(t) and loads[x] > 0:
-                    c = min(c, int(t / loads[x]))
-                out.append(max(c, v))
-            return out
+        def caps_at(t: float, caps=caps, loads=loads) -> list[int]:
+            if not math.isfinite(t):
+                return [max(c, v) for c in caps]
+            return [max(min(c, int(t / ld)) if ld > 0 else c, v) for c, ld in zip(caps, loads)]
 
         layers = _fill_layers(caps_at, n, L, v, loads)
         if layers is None or any(layers[x] > lmax[o, x] for x, o in enumerate(opts)):

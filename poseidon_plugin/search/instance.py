@@ -69,6 +69,7 @@ class SearchContext:
         self.cm = cm
         self._costs: dict[OuterConfig, OptionCosts] = {}
         self._lmax: dict[OuterConfig, np.ndarray] = {}
+        self._lmax_rows: dict[OuterConfig, list[list[int]]] = {}
         self._roots: dict[OuterConfig, float] = {}
         self._instances: dict[tuple, tuple[_search.ConfigInstance, bool]] = {}
 
@@ -85,6 +86,13 @@ class SearchContext:
         if hit is None:
             hit = self._lmax[cfg] = layer_limits(self.cm, cfg)
             hit.setflags(write=False)
+        return hit
+
+    def lmax_rows(self, cfg: OuterConfig) -> list[list[int]]:
+        """``lmax`` as nested Python lists (read often from Python: no numpy scalars)."""
+        hit = self._lmax_rows.get(cfg)
+        if hit is None:
+            hit = self._lmax_rows[cfg] = self.lmax(cfg).tolist()
         return hit
 
     def root_bound(self, cfg: OuterConfig) -> float:
@@ -185,7 +193,7 @@ class SearchContext:
     def random_assignment(self, cfg: OuterConfig, rng: random.Random):
         """A random (stage options, layers) of ``cfg`` that fits the devices and memory, or
         None (the warm-up samples and the tests' random plans)."""
-        cm, lmax = self.cm, self.lmax(cfg)
+        cm, lmax = self.cm, self.lmax_rows(cfg)
         n, v, d = cfg.num_stages, cfg.virtual_stages, cfg.dp
         cursors = [0] * len(cm.pools)
         opts = []
@@ -196,7 +204,7 @@ class SearchContext:
                 start = cursors[k]
                 if start < pool.size and pool.local_of[start] % t:
                     start += t - pool.local_of[start] % t
-                if start + d * t <= pool.size and lmax[o, x] >= v:
+                if start + d * t <= pool.size and lmax[o][x] >= v:
                     cand.append((o, start + d * t))
             if not cand:
                 return None
@@ -206,8 +214,8 @@ class SearchContext:
         return self._random_layers(cfg, opts, rng)
 
     def _random_layers(self, cfg: OuterConfig, opts: list[int], rng: random.Random):
-        lmax, n, v = self.lmax(cfg), cfg.num_stages, cfg.virtual_stages
-        caps = [int(lmax[o, x]) for x, o in enumerate(opts)]
+        lmax, n, v = self.lmax_rows(cfg), cfg.num_stages, cfg.virtual_stages
+        caps = [lmax[o][x] for x, o in enumerate(opts)]
         L = self.cm.model.num_layers
         if sum(caps) < L or v * n > L:
             return None
