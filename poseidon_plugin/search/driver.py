@@ -45,6 +45,8 @@ WARMUP_CONFIGS = 16  # warm-up samples come from this many configurations of low
 CONSTRUCT_CONFIGS = 64  # constructive plans for (at least) this many configurations, by root bound
 BLOCKS_PASS_SHARE = 0.5  # under a budget, the blocks pass gets at most this share of what is left
 CONSTRUCT_SECONDS = 2.0  # ... and for more while this long (or 10 % of a time budget) has not passed
+CONSTRUCT_PLANS = 8  # ... or until this many plans were built,
+CONSTRUCT_AFTER = 1.0  # ... or this long after the first plan (10 % of a budget at most)
 POLISH_CONFIGS = 8   # local search from the best plan of this many configurations (fastest first)
 POLISH_SECONDS = 2.0  # ... for at most this long (or 5 % of a time budget)
 POLISH_TREE = 16     # the first this many incumbents the tree finds are polished, each for at
@@ -258,18 +260,27 @@ class SearchDriver:
 
     def construct(self) -> None:
         """Constructive plans (``construct.construct_plan``) of the configurations in root-bound
-        order: the first CONSTRUCT_CONFIGS, then more while CONSTRUCT_SECONDS (at most 10 % of
-        a time budget) have not passed, and in any case until one plan is found."""
+        order until one plan is found; then until CONSTRUCT_CONFIGS configurations were tried
+        and CONSTRUCT_PLANS plans built, or CONSTRUCT_SECONDS have passed and CONSTRUCT_AFTER
+        since the first plan (both at most 10 % of a time budget). Where most configurations
+        cannot hold the model (405B: the first plan came from the 571st) the polish then has
+        more than one plan to start from."""
         from .construct import construct_plan
 
         t0 = time.monotonic()
-        slice_s = CONSTRUCT_SECONDS
+        slice_s, after_s = CONSTRUCT_SECONDS, CONSTRUCT_AFTER
         if self.options.time_budget_s is not None:
             slice_s = min(slice_s, 0.1 * self.options.time_budget_s)
+            after_s = min(after_s, 0.1 * self.options.time_budget_s)
+        first_at = None
         for done, i in enumerate(i for i in self.order if math.isfinite(self.roots[i])):
-            if self.best is not None and (done >= CONSTRUCT_CONFIGS
-                                          or time.monotonic() - t0 > slice_s):
-                break
+            if self.best is not None:
+                now = time.monotonic()
+                first_at = now if first_at is None else first_at
+                if ((done >= CONSTRUCT_CONFIGS
+                     and self.stats.constructed_plans >= CONSTRUCT_PLANS)
+                        or (now - t0 > slice_s and now - first_at > after_s)):
+                    break
             if self._past_deadline() and (self.best is not None or done >= CONSTRUCT_CONFIGS):
                 break   # (a tiny budget still constructs: one plan at least, if one is near)
             self._done_in_round = done + 1
