@@ -203,18 +203,43 @@ class CostModel:
         fitting l up to the model's layer count, so every ``limit`` shares it (monotonicity:
         the answer for ``limit`` is min(that, limit)).
         """
+        return self.max_layers_by_stage(
+            capacity_bytes=capacity_bytes, stages=(stage,), num_stages=num_stages, tp=tp, dp=dp,
+            micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
+            schedule=schedule, virtual_stages=virtual_stages, limit=limit,
+            type_index=type_index)[0]
+
+    def max_layers_by_stage(self, *, capacity_bytes: int, stages, num_stages: int, tp: int,
+                            dp: int, micro_batch_size: int, num_microbatches: int,
+                            schedule: str, virtual_stages: int, limit: int,
+                            type_index: int | None = None) -> list[int]:
+        """``max_layers`` of each stage in ``stages``, the memo looked up in one loop (the
+        search asks for every (option, stage) of every configuration)."""
         if limit < 1:
-            return 0
-        inflight = memory_mod.microbatches_in_flight(schedule, stage, num_stages,
-                                                     num_microbatches, virtual_stages)
-        first, last = stage == 0, stage == num_stages - 1
-        key = (capacity_bytes, first, last, num_stages == 1, inflight, tp, dp, micro_batch_size,
-               schedule, virtual_stages, type_index)
-        hit = self._mem_cache.get(key)
-        # (largest fitting l up to the searched limit, that limit): exact for every limit up to
-        # the searched one, and for any limit when memory stopped it below the searched limit
-        if hit is not None and (limit <= hit[1] or hit[0] < hit[1]):
-            return min(hit[0], limit)
+            return [0] * len(stages)
+        out = []
+        for stage in stages:
+            inflight = memory_mod.microbatches_in_flight(schedule, stage, num_stages,
+                                                         num_microbatches, virtual_stages)
+            key = (capacity_bytes, stage == 0, stage == num_stages - 1, num_stages == 1,
+                   inflight, tp, dp, micro_batch_size, schedule, virtual_stages, type_index)
+            hit = self._mem_cache.get(key)
+            # (largest fitting l up to the searched limit, that limit): exact for every limit up
+            # to the searched one, and for any limit when memory stopped it below that limit
+            if hit is not None and (limit <= hit[1] or hit[0] < hit[1]):
+                out.append(min(hit[0], limit))
+            else:
+                out.append(self._max_layers_miss(
+                    key, capacity_bytes=capacity_bytes, stage=stage, num_stages=num_stages,
+                    tp=tp, dp=dp, micro_batch_size=micro_batch_size,
+                    num_microbatches=num_microbatches, schedule=schedule,
+                    virtual_stages=virtual_stages, limit=limit, type_index=type_index))
+        return out
+
+    def _max_layers_miss(self, key, *, capacity_bytes: int, stage: int, num_stages: int, tp: int,
+                         dp: int, micro_batch_size: int, num_microbatches: int, schedule: str,
+                         virtual_stages: int, limit: int, type_index: int | None) -> int:
+        """``max_layers`` computed (a memo miss): stored under ``key``."""
         requested, limit = limit, max(limit, self.model.num_layers)
 
         def mem(l: int) -> int:

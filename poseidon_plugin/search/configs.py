@@ -167,12 +167,11 @@ def layer_limits(cm: CostModel, cfg: OuterConfig) -> np.ndarray:
     limit = L - (n - 1) * cfg.virtual_stages
     out = np.zeros((len(cfg.options), n), dtype=np.int32)
     for o, (k, t) in enumerate(cfg.options):
-        for x in range(n):
-            out[o, x] = cm.max_layers(
-                capacity_bytes=cm.capacity_bytes[k], stage=x, num_stages=n, tp=t, dp=cfg.dp,
-                micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
-                schedule=cfg.schedule, virtual_stages=cfg.virtual_stages, limit=limit,
-                type_index=k)
+        out[o, :] = cm.max_layers_by_stage(
+            capacity_bytes=cm.capacity_bytes[k], stages=range(n), num_stages=n, tp=t, dp=cfg.dp,
+            micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
+            schedule=cfg.schedule, virtual_stages=cfg.virtual_stages, limit=limit,
+            type_index=k)
     return out
 
 

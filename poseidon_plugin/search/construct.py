@@ -24,6 +24,7 @@ the slots of smaller TP degrees). The construction is a heuristic: it is not the
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 
@@ -128,21 +129,34 @@ def _stage_types(ctx: SearchContext, cfg: OuterConfig, swaps: int = 0,
     return [(k, opt[k]) for _, k, _, _ in types for _ in range(take[k])]
 
 
-def _fill_layers(caps_at, n: int, total: int, v: int, loads: list[float]) -> list[int] | None:
-    """Layers per stage for the smallest target time that holds ``total`` layers:
-    ``caps_at(T)`` gives each stage's cap at T; the surplus leaves the most loaded stages."""
-    if sum(caps_at(math.inf)) < total:
+def _caps_at(t: float, caps: list[int], loads: list[float], v: int) -> list[int]:
+    """Each stage's layers at target time t: min(memory cap, floor(t / load)), at least v."""
+    if not math.isfinite(t):
+        return [max(c, v) for c in caps]
+    return [max(min(c, int(t / ld)) if ld > 0 else c, v) for c, ld in zip(caps, loads)]
+
+
+def _fill_layers(caps: list[int], loads: list[float], total: int, v: int) -> list[int] | None:
+    """Layers per stage for the smallest target time T at which ``_caps_at(T)`` holds
+    ``total`` layers; the surplus leaves the most loaded stages. T is found exactly: the caps
+    only step at the times k x load of a stage, so the steps are taken in time order (a heap)
+    until they reach ``total``; the steps tied with the last one are taken with it."""
+    n = len(caps)
+    if sum(_caps_at(math.inf, caps, loads, v)) < total:
         return None
-    lo, hi = 0.0, max(loads) * total
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        if sum(caps_at(mid)) >= total:
-            hi = mid
-        else:
-            lo = mid
-        if hi - lo <= 1e-9 * hi:
-            break
-    layers = caps_at(hi)
+    counts = _caps_at(0.0, caps, loads, v)
+    have = sum(counts)
+    steps = [((counts[x] + 1) * loads[x], x) for x in range(n)
+             if loads[x] > 0 and counts[x] < caps[x]]
+    heapq.heapify(steps)
+    t = 0.0
+    while have < total:
+        t, x = heapq.heappop(steps)
+        counts[x] += 1
+        have += 1
+        if counts[x] < caps[x]:
+            heapq.heappush(steps, ((counts[x] + 1) * loads[x], x))
+    layers = _caps_at(t * (1.0 + 1e-9), caps, loads, v) if t > 0 else counts
     surplus = sum(layers) - total
     while surplus > 0:
         x = max((x for x in range(n) if layers[x] > v), key=lambda x: (layers[x] * loads[x], x))
@@ -176,13 +190,7 @@ def _construct_with(ctx: SearchContext, cfg: OuterConfig, stages):
         opts = [o for k in order for o in blocks[k]]
         loads = [m * (costs.f[o] + costs.b[o]) for o in opts]
         caps = [int(lmax[o, x]) for x, o in enumerate(opts)]
-
-        def caps_at(t: float, caps=caps, loads=loads) -> list[int]:
-            if not math.isfinite(t):
-                return [max(c, v) for c in caps]
-            return [max(min(c, int(t / ld)) if ld > 0 else c, v) for c, ld in zip(caps, loads)]
-
-        layers = _fill_layers(caps_at, n, L, v, loads)
+        layers = _fill_layers(caps, loads, L, v)
         if layers is None or any(layers[x] > lmax[o, x] for x, o in enumerate(opts)):
             continue
         try:
