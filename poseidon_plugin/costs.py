@@ -242,34 +242,44 @@ class CostModel:
         """``max_layers`` computed (a memo miss): stored under ``key``."""
         requested, limit = limit, max(limit, self.model.num_layers)
 
+        seen: dict[int, int] = {}
+
         def mem(l: int) -> int:
-            return self.stage_memory_bytes(layers=l, stage=stage, num_stages=num_stages, tp=tp,
-                                           dp=dp, micro_batch_size=micro_batch_size,
-                                           num_microbatches=num_microbatches, schedule=schedule,
-                                           virtual_stages=virtual_stages, type_index=type_index)
+            if l not in seen:
+                seen[l] = self.stage_memory_bytes(
+                    layers=l, stage=stage, num_stages=num_stages, tp=tp, dp=dp,
+                    micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
+                    schedule=schedule, virtual_stages=virtual_stages, type_index=type_index)
+            return seen[l]
 
         if limit < 1 or mem(1) > capacity_bytes:
             result = 0
-        elif mem(limit) <= capacity_bytes:
-            result = limit
+        elif limit == 1:
+            result = 1
         else:
-            lo, hi = 1, limit          # mem(lo) fits, mem(hi) does not
-            m1, m2 = mem(1), mem(2) if limit >= 2 else mem(1)
-            slope = max(m2 - m1, 1)
-            guess = min(max(1 + (capacity_bytes - m1) // slope, 1), limit - 1)
-            if mem(guess) <= capacity_bytes:
-                lo = guess
-                if mem(guess + 1) > capacity_bytes:
-                    hi = guess + 1
+            # memory is affine in l up to byte rounding: a guess from the slope, then checked
+            m1 = mem(1)
+            slope = max(mem(2) - m1, 1)
+            guess = 1 + (capacity_bytes - m1) // slope
+            if guess >= limit and mem(limit) <= capacity_bytes:
+                result = limit
             else:
-                hi = guess
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if mem(mid) <= capacity_bytes:
-                    lo = mid
+                lo, hi = 1, limit          # mem(lo) fits; mem(hi) does not, or hi = limit
+                guess = min(max(guess, 1), limit - 1)
+                if mem(guess) <= capacity_bytes:
+                    lo = guess
+                    hi = guess + 1 if mem(guess + 1) > capacity_bytes else hi
                 else:
-                    hi = mid
-            result = lo
+                    hi = guess
+                if hi == limit and mem(limit) <= capacity_bytes:
+                    lo = limit
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    if mem(mid) <= capacity_bytes:
+                        lo = mid
+                    else:
+                        hi = mid
+                result = lo
         self._mem_cache[key] = (result, limit)
         return min(result, requested)
 

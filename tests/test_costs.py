@@ -14,6 +14,8 @@ Bandwidths are Gbit/s: bytes / (gbps * 1e9 / 8) s = bytes / (gbps * 125_000) ms.
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from poseidon_plugin import comm, costs, memory, profiles
 from poseidon_plugin.cluster import cluster_from_dict, load_cluster
@@ -310,6 +312,35 @@ def test_max_layers_agrees_with_memory(cm):
                                        num_microbatches=4, schedule="1f1b").total_bytes
         want = max([l for l in range(1, 9) if mem(l) <= cap], default=0)
         assert got == want
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_max_layers_is_the_largest_fitting_count(data):
+    """``max_layers`` (a slope guess, then checks) equals the brute-force largest l <= limit
+    whose memory fits, over capacities from none to plenty, every position and schedule; the
+    memo answers later limits the same way."""
+    cm = CostModel(load_cluster("examples/clusters/paper-setting1.yaml"), get_model("llama3-8b"),
+                   None, seq_length=1024)
+    schedule = data.draw(st.sampled_from(["1f1b", "eager-1f1b", "interleaved-1f1b", "gpipe"]))
+    n = data.draw(st.integers(1, 8))
+    v = data.draw(st.integers(2, 3)) if schedule == "interleaved-1f1b" else 1
+    kw = dict(stage=data.draw(st.integers(0, n - 1)), num_stages=n,
+              tp=data.draw(st.sampled_from([1, 2, 8])), dp=data.draw(st.sampled_from([1, 4])),
+              micro_batch_size=data.draw(st.integers(1, 2)),
+              num_microbatches=data.draw(st.integers(1, 16)), schedule=schedule,
+              virtual_stages=v, type_index=0)
+
+    def mem(l):
+        return cm.stage_memory_bytes(layers=l, **kw)
+    if data.draw(st.booleans()):      # at (or a byte off) the memory of some count k
+        k = data.draw(st.integers(1, 41))
+        cap = mem(k) + data.draw(st.sampled_from([-1, 0, 1, (mem(k + 1) - mem(k)) // 2]))
+    else:
+        cap = data.draw(st.integers(0, 200 * 1024 ** 3))
+    for limit in data.draw(st.lists(st.integers(0, 40), min_size=1, max_size=3)):
+        want = max([l for l in range(1, limit + 1) if mem(l) <= cap], default=0)
+        assert cm.max_layers(capacity_bytes=cap, limit=limit, **kw) == want
 
 
 # --------------------------------------------------------------------------- searched plans

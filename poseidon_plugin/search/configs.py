@@ -271,18 +271,16 @@ def _fill_feasible(types: list[_TypeCapacity], cfg: OuterConfig, L: int, t_ms: f
     stages can carry covers the least work the layers need."""
     n, m, v = cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages
     limit = L - (n - 1) * v
-    rows = []
-    for ty in types:
-        cap = max(_cap(a, t_ms, limit) for a, _ in ty.options)
-        if cap >= v and ty.count > 0:
-            rows.append((ty.a / m, min(ty.count, n) * cap))
     need, work = L, extra
-    for c, room in sorted(rows):
-        take = min(room, need)
-        work += take * c
-        need -= take
-        if need == 0:
-            break
+    for ty in types:        # cheapest first (``_fill_bound`` sorts them by a)
+        # the type's largest cap is its cheapest option's (``_cap`` falls with a)
+        cap = _cap(ty.a, t_ms, limit)
+        if cap >= v and ty.count > 0:
+            take = min(min(ty.count, n) * cap, need)
+            work += take * ty.a / m
+            need -= take
+            if need == 0:
+                break
     if need > 0:
         return False
     a_n, g_n, a_last, g_last, last_send = carry
@@ -342,6 +340,7 @@ def _fill_bound(types: list[_TypeCapacity], cfg: OuterConfig, L: int, bound: flo
         return bound
     extra = (min(f + b for f, b in zip(costs.ef, costs.eb)) + costs.min_output_fb)
     carry = _fill_carry(cfg, min_send_ms(cm, cfg.micro_batch_size))
+    types = sorted(types, key=lambda ty: ty.a)
     lo_t, hi_t = bound, 2.0 * bound
     while not _fill_feasible(types, cfg, L, hi_t, extra, carry):
         lo_t, hi_t = hi_t, 2.0 * hi_t

@@ -145,8 +145,8 @@ def polish(ctx: SearchContext, cfg: OuterConfig, opts, layers, time_ms: float, *
         per_layer = [f + b for f, b in zip(costs.f, costs.b)]
         best = None
         for c, o, l in _moves(c0, o0, l0, per_layer, resize):
-            lmax, v = ctx.lmax(c), c.virtual_stages
-            if any(not v <= l[x] <= lmax[o[x], x] for x in range(c.num_stages)):
+            lmax, v = ctx.lmax_rows(c), c.virtual_stages
+            if any(not v <= l[x] <= lmax[o[x]][x] for x in range(c.num_stages)):
                 continue
             if o is not o0 and allowed is not None and not allowed(c, o):
                 continue
