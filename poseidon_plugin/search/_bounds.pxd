@@ -14,6 +14,11 @@ from poseidon_plugin.search._search cimport ConfigData, SearchState
 # S) and return the stage-level lower bound g on the iteration time of every completion.
 cdef double bound(const ConfigData* I, SearchState* S, int x, int Lrem) noexcept nogil
 
+# The cheapest layer and output-layer f + b over the types that can still host a stage after x
+# (free devices >= d t_min; in blocks mode the current type or an unused one): S.fbav[x] and
+# S.outav[x], read by ``bound``. Call once stage x's device cursor is set.
+cdef void later_costs(const ConfigData* I, SearchState* S, int x) noexcept nogil
+
 # Interleaved two-stage path bound: its terms of the stages < x (I.pair only; call once stage
 # x's link from x-1 is set, before ``bound`` of x).
 cdef void pair_prefix(const ConfigData* I, SearchState* S, int x) noexcept nogil

@@ -142,11 +142,34 @@ cdef double bound(const ConfigData* I, SearchState* S, int x, int Lrem) noexcept
         lay = (Lrem - K * (V - 1)) / <double> V
         if lay < 0:
             lay = 0
-    fut = 2.0 * I.minsend * K + lay * I.minfb + I.outmin
+    fut = 2.0 * I.minsend * K + lay * S.fbav[x] + S.outav[x]
     g = dmax(S.MA[x], S.MC[x] + S.P[x] + fut)
-    gy = (S.head[x] + S.fc[x * V] + 2.0 * I.minsend + M * ceil(Lrem / <double> K) * I.minfb
+    gy = (S.head[x] + S.fc[x * V] + 2.0 * I.minsend + M * ceil(Lrem / <double> K) * S.fbav[x]
           + S.bc[x * V + clast] + S.tail[x])
     return dmax(dmax(g, gy), gp)
+
+
+cdef void later_costs(const ConfigData* I, SearchState* S, int x) noexcept nogil:
+    """S.fbav[x] / S.outav[x]: the cheapest one-layer and output-layer f + b over the options
+    whose type can still host a later stage (at least d t_min free devices -- alignment only
+    needs more -- and, in blocks mode, the type of stage x or one not used yet). Every layer
+    after x, and the output layer, runs on such an option, so ``bound``'s undecided terms may
+    use them instead of the instance's cheapest (a fast type whose devices are all taken no
+    longer lowers them). 1e300 when no type can (no completion: a later cut says so too)."""
+    cdef int o, k, kx = I.opt_type[S.st_opt[x]]
+    cdef double fb = 1e300, out = 1e300
+    for o in range(I.O):
+        k = I.opt_type[o]
+        if I.min_dt[k] <= 0 or I.ndev[k] - S.cursor[k] < I.min_dt[k]:
+            continue
+        if I.blocks and k != kx and S.used[k]:
+            continue
+        if I.ofb[o] < fb:
+            fb = I.ofb[o]
+        if I.oof[o] + I.oob[o] < out:
+            out = I.oof[o] + I.oob[o]
+    S.fbav[x] = fb
+    S.outav[x] = out
 
 
 cdef void pair_prefix(const ConfigData* I, SearchState* S, int x) noexcept nogil:

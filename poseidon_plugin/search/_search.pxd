@@ -111,6 +111,8 @@ cdef struct SearchState:
     double MC[MAXN]
     double Sg[MAXN]                # two-stage path: chunk-0 round trip of the stages < x
     double Qp[MAXN]                # ... max over a < x of (stage a's part - Sg[a] - its w0)
+    double fbav[MAXN]              # after stage x: cheapest layer f + b / output layer f + b
+    double outav[MAXN]             # ... over the types that can still host a stage (``later_costs``)
     # ridge rule memory per option
     int rl[MAXO]
     int rdec[MAXO]

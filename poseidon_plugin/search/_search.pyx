@@ -31,7 +31,8 @@ import numpy as np
 cimport numpy as cnp
 
 from poseidon_plugin.simulator._core cimport PipelineDAG
-from poseidon_plugin.search._bounds cimport bound, capacity, cap_path, pair_prefix, wcut
+from poseidon_plugin.search._bounds cimport (bound, capacity, cap_path, later_costs,
+                                             pair_prefix, wcut)
 
 cnp.import_array()
 
@@ -590,6 +591,7 @@ cdef class Searcher:
             save_rdec = S.rdec[o]
             S.cursor[k] = start + dt
             S.used[k] = 1
+            later_costs(I, S, x)
             thr_eps = S.thr * (1.0 + 1e-9)
             if I.use_bound and K > 0:
                 # capacity: the K later stages hold at most cap(l) layers, cap non-increasing in
@@ -870,6 +872,8 @@ def replay_assignment(ConfigInstance inst, PipelineDAG dag, opts, layers):
                                  f"not fit")
             ring = _place_stage(I, S, x, o, start)
             S.cursor[I.opt_type[o]] = start + I.d * I.opt_tp[o]
+            S.used[I.opt_type[o]] = 1
+            later_costs(I, S, x)
             S.st_l[x] = l
             _set_stage(I, S, x, o, l, ring)
             Lrem -= l
