@@ -146,8 +146,9 @@ def _build_parser() -> argparse.ArgumentParser:
                     "blocks (contiguous type blocks only), auto (blocks where a configuration "
                     "has more than 3^20 orders); a restricted space is named in the output")
     pl.add_argument("--warmup-samples", type=int, default=500, metavar="N",
-                    help="random feasible plans that seed the search's threshold (default: "
-                    "%(default)s; 0: none); speed only, the exact plan does not depend on it")
+                    help="at most N random feasible plans seed the search's threshold "
+                    "(default: %(default)s; 0: none; it stops after 100 draws in a row without a "
+                    "faster plan); speed only, the exact plan does not depend on it")
     pl.add_argument("--time-budget", type=_positive_finite_float, default=None, metavar="S",
                     help="wall-clock budget in seconds for everything after the command line "
                     "(loading, the search, the baselines): the best plan found by then, with its "

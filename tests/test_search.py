@@ -419,6 +419,26 @@ def test_positional_round_trip_and_fill_drain_cuts_keep_every_config_optimum(
     _assert_cut_search_finds_optimum(ctx, cfgs, slack)
 
 
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(st.tuples(st.sampled_from([50.0, 80.0, 150.0]), st.just(2),
+                          st.integers(1, 3), st.sampled_from([0.05, 1.0])),
+                min_size=2, max_size=2),
+       st.integers(6, 10), st.sampled_from([32, 64]), st.sampled_from(["1f1b", "eager-1f1b"]),
+       st.sampled_from([0.0, 0.01]))
+def test_round_trip_cut_with_repeated_positions_keeps_every_config_optimum(
+        types, layers, gbs, sched, slack):
+    """Many micro-batches (M >= 32) and roomy memory: the round-trip cut's positional caps
+    repeat over runs of stages, which ``_wpos`` sums as groups (rows x counts; a group counted
+    once fails here). The bounded search at threshold = each configuration's exhaustive
+    optimum (x (1 + slack)) still finds a plan of exactly that time."""
+    cluster, model = make_instance(types, layers, None)
+    ctx = SearchContext(CostModel(cluster, model, None, seq_length=128))
+    cfgs = [c for c in _configs(ctx, gbs, (sched,), "uniform",
+                             micro_batch_sizes=(1,), max_virtual_stages=1)
+            if 4 <= c.num_stages <= 6]
+    _assert_cut_search_finds_optimum(ctx, cfgs, slack)
+
+
 @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.lists(st.tuples(st.sampled_from([50.0, 80.0, 150.0]), st.sampled_from([1, 2]),
                           st.integers(2, 4), st.sampled_from([0.02, 0.05, 1.0])),

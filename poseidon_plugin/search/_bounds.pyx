@@ -236,8 +236,9 @@ cdef inline void _type_caps(const ConfigData* I, SearchState* S, int x, int K, d
     later stages the type can still host (free devices // the smallest d t, <= K); its cheapest
     (f + b); and the type's layer total bound (free devices x the best cap_o / (d t_o)). Fills
     the top-K slot groups (``_type_groups``) and the knapsack list of ``tc``."""
-    cdef int k, o, cap, best, dtmin, cnt, i
+    cdef int k, o, cap, best, dtmin, cnt, i, j
     cdef double coef, fbk, ratio, lbk
+    cdef double step = S.fbav[x] + 2.0 * I.minsend
     tc.nt = 0
     tc.ng = 0
     for k in range(I.T):
@@ -257,6 +258,18 @@ cdef inline void _type_caps(const ConfigData* I, SearchState* S, int x, int K, d
                 continue
             if cap > I.suf_omax[o * (I.N + 1) + x + 1]:
                 cap = I.suf_omax[o * (I.N + 1) + x + 1]
+            if amax < 0:
+                # memory decides where a stage of c layers can be: at stage j >= first(o, c),
+                # and the path to stage j also runs through the j - x - 1 stages between
+                # (each one's chunk-0 forward and backward, >= one layer, and two sends)
+                while cap >= I.V:
+                    j = I.firstpos[o * (I.L + 2) + cap]
+                    if j < x + 1:
+                        j = x + 1
+                    if (j < I.N and cap * coef + (j - x - 1) * step
+                            <= budget * (1.0 + 1e-9) + 1e-9):
+                        break
+                    cap -= 1
             if cap < I.V:
                 continue
             if cap > best:
@@ -365,14 +378,26 @@ cdef int capacity(const ConfigData* I, SearchState* S, int x, double avail, int 
     return total
 
 
-cdef inline int _insert_desc(double* dl, int n, double v) noexcept nogil:
-    """Insert v into dl[0:n] (sorted descending); returns the new length n + 1."""
-    cdef int i = n
-    while i > 0 and dl[i - 1] < v:
-        dl[i] = dl[i - 1]
-        i -= 1
-    dl[i] = v
-    return n + 1
+cdef inline double _kth_desc(double* val, int* cnt, int n, int k) noexcept nogil:
+    """The value at index k (0-based) of the multiset {val[i] x cnt[i]} sorted descending
+    (val / cnt reordered: an insertion sort of the n distinct groups, n small)."""
+    cdef int i, j, c
+    cdef double v
+    for i in range(1, n):
+        v = val[i]
+        c = cnt[i]
+        j = i
+        while j > 0 and val[j - 1] < v:
+            val[j] = val[j - 1]
+            cnt[j] = cnt[j - 1]
+            j -= 1
+        val[j] = v
+        cnt[j] = c
+    for i in range(n):
+        if k < cnt[i]:
+            return val[i]
+        k -= cnt[i]
+    return -1e300
 
 
 cdef double _wpos(const ConfigData* I, SearchState* S, int x, int K, double R, int* pc,
@@ -395,10 +420,14 @@ cdef double _wpos(const ConfigData* I, SearchState* S, int x, int K, double R, i
     positions only type k can serve, means no completion.
     """
     cdef int p, j, o, k, k2, cap, aj, T = I.T, M = I.M, N = I.N, n, i, m, sweep, ninf
+    cdef int g, G = 0, same
     cdef double coef, best, other, D
     cdef int tav[MAXT]
     cdef double u[MAXT]
     cdef double dl[MAXN]
+    cdef int dc[MAXN]
+    cdef int gcnt[MAXN]
+    cdef int* gp
     for k in range(T):
         if I.min_dt[k] > 0:
             tav[k] = (I.ndev[k] - S.cursor[k]) // I.min_dt[k]
@@ -408,13 +437,16 @@ cdef double _wpos(const ConfigData* I, SearchState* S, int x, int K, double R, i
             tav[k] = K
         u[k] = 0.0
         troom[k] = 0.0
+    # the rows pc[p, .], consecutive equal rows kept once as a group of gcnt positions (the
+    # caps repeat over long runs of positions: the sums below are over groups x counts)
     for p in range(K):
         j = x + 1 + p
         aj = I.acnt[j]
         if aj > M:
             aj = M
+        gp = pc + G * T
         for k in range(T):
-            pc[p * T + k] = -1
+            gp[k] = -1
         for o in range(I.O):
             k = I.opt_type[o]
             if tav[k] <= 0:
@@ -427,19 +459,36 @@ cdef double _wpos(const ConfigData* I, SearchState* S, int x, int K, double R, i
                 cap = I.lmax[o * N + j]
             if cap < 1:
                 continue
-            if cap > pc[p * T + k]:
-                pc[p * T + k] = cap
+            if cap > gp[k]:
+                gp[k] = cap
+        same = G > 0
+        if same:
+            for k in range(T):
+                if gp[k] != gp[k - T]:
+                    same = 0
+                    break
+        if same:
+            gcnt[G - 1] += 1
+        else:
+            gcnt[G] = 1
+            G += 1
     # per type room: the best min(cnt_k, K) positional caps
     for k in range(T):
         if tav[k] <= 0:
             continue
         n = 0
-        for p in range(K):
-            if pc[p * T + k] >= 0:
-                n = _insert_desc(dl, n, pc[p * T + k])
-        m = tav[k] if tav[k] < n else n
-        for i in range(m):
-            troom[k] += dl[i]
+        for g in range(G):
+            if pc[g * T + k] >= 0:
+                dl[n] = pc[g * T + k]
+                dc[n] = gcnt[g]
+                n += 1
+        m = tav[k]
+        _kth_desc(dl, dc, n, 0)     # (sorts the groups descending)
+        i = 0
+        while m > 0 and i < n:
+            troom[k] += dl[i] * (dc[i] if dc[i] < m else m)
+            m -= dc[i]
+            i += 1
     # dual sweeps
     for sweep in range(2):
         for k in range(T):
@@ -447,36 +496,38 @@ cdef double _wpos(const ConfigData* I, SearchState* S, int x, int K, double R, i
                 continue
             n = 0
             ninf = 0
-            for p in range(K):
-                if pc[p * T + k] < 0:
+            for g in range(G):
+                if pc[g * T + k] < 0:
                     continue
                 other = -1e300
                 for k2 in range(T):
-                    if k2 != k and pc[p * T + k2] >= 0 and pc[p * T + k2] - u[k2] > other:
-                        other = pc[p * T + k2] - u[k2]
+                    if k2 != k and pc[g * T + k2] >= 0 and pc[g * T + k2] - u[k2] > other:
+                        other = pc[g * T + k2] - u[k2]
                 if other <= -1e299:
-                    ninf += 1
+                    ninf += gcnt[g]
                     continue
-                n = _insert_desc(dl, n, pc[p * T + k] - other)
+                dl[n] = pc[g * T + k] - other
+                dc[n] = gcnt[g]
+                n += 1
             if ninf > tav[k]:
                 return -1.0
             # the (cnt_k + 1)-th largest delta overall (the ninf infinite ones come first)
             m = tav[k] - ninf
-            if m < n and dl[m] > 0.0:
-                u[k] = dl[m]
-            else:
-                u[k] = 0.0
+            u[k] = 0.0
+            best = _kth_desc(dl, dc, n, m)
+            if best > 0.0:
+                u[k] = best
     D = 0.0
     for k in range(T):
         D += tav[k] * u[k]
-    for p in range(K):
+    for g in range(G):
         best = -1e300
         for k in range(T):
-            if pc[p * T + k] >= 0 and pc[p * T + k] - u[k] > best:
-                best = pc[p * T + k] - u[k]
+            if pc[g * T + k] >= 0 and pc[g * T + k] - u[k] > best:
+                best = pc[g * T + k] - u[k]
         if best <= -1e299:
             return -1.0
-        D += best
+        D += gcnt[g] * best
     return D * (1.0 + 1e-12) + 1e-9
 
 

@@ -70,6 +70,7 @@ cdef struct ConfigData:
     const int* lmax                # O * N: most layers option o fits at stage x (memory)
     const int* suffix_lmax         # N + 1: sum over j >= x of max_o lmax[o, j]
     const int* suf_omax            # O * (N + 1): max over j >= x of lmax[o, j]
+    const int* firstpos            # O * (L + 2): first stage j with lmax[o, j] >= c (N: none)
     # ---- per device type
     int ndev[MAXT]
     int type_off[MAXT]             # offset of the type's devices in node_of / local_of

@@ -217,13 +217,18 @@ cdef class ConfigInstance:
         for x in range(N - 1, -1, -1):
             suffix[x] = suffix[x + 1] + max(int(per_stage[x]), 0)
             somax[:, x] = np.maximum(somax[:, x + 1], lm2[:, x])
-        arrays = (lm, suffix, _i32(somax), _i32(node_of), _i32(local_of))
+        first = np.full((O, num_layers + 2), N, dtype=np.int32)
+        for o in range(O):
+            for x in range(N - 1, -1, -1):
+                first[o, :max(int(lm2[o, x]), -1) + 1] = x
+        arrays = (lm, suffix, _i32(somax), _i32(node_of), _i32(local_of), _i32(first))
         self._keep = arrays
         I.lmax = _int_ptr(arrays[0])
         I.suffix_lmax = _int_ptr(arrays[1])
         I.suf_omax = _int_ptr(arrays[2])
         I.node_of = _int_ptr(arrays[3])
         I.local_of = _int_ptr(arrays[4])
+        I.firstpos = _int_ptr(arrays[5])
         I.acnt = &structure.acnt[0]
         I.t1cnt = &structure.t1cnt[0]
         I.pair = structure.pair
