@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 
 import numpy as np
 from Cython.Build import cythonize
@@ -12,6 +13,18 @@ from setuptools import Extension, find_packages, setup
 # POSEIDON_CHECKS=1 builds with bounds and wrap-around checks on (used by the test suite's
 # checked build); the default build turns them off once the tests pass with them on.
 _checks = os.environ.get("POSEIDON_CHECKS", "0") == "1"
+
+# The generated C files depend on the interpreter and on numpy's Cython declarations: a tree
+# built for one Python / numpy / checks setting and then for another (``make test`` then
+# ``make test-py310``) must regenerate them, even when they are newer than the .pyx files.
+_STAMP = os.path.join("build", ".cython-generated-for")
+_SIGNATURE = (f"python {sys.version_info[0]}.{sys.version_info[1]} numpy {np.__version__} "
+              f"checks {int(_checks)}")
+try:
+    with open(_STAMP, encoding="utf-8") as fh:
+        _regenerate = fh.read() != _SIGNATURE
+except OSError:
+    _regenerate = True
 
 extensions = [
     Extension(
@@ -24,6 +37,21 @@ extensions = [
     for path in sorted(glob.glob(os.path.join("poseidon_plugin", "**", "*.pyx"), recursive=True))
 ]
 
+_EXTENSIONS = cythonize(
+    extensions,
+    language_level=3,
+    force=_regenerate,  # the C files were generated for another setting (above)
+    compiler_directives={
+        "boundscheck": _checks,
+        "wraparound": _checks,
+        "initializedcheck": _checks,
+        "cdivision": True,
+    },
+)
+os.makedirs(os.path.dirname(_STAMP), exist_ok=True)
+with open(_STAMP, "w", encoding="utf-8") as fh:
+    fh.write(_SIGNATURE)
+
 setup(
     name="poseidon_plugin",
     version="0.1.0",
@@ -32,17 +60,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["poseidon_plugin", "poseidon_plugin.*"]),
     package_data={"poseidon_plugin": ["**/*.pxd", "**/*.pyx"]},
-    ext_modules=cythonize(
-        extensions,
-        language_level=3,
-        force=_checks,  # a checked build must regenerate the C files
-        compiler_directives={
-            "boundscheck": _checks,
-            "wraparound": _checks,
-            "initializedcheck": _checks,
-            "cdivision": True,
-        },
-    ),
+    ext_modules=_EXTENSIONS,
     install_requires=["numpy>=1.26", "pyyaml>=6"],
     extras_require={
         # megatron-core 0.19.2 needs Python 3.12; MindSpeed-LLM (Python 3.10) brings its own

@@ -853,6 +853,22 @@ def test_restricted_type_orders_are_named_and_their_bound_holds_for_every_order(
         assert got.search["search_space"] == "every device-type order"
 
 
+def test_ridge_pruning_claims_no_proof():
+    """``--pruning ridge`` applies the paper's rule where its theorem does not hold, and here
+    it misses the optimum (mbs 2 at 0.38994 ms against mbs 1 at 0.38984 ms): the plan must not
+    say ``exhaustive`` and its lower bound must hold for the whole space (the root bounds);
+    ``safe`` on the same instance is exact. (Found by hypothesis: the budget test below.)"""
+    inst = ([(150.0, 2, 1, 1.0), (150.0, 2, 2, 0.1), (150.0, 2, 1, 1.0)], 6, 8,
+            ["1f1b", "interleaved-1f1b"], "uniform")
+    exact, safe, ridge = _run(inst, "none"), _run(inst, "safe"), _run(inst, "ridge")
+    assert safe.predicted_iteration_time_ms == pytest.approx(exact.predicted_iteration_time_ms)
+    assert safe.search["exhaustive"]
+    assert ridge.predicted_iteration_time_ms > exact.predicted_iteration_time_ms * (1 + 1e-6)
+    assert not ridge.search["exhaustive"]
+    assert "ridge" in ridge.search["search_space"]
+    assert ridge.lower_bound_ms <= exact.predicted_iteration_time_ms
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(instance_st, st.sampled_from([1e-6, 1e-3, 0.05]), st.sampled_from(["safe", "ridge"]))
 def test_budgeted_result_is_never_worse_than_the_construction(inst, budget, pruning):

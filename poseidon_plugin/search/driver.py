@@ -159,6 +159,12 @@ class SearchDriver:
     def exact(self) -> bool:
         return self.options.pruning == "none"
 
+    @property
+    def heuristic(self) -> bool:
+        """``--pruning ridge``: the paper's rule everywhere may cut the optimum, so the rounds
+        prove nothing about the stated space (only the root bounds hold)."""
+        return self.options.pruning == "ridge"
+
     def _past_deadline(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline
 
@@ -199,7 +205,11 @@ class SearchDriver:
         root bound (valid for every order)."""
         if not self.lbs:
             return None
-        lb = min((self.roots[i] if i in self._unproven else x) for i, x in enumerate(self.lbs))
+        if self.heuristic:
+            lb = min(self.roots)
+        else:
+            lb = min((self.roots[i] if i in self._unproven else x)
+                     for i, x in enumerate(self.lbs))
         return lb if self.best is None else min(lb, self.best.time_ms)
 
     def snapshot(self) -> Snapshot:
@@ -455,13 +465,17 @@ class SearchDriver:
         self.stats.type_order_restricted_configs = len(self.restricted)
         self.stats.passes = len(passes)
         self.stats.timed_out = not complete      # a pass stops early only when its time is up
-        self.stats.exhaustive = complete and not self.restricted
+        self.stats.exhaustive = complete and not self.restricted and not self.heuristic
         self.stats.search_space = (
             "every device-type order" if not self.restricted else
             f"contiguous device-type blocks only for {len(self.restricted)} of "
             f"{len(self.configs)} configurations (--type-order {o.type_order}"
             + (f": more than {o.type_sequence_limit} orders" if o.type_order == "auto" else "")
             + "); the lower bound uses their root bounds")
+        if self.heuristic:
+            self.stats.search_space += (", layer counts cut by the ridge rule everywhere "
+                                        "(--pruning ridge: may miss the optimum; the lower "
+                                        "bound uses the root bounds)")
 
     def run_pass(self, pass_order: list[int], pass_type_order: str) -> bool:
         """Iterative deepening over ``pass_order``; True when the pass completed (the
@@ -591,6 +605,8 @@ class SearchDriver:
         which holds for every type order."""
         if self.stats.exhaustive:
             return self.best.time_ms
+        if self.heuristic:
+            return min([self.best.time_ms] + self.roots)
         lbs = list(self.lbs)
         for i in self.restricted:
             lbs[i] = self.ctx.root_bound(self.configs[i])
