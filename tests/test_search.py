@@ -383,6 +383,17 @@ def _assert_cut_search_finds_optimum(ctx, cfgs, slack):
         assert res.best[0] == pytest.approx(exact[0], rel=1e-12)
 
 
+def _assert_v1_configs_keep_optimum(types, layers, gbs, sched, slack, lo, hi):
+    """``_assert_cut_search_finds_optimum`` on the V = 1, micro-batch 1 configurations of
+    ``sched`` with lo..hi stages of a random instance."""
+    cluster, model = make_instance(types, layers, None)
+    ctx = SearchContext(CostModel(cluster, model, None, seq_length=128))
+    cfgs = [c for c in _configs(ctx, gbs, (sched,), "uniform",
+                             micro_batch_sizes=(1,), max_virtual_stages=1)
+            if lo <= c.num_stages <= hi]
+    _assert_cut_search_finds_optimum(ctx, cfgs, slack)
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.lists(type_st, min_size=2, max_size=3), st.integers(4, 10), st.sampled_from([4, 8, 16]),
        st.sampled_from(["1f1b", "eager-1f1b", "gpipe"]), st.sampled_from([0.0, 0.003, 0.03]))
@@ -391,12 +402,7 @@ def test_capacity_and_round_trip_cuts_keep_every_config_optimum(types, layers, g
     """Per configuration (V = 1, where the fill/drain and round-trip capacity cuts apply): the
     bounded search with threshold = that configuration's exhaustive optimum (x (1 + slack))
     finds a plan of exactly that time, with the cuts on and off."""
-    cluster, model = make_instance(types, layers, None)
-    ctx = SearchContext(CostModel(cluster, model, None, seq_length=128))
-    cfgs = [c for c in _configs(ctx, gbs, (sched,), "uniform",
-                             micro_batch_sizes=(1,), max_virtual_stages=1)
-            if 2 <= c.num_stages <= 4]
-    _assert_cut_search_finds_optimum(ctx, cfgs, slack)
+    _assert_v1_configs_keep_optimum(types, layers, gbs, sched, slack, 2, 4)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
@@ -411,12 +417,7 @@ def test_positional_round_trip_and_fill_drain_cuts_keep_every_config_optimum(
     the round-trip cut's positional caps (own a_j, lmax[o, j], type counts by LP duality) and
     the fill/drain recursion's W limit are exercised: per configuration the bounded search at
     threshold = the exhaustive optimum (x (1 + slack)) still finds a plan of exactly that time."""
-    cluster, model = make_instance(types, layers, None)
-    ctx = SearchContext(CostModel(cluster, model, None, seq_length=128))
-    cfgs = [c for c in _configs(ctx, gbs, (sched,), "uniform",
-                             micro_batch_sizes=(1,), max_virtual_stages=1)
-            if 3 <= c.num_stages <= 6]
-    _assert_cut_search_finds_optimum(ctx, cfgs, slack)
+    _assert_v1_configs_keep_optimum(types, layers, gbs, sched, slack, 3, 6)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
@@ -431,12 +432,7 @@ def test_round_trip_cut_with_repeated_positions_keeps_every_config_optimum(
     repeat over runs of stages, which ``_wpos`` sums as groups (rows x counts; a group counted
     once fails here). The bounded search at threshold = each configuration's exhaustive
     optimum (x (1 + slack)) still finds a plan of exactly that time."""
-    cluster, model = make_instance(types, layers, None)
-    ctx = SearchContext(CostModel(cluster, model, None, seq_length=128))
-    cfgs = [c for c in _configs(ctx, gbs, (sched,), "uniform",
-                             micro_batch_sizes=(1,), max_virtual_stages=1)
-            if 4 <= c.num_stages <= 6]
-    _assert_cut_search_finds_optimum(ctx, cfgs, slack)
+    _assert_v1_configs_keep_optimum(types, layers, gbs, sched, slack, 4, 6)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))

@@ -378,9 +378,8 @@ cdef int capacity(const ConfigData* I, SearchState* S, int x, double avail, int 
     return total
 
 
-cdef inline double _kth_desc(double* val, int* cnt, int n, int k) noexcept nogil:
-    """The value at index k (0-based) of the multiset {val[i] x cnt[i]} sorted descending
-    (val / cnt reordered: an insertion sort of the n distinct groups, n small)."""
+cdef inline void _sort_desc(double* val, int* cnt, int n) noexcept nogil:
+    """Sort the n groups (val[i], cnt[i]) by val descending (insertion sort: n is small)."""
     cdef int i, j, c
     cdef double v
     for i in range(1, n):
@@ -393,6 +392,13 @@ cdef inline double _kth_desc(double* val, int* cnt, int n, int k) noexcept nogil
             j -= 1
         val[j] = v
         cnt[j] = c
+
+
+cdef inline double _kth_desc(double* val, int* cnt, int n, int k) noexcept nogil:
+    """The value at index k (0-based) of the multiset {val[i] x cnt[i]} sorted descending,
+    -1e300 past its end (the groups are sorted in place)."""
+    cdef int i
+    _sort_desc(val, cnt, n)
     for i in range(n):
         if k < cnt[i]:
             return val[i]
@@ -483,7 +489,7 @@ cdef double _wpos(const ConfigData* I, SearchState* S, int x, int K, double R, i
                 dc[n] = gcnt[g]
                 n += 1
         m = tav[k]
-        _kth_desc(dl, dc, n, 0)     # (sorts the groups descending)
+        _sort_desc(dl, dc, n)
         i = 0
         while m > 0 and i < n:
             troom[k] += dl[i] * (dc[i] if dc[i] < m else m)

@@ -162,8 +162,15 @@ class SearchDriver:
     @property
     def heuristic(self) -> bool:
         """``--pruning ridge``: the paper's rule everywhere may cut the optimum, so the rounds
-        prove nothing about the stated space (only the root bounds hold)."""
+        prove nothing about the stated space (``_raise_lb``: only the root bounds hold)."""
         return self.options.pruning == "ridge"
+
+    def _raise_lb(self, i: int, value: float) -> None:
+        """A completed search proved configuration i has no plan below ``value``; under
+        ``--pruning ridge`` it proved nothing (the rule may have cut the optimum), so its
+        bound stays the root bound."""
+        if not self.heuristic:
+            self.lbs[i] = max(self.lbs[i], value)
 
     def _past_deadline(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline
@@ -205,11 +212,7 @@ class SearchDriver:
         root bound (valid for every order)."""
         if not self.lbs:
             return None
-        if self.heuristic:
-            lb = min(self.roots)
-        else:
-            lb = min((self.roots[i] if i in self._unproven else x)
-                     for i, x in enumerate(self.lbs))
+        lb = min((self.roots[i] if i in self._unproven else x) for i, x in enumerate(self.lbs))
         return lb if self.best is None else min(lb, self.best.time_ms)
 
     def snapshot(self) -> Snapshot:
@@ -525,7 +528,7 @@ class SearchDriver:
         # every configuration of the pass has no plan below ``proven`` (completed rounds) in
         # the pass's space
         for i in pass_order:
-            self.lbs[i] = max(self.lbs[i], proven)
+            self._raise_lb(i, proven)
         return not self.timed_out
 
     def _milestone_cap(self, proven: float, cap: float) -> float:
@@ -584,7 +587,7 @@ class SearchDriver:
         if res.timed_out:
             self.timed_out = True
         else:
-            self.lbs[i] = max(self.lbs[i], thr_used)
+            self._raise_lb(i, thr_used)
         if res.best is not None:
             t, opts, layers = res.best
             before = self.best
@@ -605,8 +608,6 @@ class SearchDriver:
         which holds for every type order."""
         if self.stats.exhaustive:
             return self.best.time_ms
-        if self.heuristic:
-            return min([self.best.time_ms] + self.roots)
         lbs = list(self.lbs)
         for i in self.restricted:
             lbs[i] = self.ctx.root_bound(self.configs[i])
