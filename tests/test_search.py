@@ -148,6 +148,40 @@ def test_lower_bound_never_exceeds_any_completion(inst, seed):
             assert g <= T * (1 + 1e-9), (cfg, a, trace, T)
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(instance_st, st.integers(0, 10**6))
+def test_stage_min_send_is_below_every_pipeline_link(inst, seed):
+    """``stage_min_send_ms`` (the bounds' ``minsend``) is <= the send of every link between two
+    consecutive stages (and the interleaved wrap-around link) of random plans, through the
+    Python placement and cost path. The instances mix 1-device nodes (stages never share a
+    node: the inter-node link is the fastest) with 2-device nodes and TP 1 (two stages can
+    share a node: NVLink's intra-node link)."""
+    import random
+
+    from poseidon_plugin.costs import simulator_arrays
+    from poseidon_plugin.search.configs import stage_min_send_ms
+    types, layers, gbs, scheds, tp_mode = inst
+    cluster, model = make_instance(types, layers, None)
+    ctx = SearchContext(CostModel(cluster, model, None, seq_length=128))
+    cfgs = [c for c in _configs(ctx, gbs, tuple(scheds), tp_mode) if c.num_stages > 1]
+    rng = random.Random(seed)
+    for _ in range(6):
+        if not cfgs:
+            return
+        cfg = rng.choice(cfgs)
+        a = ctx.random_assignment(cfg, rng)
+        if a is None:
+            continue
+        stages, placements, _, _ = time_assignment(ctx.cm, cfg, *a)
+        wrap = ctx.cm.wrap_send_ms(placements, cfg.micro_batch_size) \
+            if cfg.virtual_stages > 1 else 0.0
+        _, _, Pf, Pb, _ = simulator_arrays(stages, cfg.virtual_stages, wrap)
+        links = list(Pf[:cfg.num_stages - 1]) + list(Pb[:cfg.num_stages - 1])
+        if cfg.virtual_stages > 1:
+            links.append(wrap)
+        assert min(links) >= stage_min_send_ms(ctx.cm, cfg) * (1 - 1e-12), (cfg, a, links)
+
+
 def _configs(ctx, gbs, scheds, tp_mode, *, max_virtual_stages=2, micro_batch_sizes=(1, 2)):
     return enumerate_configs(ctx.cm, SearchOptions(
         global_batch_size=gbs, seq_length=128, schedules=scheds, tp_mode=tp_mode,
@@ -851,10 +885,11 @@ def test_restricted_type_orders_are_named_and_their_bound_holds_for_every_order(
 
 def test_ridge_pruning_claims_no_proof():
     """``--pruning ridge`` applies the paper's rule where its theorem does not hold, and here
-    it misses the optimum (mbs 2 at 0.38994 ms against mbs 1 at 0.38984 ms): the plan must not
-    say ``exhaustive`` and its lower bound must hold for the whole space (the root bounds);
-    ``safe`` on the same instance is exact. (Found by hypothesis: the budget test below.)"""
-    inst = ([(150.0, 2, 1, 1.0), (150.0, 2, 2, 0.1), (150.0, 2, 1, 1.0)], 6, 8,
+    it misses the optimum (0.45120 ms against 0.44520 ms): the plan must not say ``exhaustive``
+    and its lower bound must hold for the whole space (the root bounds); ``safe`` on the same
+    instance is exact. (Found by a random search over instances like the tests'; the first one,
+    found by hypothesis, stopped missing when the send bounds changed.)"""
+    inst = ([(150.0, 2, 1, 0.1), (100.0, 2, 2, 0.5), (150.0, 2, 2, 0.2)], 8, 8,
             ["1f1b", "interleaved-1f1b"], "uniform")
     exact, safe, ridge = _run(inst, "none"), _run(inst, "safe"), _run(inst, "ridge")
     assert safe.predicted_iteration_time_ms == pytest.approx(exact.predicted_iteration_time_ms)

@@ -135,6 +135,8 @@ cdef double bound(const ConfigData* I, SearchState* S, int x, int Lrem) noexcept
         S.MC[x] = dmax(S.MC[x - 1], C - S.P[x] + Z + S.tail[x])
     K = N - 1 - x
     if K == 0:
+        if I.loop1 and x > 0:
+            gp = dmax(gp, _loop_pair(I, S, x, 0.0))
         return dmax(dmax(S.MA[x], S.MC[x] + S.P[x]), gp)
     if V == 1:
         lay = Lrem
@@ -143,10 +145,46 @@ cdef double bound(const ConfigData* I, SearchState* S, int x, int Lrem) noexcept
         if lay < 0:
             lay = 0
     fut = 2.0 * I.minsend * K + lay * S.fbav[x] + S.outav[x]
+    if I.loop1 and x > 0:
+        gp = dmax(gp, _loop_pair(I, S, x, fut))
     g = dmax(S.MA[x], S.MC[x] + S.P[x] + fut)
     gy = (S.head[x] + S.fc[x * V] + 2.0 * I.minsend + M * ceil(Lrem / <double> K) * S.fbav[x]
           + S.bc[x * V + clast] + S.tail[x])
     return dmax(dmax(g, gy), gp)
+
+
+cdef inline double _loop_pair(const ConfigData* I, SearchState* S, int x,
+                              double rt) noexcept nogil:
+    """Adjacent-pair bound of 1F1B (V = 1, ``loop1``) for stages j = x - 1 and x, when
+    a = acnt[j] <= M - 1 and acnt[x] = a - 1 (else 0). ``rt``: a lower bound on micro-batch
+    0's round trip through the stages after x (0 when x is the last).
+
+    In steady state stage j runs B(j, k) then F(j, k + a), stage x runs F(x, k + a) then
+    B(x, k + 2), so B(x, k) -> Pb -> B(j, k) -> F(j, k + a) -> Pf -> F(x, k + a) -> B(x, k + 2)
+    is a path: each turn runs both stages' work and the link both ways, for two micro-batches.
+    The path: micro-batch 0's forward to x (head_x + F_x) and round trip back to B(x, 0);
+    n = floor((M - 1 - a) / 2) + 1 turns (k = 0, 2, .., 2n - 2; F(j, k + a) exists); then
+    either B(x, 2n), the link, B(j, 2n .. M-1) and tail_j, or stage x's ops from B(x, 2n) to
+    B(x, M-1) (M - 2n backwards, c = max(0, M - 2n - a + 1) forwards), the link, B(j, M-1)
+    and tail_j. Where two adjacent stages both carry nearly the most work, the link time
+    enters once per two micro-batches (LLaMA-3 405B on 512 devices, two adjacent 6-layer
+    H100 stages: the plan's 146,930 ms against 144,171 ms of the best one-stage path)."""
+    cdef int j = x - 1, M = I.M, a = I.acnt[j], n, c
+    cdef double fj, bj, fx, bx, lnk, turn
+    if a > M - 1 or a < 2 or I.acnt[x] != a - 1:
+        return 0.0
+    n = (M - 1 - a) // 2 + 1
+    c = M - 2 * n - a + 1
+    if c < 0:
+        c = 0
+    fj = S.fc[j]
+    bj = S.bc[j]
+    fx = S.fc[x]
+    bx = S.bc[x]
+    lnk = S.Pf[j] + S.Pb[j]
+    turn = fj + bj + fx + bx + lnk
+    return (S.head[x] + fx + rt + n * turn + S.Pb[j] + S.tail[j]
+            + dmax(bx + (M - 2 * n) * bj, (M - 2 * n) * bx + c * fx + bj))
 
 
 cdef void later_costs(const ConfigData* I, SearchState* S, int x) noexcept nogil:
@@ -212,6 +250,23 @@ cdef inline double _pair_near(const ConfigData* I, SearchState* S, int a) noexce
         ka += ((pa[cc] + pa[4 * V + cc]) * S.fc[a * V + cc]
                + (pa[V + cc] + pa[5 * V + cc]) * S.bc[a * V + cc])
     return ka - S.Sg[a] - S.fc[a * V] - S.bc[a * V]
+
+
+DEF CHAIN_SEARCH_MARGIN = 3
+DEF CHAIN_MAXK = 128     # ``_chain_cut`` runs for <= 128 later stages of <= 4 usable types
+DEF CHAIN_MAXS = 12      # (its tables stay small enough for a thread's stack)
+
+cdef struct ChainTables:
+    # ``_chain_cut``'s states per later position p (3 per usable type): type, layers valued,
+    # the (f + b) and b of the layers checked, and the pair constraint into p
+    int K
+    int nst[CHAIN_MAXK]
+    int npair[CHAIN_MAXK]
+    double rp[CHAIN_MAXK]
+    int sk[CHAIN_MAXK * CHAIN_MAXS]
+    int sl[CHAIN_MAXK * CHAIN_MAXS]
+    double sw[CHAIN_MAXK * CHAIN_MAXS]
+    double sb[CHAIN_MAXK * CHAIN_MAXS]
 
 
 cdef struct TypeCaps:
@@ -407,7 +462,7 @@ cdef inline double _kth_desc(double* val, int* cnt, int n, int k) noexcept nogil
 
 
 cdef double _wpos(const ConfigData* I, SearchState* S, int x, int K, double R, int* pc,
-                  double* troom) noexcept nogil:
+                  double* troom, double* uout) noexcept nogil:
     """Positional round-trip capacity (V = 1) for W >= Wa, R = A - Wa: an upper bound on the
     layers the K stages after x hold (-1: no completion), and troom[k] = the most layers the
     stages of type k can hold (the sum of its best min(cnt_k, K) positional caps).
@@ -426,10 +481,13 @@ cdef double _wpos(const ConfigData* I, SearchState* S, int x, int K, double R, i
     positions only type k can serve, means no completion.
     """
     cdef int p, j, o, k, k2, cap, aj, T = I.T, M = I.M, N = I.N, n, i, m, sweep, ninf
-    cdef int g, G = 0, same
-    cdef double coef, best, other, D
+    cdef int g, G = 0, same, nmask, it, sg, ok
+    cdef double coef, best, other, D, D2, bestD
+    cdef int bestm, bests
     cdef int tav[MAXT]
+    cdef int act[MAXT]
     cdef double u[MAXT]
+    cdef double u2[MAXT]
     cdef double dl[MAXN]
     cdef int dc[MAXN]
     cdef int gcnt[MAXN]
@@ -523,7 +581,60 @@ cdef double _wpos(const ConfigData* I, SearchState* S, int x, int K, double R, i
             best = _kth_desc(dl, dc, n, m)
             if best > 0.0:
                 u[k] = best
-    D = 0.0
+    D = _wdual(pc, gcnt, G, T, tav, u)
+    if D < 0.0:
+        return -1.0
+    for k in range(T):
+        uout[k] = u[k]
+    # steepest descent over the moves u +- (1 on a subset S of the types): D is L-natural
+    # convex in u (the dual of a transportation problem), so a u no such move improves is a
+    # minimum (Murota), and the bound is then the assignment's exact optimum (the LP is
+    # integral). Coordinate sweeps alone stop at kinks: 405B on 512 devices, 45 stages, an
+    # H100 stage first: 131 layers where the optimum is 124 (< 125 needed: a cut).
+    nmask = 0
+    for k in range(T):
+        if tav[k] > 0:
+            act[nmask] = k
+            nmask += 1
+    if nmask <= 6:
+        for it in range(64):
+            bestD = D
+            bestm = 0
+            bests = 0
+            for m in range(1, 1 << nmask):
+                for sg in range(-1, 2, 2):
+                    ok = 1
+                    for i in range(nmask):
+                        if (m >> i) & 1:
+                            u2[act[i]] = u[act[i]] + sg
+                            if u2[act[i]] < 0.0:
+                                ok = 0
+                        else:
+                            u2[act[i]] = u[act[i]]
+                    if not ok:
+                        continue
+                    D2 = _wdual(pc, gcnt, G, T, tav, u2)
+                    if D2 >= 0.0 and D2 < bestD - 1e-9:
+                        bestD = D2
+                        bestm = m
+                        bests = sg
+            if bestm == 0:
+                break
+            for i in range(nmask):
+                if (bestm >> i) & 1:
+                    u[act[i]] += bests
+            D = bestD
+        for k in range(T):
+            uout[k] = u[k]
+    return D * (1.0 + 1e-12) + 1e-9
+
+
+cdef inline double _wdual(const int* pc, const int* gcnt, int G, int T, const int* tav,
+                          const double* u) noexcept nogil:
+    """D(u) = sum_k cnt_k u_k + sum_g gcnt_g max_k (pc[g, k] - u_k) (``_wpos``); -1 when a
+    group has no type."""
+    cdef int g, k
+    cdef double D = 0.0, best
     for k in range(T):
         D += tav[k] * u[k]
     for g in range(G):
@@ -534,7 +645,177 @@ cdef double _wpos(const ConfigData* I, SearchState* S, int x, int K, double R, i
         if best <= -1e299:
             return -1.0
         D += gcnt[g] * best
-    return D * (1.0 + 1e-12) + 1e-9
+    return D
+
+
+cdef int _chain_cut(const ConfigData* I, SearchState* S, int x, int K, double R, int need,
+                    const double* u0) noexcept nogil:
+    """Adjacent-pair capacity cut of 1F1B (``loop1``, V = 1): 1 when the K stages after x
+    cannot hold ``need`` layers in a completion with T <= thr.
+
+    Two later stages j, j+1 (a = acnt[j] <= M - 1, acnt[j+1] = a - 1) lie on the loop path
+    of ``_loop_pair``; written like ``wcut``'s one-stage path (the rest of the path is
+    cap_path(x), the K - 1 other links twice and W), with w, b per layer of the stages' types
+    (the cheapest over a type's options) and n = floor((M - 1 - a) / 2) + 1:
+      n (l_j w_j + l_{j+1} w_{j+1}) + (M - 2n - 1) max(l_j b_j, l_{j+1} b_{j+1})
+          <= R - 2 n minsend,   R = A - W,
+    beside each stage's own cap (``_wpos``'s pc: its one-stage path and memory). The type
+    counts are relaxed with the multipliers u >= 0 of ``_wpos`` (weak duality: any u >= 0
+    gives an upper bound): most layers <= sum_k cnt_k u_k + max over type and layer sequences
+    of sum_p (l_p - u_k(p)) under the caps and the pair constraints, a chain DP over the
+    positions whose state is the previous stage's (type, layers). The layer choices of a
+    (position, type) are its cap, cap - 1 and "cap - 2 or fewer" (valued cap - 2, checked
+    against its neighbours as one layer): an over-estimate, so still an upper bound.
+    Where heavy stages may not sit side by side (two adjacent A100 stages of 2 layers on
+    405B over 512 devices), this sees what the one-stage caps do not: 46 stages at
+    143,990 ms, one-stage optimum 126 layers, with the pairs 120.
+    The multipliers: ``_wpos``'s (optimal without the pairs), then, while the bound is within
+    CHAIN_SEARCH_MARGIN layers of ``need``, up to three rounds of the best single +-1 change
+    (49 stages at 143,990 ms: 126 at _wpos's u, 123 with u_A100-80 lowered by one)"""
+    cdef int T = I.T, M = I.M, N = I.N, p, j, k, o, i, cap, aj, nst, rnd, bk, bs, sg
+    cdef int cnt[MAXT]
+    cdef double wmin[MAXT]
+    cdef double bmin[MAXT]
+    cdef double u[MAXT]
+    cdef ChainTables ct
+    cdef double coef, v, bestv, cand
+    if K > CHAIN_MAXK:
+        return 0
+    ct.K = K
+    nst = 0
+    for k in range(T):
+        if I.min_dt[k] > 0 and I.ndev[k] - S.cursor[k] >= I.min_dt[k]:
+            nst += 1
+    if nst > CHAIN_MAXS // 3:
+        return 0
+    for k in range(T):
+        cnt[k] = 0
+        wmin[k] = 1e300
+        bmin[k] = 1e300
+        u[k] = u0[k]
+        if I.min_dt[k] > 0:
+            cnt[k] = (I.ndev[k] - S.cursor[k]) // I.min_dt[k]
+        if cnt[k] > K:
+            cnt[k] = K
+    for o in range(I.O):
+        k = I.opt_type[o]
+        if I.ofb[o] < wmin[k]:
+            wmin[k] = I.ofb[o]
+        if I.ob_[o] < bmin[k]:
+            bmin[k] = I.ob_[o]
+    for p in range(K):
+        j = x + 1 + p
+        aj = I.acnt[j]
+        if aj > M:
+            aj = M
+        nst = 0
+        for k in range(T):
+            if cnt[k] <= 0:
+                continue
+            cap = -1
+            for o in range(I.O):
+                if I.opt_type[o] != k:
+                    continue
+                coef = (M - 1) * I.ob_[o] + (M - aj) * I.of_[o]
+                i = _layers_within(R, coef)
+                if i > I.lmax[o * N + j]:
+                    i = I.lmax[o * N + j]
+                if i > cap:
+                    cap = i
+            for i in range(3):
+                if cap - i < 1:
+                    break
+                ct.sk[p * CHAIN_MAXS + nst] = k
+                ct.sl[p * CHAIN_MAXS + nst] = cap - i
+                ct.sw[p * CHAIN_MAXS + nst] = (cap - i if i < 2 else 1) * wmin[k]
+                ct.sb[p * CHAIN_MAXS + nst] = (cap - i if i < 2 else 1) * bmin[k]
+                nst += 1
+        if nst == 0:
+            return 1
+        ct.nst[p] = nst
+        # the pair constraint between positions p - 1 and p (stages j - 1, j)
+        ct.npair[p] = 0
+        if p > 0:
+            aj = I.acnt[j - 1]
+            if aj <= M - 1 and aj >= 2 and I.acnt[j] == aj - 1:
+                ct.npair[p] = (M - 1 - aj) // 2 + 1
+        ct.rp[p] = (R - 2.0 * ct.npair[p] * I.minsend) * (1.0 + 1e-9) + 1e-9
+    v = _chain_eval(&ct, cnt, T, M, u)
+    if v < need:
+        return 1
+    if v >= need + CHAIN_SEARCH_MARGIN:
+        return 0
+    for rnd in range(3):
+        bestv = v
+        bk = -1
+        bs = 0
+        for k in range(T):
+            if cnt[k] <= 0:
+                continue
+            for sg in range(-1, 2, 2):
+                if u[k] + sg < 0.0:
+                    continue
+                u[k] += sg
+                cand = _chain_eval(&ct, cnt, T, M, u)
+                u[k] -= sg
+                if cand < bestv - 1e-9:
+                    bestv = cand
+                    bk = k
+                    bs = sg
+        if bk < 0:
+            return 0
+        u[bk] += bs
+        v = bestv
+        if v < need:
+            return 1
+    return 0
+
+
+cdef double _chain_eval(const ChainTables* ct, const int* cnt, int T, int M,
+                        const double* u) noexcept nogil:
+    """``_chain_cut``'s bound at multipliers u: sum_k cnt_k u_k + the chain DP's maximum
+    (-1e300 when no sequence fits)."""
+    cdef int p, i, i2, n, npv = 0, nst, base, pbase, k
+    cdef double D = 0.0, best, lhs, b1, b2
+    cdef double pv[CHAIN_MAXS]
+    cdef double sv[CHAIN_MAXS]
+    for k in range(T):
+        D += cnt[k] * u[k]
+    for p in range(ct.K):
+        nst = ct.nst[p]
+        base = p * CHAIN_MAXS
+        pbase = base - CHAIN_MAXS
+        n = ct.npair[p]
+        for i in range(nst):
+            if p == 0:
+                best = 0.0
+            else:
+                best = -1e300
+                for i2 in range(npv):
+                    if pv[i2] <= best:
+                        continue
+                    if n > 0:
+                        b1 = ct.sb[pbase + i2]
+                        b2 = ct.sb[base + i]
+                        lhs = (n * (ct.sw[pbase + i2] + ct.sw[base + i])
+                               + (M - 2 * n - 1) * (b1 if b1 > b2 else b2))
+                        if lhs > ct.rp[p]:
+                            continue
+                    best = pv[i2]
+            if best <= -1e299:
+                sv[i] = -1e300
+            else:
+                sv[i] = best + ct.sl[base + i] - u[ct.sk[base + i]]
+        for i in range(nst):
+            pv[i] = sv[i]
+        npv = nst
+    best = -1e300
+    for i in range(npv):
+        if pv[i] > best:
+            best = pv[i]
+    if best <= -1e299:
+        return -1e300
+    return (D + best) * (1.0 + 1e-12) + 1e-9
 
 
 cdef int wcut(const ConfigData* I, SearchState* S, int x, double avail, int K, int need,
@@ -573,6 +854,7 @@ cdef int wcut(const ConfigData* I, SearchState* S, int x, double avail, int K, i
     cdef TypeCaps tc
     cdef int pc[MAXN * MAXT]
     cdef double troom[MAXT]
+    cdef double u[MAXT]
     if amax > I.M:
         amax = I.M
     A = avail - 2.0 * I.minsend * (K - 1)
@@ -597,7 +879,7 @@ cdef int wcut(const ConfigData* I, SearchState* S, int x, double avail, int K, i
         if taken < K or total < need:
             return 1
         # positional caps: stage j = x + 1 + p with its own a_j (not amax) and lmax[o, j]
-        if _wpos(I, S, x, K, A - W, pc, troom) < need:
+        if _wpos(I, S, x, K, A - W, pc, troom, u) < need:
             return 1
         # cheapest (f + b) cost of ``need`` layers within the rooms (inverse knapsack)
         rest = need
@@ -618,8 +900,10 @@ cdef int wcut(const ConfigData* I, SearchState* S, int x, double avail, int K, i
             return 1
         Wn = (I.outmin + cost) * (1.0 - 1e-9) - 1e-9
         if Wn <= W * (1.0 + 1e-12):
-            return 0
+            break
         W = Wn
+    if I.loop1 and K >= 2:
+        return _chain_cut(I, S, x, K, A - W, need, u)
     return 0
 
 

@@ -85,6 +85,7 @@ cdef struct ConfigData:
     const int* t1cnt               # N * V: forwards of chunk c up to F(s, V-1, mb 0)
     int acnt_sufmax[MAXN + 1]      # V = 1: max over j >= x of acnt[j]
     int pair                       # 1: the two-stage path bound (interleaved)
+    int loop1                      # 1: V = 1 with 1F1B's steady state (adjacent-pair loop)
     const int* pcnt                # N * 3 * 2 * V: its op counts (``configs.pair_counts``)
 
 

@@ -117,17 +117,22 @@ cdef class BoundStructure:
     t1cnt[s*V + c]: forward ops of chunk c up to and including F(s, V-1, mb 0);
     clast: chunk of every device's last op (a backward of the last micro-batch);
     pair_counts (interleaved, optional): ``configs.pair_counts``, the op counts of the
-    two-stage path bound (``pair`` = 1 when given).
+    two-stage path bound (``pair`` = 1 when given);
+    loop1: 1 when V = 1 and every stage s runs a_s = acnt[s] forwards, then B(s, k) and
+    F(s, k + a_s) alternately (1F1B's order; ``configs.steady_1f1b``): the adjacent-pair
+    loop bound of ``_bounds.bound`` holds.
     Built by ``search.configs.bound_structure`` from ``schedules.op_orders``.
     """
 
-    cdef public int N, M, V, clast, pair
+    cdef public int N, M, V, clast, pair, loop1
     cdef int[::1] acnt
     cdef int[::1] t1cnt
     cdef int[::1] pcnt
 
-    def __init__(self, int N, int M, int V, acnt, t1cnt, int clast, pair_counts=None):
+    def __init__(self, int N, int M, int V, acnt, t1cnt, int clast, pair_counts=None,
+                 int loop1=0):
         self.N = N
+        self.loop1 = loop1
         self.M = M
         self.V = V
         self.acnt = np.ascontiguousarray(acnt, dtype=np.int32)
@@ -142,8 +147,8 @@ cdef class BoundStructure:
                 raise ValueError("BoundStructure: pair counts must have N*3*2*V entries")
 
     def arrays(self):
-        """(acnt, t1cnt) as lists (for the tests)."""
-        return list(self.acnt), list(self.t1cnt)
+        """(acnt, t1cnt, loop1) (for the tests)."""
+        return list(self.acnt), list(self.t1cnt), self.loop1
 
 
 def _i32(a):
@@ -232,6 +237,7 @@ cdef class ConfigInstance:
         I.acnt = &structure.acnt[0]
         I.t1cnt = &structure.t1cnt[0]
         I.pair = structure.pair
+        I.loop1 = structure.loop1
         I.pcnt = &structure.pcnt[0]
         I.acnt_sufmax[N] = 0
         for x in range(N - 1, -1, -1):
@@ -886,3 +892,4 @@ def replay_assignment(ConfigInstance inst, PipelineDAG dag, opts, layers):
         return trace, _evaluate(I, S, dag)
     finally:
         _free_state(S)
+

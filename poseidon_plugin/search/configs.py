@@ -251,6 +251,44 @@ def min_send_ms(cm: CostModel, micro_batch_size: int) -> float:
     return send_ms(cm.activation_bytes(micro_batch_size), best, cm.latency_ms)
 
 
+def _node_span(pool) -> int:
+    """The most pool positions one node's devices spread over (last - first + 1): two devices
+    of the pool at least this far apart are on different nodes."""
+    first: dict[int, int] = {}
+    span = 1
+    for i, n in enumerate(pool.node_of):
+        first.setdefault(n, i)
+        span = max(span, i - first[n] + 1)
+    return span
+
+
+def stage_min_send_ms(cm: CostModel, cfg: OuterConfig) -> float:
+    """The fastest send between two consecutive stages of ``cfg`` (a lower bound on every
+    pipeline link of its plans, the ``minsend`` of the bounds).
+
+    Two stages of different types use the cross-type link. Two stages of one type k: the later
+    one starts at or after the earlier one's end (a type's stages take its devices in pool
+    order), so their replica-0 devices are >= d t_o apart, t_o the earlier stage's TP; when
+    d t_o >= the widest node span of the type for every option of k, they are on different
+    nodes and the link is never faster than the type's inter-node one (the send takes the
+    slowest replica link). Otherwise the faster of intra- and inter-node. On paper-setting-like
+    clusters (TP x DP spanning whole nodes) this is the inter-node send instead of NVLink's:
+    on LLaMA-3 405B over 512 devices (TP 8 on 8-GPU nodes) 2.69 ms instead of 0.30 ms per link
+    in every path bound."""
+    types = sorted({k for k, _ in cfg.options})
+    best = cm.cross_gbps if len(types) >= 2 else 0.0
+    for k in types:
+        span = _node_span(cm.pools[k])
+        if all(cfg.dp * t >= span for kk, t in cfg.options if kk == k):
+            g = cm.inter_gbps[k]
+        else:
+            g = max(cm.intra_gbps[k], cm.inter_gbps[k])
+        best = max(best, g)
+    if best <= 0.0:
+        return min_send_ms(cm, cfg.micro_batch_size)
+    return send_ms(cm.activation_bytes(cfg.micro_batch_size), best, cm.latency_ms)
+
+
 def _fill_carry(cfg: OuterConfig, minsend: float) -> tuple[float, ...]:
     """Coefficients of the fill/drain recursion's largest carried work (``root_bound``):
     c_{p+1} = q c_p + (T - 2 minsend p) / M with q = 1 - 1 / (M V), c_0 = 0, so
@@ -339,7 +377,7 @@ def _fill_bound(types: list[_TypeCapacity], cfg: OuterConfig, L: int, bound: flo
     if cfg.num_stages == 1:
         return bound
     extra = (min(f + b for f, b in zip(costs.ef, costs.eb)) + costs.min_output_fb)
-    carry = _fill_carry(cfg, min_send_ms(cm, cfg.micro_batch_size))
+    carry = _fill_carry(cfg, stage_min_send_ms(cm, cfg))
     types = sorted(types, key=lambda ty: ty.a)
     lo_t, hi_t = bound, 2.0 * bound
     while not _fill_feasible(types, cfg, L, hi_t, extra, carry):
@@ -365,7 +403,9 @@ def _closed_form_structure(schedule: str, n: int, m: int) -> tuple | None:
     Forwards before stage s's first backward: ``1f1b`` min(N - s, M) (N-1-s warm-up forwards
     and the first steady-state forward), ``eager-1f1b`` min(2(N-1-s)+1, M) (warm-up only),
     ``gpipe`` M. F(s, mb 0) is every stage's first op (t1cnt = 1); the last op is B(s, M-1) of
-    chunk 0. ``tests/test_search.py`` checks these against ``schedules.op_orders``."""
+    chunk 0; after the a_s forwards each runs B(s, k) and F(s, k + a_s) alternately
+    (``steady_1f1b``: loop1 = 1; only 1F1B has a_{s+1} = a_s - 1 < M, which the adjacent-pair
+    bound needs). ``tests/test_search.py`` checks these against ``schedules.op_orders``."""
     if schedule == "1f1b":
         acnt = [min(n - s, m) for s in range(n)]
     elif schedule == "eager-1f1b":
@@ -374,7 +414,7 @@ def _closed_form_structure(schedule: str, n: int, m: int) -> tuple | None:
         acnt = [m] * n
     else:
         return None
-    return np.array(acnt, dtype=np.int32), np.ones(n, dtype=np.int32), 0
+    return np.array(acnt, dtype=np.int32), np.ones(n, dtype=np.int32), 0, 1
 
 
 @lru_cache(maxsize=512)
@@ -383,8 +423,30 @@ def bound_structure(schedule: str, n: int, m: int, v: int) -> "_search.BoundStru
     if v == 1:
         cf = _closed_form_structure(schedule, n, m)
         if cf is not None:
-            return _search.BoundStructure(n, m, v, *cf)
+            acnt, t1cnt, clast, loop1 = cf
+            return _search.BoundStructure(n, m, v, acnt, t1cnt, clast, loop1=loop1)
     return bound_structure_from_orders(schedule, n, m, v)
+
+
+def steady_1f1b(orders) -> bool:
+    """Whether every stage s of a V = 1 schedule runs F(s, 0..a_s-1), then B(s, k) and
+    F(s, k + a_s) alternately (the forward while one remains) up to B(s, M-1): 1F1B's order,
+    where two adjacent stages j, j+1 with a_{j+1} = a_j - 1 form the loop
+    B(j+1, k) -> B(j, k) -> F(j, k + a_j) -> F(j+1, k + a_j) -> B(j+1, k + 2) of
+    ``_bounds.bound``'s adjacent-pair bound (which checks a_{j+1} = a_j - 1 per pair)."""
+    for ops in orders:
+        if any(op.chunk != 0 for op in ops):
+            return False
+        a = next((i for i, op in enumerate(ops) if op.is_backward), len(ops))
+        m = len(ops) // 2
+        want = [(False, k) for k in range(a)]
+        for k in range(m):
+            want.append((True, k))
+            if k + a < m:
+                want.append((False, k + a))
+        if [(op.is_backward, op.microbatch) for op in ops] != want:
+            return False
+    return True
 
 
 def bound_structure_from_orders(schedule: str, n: int, m: int, v: int
@@ -412,7 +474,8 @@ def bound_structure_from_orders(schedule: str, n: int, m: int, v: int
         elif clast != last.chunk:
             raise AssertionError(f"{schedule}: last chunk differs between stages")
     return _search.BoundStructure(n, m, v, acnt, t1cnt, clast,
-                                  pair_counts(orders, v) if v > 1 else None)
+                                  pair_counts(orders, v) if v > 1 else None,
+                                  loop1=int(v == 1 and steady_1f1b(orders)))
 
 
 def pair_counts(orders, v: int) -> np.ndarray | None:

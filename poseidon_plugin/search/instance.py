@@ -22,7 +22,7 @@ from ..simulator._core import get_dag
 from ..simulator.pipeline import iteration_time_ms
 from . import _search
 from .configs import (OptionCosts, OuterConfig, bound_structure, layer_limits, min_send_ms,
-                      root_bound)
+                      root_bound, stage_min_send_ms)
 
 ENGINE_TIMING = TIMING_MODEL == "engine"
 """Plans are timed as megatron-core runs them (``_core.EngineDAG``: blocking, bundled p2p
@@ -155,7 +155,7 @@ class SearchContext:
         return _search.ConfigInstance(
             st, dp=cfg.dp, num_layers=cm.model.num_layers,
             act_bytes=cm.activation_bytes(cfg.micro_batch_size), latency_ms=cm.latency_ms,
-            cross_gbps=cm.cross_gbps, minsend=self.send_range_ms(cfg.micro_batch_size)[0],
+            cross_gbps=cm.cross_gbps, minsend=stage_min_send_ms(cm, cfg),
             minfb=costs.min_layer_fb, outmin=costs.min_output_fb, alpha=rule.alpha,
             ridge_mode=rule.mode, ridge_ends=rule.ends, blocks=int(blocks),
             use_bound=0 if pruning == "none" else 1,
