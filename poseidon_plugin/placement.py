@@ -22,6 +22,7 @@ equal):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from .errors import PoseidonError
 
@@ -37,6 +38,17 @@ class Pool:
     @property
     def size(self) -> int:
         return len(self.node_of)
+
+    @cached_property
+    def node_span(self) -> int:
+        """The most pool positions one node's devices spread over (last - first + 1): two
+        devices of the pool at least this far apart are on different nodes."""
+        first: dict[int, int] = {}
+        span = 1
+        for i, n in enumerate(self.node_of):
+            first.setdefault(n, i)
+            span = max(span, i - first[n] + 1)
+        return span
 
 
 def type_pools(cluster) -> tuple[Pool, ...]:

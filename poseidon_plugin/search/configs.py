@@ -251,17 +251,6 @@ def min_send_ms(cm: CostModel, micro_batch_size: int) -> float:
     return send_ms(cm.activation_bytes(micro_batch_size), best, cm.latency_ms)
 
 
-def _node_span(pool) -> int:
-    """The most pool positions one node's devices spread over (last - first + 1): two devices
-    of the pool at least this far apart are on different nodes."""
-    first: dict[int, int] = {}
-    span = 1
-    for i, n in enumerate(pool.node_of):
-        first.setdefault(n, i)
-        span = max(span, i - first[n] + 1)
-    return span
-
-
 def stage_min_send_ms(cm: CostModel, cfg: OuterConfig) -> float:
     """The fastest send between two consecutive stages of ``cfg`` (a lower bound on every
     pipeline link of its plans, the ``minsend`` of the bounds).
@@ -278,7 +267,7 @@ def stage_min_send_ms(cm: CostModel, cfg: OuterConfig) -> float:
     types = sorted({k for k, _ in cfg.options})
     best = cm.cross_gbps if len(types) >= 2 else 0.0
     for k in types:
-        span = _node_span(cm.pools[k])
+        span = cm.pools[k].node_span
         if all(cfg.dp * t >= span for kk, t in cfg.options if kk == k):
             g = cm.inter_gbps[k]
         else:
