@@ -252,9 +252,10 @@ cdef inline double _pair_near(const ConfigData* I, SearchState* S, int a) noexce
     return ka - S.Sg[a] - S.fc[a * V] - S.bc[a * V]
 
 
-DEF CHAIN_SEARCH_MARGIN = 3
-DEF CHAIN_MAXK = 128     # ``_chain_cut`` runs for <= 128 later stages of <= 4 usable types
-DEF CHAIN_MAXS = 12      # (its tables stay small enough for a thread's stack)
+cdef enum:
+    CHAIN_SEARCH_MARGIN = 3
+    CHAIN_MAXK = 128     # ``_chain_cut`` runs for <= 128 later stages of <= 4 usable types
+    CHAIN_MAXS = 12      # (its tables stay small enough for a thread's stack)
 
 cdef struct ChainTables:
     # ``_chain_cut``'s states per later position p (3 per usable type): type, layers valued,
