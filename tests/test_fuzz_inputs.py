@@ -181,9 +181,14 @@ def _check_outcome(rc: int, out: str, err: str, done) -> None:
         assert 0 < plan["mfu"] <= 1.0, (done, plan["mfu"])
         return
     assert rc == 2, (done, rc, err[-3000:])
-    assert err.startswith("poseidon: error: "), (done, err[-3000:])
-    assert err.count("\n") == 1 and err.endswith("\n"), (done, err[-3000:])
-    assert len(err) < 1000, (done, len(err))
+    # one error line, last; before it only warning lines (an input can earn a warning, e.g. a
+    # profile record of another sequence length, and then fail on another field: hypothesis
+    # found that case)
+    assert err.endswith("\n"), (done, err[-3000:])
+    *warnings, error = err.splitlines()
+    assert error.startswith("poseidon: error: "), (done, err[-3000:])
+    assert all(w.startswith("poseidon: warning: ") for w in warnings), (done, err[-3000:])
+    assert len(error) < 1000, (done, len(error))
     assert out == "", (done, out[:500])
 
 
