@@ -156,30 +156,19 @@ def test_stage_min_send_is_below_every_pipeline_link(inst, seed):
     Python placement and cost path. The instances mix 1-device nodes (stages never share a
     node: the inter-node link is the fastest) with 2-device nodes and TP 1 (two stages can
     share a node: NVLink's intra-node link)."""
-    import random
-
     from poseidon_plugin.costs import simulator_arrays
     from poseidon_plugin.search.configs import stage_min_send_ms
-    types, layers, gbs, scheds, tp_mode = inst
-    cluster, model = make_instance(types, layers, None)
-    ctx = SearchContext(CostModel(cluster, model, None, seq_length=128))
-    cfgs = [c for c in _configs(ctx, gbs, tuple(scheds), tp_mode) if c.num_stages > 1]
-    rng = random.Random(seed)
-    for _ in range(6):
-        if not cfgs:
-            return
-        cfg = rng.choice(cfgs)
-        a = ctx.random_assignment(cfg, rng)
-        if a is None:
+    for cm, cfg, a in _random_plans(inst, seed, tries=8):
+        if cfg.num_stages < 2:
             continue
-        stages, placements, _, _ = time_assignment(ctx.cm, cfg, *a)
-        wrap = ctx.cm.wrap_send_ms(placements, cfg.micro_batch_size) \
+        stages, placements, _, _ = time_assignment(cm, cfg, *a)
+        wrap = cm.wrap_send_ms(placements, cfg.micro_batch_size) \
             if cfg.virtual_stages > 1 else 0.0
         _, _, Pf, Pb, _ = simulator_arrays(stages, cfg.virtual_stages, wrap)
         links = list(Pf[:cfg.num_stages - 1]) + list(Pb[:cfg.num_stages - 1])
         if cfg.virtual_stages > 1:
             links.append(wrap)
-        assert min(links) >= stage_min_send_ms(ctx.cm, cfg) * (1 - 1e-12), (cfg, a, links)
+        assert min(links) >= stage_min_send_ms(cm, cfg) * (1 - 1e-12), (cfg, a, links)
 
 
 def _configs(ctx, gbs, scheds, tp_mode, *, max_virtual_stages=2, micro_batch_sizes=(1, 2)):

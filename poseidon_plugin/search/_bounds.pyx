@@ -134,19 +134,19 @@ cdef double bound(const ConfigData* I, SearchState* S, int x, int Lrem) noexcept
         S.MA[x] = dmax(S.MA[x - 1], A + Z + S.tail[x])
         S.MC[x] = dmax(S.MC[x - 1], C - S.P[x] + Z + S.tail[x])
     K = N - 1 - x
-    if K == 0:
-        if I.loop1 and x > 0:
-            gp = dmax(gp, _loop_pair(I, S, x, 0.0))
-        return dmax(dmax(S.MA[x], S.MC[x] + S.P[x]), gp)
-    if V == 1:
-        lay = Lrem
-    else:
-        lay = (Lrem - K * (V - 1)) / <double> V
-        if lay < 0:
-            lay = 0
-    fut = 2.0 * I.minsend * K + lay * S.fbav[x] + S.outav[x]
+    fut = 0.0
+    if K > 0:
+        if V == 1:
+            lay = Lrem
+        else:
+            lay = (Lrem - K * (V - 1)) / <double> V
+            if lay < 0:
+                lay = 0
+        fut = 2.0 * I.minsend * K + lay * S.fbav[x] + S.outav[x]
     if I.loop1 and x > 0:
         gp = dmax(gp, _loop_pair(I, S, x, fut))
+    if K == 0:
+        return dmax(dmax(S.MA[x], S.MC[x] + S.P[x]), gp)
     g = dmax(S.MA[x], S.MC[x] + S.P[x] + fut)
     gy = (S.head[x] + S.fc[x * V] + 2.0 * I.minsend + M * ceil(Lrem / <double> K) * S.fbav[x]
           + S.bc[x * V + clast] + S.tail[x])
@@ -464,10 +464,13 @@ cdef inline double _kth_desc(double* val, int* cnt, int n, int k) noexcept nogil
 
 
 cdef double _wpos(const ConfigData* I, SearchState* S, int x, int K, double R, int* pc,
-                  double* troom, double* uout) noexcept nogil:
+                  int* gcnt, int* ngroups, int* tav, double* troom,
+                  double* uout) noexcept nogil:
     """Positional round-trip capacity (V = 1) for W >= Wa, R = A - Wa: an upper bound on the
     layers the K stages after x hold (-1: no completion), and troom[k] = the most layers the
-    stages of type k can hold (the sum of its best min(cnt_k, K) positional caps).
+    stages of type k can hold (the sum of its best min(cnt_k, K) positional caps). Also
+    returned: the rows pc (G = *ngroups groups of gcnt[g] consecutive positions), the counts
+    tav[k] = cnt_k and the multipliers uout (``_chain_cut`` reads them).
 
     Stage j = x + 1 + p with option o obeys l_j ((M-1) b_o + (M - a_j) f_o) <= A - W <= R
     (``wcut``'s inequality with its own a_j = acnt[j] <= M) and l_j <= lmax[o, j], so
@@ -486,13 +489,11 @@ cdef double _wpos(const ConfigData* I, SearchState* S, int x, int K, double R, i
     cdef int g, G = 0, same, nmask, it, sg, ok
     cdef double coef, best, other, D, D2, bestD
     cdef int bestm, bests
-    cdef int tav[MAXT]
     cdef int act[MAXT]
     cdef double u[MAXT]
     cdef double u2[MAXT]
     cdef double dl[MAXN]
     cdef int dc[MAXN]
-    cdef int gcnt[MAXN]
     cdef int* gp
     for k in range(T):
         if I.min_dt[k] > 0:
@@ -538,6 +539,7 @@ cdef double _wpos(const ConfigData* I, SearchState* S, int x, int K, double R, i
         else:
             gcnt[G] = 1
             G += 1
+    ngroups[0] = G
     # per type room: the best min(cnt_k, K) positional caps
     for k in range(T):
         if tav[k] <= 0:
@@ -650,8 +652,8 @@ cdef inline double _wdual(const int* pc, const int* gcnt, int G, int T, const in
     return D
 
 
-cdef int _chain_cut(const ConfigData* I, SearchState* S, int x, int K, double R, int need,
-                    const double* u0) noexcept nogil:
+cdef int _chain_cut(const ConfigData* I, int x, int K, double R, int need, const double* u0,
+                    const int* pc, const int* gcnt, int G, const int* cnt) noexcept nogil:
     """Adjacent-pair capacity cut of 1F1B (``loop1``, V = 1): 1 when the K stages after x
     cannot hold ``need`` layers in a completion with T <= thr.
 
@@ -661,7 +663,8 @@ cdef int _chain_cut(const ConfigData* I, SearchState* S, int x, int K, double R,
     (the cheapest over a type's options) and n = floor((M - 1 - a) / 2) + 1:
       n (l_j w_j + l_{j+1} w_{j+1}) + (M - 2n - 1) max(l_j b_j, l_{j+1} b_{j+1})
           <= R - 2 n minsend,   R = A - W,
-    beside each stage's own cap (``_wpos``'s pc: its one-stage path and memory). The type
+    beside each stage's own cap (``_wpos``'s rows pc at R, in groups of gcnt positions: its
+    one-stage path and memory; cnt: its type counts). The type
     counts are relaxed with the multipliers u >= 0 of ``_wpos`` (weak duality: any u >= 0
     gives an upper bound): most layers <= sum_k cnt_k u_k + max over type and layer sequences
     of sum_p (l_p - u_k(p)) under the caps and the pair constraints, a chain DP over the
@@ -674,74 +677,54 @@ cdef int _chain_cut(const ConfigData* I, SearchState* S, int x, int K, double R,
     The multipliers: ``_wpos``'s (optimal without the pairs), then, while the bound is within
     CHAIN_SEARCH_MARGIN layers of ``need``, up to three rounds of the best single +-1 change
     (49 stages at 143,990 ms: 126 at _wpos's u, 123 with u_A100-80 lowered by one)"""
-    cdef int T = I.T, M = I.M, N = I.N, p, j, k, o, i, cap, aj, nst, rnd, bk, bs, sg
-    cdef int cnt[MAXT]
+    cdef int T = I.T, M = I.M, p = 0, j, k, o, i, g, r, cap, aj, nst, nt = 0, rnd, bk, bs, sg
     cdef double wmin[MAXT]
     cdef double bmin[MAXT]
     cdef double u[MAXT]
     cdef ChainTables ct
-    cdef double coef, v, bestv, cand
+    cdef double v, bestv, cand
     if K > CHAIN_MAXK:
         return 0
-    ct.K = K
-    nst = 0
     for k in range(T):
-        if I.min_dt[k] > 0 and I.ndev[k] - S.cursor[k] >= I.min_dt[k]:
-            nst += 1
-    if nst > CHAIN_MAXS // 3:
-        return 0
-    for k in range(T):
-        cnt[k] = 0
         wmin[k] = 1e300
         bmin[k] = 1e300
         u[k] = u0[k]
-        if I.min_dt[k] > 0:
-            cnt[k] = (I.ndev[k] - S.cursor[k]) // I.min_dt[k]
-        if cnt[k] > K:
-            cnt[k] = K
+        if cnt[k] > 0:
+            nt += 1
+    if nt > CHAIN_MAXS // 3:
+        return 0
     for o in range(I.O):
         k = I.opt_type[o]
         if I.ofb[o] < wmin[k]:
             wmin[k] = I.ofb[o]
         if I.ob_[o] < bmin[k]:
             bmin[k] = I.ob_[o]
-    for p in range(K):
-        j = x + 1 + p
-        aj = I.acnt[j]
-        if aj > M:
-            aj = M
-        nst = 0
-        for k in range(T):
-            if cnt[k] <= 0:
-                continue
-            cap = -1
-            for o in range(I.O):
-                if I.opt_type[o] != k:
-                    continue
-                coef = (M - 1) * I.ob_[o] + (M - aj) * I.of_[o]
-                i = _layers_within(R, coef)
-                if i > I.lmax[o * N + j]:
-                    i = I.lmax[o * N + j]
-                if i > cap:
-                    cap = i
-            for i in range(3):
-                if cap - i < 1:
-                    break
-                ct.sk[p * CHAIN_MAXS + nst] = k
-                ct.sl[p * CHAIN_MAXS + nst] = cap - i
-                ct.sw[p * CHAIN_MAXS + nst] = (cap - i if i < 2 else 1) * wmin[k]
-                ct.sb[p * CHAIN_MAXS + nst] = (cap - i if i < 2 else 1) * bmin[k]
-                nst += 1
-        if nst == 0:
-            return 1
-        ct.nst[p] = nst
-        # the pair constraint between positions p - 1 and p (stages j - 1, j)
-        ct.npair[p] = 0
-        if p > 0:
-            aj = I.acnt[j - 1]
-            if aj <= M - 1 and aj >= 2 and I.acnt[j] == aj - 1:
-                ct.npair[p] = (M - 1 - aj) // 2 + 1
-        ct.rp[p] = (R - 2.0 * ct.npair[p] * I.minsend) * (1.0 + 1e-9) + 1e-9
+    ct.K = K
+    for g in range(G):
+        for r in range(gcnt[g]):
+            j = x + 1 + p
+            nst = 0
+            for k in range(T):
+                cap = pc[g * T + k]
+                for i in range(3):
+                    if cap - i < 1:
+                        break
+                    ct.sk[p * CHAIN_MAXS + nst] = k
+                    ct.sl[p * CHAIN_MAXS + nst] = cap - i
+                    ct.sw[p * CHAIN_MAXS + nst] = (cap - i if i < 2 else 1) * wmin[k]
+                    ct.sb[p * CHAIN_MAXS + nst] = (cap - i if i < 2 else 1) * bmin[k]
+                    nst += 1
+            if nst == 0:
+                return 1
+            ct.nst[p] = nst
+            # the pair constraint between positions p - 1 and p (stages j - 1, j)
+            ct.npair[p] = 0
+            if p > 0:
+                aj = I.acnt[j - 1]
+                if aj <= M - 1 and aj >= 2 and I.acnt[j] == aj - 1:
+                    ct.npair[p] = (M - 1 - aj) // 2 + 1
+            ct.rp[p] = (R - 2.0 * ct.npair[p] * I.minsend) * (1.0 + 1e-9) + 1e-9
+            p += 1
     v = _chain_eval(&ct, cnt, T, M, u)
     if v < need:
         return 1
@@ -855,9 +838,12 @@ cdef int wcut(const ConfigData* I, SearchState* S, int x, double avail, int K, i
     cdef double A, A2, W, Wn, room, cost, rest, fbmin
     cdef TypeCaps tc
     cdef int pc[MAXN * MAXT]
+    cdef int gcnt[MAXN]
+    cdef int tav[MAXT]
+    cdef int ng = 0
     cdef double troom[MAXT]
     cdef double u[MAXT]
-    cdef double wp = 1e300
+    cdef double wp = 1e300, Rw = 0.0
     if amax > I.M:
         amax = I.M
     A = avail - 2.0 * I.minsend * (K - 1)
@@ -882,7 +868,8 @@ cdef int wcut(const ConfigData* I, SearchState* S, int x, double avail, int K, i
         if taken < K or total < need:
             return 1
         # positional caps: stage j = x + 1 + p with its own a_j (not amax) and lmax[o, j]
-        wp = _wpos(I, S, x, K, A - W, pc, troom, u)
+        Rw = A - W
+        wp = _wpos(I, S, x, K, Rw, pc, gcnt, &ng, tav, troom, u)
         if wp < need:
             return 1
         # cheapest (f + b) cost of ``need`` layers within the rooms (inverse knapsack)
@@ -906,11 +893,17 @@ cdef int wcut(const ConfigData* I, SearchState* S, int x, double avail, int K, i
         if Wn <= W * (1.0 + 1e-12):
             break
         W = Wn
+    else:
+        # no fixpoint in 16 steps: the rows for ``_chain_cut`` at the last W
+        Rw = A - W
+        wp = _wpos(I, S, x, K, Rw, pc, gcnt, &ng, tav, troom, u)
+        if wp < need:
+            return 1
     # the pairs take a few layers off the one-stage optimum (3-6 on 405B / 512): the chain DP
     # only runs where that can decide (it costs a third of the nodes per second elsewhere:
     # per-stage TP setting 5 reached a 6.9 % gap in 60 s with it everywhere, 4.4 % without)
     if I.loop1 and K >= 2 and wp < need + CHAIN_RUN_MARGIN:
-        return _chain_cut(I, S, x, K, A - W, need, u)
+        return _chain_cut(I, x, K, Rw, need, u, pc, gcnt, ng, tav)
     return 0
 
 

@@ -273,8 +273,6 @@ def stage_min_send_ms(cm: CostModel, cfg: OuterConfig) -> float:
         else:
             g = max(cm.intra_gbps[k], cm.inter_gbps[k])
         best = max(best, g)
-    if best <= 0.0:
-        return min_send_ms(cm, cfg.micro_batch_size)
     return send_ms(cm.activation_bytes(cfg.micro_batch_size), best, cm.latency_ms)
 
 
