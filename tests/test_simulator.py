@@ -296,6 +296,56 @@ def test_core_checks_lengths():
         dag.time_ms(np.ones(2), np.ones(2), np.ones(1), np.ones(1), np.ones(3))
 
 
+
+def test_core_rejects_orders_that_deadlock_or_miss_ops(monkeypatch):
+    """The DAG build's own checks (the schedules never trigger them): device 0 running B(0)
+    before F(0) waits on itself through device 1; a device with an op missing."""
+    from poseidon_plugin.simulator import _core
+    from poseidon_plugin.simulator.schedules import Op
+
+    fwd, bwd = Op(False, 0, 0), Op(True, 0, 0)
+    monkeypatch.setattr(_core._schedules, "op_orders",
+                        lambda *a, **k: [[bwd, fwd], [fwd, bwd]])
+    with pytest.raises(PoseidonError, match="deadlocks: 0 of 4 ops"):
+        _core.PipelineDAG("1f1b", 2, 1, 1)
+    monkeypatch.setattr(_core._schedules, "op_orders", lambda *a, **k: [[fwd, bwd], [fwd]])
+    with pytest.raises(PoseidonError, match="device 1 has 1 ops, expected 2"):
+        _core.PipelineDAG("1f1b", 2, 1, 1)
+
+
+def test_core_dag_links_follow_the_schedules_orders():
+    """Every op's previous-op and dependency slots, against the orders and the DAG's edge
+    rules, for every schedule (the build numbers ops itself; this re-derives them)."""
+    from poseidon_plugin.simulator.schedules import op_orders
+
+    for schedule, n, m, v in [("1f1b", 4, 6, 1), ("eager-1f1b", 3, 5, 1), ("gpipe", 3, 2, 1),
+                              ("interleaved-1f1b", 3, 6, 2), ("interleaved-1f1b", 2, 4, 3)]:
+        dag = get_dag(schedule, n, m, v)
+        prev, dep = dag.predecessor_slots()
+        key = {(bool(dag.op_is_backward[i]), int(dag.op_chunk[i]) * n + int(dag.op_stage[i]),
+                int(dag.op_microbatch[i])): i + 1 for i in range(dag.num_ops)}
+        orders = op_orders(schedule, n, m, v)
+        nv = n * v
+        for s, ops in enumerate(orders):
+            for pos, op in enumerate(ops):
+                k = (op.is_backward, op.chunk * n + s, op.microbatch)
+                i = key[k] - 1
+                assert dag.op_position[i] == pos
+                want_prev = 0 if pos == 0 else key[(ops[pos - 1].is_backward,
+                                                    ops[pos - 1].chunk * n + s,
+                                                    ops[pos - 1].microbatch)]
+                assert prev[i] == want_prev
+                b, vs, mb = k
+                d = ((False, vs - 1, mb) if vs > 0 else None) if not b else (
+                    (True, vs + 1, mb) if vs < nv - 1 else (False, vs, mb))
+                assert dep[i] == (0 if d is None else key[d])
+                # topological: both predecessors come first
+                assert prev[i] <= i and dep[i] <= i
+        assert list(dag.last_op_slots()) == [key[(o[-1].is_backward, o[-1].chunk * n + s,
+                                                   o[-1].microbatch)]
+                                             for s, o in enumerate(orders)]
+
+
 # --------------------------------------------------------------------------- engine timing
 
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))

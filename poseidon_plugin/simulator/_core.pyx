@@ -75,18 +75,17 @@ cdef class PipelineDAG:
         self._build(orders)
 
     def _build(self, list orders):
+        """Flatten the devices' op orders into ``_links`` in a topological order sorted by
+        DAG level (stable): a Kahn-style sweep over the fixed orders, then a counting sort by
+        level (hops from the start), so ops of one level are independent and the sweep's CPU
+        overlaps them. Ops are numbered id = (is_backward * N V + virtual stage) * M + mb."""
         cdef int n = self.num_stages, m = self.num_microbatches, v = self.virtual_stages
         cdef int nv = n * v, L = self.num_links
-        cdef int total = 2 * n * m * v
-        topo = _topological_order(orders, n, nv)
-        if len(topo) != total:
-            raise PoseidonError(
-                f"internal: schedule {self.schedule!r} (N={n}, M={m}, V={v}) deadlocks: "
-                f"{len(topo)} of {total} ops can run")
-        prev_of = _previous_ops(orders, n)
-        _sort_by_level(topo, prev_of, nv)
-        slot = {item[2]: i + 1 for i, item in enumerate(topo)}   # finish-slot, 0 = start
-        # --- flatten ------------------------------------------------------------------------
+        cdef int total = 2 * n * m * v, per = 2 * m * v
+        cdef int i, j, s, k, idx, d, lv, top, cnt, link, vs, isb
+        cdef int[::1] c
+        cdef long long[::1] st_v, ch_v, mb_v, ps_v
+        cdef unsigned char[::1] bw_v
         self._wlen = 1 + 2 * nv + 2 * L
         self._links = <OpLink*> malloc(total * sizeof(OpLink))
         self._last = <int*> malloc(n * sizeof(int))
@@ -97,38 +96,118 @@ cdef class PipelineDAG:
         self._w[0] = 0.0
         self._fin[0] = 0.0
         self.num_ops = total
-        st = np.empty(total, dtype=np.int64)
-        ch = np.empty(total, dtype=np.int64)
-        mb = np.empty(total, dtype=np.int64)
-        bw = np.empty(total, dtype=bool)
-        ps = np.empty(total, dtype=np.int64)
-        cdef int i, vs_i, link
-        for i, (s, pos, key) in enumerate(topo):
-            is_b, vs_i, mbi = key
-            st[i] = s
-            ch[i] = vs_i // n
-            mb[i] = mbi
-            bw[i] = is_b
-            ps[i] = pos
-            p = prev_of.get(key)
-            self._links[i].prev = slot[p] if p is not None else 0
-            d = _dependency_key(key, nv)
-            self._links[i].dep = slot[d] if d is not None else 0
-            # weight buffer: [0]=0, F at 1 + vs', B at 1 + nv + vs', Pf at 1 + 2nv + link,
-            # Pb at 1 + 2nv + L + link, where vs' = chunk*N + device = the virtual stage.
-            self._links[i].node_w = 1 + (nv if is_b else 0) + vs_i
-            if d is None or d[0] != is_b:      # no dependency, or the F -> B turnaround
-                self._links[i].edge_w = 0
-            elif not is_b:                     # F(vs-1) -> F(vs) over link (vs-1) mod N
-                link = (vs_i - 1) % n
-                self._links[i].edge_w = 1 + 2 * nv + link
-            else:                              # B(vs+1) -> B(vs) over link vs mod N
-                link = vs_i % n
-                self._links[i].edge_w = 1 + 2 * nv + L + link
-        for s in range(n):
-            order = orders[s]
-            a = order[len(order) - 1]
-            self._last[s] = slot[(a.is_backward, a.chunk * n + s, a.microbatch)]
+        # every array below is one int per op; freed at the end whatever happens
+        cdef int* seq = <int*> malloc(7 * total * sizeof(int) + (2 * n + total + 2) * sizeof(int))
+        if not seq:
+            raise MemoryError()
+        cdef int* posn = seq + total        # id -> position in its device's order
+        cdef int* topo = posn + total       # topological order (ids)
+        cdef int* placed = topo + total     # id -> 1 once in topo
+        cdef int* waiter = placed + total   # id -> the device blocked on it (-1: none)
+        cdef int* level = waiter + total
+        cdef int* slot = level + total      # id -> finish slot (sorted index + 1)
+        cdef int* ptr = slot + total        # per device: next position
+        cdef int* work = ptr + n            # stack of devices to advance (<= n + total)
+        try:
+            for s in range(n):
+                if len(orders[s]) != per:
+                    raise PoseidonError(f"internal: device {s} has {len(orders[s])} ops, "
+                                        f"expected {per}")
+                k = 0
+                for op in orders[s]:
+                    idx = ((nv if op.is_backward else 0) + op.chunk * n + s) * m + op.microbatch
+                    seq[s * per + k] = idx
+                    posn[idx] = k
+                    k += 1
+            for i in range(total):
+                placed[i] = 0
+                waiter[i] = -1
+            for s in range(n):
+                ptr[s] = 0
+                work[s] = n - 1 - s
+            top = n
+            cnt = 0
+            while top > 0:
+                top -= 1
+                s = work[top]
+                while ptr[s] < per:
+                    idx = seq[s * per + ptr[s]]
+                    d = _dep_id(idx, nv, m)
+                    if d >= 0 and not placed[d]:
+                        waiter[d] = s
+                        break
+                    placed[idx] = 1
+                    topo[cnt] = idx
+                    cnt += 1
+                    ptr[s] += 1
+                    if waiter[idx] >= 0:
+                        work[top] = waiter[idx]
+                        top += 1
+                        waiter[idx] = -1
+            if cnt != total:
+                raise PoseidonError(
+                    f"internal: schedule {self.schedule!r} (N={n}, M={m}, V={v}) deadlocks: "
+                    f"{cnt} of {total} ops can run")
+            # levels in topological order, then a stable counting sort by level
+            lv = 0
+            for i in range(total):
+                idx = topo[i]
+                j = 0
+                if posn[idx] > 0:
+                    j = level[seq[_dev_of(idx, n, m) * per + posn[idx] - 1]] + 1
+                d = _dep_id(idx, nv, m)
+                if d >= 0 and level[d] + 1 > j:
+                    j = level[d] + 1
+                level[idx] = j
+                if j > lv:
+                    lv = j
+            counts = np.zeros(lv + 2, dtype=np.intc)
+            c = counts
+            for i in range(total):
+                c[level[topo[i]] + 1] += 1
+            for j in range(lv + 1):
+                c[j + 1] += c[j]
+            for i in range(total):
+                idx = topo[i]
+                slot[idx] = c[level[idx]] + 1
+                c[level[idx]] += 1
+            st = np.empty(total, dtype=np.int64)
+            ch = np.empty(total, dtype=np.int64)
+            mb = np.empty(total, dtype=np.int64)
+            bw = np.empty(total, dtype=bool)
+            ps = np.empty(total, dtype=np.int64)
+            st_v, ch_v, mb_v, ps_v = st, ch, mb, ps
+            bw_v = bw.view(np.uint8)
+            for k in range(total):
+                idx = topo[k]
+                i = slot[idx] - 1
+                isb = idx // (nv * m)
+                vs = (idx // m) % nv
+                st_v[i] = vs % n
+                ch_v[i] = vs // n
+                mb_v[i] = idx % m
+                bw_v[i] = isb
+                ps_v[i] = posn[idx]
+                s = vs % n
+                self._links[i].prev = (slot[seq[s * per + posn[idx] - 1]] if posn[idx] > 0
+                                       else 0)
+                d = _dep_id(idx, nv, m)
+                self._links[i].dep = slot[d] if d >= 0 else 0
+                # weight buffer: [0]=0, F at 1 + vs, B at 1 + nv + vs, Pf at 1 + 2nv + link,
+                # Pb at 1 + 2nv + L + link (vs = chunk*N + device = the virtual stage)
+                self._links[i].node_w = 1 + (nv if isb else 0) + vs
+                if d < 0 or d // (nv * m) != isb:   # no dependency, or the F -> B turnaround
+                    self._links[i].edge_w = 0
+                elif not isb:                        # F(vs-1) -> F(vs) over link (vs-1) mod N
+                    link = (vs - 1) % n
+                    self._links[i].edge_w = 1 + 2 * nv + link
+                else:                                # B(vs+1) -> B(vs) over link vs mod N
+                    link = vs % n
+                    self._links[i].edge_w = 1 + 2 * nv + L + link
+            for s in range(n):
+                self._last[s] = slot[seq[s * per + per - 1]]
+        finally:
+            free(seq)
         for arr in (st, ch, mb, bw, ps):
             arr.setflags(write=False)
         self.op_stage, self.op_chunk, self.op_microbatch = st, ch, mb
@@ -317,69 +396,23 @@ cdef inline const double* _ptr(const double[::1] a) noexcept:
     return &a[0]
 
 
-def _dependency_key(tuple key, int nv):
-    """Cross-device dependency of op ``key = (is_backward, virtual stage, microbatch)``."""
-    is_b, vs, mb = key
-    if not is_b:
-        return (False, vs - 1, mb) if vs > 0 else None
+cdef inline int _dep_id(int idx, int nv, int m) noexcept nogil:
+    """Cross-device dependency of op ``idx`` (``PipelineDAG._build``'s numbering), -1: none.
+    F(vs, mb) <- F(vs - 1, mb); B(vs, mb) <- B(vs + 1, mb), and the last virtual stage's
+    B(nv - 1, mb) <- its F(nv - 1, mb)."""
+    cdef int half = nv * m, vs
+    if idx < half:
+        vs = idx // m
+        return idx - m if vs > 0 else -1
+    vs = (idx - half) // m
     if vs < nv - 1:
-        return (True, vs + 1, mb)
-    return (False, vs, mb)
-
-def _topological_order(list orders, int n, int nv):
-    """Kahn-style sweep over the devices' fixed orders: (device, position, key) of every op
-    that can run, in some topological order; key = (is_backward, virtual stage, micro-batch).
-    Fewer ops than the schedule has means it deadlocks."""
-    placed = {}          # key -> index in `topo`
-    topo = []
-    ptr = [0] * n
-    waiting = {}         # key -> devices blocked on it
-    work = list(range(n - 1, -1, -1))
-    while work:
-        s = work.pop()
-        order = orders[s]
-        while ptr[s] < len(order):
-            op = order[ptr[s]]
-            key = (op.is_backward, op.chunk * n + s, op.microbatch)
-            dep = _dependency_key(key, nv)
-            if dep is not None and dep not in placed:
-                waiting.setdefault(dep, []).append(s)
-                break
-            placed[key] = len(topo)
-            topo.append((s, ptr[s], key))
-            ptr[s] += 1
-            woken = waiting.pop(key, None)
-            if woken:
-                work.extend(woken)
-    return topo
+        return idx + m
+    return idx - half
 
 
-def _previous_ops(list orders, int n):
-    """key -> key of the op before it on the same device."""
-    prev_of = {}
-    for s in range(n):
-        order = orders[s]
-        for pos in range(1, len(order)):
-            a, b = order[pos - 1], order[pos]
-            prev_of[(b.is_backward, b.chunk * n + s, b.microbatch)] = (
-                a.is_backward, a.chunk * n + s, a.microbatch)
-    return prev_of
-
-
-def _sort_by_level(list topo, dict prev_of, int nv):
-    """Stable sort of a topological order by level (hops from the start): still topological,
-    and ops of one level are independent (the sweep's cache-friendly order)."""
-    level = {}
-    for s, pos, key in topo:
-        lv = 0
-        p = prev_of.get(key)
-        if p is not None:
-            lv = level[p] + 1
-        d = _dependency_key(key, nv)
-        if d is not None and level[d] + 1 > lv:
-            lv = level[d] + 1
-        level[key] = lv
-    topo.sort(key=lambda item: level[item[2]])
+cdef inline int _dev_of(int idx, int n, int m) noexcept nogil:
+    """Device of op ``idx``."""
+    return (idx // m) % n
 
 
 cdef class EngineDAG(PipelineDAG):
