@@ -287,6 +287,28 @@ def test_root_bound_never_exceeds_any_plan(inst, seed):
         assert capacity_layers(cm, cfg, T * (1 + 1e-9)) >= cm.model.num_layers
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(instance_st, st.sampled_from([0.0, 7.5]))
+def test_root_bound_in_c_equals_the_python_reference(inst, overhead_ms):
+    """``_roots.root_core`` repeats ``_root_bound_py`` operation for operation: the same
+    double (or inf) for every configuration, per-stage TP and interleaving included."""
+    from poseidon_plugin.search.configs import _root_bound_py, root_bound
+    types, layers, gbs, scheds, tp_mode = inst
+    cluster, model = make_instance(types, layers, None)
+    cm = CostModel(cluster, model, None, seq_length=128)
+    cm.iteration_overhead_ms = overhead_ms
+    ctx = SearchContext(cm)
+    cfgs = _configs(ctx, gbs, tuple(scheds), tp_mode, max_virtual_stages=3)
+    for cfg in cfgs:
+        assert root_bound(cm, cfg) == _root_bound_py(cm, cfg), cfg
+    # 4 device types of one TP each over 64 stage slots: more types and options than drawn
+    big = make_instance([(150.0, 8, 8, 1.0), (80.0, 8, 8, 1.0), (50.0, 4, 4, 1.0),
+                         (100.0, 2, 2, 0.05)], 16, None)
+    cm = CostModel(*big, None, seq_length=128)
+    for cfg in _configs(SearchContext(cm), 64, tuple(scheds), tp_mode)[::7]:
+        assert root_bound(cm, cfg) == _root_bound_py(cm, cfg), cfg
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(instance_st, st.sampled_from([1e-4, 0.02, 0.5]))
 def test_iterative_deepening_step_does_not_change_the_optimum(inst, step):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -20,7 +21,7 @@ from ..comm import send_ms
 from ..costs import CostModel
 from ..errors import PoseidonError
 from ..simulator.schedules import SCHEDULES, op_orders, validate_schedule
-from . import _search
+from . import _roots, _search
 from .options import SearchOptions
 
 
@@ -177,9 +178,9 @@ def layer_limits(cm: CostModel, cfg: OuterConfig) -> np.ndarray:
 
 # --------------------------------------------------------------------------- root bound
 
-@dataclass(frozen=True)
-class _TypeCapacity:
-    """One usable device type at the root: its options' M (f + b) and devices per stage."""
+class _TypeCapacity(NamedTuple):
+    """One usable device type at the root: its options' M (f + b) and devices per stage (a
+    tuple: ``_roots.root_core`` unpacks it)."""
 
     a: float                                  # M x its cheapest per-layer f + b
     count: int                                # most stages of the type: devices // min(d t)
@@ -336,7 +337,22 @@ def root_bound(cm: CostModel, cfg: OuterConfig, costs: OptionCosts | None = None
     stages' layers each), cheapest (f + b) first, plus the cheapest embedding and output
     layers. Feasibility is monotone in T, so the smallest feasible T is found by bisection
     (``docs/search.md``; ``tests/test_search.py`` holds it below every configuration's
-    exhaustive optimum)."""
+    exhaustive optimum).
+    The arithmetic runs in C (``_roots.root_core``); ``_root_bound_py`` is the same bound in
+    Python, the reference the tests compare it with."""
+    costs = OptionCosts.of_config(cm, cfg) if costs is None else costs
+    L, n, m, v = cm.model.num_layers, cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages
+    minfb = costs.min_layer_fb
+    base = max(m * math.ceil(L / n) * minfb, L * minfb)
+    types = _capacity_types(cm, cfg, costs)
+    extra = min(f + b for f, b in zip(costs.ef, costs.eb)) + costs.min_output_fb
+    t = _roots.root_core(types, n, m, v, L, base, extra,
+                         stage_min_send_ms(cm, cfg) if n > 1 else 0.0)
+    return t + cm.iteration_overhead_ms
+
+
+def _root_bound_py(cm: CostModel, cfg: OuterConfig, costs: OptionCosts | None = None) -> float:
+    """``root_bound`` in Python (the reference of ``_roots.root_core``)."""
     costs = OptionCosts.of_config(cm, cfg) if costs is None else costs
     minfb = costs.min_layer_fb
     L, n, m, v = cm.model.num_layers, cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages
