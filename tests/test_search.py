@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -307,6 +308,55 @@ def test_root_bound_in_c_equals_the_python_reference(inst, overhead_ms):
     cm = CostModel(*big, None, seq_length=128)
     for cfg in _configs(SearchContext(cm), 64, tuple(scheds), tp_mode)[::7]:
         assert root_bound(cm, cfg) == _root_bound_py(cm, cfg), cfg
+
+
+memo_type_st = st.tuples(st.sampled_from([50.0, 80.0, 150.0]), st.sampled_from([1, 2]),
+                         st.integers(1, 3), st.sampled_from([0.05, 0.1, 1.0]))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(memo_type_st, min_size=2, max_size=3), st.booleans(), st.integers(5, 12),
+       st.sampled_from([4, 8, 16]), st.sampled_from(["uniform", "per-stage"]))
+def test_dominance_memo_changes_the_nodes_not_the_plans(types, twin, layers, gbs, tp_mode):
+    """The dominance memo (``Searcher.descend``) skips subtrees only where a searched one of
+    the same key proves them empty: with and without it, at the optimum, below it and above
+    it, every V = 1 configuration returns the same plan (and the exhaustive search's time
+    where it is small enough to run). ``twin``: a second, identical device type, the
+    interchangeable stages the memo is for."""
+    cluster, model = make_instance(types + types[:1] if twin else types, layers, None)
+    cm = CostModel(cluster, model, None, seq_length=128)
+    ctx = SearchContext(cm)
+    for cfg in _configs(ctx, gbs, ("1f1b", "gpipe"), tp_mode, max_virtual_stages=1):
+        if cfg.num_stages > 7:
+            continue
+        run = functools.partial(ctx.run, cfg, pruning="safe", blocks=False)
+        on, off = run(threshold_ms=math.inf), run(threshold_ms=math.inf, memo=False)
+        assert on.best == off.best, cfg
+        assert on.nodes <= off.nodes, cfg
+        if on.best is None:
+            continue
+        for thr in (on.best[0] * (1 - 1e-3), on.best[0] * 1.02):
+            assert run(threshold_ms=thr).best == run(threshold_ms=thr, memo=False).best, cfg
+        if cfg.num_stages <= 5:
+            exact = ctx.run(cfg, pruning="none", blocks=False, threshold_ms=math.inf)
+            assert exact.best[0] == on.best[0], cfg
+
+
+def test_dominance_memo_skips_reordered_prefixes_on_two_identical_types():
+    """Two identical slow types and a fast one: the orders of the slow stages reach the same
+    key, so the memo skips subtrees (fewer nodes), and one thread, two threads and the search
+    without the memo agree on the plan."""
+    cluster, model = make_instance([(50.0, 2, 3, 1.0), (50.0, 2, 3, 1.0), (150.0, 2, 2, 1.0)],
+                                   12, None)
+    cm = CostModel(cluster, model, None, seq_length=128)
+    ctx = SearchContext(cm)
+    cfg = next(c for c in _configs(ctx, 16, ("1f1b",), "uniform", max_virtual_stages=1)
+               if c.key == (0, 1, 1, 1, 1, 9))
+    run = functools.partial(ctx.run, cfg, pruning="safe", blocks=False, threshold_ms=math.inf)
+    on, off, two = run(), run(memo=False), run(threads=2)
+    assert on.cut_dominated > 1000 and off.cut_dominated == 0
+    assert on.nodes < 0.8 * off.nodes
+    assert on.best == off.best == two.best
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))

@@ -150,6 +150,7 @@ cdef struct SearchStats:
     long long cut_ridge            # layer-level ridge rule
     long long cut_devices          # not enough devices left
     long long cut_capacity         # capacity / fill-drain / round-trip cuts
+    long long cut_dominated        # subtrees a searched one of the same key dominates
 
 
 cdef inline double dmax(double a, double b) noexcept nogil:

@@ -21,8 +21,8 @@ Cost formulas here are twins of the Python originals (each names its original; a
 pair): ``_send_ms``, ``_allreduce_ms`` and ``_chunk_layers``.
 """
 
-from libc.stdlib cimport malloc, free, realloc
-from libc.string cimport memcpy, memset
+from libc.stdlib cimport calloc, free, malloc, realloc
+from libc.string cimport memcmp, memcpy, memset
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 
 import threading
@@ -258,6 +258,7 @@ cdef class ConfigResult:
     cdef readonly object best
     cdef readonly long long nodes, simulated, improved
     cdef readonly long long cut_bound, cut_memory, cut_ridge, cut_devices, cut_capacity
+    cdef readonly long long cut_dominated
     cdef readonly bint timed_out
     cdef readonly int split_depth, subtrees
 
@@ -265,7 +266,8 @@ cdef class ConfigResult:
         """The statistics as a dict (for ``SearchStats``)."""
         return dict(nodes=self.nodes, plans_simulated=self.simulated, cut_bound=self.cut_bound,
                     cut_memory=self.cut_memory, cut_ridge=self.cut_ridge,
-                    cut_devices=self.cut_devices, cut_capacity=self.cut_capacity)
+                    cut_devices=self.cut_devices, cut_capacity=self.cut_capacity,
+                    cut_dominated=self.cut_dominated)
 
 
 cdef ConfigResult _result(SearchState* S, SearchStats* st, int N, int D, int ncollect):
@@ -277,6 +279,7 @@ cdef ConfigResult _result(SearchState* S, SearchStats* st, int N, int D, int nco
     r.nodes, r.simulated, r.improved = st.nodes, st.simulated, st.improved
     r.cut_bound, r.cut_memory, r.cut_ridge = st.cut_bound, st.cut_memory, st.cut_ridge
     r.cut_devices, r.cut_capacity = st.cut_devices, st.cut_capacity
+    r.cut_dominated = st.cut_dominated
     r.timed_out = S.timed_out != 0
     r.split_depth = D if D > 0 else 0
     r.subtrees = ncollect if D > 0 else 0
@@ -403,6 +406,155 @@ cdef double _evaluate(const ConfigData* I, SearchState* S, PipelineDAG dag) noex
     return dag.iteration_time(S.WF, S.WB, S.EF, S.EB, S.R)
 
 
+
+# --------------------------------------------------------------------------- dominance memo
+
+cdef enum:
+    MEMO_VECS = 3            # non-dominated state vectors kept per key
+    MEMO_MIN_SLOTS = 1024
+    MEMO_MAX_SLOTS = 262144  # (about 60 MB at 4 device types; the table is wiped when full)
+    MEMO_W = 5               # head, tail, MA, MC + P, threshold
+
+
+cdef struct Memo:
+    # open addressing over keys (x, layers left, option, start, layers of stage x, used mask,
+    # every type's cursor); per key up to MEMO_VECS vectors (head, tail, MA, MC + P of stage
+    # x, and the threshold the subtree was searched under)
+    long nslots
+    long nused
+    int klen
+    unsigned long long* hash  # 0: empty slot
+    int* keys
+    double* vecs
+    int* nvec
+
+
+cdef inline unsigned long long _memo_hash(const int* key, int klen) noexcept nogil:
+    cdef unsigned long long h = 1469598103934665603ULL
+    cdef int i
+    for i in range(klen):
+        h = (h ^ <unsigned int> key[i]) * 1099511628211ULL
+    h ^= h >> 29
+    return h | 1ULL
+
+
+cdef int _memo_alloc(Memo* m, long nslots, int klen) noexcept nogil:
+    m.hash = <unsigned long long*> calloc(nslots, sizeof(unsigned long long))
+    m.keys = <int*> malloc(nslots * klen * sizeof(int))
+    m.vecs = <double*> malloc(nslots * MEMO_VECS * MEMO_W * sizeof(double))
+    m.nvec = <int*> calloc(nslots, sizeof(int))
+    if m.hash == NULL or m.keys == NULL or m.vecs == NULL or m.nvec == NULL:
+        _memo_free(m)
+        return 0
+    m.nslots = nslots
+    m.nused = 0
+    m.klen = klen
+    return 1
+
+
+cdef void _memo_free(Memo* m) noexcept nogil:
+    free(m.hash)
+    free(m.keys)
+    free(m.vecs)
+    free(m.nvec)
+    m.hash = NULL
+    m.keys = NULL
+    m.vecs = NULL
+    m.nvec = NULL
+    m.nslots = 0
+    m.nused = 0
+
+
+cdef long _memo_slot(const Memo* m, const int* key, unsigned long long h) noexcept nogil:
+    """The key's slot, or the empty slot where it would go."""
+    cdef long i = <long> (h & <unsigned long long> (m.nslots - 1))
+    while m.hash[i] != 0:
+        if m.hash[i] == h and memcmp(&m.keys[i * m.klen], key, m.klen * sizeof(int)) == 0:
+            return i
+        i = (i + 1) & (m.nslots - 1)
+    return i
+
+
+cdef int _memo_grow(Memo* m) noexcept nogil:
+    """Double the table (rehash); at the largest size wipe it. 0 when out of memory."""
+    cdef Memo old = m[0]
+    cdef long i, j
+    if m.nslots >= MEMO_MAX_SLOTS:
+        memset(m.hash, 0, m.nslots * sizeof(unsigned long long))
+        memset(m.nvec, 0, m.nslots * sizeof(int))
+        m.nused = 0
+        return 1
+    if not _memo_alloc(m, 2 * old.nslots, old.klen):
+        m[0] = old
+        return 0
+    for i in range(old.nslots):
+        if old.hash[i] == 0:
+            continue
+        j = _memo_slot(m, &old.keys[i * old.klen], old.hash[i])
+        m.hash[j] = old.hash[i]
+        memcpy(&m.keys[j * m.klen], &old.keys[i * old.klen], m.klen * sizeof(int))
+        memcpy(&m.vecs[j * MEMO_VECS * MEMO_W], &old.vecs[i * MEMO_VECS * MEMO_W],
+               MEMO_VECS * MEMO_W * sizeof(double))
+        m.nvec[j] = old.nvec[i]
+        m.nused += 1
+    _memo_free(&old)
+    return 1
+
+
+cdef inline int _memo_covers(const double* a, const double* b) noexcept nogil:
+    """State a (a recorded subtree without a plan) is no larger than state b in every bound
+    term and was searched under a threshold no lower than b's."""
+    return (a[0] <= b[0] and a[1] <= b[1] and a[2] <= b[2] and a[3] <= b[3]
+            and a[4] >= b[4])
+
+
+cdef int _memo_dominated(const Memo* m, const int* key, unsigned long long h,
+                         const double* vec) noexcept nogil:
+    cdef long i
+    cdef int j
+    if m.nslots == 0:
+        return 0
+    i = _memo_slot(m, key, h)
+    if m.hash[i] == 0:
+        return 0
+    for j in range(m.nvec[i]):
+        if _memo_covers(&m.vecs[(i * MEMO_VECS + j) * MEMO_W], vec):
+            return 1
+    return 0
+
+
+cdef void _memo_insert(Memo* m, const int* key, int klen, unsigned long long h,
+                       const double* vec) noexcept nogil:
+    cdef long i
+    cdef int j, n
+    cdef double* base
+    if m.nslots == 0:
+        if not _memo_alloc(m, MEMO_MIN_SLOTS, klen):
+            return
+    if 2 * (m.nused + 1) > m.nslots:
+        if not _memo_grow(m):
+            return
+    i = _memo_slot(m, key, h)
+    if m.hash[i] == 0:
+        m.hash[i] = h
+        memcpy(&m.keys[i * m.klen], key, m.klen * sizeof(int))
+        m.nvec[i] = 0
+        m.nused += 1
+    base = &m.vecs[i * MEMO_VECS * MEMO_W]
+    n = 0
+    for j in range(m.nvec[i]):          # drop the vectors the new one covers
+        if _memo_covers(&base[j * MEMO_W], vec):
+            return                      # (already covered: nothing to add)
+        if not _memo_covers(vec, &base[j * MEMO_W]):
+            if n != j:
+                memcpy(&base[n * MEMO_W], &base[j * MEMO_W], MEMO_W * sizeof(double))
+            n += 1
+    if n == MEMO_VECS:
+        n -= 1                          # full: the newest replaces the last kept
+    memcpy(&base[n * MEMO_W], vec, MEMO_W * sizeof(double))
+    m.nvec[i] = n + 1
+
+
 # --------------------------------------------------------------------------- the recursion
 
 cdef class Searcher:
@@ -416,6 +568,11 @@ cdef class Searcher:
     cdef object dag_factory
     cdef int have_dag
     cdef int dag_error
+    cdef Memo memo
+    cdef int use_memo
+
+    def __dealloc__(self):
+        _memo_free(&self.memo)
 
     cdef int ensure_dag(self) noexcept nogil:
         """Build the DAG on the first leaf (the GIL is taken once per configuration)."""
@@ -545,6 +702,50 @@ cdef class Searcher:
                     avail += (I.ndev[kk] - self.state.cursor[kk]) // I.min_dt[kk]
         return avail >= K
 
+    cdef void descend(self, int x, int Lrem, int o, int start, int l, int nr) noexcept nogil:
+        """``recurse(x + 1)`` through the dominance memo (V = 1, no ridge rule). Every cut of
+        the subtree after stage x is a monotone function of the key (x, layers left, stage x's
+        option, devices and layers, the device cursors, the used types) and of four numbers:
+        head_x, tail_x, MA_x and MC_x + P_x (``bound``'s recursions and the capacity, round-trip
+        and chain cuts only grow with them; the chain cut's multipliers are any multipliers,
+        weak duality). So a subtree that was searched without reaching any leaf (every
+        completion cut by a bound, memory or devices) under threshold t proves the same for a
+        subtree of the same key whose four numbers are no smaller, under a threshold <= t:
+        it is skipped. Two prefixes with the same stages in another order share the key, so
+        the orders of interchangeable stages are searched once each way that matters."""
+        cdef const ConfigData* I = self.cfg
+        cdef SearchState* S = self.state
+        cdef int key[6 + MAXT]
+        cdef int k, klen = 6 + I.T, used = 0
+        cdef double vec[MEMO_W]
+        cdef unsigned long long h
+        cdef long long sim0
+        key[0] = x
+        key[1] = Lrem
+        key[2] = o
+        key[3] = start
+        key[4] = l
+        for k in range(I.T):
+            if S.used[k]:
+                used |= 1 << k
+            key[6 + k] = S.cursor[k]
+        key[5] = used if I.blocks else 0
+        vec[0] = S.head[x]
+        vec[1] = S.tail[x]
+        vec[2] = S.MA[x]
+        vec[3] = S.MC[x] + S.P[x]
+        vec[4] = S.thr
+        h = _memo_hash(key, klen)
+        if _memo_dominated(&self.memo, key, h, vec):
+            self.st.cut_dominated += 1
+            return
+        sim0 = self.st.simulated
+        self.recurse(x + 1, Lrem, nr)
+        if S.timed_out or self.st.simulated != sim0:
+            return
+        vec[4] = S.thr          # (another thread's incumbent may have lowered it)
+        _memo_insert(&self.memo, key, klen, h, vec)
+
     cdef void recurse(self, int x, int Lrem, int nonridge) noexcept nogil:
         """Branch on stage x's option o (device type, TP) and layer count l, larger l first;
         see the module docstring and ``docs/search.md`` for the rules. (One piece on purpose:
@@ -554,6 +755,8 @@ cdef class Searcher:
         cdef int N = I.N, o, k, dt, start, l, lo, hi, K = N - 1 - x
         cdef int save_cursor, save_used, save_rl, save_rdec, nr, rstage, it, cap
         cdef double ring, g, thr_eps
+        cdef int memo_on = (self.use_memo and I.V == 1 and I.ridge_mode == RIDGE_OFF
+                            and I.use_bound and S.collect_D == 0)
         if not self.enter(x):
             return
         for o in range(I.O):
@@ -647,6 +850,8 @@ cdef class Searcher:
                     self.st.cut_capacity += 1
                 elif K == 0:
                     self.leaf(nr)
+                elif memo_on and x + 1 >= S.plen:
+                    self.descend(x, Lrem - l, o, start, l, nr)
                 else:
                     self.recurse(x + 1, Lrem - l, nr)
                 if S.timed_out:
@@ -716,10 +921,11 @@ cdef void _free_state(SearchState* S) noexcept nogil:
     free(S)
 
 
-cdef Searcher _searcher(ConfigInstance inst, SearchState* S, dag):
+cdef Searcher _searcher(ConfigInstance inst, SearchState* S, dag, int memo):
     cdef Searcher se = Searcher.__new__(Searcher)
     se.cfg = &inst.data
     se.state = S
+    se.use_memo = memo
     memset(&se.st, 0, sizeof(SearchStats))
     if isinstance(dag, PipelineDAG):
         se.dag = _checked_dag(dag, se.cfg)
@@ -744,6 +950,7 @@ cdef void _absorb(Searcher main, Searcher h) noexcept nogil:
     main.st.cut_ridge += h.st.cut_ridge
     main.st.cut_devices += h.st.cut_devices
     main.st.cut_capacity += h.st.cut_capacity
+    main.st.cut_dominated += h.st.cut_dominated
     if hs.timed_out:
         c.timed_out = 1
     if hs.have_best and ((not c.have_best) or hs.best_T < c.best_T or (
@@ -794,7 +1001,8 @@ cdef void _run_threads(ConfigInstance inst, Searcher se, int D, int threads, thr
     S.sh = &sh
     try:
         for slot in range(1, threads):
-            h = _searcher(inst, _clone_state(se.cfg, S), (lambda s=slot: thread_dag(s)))
+            h = _searcher(inst, _clone_state(se.cfg, S), (lambda s=slot: thread_dag(s)),
+                          se.use_memo)
             helpers.append(h)
         workers = [threading.Thread(target=h._thread_main, daemon=True) for h in helpers]
         for w in workers:
@@ -818,7 +1026,7 @@ cdef void _run_threads(ConfigInstance inst, Searcher se, int D, int threads, thr
 
 
 def search_config(ConfigInstance inst, dag, double threshold_ms, double deadline=0.0,
-                  int threads=1, thread_dag=None):
+                  int threads=1, thread_dag=None, bint memo=True):
     """Branch and bound over one outer configuration; see the module docstring.
 
     ``threshold_ms``: plans slower than this are not returned (inf: none); ``deadline``:
@@ -837,12 +1045,16 @@ def search_config(ConfigInstance inst, dag, double threshold_ms, double deadline
     with time <= the threshold, the threshold never drops below the optimum, so every optimal
     assignment is reached, and the results are merged by (time, assignment). Only the
     statistics depend on the interleaving.
+
+    ``memo``: skip subtrees that a searched subtree of the same key dominates
+    (``Searcher.descend``; V = 1 without the ridge rule). Off, the search visits more nodes
+    and returns the same plan (the tests compare the two).
     """
     cdef SearchState* S = _new_state(&inst.data, threshold_ms, deadline)
     cdef Searcher se
     cdef int D = 0
     try:
-        se = _searcher(inst, S, dag)
+        se = _searcher(inst, S, dag, memo)
         if threads > 1 and inst.data.N >= 3:
             if thread_dag is None:
                 raise ValueError("search_config: threads > 1 needs thread_dag")

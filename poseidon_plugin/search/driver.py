@@ -53,7 +53,7 @@ POLISH_SECONDS = 2.0  # ... for at most this long (or 5 % of a time budget)
 POLISH_TREE = 16     # the first this many incumbents the tree finds are polished, each for at
 POLISH_TREE_EVALS = 20_000   # most this many timed plans (a count, not a clock: deterministic)
 _COUNTERS = ("nodes", "plans_simulated", "cut_bound", "cut_memory", "cut_ridge", "cut_devices",
-             "cut_capacity")
+             "cut_capacity", "cut_dominated")
 
 
 @dataclass
@@ -70,6 +70,7 @@ class SearchStats:
     cut_ridge: int = 0
     cut_devices: int = 0
     cut_capacity: int = 0
+    cut_dominated: int = 0             # subtrees skipped: one of the same key was searched
     rounds: int = 0
     constructed_plans: int = 0
     constructed_best_ms: float | None = None   # the best constructive plan (an upper bound)
