@@ -320,14 +320,15 @@ memo_type_st = st.tuples(st.sampled_from([50.0, 80.0, 150.0]), st.sampled_from([
 def test_dominance_memo_changes_the_nodes_not_the_plans(types, twin, layers, gbs, tp_mode):
     """The dominance memo (``Searcher.descend``) skips subtrees only where a searched one of
     the same key proves them empty: with and without it, at the optimum, below it and above
-    it, every V = 1 configuration returns the same plan (and the exhaustive search's time
-    where it is small enough to run). ``twin``: a second, identical device type, the
-    interchangeable stages the memo is for."""
+    it, every configuration (interleaved ones too) returns the same plan (and the exhaustive
+    search's time where it is small enough to run). ``twin``: a second, identical device
+    type, the interchangeable stages the memo is for."""
     cluster, model = make_instance(types + types[:1] if twin else types, layers, None)
     cm = CostModel(cluster, model, None, seq_length=128)
     ctx = SearchContext(cm)
-    for cfg in _configs(ctx, gbs, ("1f1b", "gpipe"), tp_mode, max_virtual_stages=1):
-        if cfg.num_stages > 7:
+    for cfg in _configs(ctx, gbs, ("1f1b", "gpipe", "interleaved-1f1b"), tp_mode,
+                        max_virtual_stages=3):
+        if cfg.num_stages > (7 if cfg.virtual_stages == 1 else 5):
             continue
         run = functools.partial(ctx.run, cfg, pruning="safe", blocks=False)
         on, off = run(threshold_ms=math.inf), run(threshold_ms=math.inf, memo=False)

@@ -413,13 +413,13 @@ cdef enum:
     MEMO_VECS = 3            # non-dominated state vectors kept per key
     MEMO_MIN_SLOTS = 1024
     MEMO_MAX_SLOTS = 262144  # (about 60 MB at 4 device types; the table is wiped when full)
-    MEMO_W = 5               # head, tail, MA, MC + P, threshold
+    MEMO_W = 6               # head, tail, MA, MC + P, Qp + Sg, threshold
 
 
 cdef struct Memo:
     # open addressing over keys (x, layers left, option, start, layers of stage x, used mask,
-    # every type's cursor); per key up to MEMO_VECS vectors (head, tail, MA, MC + P of stage
-    # x, and the threshold the subtree was searched under)
+    # stage 0's option and start, every type's cursor); per key up to MEMO_VECS vectors (head,
+    # tail, MA, MC + P, Qp + Sg of stage x, and the threshold the subtree was searched under)
     long nslots
     long nused
     int klen
@@ -505,7 +505,7 @@ cdef inline int _memo_covers(const double* a, const double* b) noexcept nogil:
     """State a (a recorded subtree without a plan) is no larger than state b in every bound
     term and was searched under a threshold no lower than b's."""
     return (a[0] <= b[0] and a[1] <= b[1] and a[2] <= b[2] and a[3] <= b[3]
-            and a[4] >= b[4])
+            and a[4] <= b[4] and a[5] >= b[5])
 
 
 cdef int _memo_dominated(const Memo* m, const int* key, unsigned long long h,
@@ -703,20 +703,22 @@ cdef class Searcher:
         return avail >= K
 
     cdef void descend(self, int x, int Lrem, int o, int start, int l, int nr) noexcept nogil:
-        """``recurse(x + 1)`` through the dominance memo (V = 1, no ridge rule). Every cut of
-        the subtree after stage x is a monotone function of the key (x, layers left, stage x's
-        option, devices and layers, the device cursors, the used types) and of four numbers:
-        head_x, tail_x, MA_x and MC_x + P_x (``bound``'s recursions and the capacity, round-trip
-        and chain cuts only grow with them; the chain cut's multipliers are any multipliers,
-        weak duality). So a subtree that was searched without reaching any leaf (every
-        completion cut by a bound, memory or devices) under threshold t proves the same for a
-        subtree of the same key whose four numbers are no smaller, under a threshold <= t:
-        it is skipped. Two prefixes with the same stages in another order share the key, so
-        the orders of interchangeable stages are searched once each way that matters."""
+        """``recurse(x + 1)`` through the dominance memo (no ridge rule). Every cut of the
+        subtree after stage x is a monotone function of the key (x, layers left, stage x's
+        option, devices and layers, the device cursors, the used types, and for interleaved
+        schedules stage 0's option and devices: the wrap-around link) and of five numbers:
+        head_x, tail_x, MA_x, MC_x + P_x and Qp_x + Sg_x (``bound``'s recursions, the
+        two-stage path and the capacity, round-trip and chain cuts only grow with them; the
+        chain cut's multipliers are any multipliers, weak duality). So a subtree that was
+        searched without reaching any leaf (every completion cut by a bound, memory or
+        devices) under threshold t proves the same for a subtree of the same key whose five
+        numbers are no smaller, under a threshold <= t: it is skipped. Two prefixes with the
+        same stages in another order share the key, so the orders of interchangeable stages
+        are searched once each way that matters."""
         cdef const ConfigData* I = self.cfg
         cdef SearchState* S = self.state
-        cdef int key[6 + MAXT]
-        cdef int k, klen = 6 + I.T, used = 0
+        cdef int key[8 + MAXT]
+        cdef int k, klen = 8 + I.T, used = 0
         cdef double vec[MEMO_W]
         cdef unsigned long long h
         cdef long long sim0
@@ -728,13 +730,16 @@ cdef class Searcher:
         for k in range(I.T):
             if S.used[k]:
                 used |= 1 << k
-            key[6 + k] = S.cursor[k]
+            key[8 + k] = S.cursor[k]
         key[5] = used if I.blocks else 0
+        key[6] = S.st_opt[0] if I.V > 1 else 0      # (the wrap-around link's far end)
+        key[7] = S.st_start[0] if I.V > 1 else 0
         vec[0] = S.head[x]
         vec[1] = S.tail[x]
         vec[2] = S.MA[x]
         vec[3] = S.MC[x] + S.P[x]
-        vec[4] = S.thr
+        vec[4] = S.Qp[x] + S.Sg[x] if (I.pair and x > 0) else 0.0
+        vec[5] = S.thr
         h = _memo_hash(key, klen)
         if _memo_dominated(&self.memo, key, h, vec):
             self.st.cut_dominated += 1
@@ -743,7 +748,7 @@ cdef class Searcher:
         self.recurse(x + 1, Lrem, nr)
         if S.timed_out or self.st.simulated != sim0:
             return
-        vec[4] = S.thr          # (another thread's incumbent may have lowered it)
+        vec[5] = S.thr          # (another thread's incumbent may have lowered it)
         _memo_insert(&self.memo, key, klen, h, vec)
 
     cdef void recurse(self, int x, int Lrem, int nonridge) noexcept nogil:
@@ -755,8 +760,8 @@ cdef class Searcher:
         cdef int N = I.N, o, k, dt, start, l, lo, hi, K = N - 1 - x
         cdef int save_cursor, save_used, save_rl, save_rdec, nr, rstage, it, cap
         cdef double ring, g, thr_eps
-        cdef int memo_on = (self.use_memo and I.V == 1 and I.ridge_mode == RIDGE_OFF
-                            and I.use_bound and S.collect_D == 0)
+        cdef int memo_on = (self.use_memo and I.ridge_mode == RIDGE_OFF and I.use_bound
+                            and S.collect_D == 0)
         if not self.enter(x):
             return
         for o in range(I.O):
@@ -1047,7 +1052,7 @@ def search_config(ConfigInstance inst, dag, double threshold_ms, double deadline
     statistics depend on the interleaving.
 
     ``memo``: skip subtrees that a searched subtree of the same key dominates
-    (``Searcher.descend``; V = 1 without the ridge rule). Off, the search visits more nodes
+    (``Searcher.descend``; without the ridge rule). Off, the search visits more nodes
     and returns the same plan (the tests compare the two).
     """
     cdef SearchState* S = _new_state(&inst.data, threshold_ms, deadline)
