@@ -12,9 +12,7 @@ bound before the first plan: on 10,240 devices 14,491 of them, 1.5 s in Python.
 from libc.math cimport INFINITY
 from libc.stdlib cimport free, malloc, qsort
 
-cdef enum:
-    MAXO = 64      # stage options (as ``_search``'s)
-    MAXT = 16      # device types
+from poseidon_plugin.search._search cimport MAXO, MAXT
 
 
 cdef inline long _cap(double a, double t_ms, long limit) noexcept nogil:
@@ -50,8 +48,8 @@ cdef struct Roots:
 cdef long _capacity_at(const Roots* r, double t_ms, long* caps, long* cnts) noexcept nogil:
     """``configs._capacity_at``: most layers N stages of time <= t_ms hold (-1: fewer than N
     stages hold V each)."""
-    cdef int k, o, i, j, nc = 0
-    cdef long cap, c, per_device = 0, total = 0, taken = 0, jj, dev_cap, stage_cap
+    cdef int k, o, i, nc = 0
+    cdef long cap, per_device = 0, total = 0, taken = 0, jj, dev_cap, stage_cap
     cdef double ratio, x
     for k in range(r.T):
         cap = _cap(r.type_a[k], t_ms, r.limit)
@@ -130,6 +128,9 @@ def root_core(list types, int n, int m, int v, int L, double base, double extra,
     cdef int type_count[MAXT]
     cdef int type_dev[MAXT]
     cdef int type_first[MAXT + 1]
+    cdef long caps[MAXT]         # ``_capacity_at``'s work space
+    cdef long cnts[MAXT]
+    cdef int by_a[MAXT]          # the types by a, ascending (stable)
     if T == 0 or T > MAXT:
         raise ValueError(f"root_core: expected 1 to {MAXT} device types, got {T}")
     type_first[0] = 0
@@ -155,13 +156,9 @@ def root_core(list types, int n, int m, int v, int L, double base, double extra,
     jn = limit - v + 1
     if jn <= 0:
         return INFINITY
-    cdef double* cands = <double*> malloc(O * jn * sizeof(double) + 2 * T * sizeof(long)
-                                          + T * sizeof(int))
+    cdef double* cands = <double*> malloc(O * jn * sizeof(double))
     if not cands:
         raise MemoryError()
-    cdef long* caps = <long*> (cands + O * jn)
-    cdef long* cnts = caps + T
-    cdef int* by_a = <int*> (cnts + T)
     try:
         nc = 0
         for o in range(O):
@@ -196,7 +193,6 @@ def root_core(list types, int n, int m, int v, int L, double base, double extra,
             a_prev, g_prev = a, g
             a, g = q * a + 1.0 / m, q * g + 2.0 * minsend * p / m
         for i in range(T):         # types by a, stable
-            by_a[i] = i
             j = i
             while j > 0 and type_a[by_a[j - 1]] > type_a[i]:
                 by_a[j] = by_a[j - 1]

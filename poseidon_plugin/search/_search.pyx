@@ -406,13 +406,12 @@ cdef double _evaluate(const ConfigData* I, SearchState* S, PipelineDAG dag) noex
     return dag.iteration_time(S.WF, S.WB, S.EF, S.EB, S.R)
 
 
-
 # --------------------------------------------------------------------------- dominance memo
 
 cdef enum:
     MEMO_VECS = 3            # non-dominated state vectors kept per key
     MEMO_MIN_SLOTS = 256
-    MEMO_MAX_SLOTS = 262144  # (about 60 MB at 4 device types; the table is wiped when full)
+    MEMO_MAX_SLOTS = 262144  # (about 55 MB at 4 device types; the table is wiped when full)
     MEMO_W = 6               # head, tail, MA, MC + P, Qp + Sg, threshold
 
 

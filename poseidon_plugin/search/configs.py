@@ -341,23 +341,32 @@ def root_bound(cm: CostModel, cfg: OuterConfig, costs: OptionCosts | None = None
     The arithmetic runs in C (``_roots.root_core``); ``_root_bound_py`` is the same bound in
     Python, the reference the tests compare it with."""
     costs = OptionCosts.of_config(cm, cfg) if costs is None else costs
-    L, n, m, v = cm.model.num_layers, cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages
-    minfb = costs.min_layer_fb
-    base = max(m * math.ceil(L / n) * minfb, L * minfb)
-    types = _capacity_types(cm, cfg, costs)
-    extra = min(f + b for f, b in zip(costs.ef, costs.eb)) + costs.min_output_fb
-    t = _roots.root_core(types, n, m, v, L, base, extra,
+    base, types = _root_inputs(cm, cfg, costs)
+    n = cfg.num_stages
+    t = _roots.root_core(types, n, cfg.num_microbatches, cfg.virtual_stages,
+                         cm.model.num_layers, base, _fill_extra(costs),
                          stage_min_send_ms(cm, cfg) if n > 1 else 0.0)
     return t + cm.iteration_overhead_ms
+
+
+def _root_inputs(cm: CostModel, cfg: OuterConfig, costs: OptionCosts
+                 ) -> tuple[float, list[_TypeCapacity]]:
+    """The work bound (``root_bound``'s base) and the usable types' capacities."""
+    L, n, m = cm.model.num_layers, cfg.num_stages, cfg.num_microbatches
+    minfb = costs.min_layer_fb
+    return (max(m * math.ceil(L / n) * minfb, L * minfb), _capacity_types(cm, cfg, costs))
+
+
+def _fill_extra(costs: OptionCosts) -> float:
+    """The least work of the embedding and output layers (the fill/drain bound's extra)."""
+    return min(f + b for f, b in zip(costs.ef, costs.eb)) + costs.min_output_fb
 
 
 def _root_bound_py(cm: CostModel, cfg: OuterConfig, costs: OptionCosts | None = None) -> float:
     """``root_bound`` in Python (the reference of ``_roots.root_core``)."""
     costs = OptionCosts.of_config(cm, cfg) if costs is None else costs
-    minfb = costs.min_layer_fb
-    L, n, m, v = cm.model.num_layers, cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages
-    base = max(m * math.ceil(L / n) * minfb, L * minfb)
-    types = _capacity_types(cm, cfg, costs)
+    L, n, v = cm.model.num_layers, cfg.num_stages, cfg.virtual_stages
+    base, types = _root_inputs(cm, cfg, costs)
     limit = L - (n - 1) * v
     cands = sorted({a * j for ty in types for a, _ in ty.options for j in range(v, limit + 1)})
     if not cands or _capacity_at(types, cfg, L, cands[-1]) < L:
@@ -379,7 +388,7 @@ def _fill_bound(types: list[_TypeCapacity], cfg: OuterConfig, L: int, bound: flo
     capacity bounds; inf when no T holds the layers)."""
     if cfg.num_stages == 1:
         return bound
-    extra = (min(f + b for f, b in zip(costs.ef, costs.eb)) + costs.min_output_fb)
+    extra = _fill_extra(costs)
     carry = _fill_carry(cfg, stage_min_send_ms(cm, cfg))
     types = sorted(types, key=lambda ty: ty.a)
     lo_t, hi_t = bound, 2.0 * bound
