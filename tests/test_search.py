@@ -360,6 +360,26 @@ def test_dominance_memo_skips_reordered_prefixes_on_two_identical_types():
     assert on.best == off.best == two.best
 
 
+def test_dominance_memo_compares_the_double_round_trip():
+    """An instance (two identical fast types, 8 layers, M = 4, per-stage TP) where a 7-stage
+    1F1B subtree is cut by the double round trip for one prefix and holds the plan for a
+    reordered one with a smaller MD + 2 P: the memo must compare that number too (without
+    it, the search above the optimum loses the plan)."""
+    cluster, model = make_instance([(150.0, 1, 2, 0.05), (80.0, 2, 2, 1.0),
+                                    (150.0, 1, 2, 0.05)], 8, None)
+    ctx = SearchContext(CostModel(cluster, model, None, seq_length=128))
+    checked = 0
+    for cfg in _configs(ctx, 4, ("1f1b",), "per-stage", max_virtual_stages=1):
+        run = functools.partial(ctx.run, cfg, pruning="safe", blocks=False)
+        best = run(threshold_ms=math.inf, memo=False).best
+        if best is None:
+            continue
+        for thr in (best[0] * (1 + 1e-12), best[0] * 0.999, best[0] * 1.02):
+            assert run(threshold_ms=thr).best == run(threshold_ms=thr, memo=False).best, cfg
+            checked += 1
+    assert checked >= 3
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(instance_st, st.sampled_from([1e-4, 0.02, 0.5]))
 def test_iterative_deepening_step_does_not_change_the_optimum(inst, step):
@@ -1119,6 +1139,80 @@ def test_interleaved_leaf_bound_holds_the_two_stage_path(inst, seed):
         assert t == pytest.approx(T, rel=1e-9)
         assert ref <= T * (1 + 1e-9)
         assert trace[-1] >= ref * (1 - 1e-9), (cfg, a, trace[-1], ref)
+
+
+def _double_round_trip_ms(F, B, Pf, Pb, R, orders):
+    """Reference for the V = 1 double round-trip path, walked op by op: for a stage s whose
+    B(s, 0) comes before its last forward F(s, M-1): micro-batch 0's forward to s, F(s, 0),
+    its round trip through the later stages, stage s's ops from B(s, 0) to F(s, M-1),
+    micro-batch M-1's round trip, B(s, M-1) and its backward chain down to some R_k; the
+    longest such path (0 where no stage qualifies)."""
+    n = len(orders)
+    F, B = np.reshape(F, (1, n)), np.reshape(B, (1, n))
+    best = 0.0
+    for s in range(n):
+        ops = orders[s]
+        m = len(ops) // 2
+        b0 = next(i for i, op in enumerate(ops) if op.is_backward and op.microbatch == 0)
+        fl = next(i for i, op in enumerate(ops) if not op.is_backward and op.microbatch == m - 1)
+        if b0 > fl:
+            continue
+        head = sum(F[0][j] + Pf[j] for j in range(s))
+        rt = sum(F[0][j] + B[0][j] for j in range(s + 1, n)) + sum(
+            Pf[j] + Pb[j] for j in range(s, n - 1))
+        own = F[0][s] + B[0][s] + sum(
+            (B if op.is_backward else F)[0][s] for op in ops[b0:fl + 1])
+        tail = max(sum(Pb[j] + B[0][j] for j in range(k, s)) + R[k] for k in range(s + 1))
+        best = max(best, head + own + 2 * rt + tail)
+    return best
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(instance_st, st.integers(0, 10_000), st.sampled_from(["1f1b", "eager-1f1b", "gpipe"]))
+def test_v1_leaf_bound_holds_the_double_round_trip(inst, seed, schedule):
+    """At a complete V = 1 assignment the search's bound is at least the double round-trip
+    path (reference above), and that path is at most the simulated time."""
+    from poseidon_plugin.costs import simulator_arrays
+    from poseidon_plugin.simulator.schedules import op_orders
+
+    types, layers, gbs, _, tp_mode = inst
+    inst = (types, layers, gbs, [schedule], tp_mode)
+    for cm, cfg, a in _random_plans(inst, seed):
+        if cfg.virtual_stages != 1:
+            continue
+        stages, placements, _, T = time_assignment(cm, cfg, *a)
+        F, B, Pf, Pb, R = simulator_arrays(stages, 1, 0.0)
+        ref = _double_round_trip_ms(F, B, Pf, Pb, R, op_orders(
+            cfg.schedule, cfg.num_stages, cfg.num_microbatches, 1))
+        trace, t = SearchContext(cm).replay(cfg, *a)
+        assert t == pytest.approx(T, rel=1e-9)
+        assert ref <= T * (1 + 1e-9)
+        assert trace[-1] >= ref * (1 - 1e-9), (cfg, a, trace[-1], ref)
+
+
+def test_double_round_trip_bounds_a_405b_4096_plan_exactly():
+    """LLaMA-3 405B on 4,096 devices, 47 stages: this plan's critical path runs micro-batch 0's
+    round trip from its 2-layer L40S stage 31, that stage's steady state, then micro-batch
+    127's round trip. The leaf bound equals the simulated time (the one-round-trip paths gave
+    22,650 ms of 23,030) and never exceeds it."""
+    from pathlib import Path
+
+    from poseidon_plugin.cluster import load_cluster
+    from poseidon_plugin.model import get_model
+    from poseidon_plugin.search.driver import SearchDriver
+    root = Path(__file__).resolve().parents[1]
+    d = SearchDriver(load_cluster(root / "examples/clusters/scale-4096.yaml"),
+                     get_model("llama3-405b"),
+                     SearchOptions(global_batch_size=1024, seq_length=4096, progress=False))
+    cfg = next(c for c in d.configs if c.key == (0, 1, 1, 8, 8, 47))
+    plan = ("1:1 3:1 3:1 3:1 3:1 3:1 3:1 3:1" + " 1:2" * 15 + " 2:1 0:3 2:1 2:1 3:2 2:1 3:2 2:1"
+            " 3:2 0:4 0:4 0:4 0:4 0:5 0:5 0:5 0:5 0:6 0:5 0:6 0:5 0:6 0:5 0:5").split()
+    opts = [int(p.split(":")[0]) for p in plan]
+    layers = [int(p.split(":")[1]) for p in plan]
+    trace, t = d.ctx.replay(cfg, opts, layers)
+    assert t == pytest.approx(23_029.98, abs=0.01)
+    assert max(trace) <= t * (1 + 1e-9)
+    assert trace[-1] >= t * (1 - 1e-9), (trace[-1], t)
 
 
 # ------------------------------------------------------------- deep 1F1B pipelines (405B / 512)

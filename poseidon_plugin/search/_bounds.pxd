@@ -40,3 +40,17 @@ cdef inline double cap_path(const ConfigData* I, SearchState* S, int x) noexcept
     stage x's first forward arrives, its first-chunk forward, two sends, the backward of its
     last chunk and the tail down to stage 0's all-reduce."""
     return (S.head[x] + S.fc[x * I.V] + 2.0 * I.minsend + S.bc[x * I.V + I.clast] + S.tail[x])
+
+
+cdef inline double rt_limit(const ConfigData* I, SearchState* S, int x, int K,
+                            double thr) noexcept nogil:
+    """Most round-trip work W (the later stages' w, output layer included) a completion with
+    time <= thr can have: ``bound``'s round-trip term MC + P + 2 minsend K + W and, 1F1B,
+    its double round trip MD + 2 P + 2 (2 minsend K + W) are both <= thr."""
+    cdef double w = thr - S.MC[x] - S.P[x] - 2.0 * I.minsend * K
+    cdef double w2
+    if I.loop1:
+        w2 = 0.5 * (thr - S.MD[x] - 2.0 * S.P[x]) - 2.0 * I.minsend * K
+        if w2 < w:
+            w = w2
+    return w

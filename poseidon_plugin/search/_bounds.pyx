@@ -143,8 +143,19 @@ cdef double bound(const ConfigData* I, SearchState* S, int x, int Lrem) noexcept
             if lay < 0:
                 lay = 0
         fut = 2.0 * I.minsend * K + lay * S.fbav[x] + S.outav[x]
-    if I.loop1 and x > 0:
-        gp = dmax(gp, _loop_pair(I, S, x, fut))
+    if I.loop1:
+        # double round trip (1F1B order, a_x <= M - 1): F(x, 0), micro-batch 0's round trip
+        # to B(x, 0), stage x's ops from B(x, 0) to its last forward F(x, M-1) (M - a_x of
+        # each), micro-batch M-1's round trip, B(x, M-1), tail_x; the round trips of the
+        # stages i <= x are P[x] - P[i] + the later stages' (>= fut) each
+        A = -1e300
+        if I.acnt[x] <= M - 1:
+            A = (S.head[x] + (M - I.acnt[x] + 1) * (S.fc[x] + S.bc[x]) + S.tail[x]
+                 - 2.0 * S.P[x])
+        S.MD[x] = A if x == 0 else dmax(S.MD[x - 1], A)
+        gp = dmax(gp, S.MD[x] + 2.0 * (S.P[x] + fut))
+        if x > 0:
+            gp = dmax(gp, _loop_pair(I, S, x, fut))
     if K == 0:
         return dmax(dmax(S.MA[x], S.MC[x] + S.P[x]), gp)
     g = dmax(S.MA[x], S.MC[x] + S.P[x] + fut)

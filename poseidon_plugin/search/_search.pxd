@@ -111,6 +111,7 @@ cdef struct SearchState:
     double P[MAXN]
     double MA[MAXN]
     double MC[MAXN]
+    double MD[MAXN]                # 1F1B double round trip: max over i <= x (``_bounds.bound``)
     double Sg[MAXN]                # two-stage path: chunk-0 round trip of the stages < x
     double Qp[MAXN]                # ... max over a < x of (stage a's part - Sg[a] - its w0)
     double fbav[MAXN]              # after stage x: cheapest layer f + b / output layer f + b

@@ -31,7 +31,7 @@ import numpy as np
 cimport numpy as cnp
 
 from poseidon_plugin.simulator._core cimport PipelineDAG
-from poseidon_plugin.search._bounds cimport (bound, capacity, cap_path, later_costs,
+from poseidon_plugin.search._bounds cimport (bound, capacity, cap_path, later_costs, rt_limit,
                                              pair_prefix, wcut)
 
 cnp.import_array()
@@ -412,7 +412,7 @@ cdef enum:
     MEMO_VECS = 3            # non-dominated state vectors kept per key
     MEMO_MIN_SLOTS = 256
     MEMO_MAX_SLOTS = 262144  # (about 55 MB at 4 device types; the table is wiped when full)
-    MEMO_W = 6               # head, tail, MA, MC + P, Qp + Sg, threshold
+    MEMO_W = 7               # head, tail, MA, MC + P, Qp + Sg, MD + 2 P, threshold
 
 
 cdef struct Memo:
@@ -504,7 +504,7 @@ cdef inline int _memo_covers(const double* a, const double* b) noexcept nogil:
     """State a (a recorded subtree without a plan) is no larger than state b in every bound
     term and was searched under a threshold no lower than b's."""
     return (a[0] <= b[0] and a[1] <= b[1] and a[2] <= b[2] and a[3] <= b[3]
-            and a[4] <= b[4] and a[5] >= b[5])
+            and a[4] <= b[4] and a[5] <= b[5] and a[6] >= b[6])
 
 
 cdef int _memo_dominated(const Memo* m, const int* key, unsigned long long h,
@@ -738,7 +738,8 @@ cdef class Searcher:
         vec[2] = S.MA[x]
         vec[3] = S.MC[x] + S.P[x]
         vec[4] = S.Qp[x] + S.Sg[x] if (I.pair and x > 0) else 0.0
-        vec[5] = S.thr
+        vec[5] = S.MD[x] + 2.0 * S.P[x] if I.loop1 else 0.0
+        vec[6] = S.thr
         h = _memo_hash(key, klen)
         if _memo_dominated(&self.memo, key, h, vec):
             self.st.cut_dominated += 1
@@ -747,7 +748,7 @@ cdef class Searcher:
         self.recurse(x + 1, Lrem, nr)
         if S.timed_out or self.st.simulated != sim0:
             return
-        vec[5] = S.thr          # (another thread's incumbent may have lowered it)
+        vec[6] = S.thr          # (another thread's incumbent may have lowered it)
         _memo_insert(&self.memo, key, klen, h, vec)
 
     cdef void recurse(self, int x, int Lrem, int nonridge) noexcept nogil:
@@ -818,7 +819,7 @@ cdef class Searcher:
                     _set_stage(I, S, x, o, lo, ring)
                     bound(I, S, x, Lrem - lo)
                     cap = capacity(I, S, x, thr_eps - cap_path(I, S, x), K,
-                                   thr_eps - S.MC[x] - S.P[x] - 2.0 * I.minsend * K)
+                                   rt_limit(I, S, x, K, thr_eps))
                     if cap < 0:
                         lo = hi + 1
                         break
@@ -845,12 +846,12 @@ cdef class Searcher:
                     self.st.cut_bound += 1
                 elif (I.use_bound and K > 0
                       and capacity(I, S, x, thr_eps - cap_path(I, S, x), K,
-                                   thr_eps - S.MC[x] - S.P[x] - 2.0 * I.minsend * K)
+                                   rt_limit(I, S, x, K, thr_eps))
                       < Lrem - l):
                     self.st.cut_capacity += 1
                 elif (I.use_bound and I.V == 1 and K > 1
                       and wcut(I, S, x, thr_eps - cap_path(I, S, x), K, Lrem - l,
-                               thr_eps - S.MC[x] - S.P[x] - 2.0 * I.minsend * K)):
+                               rt_limit(I, S, x, K, thr_eps))):
                     self.st.cut_capacity += 1
                 elif K == 0:
                     self.leaf(nr)
