@@ -476,12 +476,13 @@ cdef inline double _kth_desc(double* val, int* cnt, int n, int k) noexcept nogil
 
 cdef double _wpos(const ConfigData* I, SearchState* S, int x, int K, double R, int* pc,
                   int* gcnt, int* ngroups, int* tav, double* troom,
-                  double* uout) noexcept nogil:
+                  double* uout, int dual) noexcept nogil:
     """Positional round-trip capacity (V = 1) for W >= Wa, R = A - Wa: an upper bound on the
     layers the K stages after x hold (-1: no completion), and troom[k] = the most layers the
     stages of type k can hold (the sum of its best min(cnt_k, K) positional caps). Also
     returned: the rows pc (G = *ngroups groups of gcnt[g] consecutive positions), the counts
-    tav[k] = cnt_k and the multipliers uout (``_chain_cut`` reads them).
+    tav[k] = cnt_k and the multipliers uout (``_chain_cut`` reads them). With dual = 0 only
+    the rows, counts and rooms are set (the bound returned is 1e300: not computed).
 
     Stage j = x + 1 + p with option o obeys l_j ((M-1) b_o + (M - a_j) f_o) <= A - W <= R
     (``wcut``'s inequality with its own a_j = acnt[j] <= M) and l_j <= lmax[o, j], so
@@ -568,6 +569,8 @@ cdef double _wpos(const ConfigData* I, SearchState* S, int x, int K, double R, i
             troom[k] += dl[i] * (dc[i] if dc[i] < m else m)
             m -= dc[i]
             i += 1
+    if not dual:
+        return 1e300
     # dual sweeps
     for sweep in range(2):
         for k in range(T):
@@ -770,11 +773,13 @@ cdef int _chain_cut(const ConfigData* I, int x, int K, double R, int need, const
 cdef double _chain_eval(const ChainTables* ct, const int* cnt, int T, int M,
                         const double* u) noexcept nogil:
     """``_chain_cut``'s bound at multipliers u: sum_k cnt_k u_k + the chain DP's maximum
-    (-1e300 when no sequence fits)."""
-    cdef int p, i, i2, n, npv = 0, nst, base, pbase, k
-    cdef double D = 0.0, best, lhs, b1, b2
+    (-1e300 when no sequence fits). The previous position's values are kept in descending
+    order, so each state takes the first one its pair constraint allows."""
+    cdef int p, i, i2, q, n, npv = 0, nst, base, pbase, k
+    cdef double D = 0.0, best, lhs, b1, b2, v
     cdef double pv[CHAIN_MAXS]
     cdef double sv[CHAIN_MAXS]
+    cdef int order[CHAIN_MAXS]
     for k in range(T):
         D += cnt[k] * u[k]
     for p in range(ct.K):
@@ -787,9 +792,10 @@ cdef double _chain_eval(const ChainTables* ct, const int* cnt, int T, int M,
                 best = 0.0
             else:
                 best = -1e300
-                for i2 in range(npv):
-                    if pv[i2] <= best:
-                        continue
+                for q in range(npv):
+                    i2 = order[q]
+                    if pv[i2] <= -1e299:
+                        break
                     if n > 0:
                         b1 = ct.sb[pbase + i2]
                         b2 = ct.sb[base + i]
@@ -798,12 +804,20 @@ cdef double _chain_eval(const ChainTables* ct, const int* cnt, int T, int M,
                         if lhs > ct.rp[p]:
                             continue
                     best = pv[i2]
+                    break
             if best <= -1e299:
                 sv[i] = -1e300
             else:
                 sv[i] = best + ct.sl[base + i] - u[ct.sk[base + i]]
+        # pv = sv, and order = its indices by value, descending (insertion sort, <= 12)
         for i in range(nst):
-            pv[i] = sv[i]
+            v = sv[i]
+            pv[i] = v
+            q = i
+            while q > 0 and pv[order[q - 1]] < v:
+                order[q] = order[q - 1]
+                q -= 1
+            order[q] = i
         npv = nst
     best = -1e300
     for i in range(npv):
@@ -878,11 +892,10 @@ cdef int wcut(const ConfigData* I, SearchState* S, int x, double avail, int K, i
         total = _topk_layers(tc.tcap, tc.tcnt, tc.ng, K, &taken)
         if taken < K or total < need:
             return 1
-        # positional caps: stage j = x + 1 + p with its own a_j (not amax) and lmax[o, j]
+        # positional caps: stage j = x + 1 + p with its own a_j (not amax) and lmax[o, j];
+        # their dual bound only at the fixpoint below (the caps only fall as W grows)
         Rw = A - W
-        wp = _wpos(I, S, x, K, Rw, pc, gcnt, &ng, tav, troom, u)
-        if wp < need:
-            return 1
+        _wpos(I, S, x, K, Rw, pc, gcnt, &ng, tav, troom, u, 0)
         # cheapest (f + b) cost of ``need`` layers within the rooms (inverse knapsack)
         rest = need
         cost = 0.0
@@ -904,12 +917,13 @@ cdef int wcut(const ConfigData* I, SearchState* S, int x, double avail, int K, i
         if Wn <= W * (1.0 + 1e-12):
             break
         W = Wn
-    else:
-        # no fixpoint in 16 steps: the rows for ``_chain_cut`` at the last W
-        Rw = A - W
-        wp = _wpos(I, S, x, K, Rw, pc, gcnt, &ng, tav, troom, u)
-        if wp < need:
-            return 1
+    if W > A2:
+        return 1
+    # the positional dual at the last W (and the rows for ``_chain_cut``)
+    Rw = A - W
+    wp = _wpos(I, S, x, K, Rw, pc, gcnt, &ng, tav, troom, u, 1)
+    if wp < need:
+        return 1
     # the pairs take a few layers off the one-stage optimum (3-6 on 405B / 512): the chain DP
     # only runs where that can decide (it costs a third of the nodes per second elsewhere:
     # per-stage TP setting 5 reached a 6.9 % gap in 60 s with it everywhere, 4.4 % without)

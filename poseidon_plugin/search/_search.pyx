@@ -701,7 +701,8 @@ cdef class Searcher:
                     avail += (I.ndev[kk] - self.state.cursor[kk]) // I.min_dt[kk]
         return avail >= K
 
-    cdef void descend(self, int x, int Lrem, int o, int start, int l, int nr) noexcept nogil:
+    cdef void descend(self, int x, int Lrem, int o, int start, int l, int nr,
+                      double thr_eps) noexcept nogil:
         """``recurse(x + 1)`` through the dominance memo (no ridge rule). Every cut of the
         subtree after stage x is a monotone function of the key (x, layers left, stage x's
         option, devices and layers, the device cursors, the used types, and for interleaved
@@ -717,7 +718,7 @@ cdef class Searcher:
         cdef const ConfigData* I = self.cfg
         cdef SearchState* S = self.state
         cdef int key[8 + MAXT]
-        cdef int k, klen = 8 + I.T, used = 0
+        cdef int k, klen = 8 + I.T, used = 0, K = I.N - 1 - x
         cdef double vec[MEMO_W]
         cdef unsigned long long h
         cdef long long sim0
@@ -743,6 +744,14 @@ cdef class Searcher:
         h = _memo_hash(key, klen)
         if _memo_dominated(&self.memo, key, h, vec):
             self.st.cut_dominated += 1
+            return
+        if (I.V == 1 and K > 1
+                and wcut(I, S, x, thr_eps - cap_path(I, S, x), K, Lrem,
+                         rt_limit(I, S, x, K, thr_eps))):
+            # (after the memo: its lookup is cheaper than this cut; the cut is monotone in
+            # the same numbers, so its subtree is recorded like a searched one)
+            self.st.cut_capacity += 1
+            _memo_insert(&self.memo, key, klen, h, vec)
             return
         sim0 = self.st.simulated
         self.recurse(x + 1, Lrem, nr)
@@ -849,14 +858,14 @@ cdef class Searcher:
                                    rt_limit(I, S, x, K, thr_eps))
                       < Lrem - l):
                     self.st.cut_capacity += 1
+                elif K == 0:
+                    self.leaf(nr)
+                elif memo_on and x + 1 >= S.plen:
+                    self.descend(x, Lrem - l, o, start, l, nr, thr_eps)
                 elif (I.use_bound and I.V == 1 and K > 1
                       and wcut(I, S, x, thr_eps - cap_path(I, S, x), K, Lrem - l,
                                rt_limit(I, S, x, K, thr_eps))):
                     self.st.cut_capacity += 1
-                elif K == 0:
-                    self.leaf(nr)
-                elif memo_on and x + 1 >= S.plen:
-                    self.descend(x, Lrem - l, o, start, l, nr)
                 else:
                     self.recurse(x + 1, Lrem - l, nr)
                 if S.timed_out:
