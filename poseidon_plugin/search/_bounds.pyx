@@ -307,47 +307,58 @@ cdef inline void _type_caps(const ConfigData* I, SearchState* S, int x, int K, d
     cdef int k, o, cap, best, dtmin, cnt, i, j
     cdef double coef, fbk, ratio, lbk
     cdef double step = S.fbav[x] + 2.0 * I.minsend
+    cdef int kbest[MAXT]
+    cdef int kdt[MAXT]
+    cdef double kfb[MAXT]
+    cdef double kratio[MAXT]
     tc.nt = 0
     tc.ng = 0
     for k in range(I.T):
-        best = -1
-        dtmin = 0
-        fbk = 0.0
-        ratio = 0.0
-        for o in range(I.O):
-            if I.opt_type[o] != k:
-                continue
-            if amax < 0:
-                coef = I.M * I.ofb[o]
-            else:
-                coef = (I.M - 1) * I.ob_[o] + (I.M - amax) * I.of_[o]
-            cap = _layers_within(budget, coef)
-            if cap < 0:
-                continue
-            if cap > I.suf_omax[o * (I.N + 1) + x + 1]:
-                cap = I.suf_omax[o * (I.N + 1) + x + 1]
-            if amax < 0:
-                # memory decides where a stage of c layers can be: at stage j >= first(o, c),
-                # and the path to stage j also runs through the j - x - 1 stages between
-                # (each one's chunk-0 forward and backward, >= one layer, and two sends)
-                while cap >= I.V:
-                    j = I.firstpos[o * (I.L + 2) + cap]
-                    if j < x + 1:
-                        j = x + 1
-                    if (j < I.N and cap * coef + (j - x - 1) * step
-                            <= budget * (1.0 + 1e-9) + 1e-9):
-                        break
-                    cap -= 1
-            if cap < I.V:
-                continue
-            if cap > best:
-                best = cap
-            if dtmin == 0 or I.d * I.opt_tp[o] < dtmin:
-                dtmin = I.d * I.opt_tp[o]
-            if fbk == 0.0 or I.ofb[o] < fbk:
-                fbk = I.ofb[o]
-            if <double> cap / (I.d * I.opt_tp[o]) > ratio:
-                ratio = <double> cap / (I.d * I.opt_tp[o])
+        kbest[k] = -1
+        kdt[k] = 0
+        kfb[k] = 0.0
+        kratio[k] = 0.0
+    # one pass over the options, each into its type's running values
+    for o in range(I.O):
+        k = I.opt_type[o]
+        if I.ndev[k] - S.cursor[k] <= 0:
+            continue
+        if amax < 0:
+            coef = I.M * I.ofb[o]
+        else:
+            coef = (I.M - 1) * I.ob_[o] + (I.M - amax) * I.of_[o]
+        cap = _layers_within(budget, coef)
+        if cap < 0:
+            continue
+        if cap > I.suf_omax[o * (I.N + 1) + x + 1]:
+            cap = I.suf_omax[o * (I.N + 1) + x + 1]
+        if amax < 0:
+            # memory decides where a stage of c layers can be: at stage j >= first(o, c),
+            # and the path to stage j also runs through the j - x - 1 stages between
+            # (each one's chunk-0 forward and backward, >= one layer, and two sends)
+            while cap >= I.V:
+                j = I.firstpos[o * (I.L + 2) + cap]
+                if j < x + 1:
+                    j = x + 1
+                if (j < I.N and cap * coef + (j - x - 1) * step
+                        <= budget * (1.0 + 1e-9) + 1e-9):
+                    break
+                cap -= 1
+        if cap < I.V:
+            continue
+        if cap > kbest[k]:
+            kbest[k] = cap
+        if kdt[k] == 0 or I.d * I.opt_tp[o] < kdt[k]:
+            kdt[k] = I.d * I.opt_tp[o]
+        if kfb[k] == 0.0 or I.ofb[o] < kfb[k]:
+            kfb[k] = I.ofb[o]
+        if <double> cap / (I.d * I.opt_tp[o]) > kratio[k]:
+            kratio[k] = <double> cap / (I.d * I.opt_tp[o])
+    for k in range(I.T):
+        best = kbest[k]
+        dtmin = kdt[k]
+        fbk = kfb[k]
+        ratio = kratio[k]
         if best < 0:
             continue
         cnt = (I.ndev[k] - S.cursor[k]) // dtmin
@@ -407,7 +418,7 @@ cdef int capacity(const ConfigData* I, SearchState* S, int x, double avail, int 
     knapsack's budget is U_K - outmin.
     """
     cdef int total, taken, i, j, p
-    cdef double U, lay, room, take
+    cdef double U, lay, room, take, r, invm
     cdef TypeCaps tc
     _type_caps(I, S, x, K, avail, -1, &tc)
     total = _topk_layers(tc.tcap, tc.tcnt, tc.ng, K, &taken)
@@ -417,10 +428,12 @@ cdef int capacity(const ConfigData* I, SearchState* S, int x, double avail, int 
         if I.V > 1:
             whi = 1e300     # (the RT term bounds chunk V-1's round trip only, not W)
         U = 0.0
+        r = 1.0 - 1.0 / (<double> I.V * I.M)     # (one multiply-add per step: the two
+        invm = 1.0 / I.M                         # divisions were a third of this cut)
         for p in range(K):
             if U > whi:
                 U = whi
-            U = U + (avail - 2.0 * I.minsend * p - U / I.V) / I.M
+            U = U * r + (avail - 2.0 * I.minsend * p) * invm
         if U > whi:
             U = whi
         U = (U - I.outmin) * (1.0 + 1e-9)
