@@ -1082,6 +1082,13 @@ def test_rounds_stop_at_gap_milestones_without_moving_the_grid(monkeypatch):
         if 100.0 < level < grid[3]:
             assert any(c == pytest.approx(level) for c in caps)
     assert caps[:-1] == sorted(caps[:-1])
+    # a milestone just below the grid's next cap is proven by the grid round, not a round of
+    # its own: incumbent 100 x 1.02^2 x 0.9995 / 0.98 puts the 2 % level 0.05 % below the
+    # second cap (the 5 % level, 1.2 % below the first, keeps its round)
+    u = grid[1] * 0.9995 / 0.98
+    caps, _ = _round_caps(100.0, u, monkeypatch)
+    assert caps[:3] == pytest.approx([u * 0.95, grid[0], grid[1]])
+    assert not any(c == pytest.approx(u * 0.98) for c in caps)
     # without an incumbent the rounds are the plain grid
     caps, _ = _round_caps(100.0, math.inf, monkeypatch)
     assert caps[:4] == pytest.approx([100.0 * 1.02 ** k for k in (1, 2, 3, 4)])
