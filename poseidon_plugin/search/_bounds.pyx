@@ -106,7 +106,7 @@ cdef inline int _type_groups(int* tcap, int* tcnt, int ng, int best, int cnt,
 cdef double bound(const ConfigData* I, SearchState* S, int x, int Lrem) noexcept nogil:
     """Update the incremental bound state of stage x (costs, Pf/Pb[x-1], R[x] set) and return g."""
     cdef int V = I.V, M = I.M, N = I.N, cc, K
-    cdef double A, C, Z, fut, g, gy, lay
+    cdef double A, C, Z, fut, g, gy, lay, qx, qy
     cdef int clast = I.clast
     cdef double gp = 0.0
     if I.pair and x > 0:
@@ -156,6 +156,17 @@ cdef double bound(const ConfigData* I, SearchState* S, int x, int Lrem) noexcept
         gp = dmax(gp, S.MD[x] + 2.0 * (S.P[x] + fut))
         if x > 0:
             gp = dmax(gp, _loop_pair(I, S, x, fut))
+    if I.pair and K > 0:
+        # the path above with the undecided last stage as the far stage: stages x+1..N-2 each
+        # run >= one layer's f + b in chunk 0 on the two chains, every link >= minsend, and
+        # the last stage's part is >= lastmid (one layer per chunk, the output layer)
+        qx = _pair_fwd(I, S, x)
+        qy = _pair_bwd(I, S, x)
+        if x > 0:
+            qx = dmax(qx, S.QX[x])
+            qy = dmax(qy, S.Qp[x])
+        gp = dmax(gp, qx + qy + S.Sg[x] + S.fc[x * V] + S.bc[x * V] + 2.0 * I.minsend * K
+                  + (K - 1) * S.fbav[x] + S.lastmid[x])
     if K == 0:
         return dmax(dmax(S.MA[x], S.MC[x] + S.P[x]), gp)
     g = dmax(S.MA[x], S.MC[x] + S.P[x] + fut)
@@ -206,7 +217,7 @@ cdef void later_costs(const ConfigData* I, SearchState* S, int x) noexcept nogil
     use them instead of the instance's cheapest (a fast type whose devices are all taken no
     longer lowers them). 1e300 when no type can (no completion: a later cut says so too)."""
     cdef int o, k, kx = I.opt_type[S.st_opt[x]]
-    cdef double fb = 1e300, out = 1e300
+    cdef double fb = 1e300, out = 1e300, mid = 1e300
     for o in range(I.O):
         k = I.opt_type[o]
         if I.min_dt[k] <= 0 or I.ndev[k] - S.cursor[k] < I.min_dt[k]:
@@ -217,50 +228,67 @@ cdef void later_costs(const ConfigData* I, SearchState* S, int x) noexcept nogil
             fb = I.ofb[o]
         if I.oof[o] + I.oob[o] < out:
             out = I.oof[o] + I.oob[o]
+        if I.midlast[o] < mid:
+            mid = I.midlast[o]
     S.fbav[x] = fb
     S.outav[x] = out
+    S.lastmid[x] = mid
 
 
 cdef void pair_prefix(const ConfigData* I, SearchState* S, int x) noexcept nogil:
-    """Sg[x] = sum_{i<x} (Pf_i + Pb_i + fc[i,0] + bc[i,0]) and Qp[x] = max over a < x of
-    stage a's part of the two-stage path less Sg[a] and its chunk-0 work (``_pair_near``):
-    they depend on the stages < x and the link into x only, so ``_place_stage`` sets them
-    once per option of stage x."""
+    """Sg[x] = sum_{i<x} (Pf_i + Pb_i + fc[i,0] + bc[i,0]), QX[x] = max over a < x of stage a's
+    forward part and Qp[x] = max over c < x of stage c's backward part (``_pair_fwd``,
+    ``_pair_bwd``): they depend on the stages < x and the link into x only, so
+    ``_place_stage`` sets them once per option of stage x."""
     cdef int a = x - 1
-    cdef double ka
     if x == 0:
         S.Sg[0] = 0.0
         return
     S.Sg[x] = S.Sg[a] + S.Pf[a] + S.Pb[a] + S.fc[a * I.V] + S.bc[a * I.V]
-    ka = _pair_near(I, S, a)
-    S.Qp[x] = ka if x == 1 else dmax(S.Qp[a], ka)
+    if x == 1:
+        S.QX[1] = _pair_fwd(I, S, a)
+        S.Qp[1] = _pair_bwd(I, S, a)
+    else:
+        S.QX[x] = dmax(S.QX[a], _pair_fwd(I, S, a))
+        S.Qp[x] = dmax(S.Qp[a], _pair_bwd(I, S, a))
 
 
 cdef inline double _pair_bound(const ConfigData* I, SearchState* S, int x) noexcept nogil:
-    """Two-stage path bound of interleaved schedules (``configs.pair_counts``) with stage x
-    (x >= 1) as the far stage b and the best decided a < x: stage a up to F(a, 0, k*), the
-    chunk-0 forwards of micro-batch k* from a+1 to x, stage x up to B(x, 0, 0), the chunk-0
-    backwards of micro-batch 0 from x-1 down to a, stage a from B(a, 0, 0) to its end, R_a.
-    The path is (K_a - Sg[a] - fc[a,0] - bc[a,0]) + Sg[x] + fc[x,0] + mid_x; the first
-    term's max over a < x is Qp[x] (``pair_prefix``)."""
+    """Path bound of interleaved schedules (``configs.pair_counts``) with stage x (x >= 1) as
+    the far stage b and the best decided a, c < x: stage a's ops up to F(a, 0, k*), the chunk-0
+    forwards of micro-batch k* from a+1 to x, stage x up to B(x, 0, 0), the chunk-0 backwards
+    of micro-batch 0 from x-1 down to c, stage c from B(c, 0, 0) to its end, tail_c. With
+    head_a and the chains written through Sg, the path is QX-part(a) + Sg[x] + fc[x,0] + mid_x
+    + Qp-part(c), the two parts maximised separately (a = c is the two-stage path)."""
     cdef int V = I.V, cc
     cdef const int* px = I.pcnt + x * 6 * V
     cdef double mid = S.fc[x * V]
     for cc in range(V):
         mid += px[2 * V + cc] * S.fc[x * V + cc] + px[3 * V + cc] * S.bc[x * V + cc]
-    return S.Qp[x] + S.Sg[x] + mid
+    return S.QX[x] + S.Qp[x] + S.Sg[x] + mid
 
 
-cdef inline double _pair_near(const ConfigData* I, SearchState* S, int a) noexcept nogil:
-    """Stage a's part of the two-stage path (head, its ops up to F(a, 0, k*) and from
-    B(a, 0, 0) on, R_a) less Sg[a] and its chunk-0 work (``_pair_bound``)."""
+cdef inline double _pair_fwd(const ConfigData* I, SearchState* S, int a) noexcept nogil:
+    """Stage a's forward part of the path: its ops before F(a, 0, k*) (the chain from its
+    F(a, 0, k*) on is head_b - head_a - fc[a, 0], so head_a cancels)."""
     cdef int V = I.V, cc
     cdef const int* pa = I.pcnt + a * 6 * V
-    cdef double ka = S.head[a] + S.R[a]
+    cdef double ka = -S.fc[a * V]
     for cc in range(V):
-        ka += ((pa[cc] + pa[4 * V + cc]) * S.fc[a * V + cc]
-               + (pa[V + cc] + pa[5 * V + cc]) * S.bc[a * V + cc])
-    return ka - S.Sg[a] - S.fc[a * V] - S.bc[a * V]
+        ka += pa[cc] * S.fc[a * V + cc] + pa[V + cc] * S.bc[a * V + cc]
+    return ka
+
+
+cdef inline double _pair_bwd(const ConfigData* I, SearchState* S, int c) noexcept nogil:
+    """Stage c's backward part: its ops from B(c, 0, 0) on and tail_c, less the backward chain
+    sum_{i<c} (bc[i,0] + Pb_i) = Sg[c] - head_c and its own B(c, 0, 0) (counted in the chain
+    from the far stage)."""
+    cdef int V = I.V, cc
+    cdef const int* pc = I.pcnt + c * 6 * V
+    cdef double kc = S.tail[c] - S.Sg[c] + S.head[c] - S.bc[c * V]
+    for cc in range(V):
+        kc += pc[4 * V + cc] * S.fc[c * V + cc] + pc[5 * V + cc] * S.bc[c * V + cc]
+    return kc
 
 
 cdef enum:

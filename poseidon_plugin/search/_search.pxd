@@ -87,6 +87,8 @@ cdef struct ConfigData:
     int pair                       # 1: the two-stage path bound (interleaved)
     int loop1                      # 1: V = 1 with 1F1B's steady state (adjacent-pair loop)
     const int* pcnt                # N * 3 * 2 * V: its op counts (``configs.pair_counts``)
+    double midlast[MAXO]           # pair: the last stage's part of the path with option o and
+                                   # one layer per chunk (``_bounds.bound``'s last-stage term)
 
 
 cdef struct SearchState:
@@ -113,7 +115,9 @@ cdef struct SearchState:
     double MC[MAXN]
     double MD[MAXN]                # 1F1B double round trip: max over i <= x (``_bounds.bound``)
     double Sg[MAXN]                # two-stage path: chunk-0 round trip of the stages < x
-    double Qp[MAXN]                # ... max over a < x of (stage a's part - Sg[a] - its w0)
+    double Qp[MAXN]                # ... max over c < x of stage c's backward part (``pair_prefix``)
+    double QX[MAXN]                # ... max over a < x of stage a's forward part
+    double lastmid[MAXN]           # after stage x: min midlast over the options that can host it
     double fbav[MAXN]              # after stage x: cheapest layer f + b / output layer f + b
     double outav[MAXN]             # ... over the types that can still host a stage (``later_costs``)
     # ridge rule memory per option

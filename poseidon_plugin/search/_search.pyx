@@ -239,11 +239,27 @@ cdef class ConfigInstance:
         I.pair = structure.pair
         I.loop1 = structure.loop1
         I.pcnt = &structure.pcnt[0]
+        for o in range(O):
+            I.midlast[o] = _mid_last(I, o) if I.pair else 0.0
         I.acnt_sufmax[N] = 0
         for x in range(N - 1, -1, -1):
             I.acnt_sufmax[x] = I.acnt_sufmax[x + 1]
             if V == 1 and structure.acnt[x] > I.acnt_sufmax[x]:
                 I.acnt_sufmax[x] = structure.acnt[x]
+
+
+cdef double _mid_last(const ConfigData* I, int o):
+    """The last stage's ops from F(N-1, 0, k*) to B(N-1, 0, 0) (``configs.pair_counts``' part 1
+    and that forward) with option o and one layer per chunk, the output layer on chunk V-1:
+    the least they take (more layers only take longer)."""
+    cdef int V = I.V, cc
+    cdef const int* px = I.pcnt + (I.N - 1) * 6 * V
+    cdef double f, b, mid = I.of_[o] + (I.oof[o] if V == 1 else 0.0)
+    for cc in range(V):
+        f = I.of_[o] + (I.oof[o] if cc == V - 1 else 0.0)
+        b = I.ob_[o] + (I.oob[o] if cc == V - 1 else 0.0)
+        mid += px[2 * V + cc] * f + px[3 * V + cc] * b
+    return mid
 
 
 cdef const int* _int_ptr(cnp.ndarray a):
@@ -412,7 +428,7 @@ cdef enum:
     MEMO_VECS = 3            # non-dominated state vectors kept per key
     MEMO_MIN_SLOTS = 256
     MEMO_MAX_SLOTS = 262144  # (about 55 MB at 4 device types; the table is wiped when full)
-    MEMO_W = 7               # head, tail, MA, MC + P, Qp + Sg, MD + 2 P, threshold
+    MEMO_W = 8               # head, tail, MA, MC + P, Qp + Sg, MD + 2 P, QX, threshold
 
 
 cdef struct Memo:
@@ -504,7 +520,7 @@ cdef inline int _memo_covers(const double* a, const double* b) noexcept nogil:
     """State a (a recorded subtree without a plan) is no larger than state b in every bound
     term and was searched under a threshold no lower than b's."""
     return (a[0] <= b[0] and a[1] <= b[1] and a[2] <= b[2] and a[3] <= b[3]
-            and a[4] <= b[4] and a[5] <= b[5] and a[6] >= b[6])
+            and a[4] <= b[4] and a[5] <= b[5] and a[6] <= b[6] and a[7] >= b[7])
 
 
 cdef int _memo_dominated(const Memo* m, const int* key, unsigned long long h,
@@ -742,7 +758,8 @@ cdef class Searcher:
         vec[3] = S.MC[x] + S.P[x]
         vec[4] = S.Qp[x] + S.Sg[x] if (I.pair and x > 0) else 0.0
         vec[5] = S.MD[x] + 2.0 * S.P[x] if I.loop1 else 0.0
-        vec[6] = S.thr
+        vec[6] = S.QX[x] if (I.pair and x > 0) else 0.0
+        vec[7] = S.thr
         h = _memo_hash(key, klen)
         if _memo_dominated(&self.memo, key, h, vec):
             self.st.cut_dominated += 1
@@ -759,7 +776,7 @@ cdef class Searcher:
         self.recurse(x + 1, Lrem, nr)
         if S.timed_out or self.st.simulated != sim0:
             return
-        vec[6] = S.thr          # (another thread's incumbent may have lowered it)
+        vec[7] = S.thr          # (another thread's incumbent may have lowered it)
         _memo_insert(&self.memo, key, klen, h, vec)
 
     cdef void recurse(self, int x, int Lrem, int nonridge) noexcept nogil:
