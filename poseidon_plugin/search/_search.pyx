@@ -722,13 +722,13 @@ cdef class Searcher:
         """``recurse(x + 1)`` through the dominance memo (no ridge rule). Every cut of the
         subtree after stage x is a monotone function of the key (x, layers left, stage x's
         option, devices and layers, the device cursors, the used types, and for interleaved
-        schedules stage 0's option and devices: the wrap-around link) and of six numbers:
-        head_x, tail_x, MA_x, MC_x + P_x, Qp_x + Sg_x and MD_x + 2 P_x (``bound``'s
+        schedules stage 0's option and devices: the wrap-around link) and of seven numbers:
+        head_x, tail_x, MA_x, MC_x + P_x, Qp_x + Sg_x, QX_x and MD_x + 2 P_x (``bound``'s
         recursions, the two-stage path, the double round trip and the capacity, round-trip
         and chain cuts only grow with them; the chain cut's multipliers are any multipliers,
         weak duality). So a subtree that was searched without reaching any leaf (every
         completion cut by a bound, memory or devices) under threshold t proves the same for a
-        subtree of the same key whose six numbers are no smaller, under a threshold <= t: it
+        subtree of the same key whose seven numbers are no smaller, under a threshold <= t: it
         is skipped. The round-trip cut of stage x's choice runs here, after the lookup (which
         costs less); a subtree it cuts is recorded too. Two prefixes with the
         same stages in another order share the key, so the orders of interchangeable stages
