@@ -54,3 +54,10 @@ cdef inline double rt_limit(const ConfigData* I, SearchState* S, int x, int K,
         if w2 < w:
             w = w2
     return w
+
+
+cdef inline int rt_cut(const ConfigData* I, SearchState* S, int x, int K, int need,
+                       double thr) noexcept nogil:
+    """``wcut`` of stage x's choice (V = 1, two or more later stages) at threshold thr."""
+    return (I.V == 1 and K > 1
+            and wcut(I, S, x, thr - cap_path(I, S, x), K, need, rt_limit(I, S, x, K, thr)))

@@ -32,7 +32,7 @@ cimport numpy as cnp
 
 from poseidon_plugin.simulator._core cimport PipelineDAG
 from poseidon_plugin.search._bounds cimport (bound, capacity, cap_path, later_costs, rt_limit,
-                                             pair_prefix, wcut)
+                                             rt_cut, pair_prefix)
 
 cnp.import_array()
 
@@ -254,7 +254,7 @@ cdef double _mid_last(const ConfigData* I, int o):
     the least they take (more layers only take longer)."""
     cdef int V = I.V, cc
     cdef const int* px = I.pcnt + (I.N - 1) * 6 * V
-    cdef double f, b, mid = I.of_[o] + (I.oof[o] if V == 1 else 0.0)
+    cdef double f, b, mid = I.of_[o]      # F(N-1, 0, k*): chunk 0 (V > 1: no output layer)
     for cc in range(V):
         f = I.of_[o] + (I.oof[o] if cc == V - 1 else 0.0)
         b = I.ob_[o] + (I.oob[o] if cc == V - 1 else 0.0)
@@ -427,14 +427,14 @@ cdef double _evaluate(const ConfigData* I, SearchState* S, PipelineDAG dag) noex
 cdef enum:
     MEMO_VECS = 3            # non-dominated state vectors kept per key
     MEMO_MIN_SLOTS = 256
-    MEMO_MAX_SLOTS = 262144  # (about 55 MB at 4 device types; the table is wiped when full)
+    MEMO_MAX_SLOTS = 262144  # (about 66 MB at 4 device types; the table is wiped when full)
     MEMO_W = 8               # head, tail, MA, MC + P, Qp + Sg, MD + 2 P, QX, threshold
 
 
 cdef struct Memo:
     # open addressing over keys (x, layers left, option, start, layers of stage x, used mask,
-    # stage 0's option and start, every type's cursor); per key up to MEMO_VECS vectors (head,
-    # tail, MA, MC + P, Qp + Sg of stage x, and the threshold the subtree was searched under)
+    # stage 0's option and start, every type's cursor); per key up to MEMO_VECS vectors of
+    # MEMO_W numbers (stage x's bound terms, and the threshold the subtree was searched under)
     long nslots
     long nused
     int klen
@@ -764,9 +764,7 @@ cdef class Searcher:
         if _memo_dominated(&self.memo, key, h, vec):
             self.st.cut_dominated += 1
             return
-        if (I.V == 1 and K > 1
-                and wcut(I, S, x, thr_eps - cap_path(I, S, x), K, Lrem,
-                         rt_limit(I, S, x, K, thr_eps))):
+        if rt_cut(I, S, x, K, Lrem, thr_eps):
             # (after the memo: its lookup is cheaper than this cut; the cut is monotone in
             # the same numbers, so its subtree is recorded like a searched one)
             self.st.cut_capacity += 1
@@ -881,9 +879,7 @@ cdef class Searcher:
                     self.leaf(nr)
                 elif memo_on and x + 1 >= S.plen:
                     self.descend(x, Lrem - l, o, start, l, nr, thr_eps)
-                elif (I.use_bound and I.V == 1 and K > 1
-                      and wcut(I, S, x, thr_eps - cap_path(I, S, x), K, Lrem - l,
-                               rt_limit(I, S, x, K, thr_eps))):
+                elif I.use_bound and rt_cut(I, S, x, K, Lrem - l, thr_eps):
                     self.st.cut_capacity += 1
                 else:
                     self.recurse(x + 1, Lrem - l, nr)
