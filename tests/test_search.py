@@ -17,6 +17,7 @@ from poseidon_plugin.model import model_from_dict
 from poseidon_plugin.training import TrainingSetup
 from poseidon_plugin.search import (SearchContext, SearchOptions, enumerate_configs,
                                     search_plan)
+from poseidon_plugin.search import _search
 from poseidon_plugin.search.instance import time_assignment
 from poseidon_plugin.simulator import iteration_time_ms
 
@@ -358,6 +359,56 @@ def test_dominance_memo_skips_reordered_prefixes_on_two_identical_types():
     assert on.cut_dominated > 1000 and off.cut_dominated == 0
     assert on.nodes < 0.8 * off.nodes
     assert on.best == off.best == two.best
+
+
+def _memo_reference(ops, keep):
+    """The memo's rule, in plain Python: per key the non-dominated vectors (a covers b: a <= b
+    in every bound term and a's threshold, index 7, >= b's); a vector already covered adds
+    nothing, else it drops the ones it covers and is appended; at ``keep`` vectors the newest
+    replaces the last kept."""
+    def covers(a, b):
+        return all(a[i] <= b[i] for i in range(len(a)) if i != 7) and a[7] >= b[7]
+    table, out = {}, []
+    for insert, key, vec in ops:
+        kept = table.get(key, [])
+        if not insert:
+            out.append(any(covers(a, vec) for a in kept))
+        elif not any(covers(a, vec) for a in kept):
+            kept = [a for a in kept if not covers(vec, a)]
+            table[key] = (kept[:-1] if len(kept) == keep else kept) + [vec]
+    return out, covers
+
+
+_memo_ops = st.lists(st.tuples(st.booleans(), st.sampled_from([(1, 2, 3), (1, 2, 4), (7, 0, 0)]),
+                               st.tuples(*[st.integers(0, 3).map(float)] * _search.MEMO_WIDTH)),
+                     min_size=1, max_size=400)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_memo_ops)
+def test_dominance_memo_keeps_what_the_reference_keeps(ops):
+    """The memo's table and pool (a key's vectors move to a larger segment as they grow, up to
+    MEMO_KEEP) answer every lookup as the plain rule does while nothing is wiped."""
+    assert _search.twin_memo(ops) == _memo_reference(ops, _search.MEMO_KEEP)[0]
+
+
+@settings(max_examples=150, deadline=None)
+@given(_memo_ops, st.integers(2, 40))
+def test_dominance_memo_with_a_full_pool_only_forgets(ops, pool):
+    """With a pool of a few vectors (wiped when a new key finds no room, a key's newest
+    vector replacing its last where its segment cannot grow) the memo may forget, never
+    invent: every 'dominated' answer is covered by a vector inserted earlier for that key."""
+    got = _search.twin_memo(ops, pool)
+    covers = _memo_reference([], 1)[1]
+    seen, i = {}, 0
+    for insert, key, vec in ops:
+        if insert:
+            seen.setdefault(key, []).append(vec)
+            continue
+        if got[i]:
+            assert any(covers(a, vec) for a in seen.get(key, [])), (key, vec)
+        i += 1
+    assert i == len(got)
 
 
 def test_dominance_memo_compares_the_double_round_trip():

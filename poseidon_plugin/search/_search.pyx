@@ -425,9 +425,11 @@ cdef double _evaluate(const ConfigData* I, SearchState* S, PipelineDAG dag) noex
 # --------------------------------------------------------------------------- dominance memo
 
 cdef enum:
-    MEMO_VECS = 3            # non-dominated state vectors kept per key
+    MEMO_VECS = 32           # non-dominated state vectors kept per key (at most)
+    MEMO_FIRST = 2           # ... room for this many when a key is first stored, doubled as needed
     MEMO_MIN_SLOTS = 256
-    MEMO_MAX_SLOTS = 262144  # (about 66 MB at 4 device types; the table is wiped when full)
+    MEMO_MAX_SLOTS = 262144  # keys; the table is wiped when full
+    MEMO_POOL = 2097152      # vectors in the pool (64 MB); the table is wiped when it is full
     MEMO_W = 8               # head, tail, MA, MC + P, Qp + Sg, MD + 2 P, QX, threshold
 
 
@@ -435,13 +437,22 @@ cdef struct Memo:
     # open addressing over keys (x, layers left, option, start, layers of stage x, used mask,
     # stage 0's option and start, every type's cursor); per key up to MEMO_VECS vectors of
     # MEMO_W numbers (stage x's bound terms, and the threshold the subtree was searched under)
+    # in a segment of a shared pool: a key's segment starts with room for MEMO_FIRST vectors
+    # and moves to the pool's end with twice the room when full (most keys keep one or two
+    # vectors, a few keep dozens: with a fixed 3 per key, 70B on 10,240 devices' slowest
+    # configuration searched 2.5x the nodes). At most about 80 MB per searcher.
     long nslots
     long nused
     int klen
     unsigned long long* hash  # 0: empty slot
     int* keys
-    double* vecs
     int* nvec
+    int* room                 # vectors the key's segment holds
+    long* off                 # the segment's first vector in the pool
+    double* pool
+    long pool_used            # vectors handed out
+    long pool_size            # vectors allocated
+    long pool_max             # the pool's limit in vectors (0: MEMO_POOL)
 
 
 cdef inline unsigned long long _memo_hash(const int* key, int klen) noexcept nogil:
@@ -454,12 +465,15 @@ cdef inline unsigned long long _memo_hash(const int* key, int klen) noexcept nog
 
 
 cdef int _memo_alloc(Memo* m, long nslots, int klen) noexcept nogil:
+    """The key table (the pool is kept: a rehash moves no vector)."""
     m.hash = <unsigned long long*> calloc(nslots, sizeof(unsigned long long))
     m.keys = <int*> malloc(nslots * klen * sizeof(int))
-    m.vecs = <double*> malloc(nslots * MEMO_VECS * MEMO_W * sizeof(double))
     m.nvec = <int*> calloc(nslots, sizeof(int))
-    if m.hash == NULL or m.keys == NULL or m.vecs == NULL or m.nvec == NULL:
-        _memo_free(m)
+    m.room = <int*> calloc(nslots, sizeof(int))
+    m.off = <long*> calloc(nslots, sizeof(long))
+    if (m.hash == NULL or m.keys == NULL or m.nvec == NULL or m.room == NULL
+            or m.off == NULL):
+        _memo_free_table(m)
         return 0
     m.nslots = nslots
     m.nused = 0
@@ -467,17 +481,33 @@ cdef int _memo_alloc(Memo* m, long nslots, int klen) noexcept nogil:
     return 1
 
 
-cdef void _memo_free(Memo* m) noexcept nogil:
+cdef void _memo_free_table(Memo* m) noexcept nogil:
     free(m.hash)
     free(m.keys)
-    free(m.vecs)
     free(m.nvec)
+    free(m.room)
+    free(m.off)
     m.hash = NULL
     m.keys = NULL
-    m.vecs = NULL
     m.nvec = NULL
+    m.room = NULL
+    m.off = NULL
     m.nslots = 0
     m.nused = 0
+
+
+cdef void _memo_free(Memo* m) noexcept nogil:
+    _memo_free_table(m)
+    free(m.pool)
+    m.pool = NULL
+    m.pool_used = 0
+    m.pool_size = 0
+
+
+cdef void _memo_wipe(Memo* m) noexcept nogil:
+    memset(m.hash, 0, m.nslots * sizeof(unsigned long long))
+    m.nused = 0
+    m.pool_used = 0
 
 
 cdef long _memo_slot(const Memo* m, const int* key, unsigned long long h) noexcept nogil:
@@ -491,13 +521,11 @@ cdef long _memo_slot(const Memo* m, const int* key, unsigned long long h) noexce
 
 
 cdef int _memo_grow(Memo* m) noexcept nogil:
-    """Double the table (rehash); at the largest size wipe it. 0 when out of memory."""
+    """Double the key table (rehash); at the largest size wipe it. 0 when out of memory."""
     cdef Memo old = m[0]
     cdef long i, j
     if m.nslots >= MEMO_MAX_SLOTS:
-        memset(m.hash, 0, m.nslots * sizeof(unsigned long long))
-        memset(m.nvec, 0, m.nslots * sizeof(int))
-        m.nused = 0
+        _memo_wipe(m)
         return 1
     if not _memo_alloc(m, 2 * old.nslots, old.klen):
         m[0] = old
@@ -508,12 +536,35 @@ cdef int _memo_grow(Memo* m) noexcept nogil:
         j = _memo_slot(m, &old.keys[i * old.klen], old.hash[i])
         m.hash[j] = old.hash[i]
         memcpy(&m.keys[j * m.klen], &old.keys[i * old.klen], m.klen * sizeof(int))
-        memcpy(&m.vecs[j * MEMO_VECS * MEMO_W], &old.vecs[i * MEMO_VECS * MEMO_W],
-               MEMO_VECS * MEMO_W * sizeof(double))
         m.nvec[j] = old.nvec[i]
+        m.room[j] = old.room[i]
+        m.off[j] = old.off[i]
         m.nused += 1
-    _memo_free(&old)
+    _memo_free_table(&old)
     return 1
+
+
+cdef long _memo_take(Memo* m, int n) noexcept nogil:
+    """A segment of n vectors at the pool's end (grown as needed); -1 when the pool is at
+    its limit (the caller wipes) or out of memory."""
+    cdef long need = m.pool_used + n, size
+    cdef long most = m.pool_max if m.pool_max > 0 else MEMO_POOL
+    cdef double* np
+    if need > most:
+        return -1
+    if need > m.pool_size:
+        size = 2 * m.pool_size if m.pool_size > 0 else 4096
+        while size < need:
+            size *= 2
+        if size > most:
+            size = most
+        np = <double*> realloc(m.pool, size * MEMO_W * sizeof(double))
+        if np == NULL:
+            return -1
+        m.pool = np
+        m.pool_size = size
+    m.pool_used = need
+    return need - n
 
 
 cdef inline int _memo_covers(const double* a, const double* b) noexcept nogil:
@@ -527,20 +578,22 @@ cdef int _memo_dominated(const Memo* m, const int* key, unsigned long long h,
                          const double* vec) noexcept nogil:
     cdef long i
     cdef int j
+    cdef const double* base
     if m.nslots == 0:
         return 0
     i = _memo_slot(m, key, h)
     if m.hash[i] == 0:
         return 0
+    base = &m.pool[m.off[i] * MEMO_W]
     for j in range(m.nvec[i]):
-        if _memo_covers(&m.vecs[(i * MEMO_VECS + j) * MEMO_W], vec):
+        if _memo_covers(&base[j * MEMO_W], vec):
             return 1
     return 0
 
 
 cdef void _memo_insert(Memo* m, const int* key, int klen, unsigned long long h,
                        const double* vec) noexcept nogil:
-    cdef long i
+    cdef long i, at
     cdef int j, n
     cdef double* base
     if m.nslots == 0:
@@ -551,11 +604,20 @@ cdef void _memo_insert(Memo* m, const int* key, int klen, unsigned long long h,
             return
     i = _memo_slot(m, key, h)
     if m.hash[i] == 0:
+        at = _memo_take(m, MEMO_FIRST)
+        if at < 0:
+            _memo_wipe(m)
+            at = _memo_take(m, MEMO_FIRST)
+            if at < 0:
+                return
+            i = _memo_slot(m, key, h)
         m.hash[i] = h
         memcpy(&m.keys[i * m.klen], key, m.klen * sizeof(int))
         m.nvec[i] = 0
+        m.room[i] = MEMO_FIRST
+        m.off[i] = at
         m.nused += 1
-    base = &m.vecs[i * MEMO_VECS * MEMO_W]
+    base = &m.pool[m.off[i] * MEMO_W]
     n = 0
     for j in range(m.nvec[i]):          # drop the vectors the new one covers
         if _memo_covers(&base[j * MEMO_W], vec):
@@ -564,10 +626,63 @@ cdef void _memo_insert(Memo* m, const int* key, int klen, unsigned long long h,
             if n != j:
                 memcpy(&base[n * MEMO_W], &base[j * MEMO_W], MEMO_W * sizeof(double))
             n += 1
-    if n == MEMO_VECS:
-        n -= 1                          # full: the newest replaces the last kept
+    if n == m.room[i]:
+        if n >= MEMO_VECS:
+            n -= 1                      # full: the newest replaces the last kept
+        else:
+            # move the segment to the pool's end with twice the room (the old one is left
+            # behind until the next wipe)
+            at = _memo_take(m, 2 * n)   # (may move the pool: base is re-read)
+            if at < 0:
+                n -= 1                  # (pool at its limit: replace, as when full)
+                base = &m.pool[m.off[i] * MEMO_W]
+            else:
+                memcpy(&m.pool[at * MEMO_W], &m.pool[m.off[i] * MEMO_W],
+                       n * MEMO_W * sizeof(double))
+                m.off[i] = at
+                m.room[i] = 2 * n
+                base = &m.pool[at * MEMO_W]
     memcpy(&base[n * MEMO_W], vec, MEMO_W * sizeof(double))
     m.nvec[i] = n + 1
+
+
+def twin_memo(ops, long pool_max=0):
+    """The dominance memo from Python (the tests compare it with a reference): ``ops`` is a
+    sequence of (insert, key, vec) with key a tuple of ints (one length) and vec MEMO_W
+    floats; returns, per op that is not an insert, whether the memo says vec is dominated.
+    ``pool_max``: the pool's limit in vectors (0: MEMO_POOL)."""
+    cdef Memo m
+    cdef int key[64]
+    cdef double vec[MEMO_W]
+    cdef int klen, j
+    cdef unsigned long long h
+    memset(&m, 0, sizeof(Memo))
+    m.pool_max = pool_max
+    out = []
+    try:
+        for insert, k, v in ops:
+            klen = len(k)
+            if klen < 1 or klen > 64 or len(v) != MEMO_W:
+                raise ValueError("twin_memo: a key of 1..64 ints and MEMO_W numbers")
+            for j in range(klen):
+                key[j] = k[j]
+            for j in range(MEMO_W):
+                vec[j] = v[j]
+            h = _memo_hash(key, klen)
+            if insert:
+                if m.nslots and m.klen != klen:
+                    raise ValueError("twin_memo: keys of one length")
+                _memo_insert(&m, key, klen, h, vec)
+            else:
+                out.append(bool(m.nslots and m.klen == klen
+                                and _memo_dominated(&m, key, h, vec)))
+        return out
+    finally:
+        _memo_free(&m)
+
+
+MEMO_WIDTH = MEMO_W
+MEMO_KEEP = MEMO_VECS
 
 
 # --------------------------------------------------------------------------- the recursion
