@@ -440,7 +440,7 @@ cdef enum:
     MEMO_FIRST = 2           # ... room for this many when a key is first stored, doubled as needed
     MEMO_MIN_SLOTS = 256
     MEMO_MAX_SLOTS = 262144  # keys; the table is wiped when full
-    MEMO_POOL = 2097152      # vectors in the pool (64 MB); the table is wiped when it is full
+    MEMO_POOL = 2097152      # vectors in the pool (128 MB); the table is wiped when it is full
     MEMO_W = 8               # head, tail, MA, MC + P, Qp + Sg, MD + 2 P, QX, threshold
 
 
@@ -451,7 +451,8 @@ cdef struct Memo:
     # in a segment of a shared pool: a key's segment starts with room for MEMO_FIRST vectors
     # and moves to the pool's end with twice the room when full (most keys keep one or two
     # vectors, a few keep dozens: with a fixed 3 per key, 70B on 10,240 devices' slowest
-    # configuration searched 2.5x the nodes). At most about 80 MB per searcher.
+    # configuration searched 2.5x the nodes). At most about 150 MB for one configuration's
+    # search (its threads share the memo: ``Searcher.record``).
     long nslots
     long nused
     int klen
