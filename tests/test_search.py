@@ -361,13 +361,16 @@ def test_dominance_memo_skips_reordered_prefixes_on_two_identical_types():
     assert on.best == off.best == two.best
 
 
+def _memo_covers(a, b):
+    """Memo vector a covers b: a <= b in every bound term and a's threshold (index 7) >= b's."""
+    return all(a[i] <= b[i] for i in range(len(a)) if i != 7) and a[7] >= b[7]
+
+
 def _memo_reference(ops, keep):
-    """The memo's rule, in plain Python: per key the non-dominated vectors (a covers b: a <= b
-    in every bound term and a's threshold, index 7, >= b's); a vector already covered adds
-    nothing, else it drops the ones it covers and is appended; at ``keep`` vectors the newest
-    replaces the last kept."""
-    def covers(a, b):
-        return all(a[i] <= b[i] for i in range(len(a)) if i != 7) and a[7] >= b[7]
+    """The memo's rule, in plain Python: per key the non-dominated vectors; a vector already
+    covered adds nothing, else it drops the ones it covers and is appended; at ``keep``
+    vectors the newest replaces the last kept."""
+    covers = _memo_covers
     table, out = {}, []
     for insert, key, vec in ops:
         kept = table.get(key, [])
@@ -376,7 +379,7 @@ def _memo_reference(ops, keep):
         elif not any(covers(a, vec) for a in kept):
             kept = [a for a in kept if not covers(vec, a)]
             table[key] = (kept[:-1] if len(kept) == keep else kept) + [vec]
-    return out, covers
+    return out
 
 
 _memo_ops = st.lists(st.tuples(st.booleans(), st.sampled_from([(1, 2, 3), (1, 2, 4), (7, 0, 0)]),
@@ -389,7 +392,7 @@ _memo_ops = st.lists(st.tuples(st.booleans(), st.sampled_from([(1, 2, 3), (1, 2,
 def test_dominance_memo_keeps_what_the_reference_keeps(ops):
     """The memo's table and pool (a key's vectors move to a larger segment as they grow, up to
     MEMO_KEEP) answer every lookup as the plain rule does while nothing is wiped."""
-    assert _search.twin_memo(ops) == _memo_reference(ops, _search.MEMO_KEEP)[0]
+    assert _search.twin_memo(ops) == _memo_reference(ops, _search.MEMO_KEEP)
 
 
 @settings(max_examples=150, deadline=None)
@@ -399,14 +402,13 @@ def test_dominance_memo_with_a_full_pool_only_forgets(ops, pool):
     vector replacing its last where its segment cannot grow) the memo may forget, never
     invent: every 'dominated' answer is covered by a vector inserted earlier for that key."""
     got = _search.twin_memo(ops, pool)
-    covers = _memo_reference([], 1)[1]
     seen, i = {}, 0
     for insert, key, vec in ops:
         if insert:
             seen.setdefault(key, []).append(vec)
             continue
         if got[i]:
-            assert any(covers(a, vec) for a in seen.get(key, [])), (key, vec)
+            assert any(_memo_covers(a, vec) for a in seen.get(key, [])), (key, vec)
         i += 1
     assert i == len(got)
 

@@ -849,8 +849,20 @@ cdef class Searcher:
                     avail += (I.ndev[kk] - self.state.cursor[kk]) // I.min_dt[kk]
         return avail >= K
 
+    cdef int dominated(self, const int* key, unsigned long long h,
+                       const double* vec) noexcept nogil:
+        """The memo's lookup (under the lock when the threads share the memo)."""
+        cdef int dom
+        if self.mlock != NULL:
+            psn_lock(self.mlock)
+        dom = _memo_dominated(self.mp, key, h, vec)
+        if self.mlock != NULL:
+            psn_unlock(self.mlock)
+        return dom
+
     cdef void record(self, const int* key, int klen, unsigned long long h,
                      const double* vec) noexcept nogil:
+        """The memo's insert (under the lock when the threads share the memo)."""
         if self.mlock != NULL:
             psn_lock(self.mlock)
         _memo_insert(self.mp, key, klen, h, vec)
@@ -876,7 +888,7 @@ cdef class Searcher:
         cdef const ConfigData* I = self.cfg
         cdef SearchState* S = self.state
         cdef int key[8 + MAXT]
-        cdef int k, klen = 8 + I.T, used = 0, K = I.N - 1 - x, dom
+        cdef int k, klen = 8 + I.T, used = 0, K = I.N - 1 - x
         cdef double vec[MEMO_W]
         cdef unsigned long long h
         cdef long long sim0
@@ -901,12 +913,7 @@ cdef class Searcher:
         vec[6] = S.QX[x] if (I.pair and x > 0) else 0.0
         vec[7] = S.thr
         h = _memo_hash(key, klen)
-        if self.mlock != NULL:
-            psn_lock(self.mlock)
-        dom = _memo_dominated(self.mp, key, h, vec)
-        if self.mlock != NULL:
-            psn_unlock(self.mlock)
-        if dom:
+        if self.dominated(key, h, vec):
             self.st.cut_dominated += 1
             return
         if rt_cut(I, S, x, K, Lrem, thr_eps):
@@ -1163,26 +1170,23 @@ cdef int _split_depth(Searcher se, int threads):
 
 
 cdef void _run_threads(ConfigInstance inst, Searcher se, int D, int threads, thread_dag) except *:
-    """Search the collected prefixes with ``threads`` searchers sharing the incumbent. The
-    prefixes that hold the same stages (option, layers) in another order reach the same memo
-    keys below them, so they form one group that one searcher takes whole (its memo then skips
-    the orders after the first; spread over threads, each order was searched again: 70B on
-    10,240 devices' interleaved configuration took 1.3x one thread's time on two)."""
+    """Search the collected prefixes with ``threads`` searchers sharing the incumbent and the
+    first searcher's memo (``Searcher.dominated`` / ``record``, under sh.mlock). The prefixes
+    that hold the same stages (option, layers) in another order reach the same memo keys below
+    them, so they form one group that one searcher takes whole: the later orders then find the
+    first one's subtrees recorded (searched at the same time on two threads, they would not)."""
     cdef SearchState* S = se.state
     cdef Shared sh
     cdef Searcher h
     cdef int slot, n = S.ncollect
-    cdef int[:, ::1] view = <int[:n, :2 * D]> S.cbuf
-    rows = np.asarray(view).copy()
+    rows = np.asarray(<int[:n, :2 * D]> S.cbuf)     # (the buffer itself, reordered in place)
     sig = [tuple(sorted(zip(r[:D], r[D:]))) for r in rows.tolist()]
     order = sorted(range(n), key=lambda i: (sig[i], i))
-    cdef int[:, ::1] grouped = np.ascontiguousarray(rows[order], dtype=np.int32)
-    view[...] = grouped
+    rows[...] = rows[order]
     starts = [0] + [j for j in range(1, n) if sig[order[j]] != sig[order[j - 1]]] + [n]
     cdef int[::1] gstart = np.asarray(starts, dtype=np.int32)
     helpers = []
     sh.next = 0
-    sh.nprefix = n
     sh.D = D
     sh.buf = S.cbuf
     sh.gstart = &gstart[0]
