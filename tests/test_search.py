@@ -388,20 +388,21 @@ _memo_ops = st.lists(st.tuples(st.booleans(), st.sampled_from([(1, 2, 3), (1, 2,
 
 
 @settings(max_examples=150, deadline=None)
-@given(_memo_ops)
-def test_dominance_memo_keeps_what_the_reference_keeps(ops):
+@given(_memo_ops, st.booleans())
+def test_dominance_memo_keeps_what_the_reference_keeps(ops, fixed):
     """The memo's table and pool (a key's vectors move to a larger segment as they grow, up to
-    MEMO_KEEP) answer every lookup as the plain rule does while nothing is wiped."""
-    assert _search.twin_memo(ops) == _memo_reference(ops, _search.MEMO_KEEP)
+    MEMO_KEEP) answer every lookup as the plain rule does while nothing is wiped; so does its
+    threads' form (``fixed``: allocated once, lookups through the seqlocks)."""
+    assert _search.twin_memo(ops, fixed=fixed) == _memo_reference(ops, _search.MEMO_KEEP)
 
 
 @settings(max_examples=150, deadline=None)
-@given(_memo_ops, st.integers(2, 40))
-def test_dominance_memo_with_a_full_pool_only_forgets(ops, pool):
+@given(_memo_ops, st.integers(2, 40), st.booleans())
+def test_dominance_memo_with_a_full_pool_only_forgets(ops, pool, fixed):
     """With a pool of a few vectors (wiped when a new key finds no room, a key's newest
     vector replacing its last where its segment cannot grow) the memo may forget, never
     invent: every 'dominated' answer is covered by a vector inserted earlier for that key."""
-    got = _search.twin_memo(ops, pool)
+    got = _search.twin_memo(ops, pool, fixed)
     seen, i = {}, 0
     for insert, key, vec in ops:
         if insert:

@@ -67,11 +67,43 @@ cdef extern from *:
     static inline void psn_unlock(int *l) {
         __atomic_store_n(l, 0, __ATOMIC_RELEASE);
     }
+    /* the memo's seqlocks: a writer (under the memo's lock) makes a version odd, writes,
+       makes it even; a reader that saw one even version before and after read a whole state */
+    static inline unsigned psn_load_acq(unsigned *p) {
+        return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+    }
+    static inline unsigned psn_reload(unsigned *p) {
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        return __atomic_load_n(p, __ATOMIC_RELAXED);
+    }
+    static inline void psn_write_begin(unsigned *p) {
+        __atomic_store_n(p, *p + 1, __ATOMIC_RELAXED);
+        __atomic_thread_fence(__ATOMIC_RELEASE);
+    }
+    static inline void psn_write_end(unsigned *p) {
+        __atomic_store_n(p, *p + 1, __ATOMIC_RELEASE);
+    }
+    static inline void psn_prefetch(const void *p) {
+        __builtin_prefetch(p, 0, 1);
+    }
+    static inline unsigned long long psn_load_acq_u64(unsigned long long *p) {
+        return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+    }
+    static inline void psn_store_rel_u64(unsigned long long *p, unsigned long long v) {
+        __atomic_store_n(p, v, __ATOMIC_RELEASE);
+    }
     """
     int psn_fetch_add(int* p, int v) noexcept nogil
     void psn_lock(int* l) noexcept nogil
     void psn_unlock(int* l) noexcept nogil
     double psn_load_d(double* p) noexcept nogil
+    unsigned psn_load_acq(unsigned* p) noexcept nogil
+    unsigned psn_reload(unsigned* p) noexcept nogil
+    void psn_write_begin(unsigned* p) noexcept nogil
+    void psn_write_end(unsigned* p) noexcept nogil
+    unsigned long long psn_load_acq_u64(unsigned long long* p) noexcept nogil
+    void psn_prefetch(const void* p) noexcept nogil
+    void psn_store_rel_u64(unsigned long long* p, unsigned long long v) noexcept nogil
     void psn_min_d(double* p, double v) noexcept nogil
 
 
@@ -442,6 +474,18 @@ cdef enum:
     MEMO_MAX_SLOTS = 262144  # keys; the table is wiped when full
     MEMO_POOL = 2097152      # vectors in the pool (128 MB); the table is wiped when it is full
     MEMO_W = 8               # head, tail, MA, MC + P, Qp + Sg, MD + 2 P, QX, threshold
+    MEMO_MAXK = 8 + MAXT     # key length (``Searcher.descend``: 8 + one cursor per type)
+
+
+cdef struct MemoSlot:
+    # one key: its hash (0: empty), its vectors' segment and the key itself, together (one
+    # lookup touches one or two cache lines of the table; apart, they were five misses)
+    unsigned long long hash
+    long off                  # the segment's first vector in the pool
+    int nvec
+    int room                  # vectors the segment holds
+    unsigned ver              # seqlock of the vectors (``fixed``)
+    int key[MEMO_MAXK]
 
 
 cdef struct Memo:
@@ -451,16 +495,19 @@ cdef struct Memo:
     # in a segment of a shared pool: a key's segment starts with room for MEMO_FIRST vectors
     # and moves to the pool's end with twice the room when full (most keys keep one or two
     # vectors, a few keep dozens: with a fixed 3 per key, 70B on 10,240 devices' slowest
-    # configuration searched 2.5x the nodes). At most about 150 MB for one configuration's
+    # configuration searched 2.5x the nodes). At most about 160 MB for one configuration's
     # search (its threads share the memo: ``Searcher.record``).
+    # Threads (``fixed``): the table and the pool are allocated once at their largest (no
+    # rehash, no realloc; untouched pages cost no memory), inserts take the memo's lock and
+    # lookups take none: a slot's vectors are read between two equal even values of the
+    # slot's seqlock ``ver``, the table between two of ``epoch`` (a wipe); a lookup that sees
+    # a write under way misses (a miss only costs a search, a false hit would lose plans).
     long nslots
     long nused
     int klen
-    unsigned long long* hash  # 0: empty slot
-    int* keys
-    int* nvec
-    int* room                 # vectors the key's segment holds
-    long* off                 # the segment's first vector in the pool
+    int fixed
+    unsigned epoch            # seqlock of the whole memo (odd: a wipe under way)
+    MemoSlot* slots
     double* pool
     long pool_used            # vectors handed out
     long pool_size            # vectors allocated
@@ -476,16 +523,17 @@ cdef inline unsigned long long _memo_hash(const int* key, int klen) noexcept nog
     return h | 1ULL
 
 
+cdef inline void _memo_prefetch(const Memo* m, unsigned long long h) noexcept nogil:
+    """Start loading the slot where a lookup of hash h begins (the table is far larger than
+    the caches: without it, a lookup waits for memory)."""
+    if m.nslots > 0:
+        psn_prefetch(&m.slots[<long> (h & <unsigned long long> (m.nslots - 1))])
+
+
 cdef int _memo_alloc(Memo* m, long nslots, int klen) noexcept nogil:
     """The key table (the pool is kept: a rehash moves no vector)."""
-    m.hash = <unsigned long long*> calloc(nslots, sizeof(unsigned long long))
-    m.keys = <int*> malloc(nslots * klen * sizeof(int))
-    m.nvec = <int*> calloc(nslots, sizeof(int))
-    m.room = <int*> calloc(nslots, sizeof(int))
-    m.off = <long*> calloc(nslots, sizeof(long))
-    if (m.hash == NULL or m.keys == NULL or m.nvec == NULL or m.room == NULL
-            or m.off == NULL):
-        _memo_free_table(m)
+    m.slots = <MemoSlot*> calloc(nslots, sizeof(MemoSlot))
+    if m.slots == NULL:
         return 0
     m.nslots = nslots
     m.nused = 0
@@ -494,16 +542,8 @@ cdef int _memo_alloc(Memo* m, long nslots, int klen) noexcept nogil:
 
 
 cdef void _memo_free_table(Memo* m) noexcept nogil:
-    free(m.hash)
-    free(m.keys)
-    free(m.nvec)
-    free(m.room)
-    free(m.off)
-    m.hash = NULL
-    m.keys = NULL
-    m.nvec = NULL
-    m.room = NULL
-    m.off = NULL
+    free(m.slots)
+    m.slots = NULL
     m.nslots = 0
     m.nused = 0
 
@@ -514,19 +554,41 @@ cdef void _memo_free(Memo* m) noexcept nogil:
     m.pool = NULL
     m.pool_used = 0
     m.pool_size = 0
+    m.fixed = 0
 
 
 cdef void _memo_wipe(Memo* m) noexcept nogil:
-    memset(m.hash, 0, m.nslots * sizeof(unsigned long long))
+    cdef long i
+    psn_write_begin(&m.epoch)
+    for i in range(m.nslots):
+        m.slots[i].hash = 0
     m.nused = 0
     m.pool_used = 0
+    psn_write_end(&m.epoch)
+
+
+cdef int _memo_fix(Memo* m, int klen, long pool_max) noexcept nogil:
+    """Make an empty memo ``fixed`` (shared by threads: see ``Memo``); 0 when out of memory
+    (it is then left empty and unfixed)."""
+    cdef long most = pool_max if pool_max > 0 else MEMO_POOL
+    _memo_free(m)
+    if not _memo_alloc(m, MEMO_MAX_SLOTS, klen):
+        return 0
+    m.pool = <double*> malloc(most * MEMO_W * sizeof(double))
+    if m.pool == NULL:
+        _memo_free(m)
+        return 0
+    m.pool_size = most
+    m.pool_max = most
+    m.fixed = 1
+    return 1
 
 
 cdef long _memo_slot(const Memo* m, const int* key, unsigned long long h) noexcept nogil:
     """The key's slot, or the empty slot where it would go."""
     cdef long i = <long> (h & <unsigned long long> (m.nslots - 1))
-    while m.hash[i] != 0:
-        if m.hash[i] == h and memcmp(&m.keys[i * m.klen], key, m.klen * sizeof(int)) == 0:
+    while m.slots[i].hash != 0:
+        if m.slots[i].hash == h and memcmp(m.slots[i].key, key, m.klen * sizeof(int)) == 0:
             return i
         i = (i + 1) & (m.nslots - 1)
     return i
@@ -543,14 +605,10 @@ cdef int _memo_grow(Memo* m) noexcept nogil:
         m[0] = old
         return 0
     for i in range(old.nslots):
-        if old.hash[i] == 0:
+        if old.slots[i].hash == 0:
             continue
-        j = _memo_slot(m, &old.keys[i * old.klen], old.hash[i])
-        m.hash[j] = old.hash[i]
-        memcpy(&m.keys[j * m.klen], &old.keys[i * old.klen], m.klen * sizeof(int))
-        m.nvec[j] = old.nvec[i]
-        m.room[j] = old.room[i]
-        m.off[j] = old.off[i]
+        j = _memo_slot(m, old.slots[i].key, old.slots[i].hash)
+        m.slots[j] = old.slots[i]
         m.nused += 1
     _memo_free_table(&old)
     return 1
@@ -586,28 +644,53 @@ cdef inline int _memo_covers(const double* a, const double* b) noexcept nogil:
             and a[4] <= b[4] and a[5] <= b[5] and a[6] <= b[6] and a[7] >= b[7])
 
 
-cdef int _memo_dominated(const Memo* m, const int* key, unsigned long long h,
+cdef int _memo_dominated(Memo* m, const int* key, unsigned long long h,
                          const double* vec) noexcept nogil:
-    cdef long i
-    cdef int j
+    """Some vector of the key covers vec. Safe without the lock in a ``fixed`` memo (the
+    seqlocks: a write or wipe under way makes it a miss)."""
+    cdef long i, mask, off
+    cdef int j, n, dom = 0
+    cdef unsigned e, v
+    cdef unsigned long long hv
+    cdef MemoSlot* sl
     cdef const double* base
     if m.nslots == 0:
         return 0
-    i = _memo_slot(m, key, h)
-    if m.hash[i] == 0:
+    e = psn_load_acq(&m.epoch)
+    if e & 1:
         return 0
-    base = &m.pool[m.off[i] * MEMO_W]
-    for j in range(m.nvec[i]):
+    mask = m.nslots - 1
+    i = <long> (h & <unsigned long long> mask)
+    while True:
+        sl = &m.slots[i]
+        hv = psn_load_acq_u64(&sl.hash)
+        if hv == 0:
+            return 0
+        if hv == h and memcmp(sl.key, key, m.klen * sizeof(int)) == 0:
+            break
+        i = (i + 1) & mask
+    v = psn_load_acq(&sl.ver)
+    if v & 1:
+        return 0
+    n = sl.nvec
+    off = sl.off
+    if n > MEMO_VECS or off < 0 or off + n > m.pool_size:
+        return 0                        # (a torn read: the checks below would reject it)
+    base = &m.pool[off * MEMO_W]
+    for j in range(n):
         if _memo_covers(&base[j * MEMO_W], vec):
-            return 1
-    return 0
+            dom = 1
+            break
+    if psn_reload(&sl.ver) != v or psn_reload(&m.epoch) != e:
+        return 0
+    return dom
 
 
 cdef void _memo_insert(Memo* m, const int* key, int klen, unsigned long long h,
                        const double* vec) noexcept nogil:
+    """Record vec under key (the caller holds the memo's lock when threads share it)."""
     cdef long i, at
-    cdef int j, n
-    cdef double* base
+    cdef MemoSlot* sl
     if m.nslots == 0:
         if not _memo_alloc(m, MEMO_MIN_SLOTS, klen):
             return
@@ -615,7 +698,7 @@ cdef void _memo_insert(Memo* m, const int* key, int klen, unsigned long long h,
         if not _memo_grow(m):
             return
     i = _memo_slot(m, key, h)
-    if m.hash[i] == 0:
+    if m.slots[i].hash == 0:
         at = _memo_take(m, MEMO_FIRST)
         if at < 0:
             _memo_wipe(m)
@@ -623,22 +706,34 @@ cdef void _memo_insert(Memo* m, const int* key, int klen, unsigned long long h,
             if at < 0:
                 return
             i = _memo_slot(m, key, h)
-        m.hash[i] = h
-        memcpy(&m.keys[i * m.klen], key, m.klen * sizeof(int))
-        m.nvec[i] = 0
-        m.room[i] = MEMO_FIRST
-        m.off[i] = at
+        sl = &m.slots[i]
+        memcpy(sl.key, key, m.klen * sizeof(int))
+        sl.nvec = 0
+        sl.room = MEMO_FIRST
+        sl.off = at
         m.nused += 1
-    base = &m.pool[m.off[i] * MEMO_W]
+        psn_store_rel_u64(&sl.hash, h)      # (published after its key and segment)
+    sl = &m.slots[i]
+    psn_write_begin(&sl.ver)
+    _memo_add(m, sl, vec)
+    psn_write_end(&sl.ver)
+
+
+cdef inline void _memo_add(Memo* m, MemoSlot* sl, const double* vec) noexcept nogil:
+    """Add vec to a slot's vectors (``_memo_insert``, inside the slot's seqlock)."""
+    cdef long at
+    cdef int j, n
+    cdef double* base
+    base = &m.pool[sl.off * MEMO_W]
     n = 0
-    for j in range(m.nvec[i]):          # drop the vectors the new one covers
+    for j in range(sl.nvec):            # drop the vectors the new one covers
         if _memo_covers(&base[j * MEMO_W], vec):
             return                      # (already covered: nothing to add)
         if not _memo_covers(vec, &base[j * MEMO_W]):
             if n != j:
                 memcpy(&base[n * MEMO_W], &base[j * MEMO_W], MEMO_W * sizeof(double))
             n += 1
-    if n == m.room[i]:
+    if n == sl.room:
         if n >= MEMO_VECS:
             n -= 1                      # full: the newest replaces the last kept
         else:
@@ -647,24 +742,25 @@ cdef void _memo_insert(Memo* m, const int* key, int klen, unsigned long long h,
             at = _memo_take(m, 2 * n)   # (may move the pool: base is re-read)
             if at < 0:
                 n -= 1                  # (pool at its limit: replace, as when full)
-                base = &m.pool[m.off[i] * MEMO_W]
+                base = &m.pool[sl.off * MEMO_W]
             else:
-                memcpy(&m.pool[at * MEMO_W], &m.pool[m.off[i] * MEMO_W],
+                memcpy(&m.pool[at * MEMO_W], &m.pool[sl.off * MEMO_W],
                        n * MEMO_W * sizeof(double))
-                m.off[i] = at
-                m.room[i] = 2 * n
+                sl.off = at
+                sl.room = 2 * n
                 base = &m.pool[at * MEMO_W]
     memcpy(&base[n * MEMO_W], vec, MEMO_W * sizeof(double))
-    m.nvec[i] = n + 1
+    sl.nvec = n + 1
 
 
-def twin_memo(ops, long pool_max=0):
+def twin_memo(ops, long pool_max=0, bint fixed=False):
     """The dominance memo from Python (the tests compare it with a reference): ``ops`` is a
     sequence of (insert, key, vec) with key a tuple of ints (one length) and vec MEMO_W
     floats; returns, per op that is not an insert, whether the memo says vec is dominated.
-    ``pool_max``: the pool's limit in vectors (0: MEMO_POOL)."""
+    ``pool_max``: the pool's limit in vectors (0: MEMO_POOL); ``fixed``: the threads' form
+    (allocated once at its largest; lookups without the lock)."""
     cdef Memo m
-    cdef int key[64]
+    cdef int key[MEMO_MAXK]
     cdef double vec[MEMO_W]
     cdef int klen, j
     cdef unsigned long long h
@@ -674,13 +770,15 @@ def twin_memo(ops, long pool_max=0):
     try:
         for insert, k, v in ops:
             klen = len(k)
-            if klen < 1 or klen > 64 or len(v) != MEMO_W:
-                raise ValueError("twin_memo: a key of 1..64 ints and MEMO_W numbers")
+            if klen < 1 or klen > MEMO_MAXK or len(v) != MEMO_W:
+                raise ValueError("twin_memo: a key of 1..MEMO_MAXK ints and MEMO_W numbers")
             for j in range(klen):
                 key[j] = k[j]
             for j in range(MEMO_W):
                 vec[j] = v[j]
             h = _memo_hash(key, klen)
+            if fixed and not m.fixed and not _memo_fix(&m, klen, pool_max):
+                raise MemoryError()
             if insert:
                 if m.nslots and m.klen != klen:
                     raise ValueError("twin_memo: keys of one length")
@@ -851,8 +949,11 @@ cdef class Searcher:
 
     cdef int dominated(self, const int* key, unsigned long long h,
                        const double* vec) noexcept nogil:
-        """The memo's lookup (under the lock when the threads share the memo)."""
+        """The memo's lookup (a shared memo is ``fixed``: no lock, see ``Memo``; a shared
+        memo that could not be fixed, out of memory, is read under the lock)."""
         cdef int dom
+        if self.mp.fixed:
+            return _memo_dominated(self.mp, key, h, vec)
         if self.mlock != NULL:
             psn_lock(self.mlock)
         dom = _memo_dominated(self.mp, key, h, vec)
@@ -869,8 +970,28 @@ cdef class Searcher:
         if self.mlock != NULL:
             psn_unlock(self.mlock)
 
-    cdef void descend(self, int x, int Lrem, int o, int start, int l, int nr,
-                      double thr_eps) noexcept nogil:
+    cdef unsigned long long memo_key(self, int x, int Lrem, int o, int start, int l,
+                                     int* key) noexcept nogil:
+        """The memo key of stage x's choice (``descend``) into ``key``; returns its hash."""
+        cdef const ConfigData* I = self.cfg
+        cdef SearchState* S = self.state
+        cdef int k, used = 0
+        key[0] = x
+        key[1] = Lrem
+        key[2] = o
+        key[3] = start
+        key[4] = l
+        for k in range(I.T):
+            if S.used[k]:
+                used |= 1 << k
+            key[8 + k] = S.cursor[k]
+        key[5] = used if I.blocks else 0
+        key[6] = S.st_opt[0] if I.V > 1 else 0      # (the wrap-around link's far end)
+        key[7] = S.st_start[0] if I.V > 1 else 0
+        return _memo_hash(key, 8 + I.T)
+
+    cdef void descend(self, int x, int Lrem, int nr, double thr_eps, const int* key,
+                      unsigned long long h) noexcept nogil:
         """``recurse(x + 1)`` through the dominance memo (no ridge rule). Every cut of the
         subtree after stage x is a monotone function of the key (x, layers left, stage x's
         option, devices and layers, the device cursors, the used types, and for interleaved
@@ -887,23 +1008,9 @@ cdef class Searcher:
         are searched once each way that matters."""
         cdef const ConfigData* I = self.cfg
         cdef SearchState* S = self.state
-        cdef int key[8 + MAXT]
-        cdef int k, klen = 8 + I.T, used = 0, K = I.N - 1 - x
+        cdef int klen = 8 + I.T, K = I.N - 1 - x
         cdef double vec[MEMO_W]
-        cdef unsigned long long h
         cdef long long sim0
-        key[0] = x
-        key[1] = Lrem
-        key[2] = o
-        key[3] = start
-        key[4] = l
-        for k in range(I.T):
-            if S.used[k]:
-                used |= 1 << k
-            key[8 + k] = S.cursor[k]
-        key[5] = used if I.blocks else 0
-        key[6] = S.st_opt[0] if I.V > 1 else 0      # (the wrap-around link's far end)
-        key[7] = S.st_start[0] if I.V > 1 else 0
         vec[0] = S.head[x]
         vec[1] = S.tail[x]
         vec[2] = S.MA[x]
@@ -912,7 +1019,6 @@ cdef class Searcher:
         vec[5] = S.MD[x] + 2.0 * S.P[x] if I.loop1 else 0.0
         vec[6] = S.QX[x] if (I.pair and x > 0) else 0.0
         vec[7] = S.thr
-        h = _memo_hash(key, klen)
         if self.dominated(key, h, vec):
             self.st.cut_dominated += 1
             return
@@ -936,8 +1042,10 @@ cdef class Searcher:
         cdef const ConfigData* I = self.cfg
         cdef SearchState* S = self.state
         cdef int N = I.N, o, k, dt, start, l, lo, hi, K = N - 1 - x
-        cdef int save_cursor, save_used, save_rl, save_rdec, nr, rstage, it, cap
+        cdef int save_cursor, save_used, save_rl, save_rdec, nr, rstage, it, cap, pre
         cdef double ring, g, thr_eps
+        cdef int key[MEMO_MAXK]
+        cdef unsigned long long h = 0
         cdef int memo_on = (self.use_memo and I.ridge_mode == RIDGE_OFF and I.use_bound
                             and S.collect_D == 0)
         if not self.enter(x):
@@ -1020,8 +1128,16 @@ cdef class Searcher:
                 S.st_l[x] = l
                 _set_stage(I, S, x, o, l, ring)
                 g = bound(I, S, x, Lrem - l)
+                pre = memo_on and K > 0 and x + 1 >= S.plen
                 if I.use_bound and g > thr_eps:
                     self.st.cut_bound += 1
+                    pre = 0
+                elif pre:
+                    # the memo's key now, and its slot loading while the capacity cut runs
+                    h = self.memo_key(x, Lrem - l, o, start, l, key)
+                    _memo_prefetch(self.mp, h)
+                if I.use_bound and g > thr_eps:
+                    pass
                 elif (I.use_bound and K > 0
                       and capacity(I, S, x, thr_eps - cap_path(I, S, x), K,
                                    rt_limit(I, S, x, K, thr_eps))
@@ -1029,8 +1145,8 @@ cdef class Searcher:
                     self.st.cut_capacity += 1
                 elif K == 0:
                     self.leaf(nr)
-                elif memo_on and x + 1 >= S.plen:
-                    self.descend(x, Lrem - l, o, start, l, nr, thr_eps)
+                elif pre:
+                    self.descend(x, Lrem - l, nr, thr_eps, key, h)
                 elif I.use_bound and rt_cut(I, S, x, K, Lrem - l, thr_eps):
                     self.st.cut_capacity += 1
                 else:
@@ -1202,6 +1318,8 @@ cdef void _run_threads(ConfigInstance inst, Searcher se, int D, int threads, thr
             h.mlock = &sh.mlock
             helpers.append(h)
         se.mlock = &sh.mlock
+        if se.use_memo:
+            _memo_fix(se.mp, 8 + se.cfg.T, 0)   # (out of memory: lookups take the lock)
         workers = [threading.Thread(target=h._thread_main, daemon=True) for h in helpers]
         for w in workers:
             w.start()
