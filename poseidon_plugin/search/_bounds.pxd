@@ -7,7 +7,9 @@ current prefix. The proofs are in ``docs/search.md``; ``tests/test_search.py`` c
 against the exhaustive search on random instances.
 """
 
-from poseidon_plugin.search._search cimport ConfigData, SearchState
+from libc.math cimport ceil
+
+from poseidon_plugin.search._search cimport ConfigData, SearchState, dmax
 
 
 # Update the incremental bound terms of stage x (its costs, Pf/Pb[x-1] and R[x] already set in
@@ -33,6 +35,27 @@ cdef int capacity(const ConfigData* I, SearchState* S, int x, double avail, int 
 # ``need`` layers on the K stages after x.
 cdef int wcut(const ConfigData* I, SearchState* S, int x, double avail, int K, int need,
               double whi) noexcept nogil
+
+
+cdef inline double low_bound(const ConfigData* I, SearchState* S, int x, int Lrem) noexcept nogil:
+    """The part of ``bound``'s g for stage x (K = N - 1 - x > 0 later stages, Lrem layers after
+    x) that never grows with stage x's own layer count: its round-trip and gy terms with stage
+    x's costs (all >= 0) left out, the later layers' kept. g >= this for every count, and it
+    only grows as the count shrinks (Lrem grows), so the counts it cuts are the smallest ones.
+    Needs stage x's link (Pf, Pb[x-1]) and ``later_costs`` of x, not x's costs."""
+    cdef int V = I.V, K = I.N - 1 - x
+    cdef double lay = Lrem, fut, head = 0.0, tailfix = 0.0, rt = 0.0
+    if V > 1:
+        lay = (Lrem - K * (V - 1)) / <double> V
+        if lay < 0:
+            lay = 0
+    fut = 2.0 * I.minsend * K + lay * S.fbav[x] + S.outav[x]
+    if x > 0:
+        head = S.head[x - 1] + S.fc[(x - 1) * V] + S.Pf[x - 1]
+        tailfix = S.Pb[x - 1] + S.bc[(x - 1) * V + I.clast] + S.tail[x - 1]
+        rt = S.MC[x - 1] + S.P[x - 1] + S.Pf[x - 1] + S.Pb[x - 1]
+    return dmax(rt + fut,
+                head + 2.0 * I.minsend + I.M * ceil(Lrem / <double> K) * S.fbav[x] + tailfix)
 
 
 cdef inline double cap_path(const ConfigData* I, SearchState* S, int x) noexcept nogil:

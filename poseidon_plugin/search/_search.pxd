@@ -120,6 +120,7 @@ cdef struct SearchState:
     double Qp[MAXN]                # ... max over c < x of stage c's backward part (``pair_prefix``)
     double QX[MAXN]                # ... max over a < x of stage a's forward part
     double lastmid[MAXN]           # after stage x: min midlast over the options that can host it
+    double ginc                    # ``bound``'s terms that never decrease with stage x's layers
     double fbav[MAXN]              # after stage x: cheapest layer f + b / output layer f + b
     double outav[MAXN]             # ... over the types that can still host a stage (``later_costs``)
     # ridge rule memory per option

@@ -31,8 +31,8 @@ import numpy as np
 cimport numpy as cnp
 
 from poseidon_plugin.simulator._core cimport PipelineDAG
-from poseidon_plugin.search._bounds cimport (bound, capacity, cap_path, later_costs, rt_limit,
-                                             rt_cut, pair_prefix)
+from poseidon_plugin.search._bounds cimport (bound, capacity, cap_path, later_costs, low_bound,
+                                             rt_limit, rt_cut, pair_prefix)
 
 cnp.import_array()
 
@@ -1042,7 +1042,7 @@ cdef class Searcher:
         cdef const ConfigData* I = self.cfg
         cdef SearchState* S = self.state
         cdef int N = I.N, o, k, dt, start, l, lo, hi, K = N - 1 - x
-        cdef int save_cursor, save_used, save_rl, save_rdec, nr, rstage, it, cap, pre
+        cdef int save_cursor, save_used, save_rl, save_rdec, nr, rstage, it, cap, pre, a, b, mid
         cdef double ring, g, thr_eps
         cdef int key[MEMO_MAXK]
         cdef unsigned long long h = 0
@@ -1099,6 +1099,12 @@ cdef class Searcher:
             later_costs(I, S, x)
             thr_eps = S.thr * (1.0 + 1e-9)
             if I.use_bound and K > 0:
+                # the terms of g that never increase with l (``_bounds.low_bound``) cut the smallest
+                # counts: raise lo past them
+                while lo <= hi and low_bound(I, S, x, Lrem - lo) > thr_eps:
+                    self.st.cut_bound += 1
+                    lo += 1
+            if I.use_bound and K > 0 and lo <= hi:
                 # capacity: the K later stages hold at most cap(l) layers, cap non-increasing in
                 # l (the path grows with l), so l >= Lrem - cap(lo) for every l >= lo: iterate.
                 for it in range(6):
@@ -1132,6 +1138,21 @@ cdef class Searcher:
                 if I.use_bound and g > thr_eps:
                     self.st.cut_bound += 1
                     pre = 0
+                    if S.ginc > thr_eps and l - lo >= 2:
+                        # the terms of g that never decrease with l cut l and every larger
+                        # count; bisect for the largest smaller count they do not cut
+                        a = lo - 1
+                        b = l
+                        while b - a > 1:
+                            mid = (a + b) >> 1
+                            _set_stage(I, S, x, o, mid, ring)
+                            bound(I, S, x, Lrem - mid)
+                            if S.ginc > thr_eps:
+                                b = mid
+                            else:
+                                a = mid
+                        self.st.cut_bound += l - 1 - a
+                        l = a + 1
                 elif pre:
                     # the memo's key now, and its slot loading while the capacity cut runs
                     h = self.memo_key(x, Lrem - l, o, start, l, key)
@@ -1422,3 +1443,46 @@ def replay_assignment(ConfigInstance inst, PipelineDAG dag, opts, layers):
     finally:
         _free_state(S)
 
+
+
+def bound_parts(ConfigInstance inst, opts, layers, int x):
+    """For stage x of a prefix (``opts`` and ``layers`` of stages < x as given, stage x with
+    option opts[x]): per layer count l of stage x from V to the layers left minus V per later
+    stage, (l, g, ginc, low) -- ``bound``'s g, its terms that never decrease with l
+    (``S.ginc``, the upper cut's bisection) and ``_bounds.low_bound`` (never increases with
+    l; it raises the smallest count). For the tests: both <= g and monotone in l. Memory
+    limits are not applied (the bounds do not read them). ValueError when the prefix does
+    not fit the devices."""
+    cdef const ConfigData* I = &inst.data
+    cdef SearchState* S = _new_state(I, 1e300, 0.0)
+    cdef int y, o, l, start, N = I.N, Lrem = I.L, K = N - 1 - x
+    cdef double ring, g
+    if not 0 <= x < N - 1 or len(opts) <= x or len(layers) < x:
+        _free_state(S)
+        raise ValueError("bound_parts: 0 <= x < N - 1, options for stages <= x, layers < x")
+    out = []
+    try:
+        for y in range(x + 1):
+            o = opts[y]
+            start = _aligned_start(I, S, o)
+            if start < 0:
+                raise ValueError(f"bound_parts: stage {y} (option {o}) does not fit")
+            ring = _place_stage(I, S, y, o, start)
+            S.cursor[I.opt_type[o]] = start + I.d * I.opt_tp[o]
+            S.used[I.opt_type[o]] = 1
+            later_costs(I, S, y)
+            if y < x:
+                l = layers[y]
+                S.st_l[y] = l
+                _set_stage(I, S, y, o, l, ring)
+                Lrem -= l
+                bound(I, S, y, Lrem)
+        for l in range(I.V, Lrem - K * I.V + 1):
+            S.st_l[x] = l
+            low = low_bound(I, S, x, Lrem - l)
+            _set_stage(I, S, x, opts[x], l, ring)
+            g = bound(I, S, x, Lrem - l)
+            out.append((l, g, S.ginc, low))
+        return out
+    finally:
+        _free_state(S)
