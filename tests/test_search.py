@@ -56,8 +56,8 @@ def _run(inst, pruning, **kw):
     try:
         return search_plan(cluster, model, SearchOptions(
             global_batch_size=gbs, seq_length=128, schedules=tuple(scheds), pruning=pruning,
-            tp_mode=tp_mode, micro_batch_sizes=(1, 2), workers=1, warmup_samples=20,
-            type_order="any", **kw))
+            tp_mode=tp_mode, micro_batch_sizes=(1, 2), warmup_samples=20,
+            type_order="any", **{"workers": 1, **kw}))
     except InfeasibleError:
         return None
 
@@ -495,6 +495,28 @@ def test_error_messages_name_cli_flag_and_parameter():
     with pytest.raises(PoseidonError, match=r"--micro-batch-sizes / micro_batch_sizes"):
         search_plan(cluster, model, SearchOptions(
             global_batch_size=8, seq_length=128, micro_batch_sizes=(0,)))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(instance_st, st.sampled_from([0.0, 0.5, 1e9]))
+def test_concurrent_rounds_return_the_sequential_plan(inst, giant_share):
+    """Two workers run a round's configurations side by side (GIANT_SHARE 1e9: never split),
+    split the large ones (0: every configuration with >= SPLIT_NODES = 0 nodes) or both
+    (0.5): the plan, its time and its lower bound are those of one worker."""
+    import poseidon_plugin.search.driver as drv
+    one = _run(inst, "safe")
+    old = drv.GIANT_SHARE, drv.SPLIT_NODES
+    drv.GIANT_SHARE, drv.SPLIT_NODES = giant_share, 0
+    try:
+        two = _run(inst, "safe", **{"workers": 2})
+    finally:
+        drv.GIANT_SHARE, drv.SPLIT_NODES = old
+    if one is None:
+        assert two is None
+        return
+    strip = lambda p: {k: v for k, v in p.to_dict().items() if k != "search"}
+    assert strip(one) == strip(two)
+    assert one.search["exhaustive"] and two.search["exhaustive"]
 
 
 def test_statistics_timing_flag(monkeypatch):

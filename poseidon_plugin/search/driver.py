@@ -25,7 +25,9 @@ import logging
 import math
 import random
 import time
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 from ..costs import CostModel
 from ..errors import InfeasibleError
@@ -45,7 +47,9 @@ JUMP_SAFETY = 1.2   # under a budget, a round may jump to a gap milestone above 
                     # cap when its predicted time x this fits in the time left
 JUMP_FIT_ROUNDS = 4  # ... predicted from the growth of the last this many rounds
 JUMP_MIN_S = 0.25    # ... that took at least this long (shorter ones are mostly overhead)
-SPLIT_NODES = 20000  # a configuration whose last search took this many nodes is split over threads
+SPLIT_NODES = 20000  # a configuration whose last search took this many nodes and
+GIANT_SHARE = 0.5    # ... this share of the last round's is split over the threads (the others
+                     # run side by side, one per thread)
 WARMUP_CONFIGS = 16  # warm-up samples come from this many configurations of lowest root bound
 WARMUP_PATIENCE = 100  # ... and end after this many draws in a row did not beat the incumbent
 CONSTRUCT_CONFIGS = 64  # constructive plans for (at least) this many configurations, by root bound
@@ -160,6 +164,8 @@ class SearchDriver:
         self._unproven: set[int] = set()    # lbs not (yet) valid for the stated space
         self._done_in_round = 0
         self._round_times: list[tuple[float, float]] = []   # (cap, s): the pass's rounds
+        self._last_round_nodes = 0
+        self._pool: ThreadPoolExecutor | None = None     # the rounds' worker threads
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -256,6 +262,9 @@ class SearchDriver:
                 self.polish_found()
             self.run_passes()
         finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
             self.progress.close(self.snapshot() if self.best is not None else None)
         if self.best is None:
             if self.timed_out:
@@ -603,34 +612,92 @@ class SearchDriver:
     def run_round(self, cap: float, pass_order: list[int], pass_type_order: str) -> None:
         """Search every configuration of ``pass_order`` whose root bound is <= min(cap,
         threshold) with the threshold min(cap, incumbent): afterwards the best plan of the
-        pass's space with time <= cap is known. A configuration whose last search took
-        >= SPLIT_NODES nodes is searched by ``workers`` threads (its subtrees shared)."""
+        pass's space with time <= cap is known.
+
+        With ``workers`` > 1 the configurations run side by side, one per worker thread (the
+        searches run in nogil C), each with the threshold known when it starts: a plan another
+        one finds meanwhile only lowers the next ones'. A configuration whose last search took
+        >= SPLIT_NODES nodes and >= GIANT_SHARE of the last round's is searched alone by every
+        worker (its subtrees shared: ``_search.search_config``). Each configuration's result
+        is its best plan under its own threshold, >= the round's, so the merged result (the
+        smallest (time, configuration, assignment)) is the one of a sequential round; only the
+        statistics depend on the interleaving."""
         t_round, n_before, searched = time.perf_counter(), self.stats.nodes, 0
         self.set_phase(f"{self.pass_name + ' ' if self.pass_name else ''}round "
                        f"{self.stats.rounds}")
         pruning = self.options.pruning
-        for i in pass_order:
-            if self._past_pass_deadline():
-                self.timed_out = True
-                break
-            thr = math.inf if self.exact else min(cap, self.threshold)
-            if not self.exact and self.roots[i] > thr * (1 + 1e-9):
-                break   # order is by root bound: the rest are cut too
-            cfg = self.configs[i]
-            threads = (self.workers if self.workers > 1 and self.work.get(i, 0) >= SPLIT_NODES
-                       else 1)
-            blocks = cfg.type_sequences_restricted(pass_type_order,
-                                                   self.options.type_sequence_limit)
-            res = self.ctx.run(cfg, pruning=pruning, blocks=blocks, threshold_ms=thr,
-                               deadline=self.pass_deadline or 0.0, threads=threads)
-            self.work[i] = res.nodes
-            self.absorb(i, res, thr)
-            searched += 1
-            self._done_in_round = searched
-            self.tick()
+        giant = max(SPLIT_NODES, GIANT_SHARE * self._last_round_nodes)
+        running: dict = {}            # future -> (configuration, threshold, DAG slot)
+        free = list(range(self.workers, 0, -1))   # DAG slots (0: this thread's, the polish's)
+
+        def collect(block: bool) -> None:
+            nonlocal searched
+            if not running:
+                return
+            done, _ = wait(list(running), return_when=FIRST_COMPLETED if block else ALL_COMPLETED)
+            for fut in sorted(done, key=lambda f: running[f][0]):   # (a deterministic order)
+                j, thr_j, slot = running.pop(fut)
+                free.append(slot)
+                res = fut.result()
+                self.work[j] = res.nodes
+                self.absorb(j, res, thr_j)
+                searched += 1
+                self._done_in_round = searched
+                self.tick()
+
+        try:
+            for i in pass_order:
+                if self._past_pass_deadline():
+                    self.timed_out = True
+                    break
+                thr = math.inf if self.exact else min(cap, self.threshold)
+                if not self.exact and self.roots[i] > thr * (1 + 1e-9):
+                    break   # order is by root bound: the rest are cut too
+                cfg = self.configs[i]
+                blocks = cfg.type_sequences_restricted(pass_type_order,
+                                                       self.options.type_sequence_limit)
+                run = partial(self.ctx.run, cfg, pruning=pruning, blocks=blocks,
+                              threshold_ms=thr, deadline=self.pass_deadline or 0.0)
+                if self.workers > 1 and self.work.get(i, 0) >= giant:
+                    collect(block=False)           # alone, split over every worker
+                    thr = math.inf if self.exact else min(cap, self.threshold)
+                    res = run(threshold_ms=thr, threads=self.workers)
+                    self.work[i] = res.nodes
+                    self.absorb(i, res, thr)
+                    searched += 1
+                    self._done_in_round = searched
+                    self.tick()
+                    continue
+                if self.workers == 1:
+                    res = run()
+                    self.work[i] = res.nodes
+                    self.absorb(i, res, thr)
+                    searched += 1
+                    self._done_in_round = searched
+                    self.tick()
+                    continue
+                if not free:
+                    collect(block=True)
+                    thr = math.inf if self.exact else min(cap, self.threshold)
+                    if not self.exact and self.roots[i] > thr * (1 + 1e-9):
+                        break
+                    run = partial(run, threshold_ms=thr)
+                slot = free.pop()
+                if running:
+                    self.stats.statistics_depend_on_timing = True
+                running[self._executor().submit(run, slot=slot)] = (i, thr, slot)
+        finally:
+            collect(block=False)
+        self._last_round_nodes = self.stats.nodes - n_before
         log.debug("pass %s: round cap %.1f, incumbent %.1f, %d configs, %d nodes, %.2f s",
                   pass_type_order, cap, self.threshold, searched, self.stats.nodes - n_before,
                   time.perf_counter() - t_round)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.workers,
+                                            thread_name_prefix="poseidon-search")
+        return self._pool
 
     def absorb(self, i: int, res, thr_used: float) -> None:
         self.stats.configs_searched += 1

@@ -168,15 +168,17 @@ class SearchContext:
 
     # ------------------------------------------------------------------ searching
     def run(self, cfg: OuterConfig, *, pruning: str, blocks: bool, threshold_ms: float,
-            deadline: float = 0.0, threads: int = 1, memo: bool = True
+            deadline: float = 0.0, threads: int = 1, memo: bool = True, slot: int = 0
             ) -> _search.ConfigResult:
         """Branch and bound over ``cfg``: the best plan with time <= ``threshold_ms``.
         The DAG is built only when the search reaches its first leaf (most configurations are
-        settled by the bounds alone); threads > 1: one DAG per thread (its own workspace)."""
+        settled by the bounds alone); threads > 1: one DAG per thread (its own workspace).
+        ``slot``: which DAG workspace (``cached_dag``; searches that run at the same time
+        need different ones, and slot 0 is the calling thread's)."""
         key = (cfg.schedule, cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages)
         return _search.search_config(self.instance(cfg, pruning=pruning, blocks=blocks),
-                                     lambda: cached_dag(*key), threshold_ms, deadline, threads,
-                                     lambda slot: cached_dag(*key, slot), memo)
+                                     lambda: cached_dag(*key, slot), threshold_ms, deadline,
+                                     threads, lambda s: cached_dag(*key, slot + s), memo)
 
     def replay(self, cfg: OuterConfig, opts, layers) -> tuple[list[float], float]:
         """(g after each stage, simulated time) of one complete assignment through the
