@@ -95,7 +95,9 @@ demo: build
 bench: build
 	$(PY) benchmarks/bench_simulator.py
 	$(PY) benchmarks/bench_search.py --max-seconds 120
+	$(PY) benchmarks/bench_search.py --per-stage-tp --max-seconds 60 --no-baselines
 	$(PY) benchmarks/bench_scale.py --budget 120
+	$(PY) benchmarks/bench_scale.py --budget 60 --cases 70b-10240
 
 validate: build
 	$(PY) -m poseidon_plugin.cli validate

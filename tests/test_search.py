@@ -500,17 +500,18 @@ def test_error_messages_name_cli_flag_and_parameter():
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
 @given(instance_st, st.sampled_from([0.0, 0.5, 1e9]))
 def test_concurrent_rounds_return_the_sequential_plan(inst, giant_share):
-    """Two workers run a round's configurations side by side (GIANT_SHARE 1e9: never split),
+    """Two workers run a round's configurations side by side (CONCURRENT_NODES 0: even the
+    smallest; GIANT_SHARE 1e9: never split),
     split the large ones (0: every configuration with >= SPLIT_NODES = 0 nodes) or both
     (0.5): the plan, its time and its lower bound are those of one worker."""
     import poseidon_plugin.search.driver as drv
     one = _run(inst, "safe")
-    old = drv.GIANT_SHARE, drv.SPLIT_NODES
-    drv.GIANT_SHARE, drv.SPLIT_NODES = giant_share, 0
+    old = drv.GIANT_SHARE, drv.SPLIT_NODES, drv.CONCURRENT_NODES
+    drv.GIANT_SHARE, drv.SPLIT_NODES, drv.CONCURRENT_NODES = giant_share, 0, 0
     try:
         two = _run(inst, "safe", **{"workers": 2})
     finally:
-        drv.GIANT_SHARE, drv.SPLIT_NODES = old
+        drv.GIANT_SHARE, drv.SPLIT_NODES, drv.CONCURRENT_NODES = old
     if one is None:
         assert two is None
         return
@@ -530,6 +531,7 @@ def test_statistics_timing_flag(monkeypatch):
     a = search_plan(cluster, model, SearchOptions(workers=1, **kw))
     c = search_plan(cluster, model, SearchOptions(workers=1, **kw))
     monkeypatch.setattr(search_mod, "SPLIT_NODES", 0)   # split every configuration
+    monkeypatch.setattr(search_mod, "GIANT_SHARE", 0.0)
     b = search_plan(cluster, model, SearchOptions(workers=2, **kw))
     assert a.search["statistics_depend_on_timing"] is False
     assert b.search["statistics_depend_on_timing"] is True

@@ -39,7 +39,10 @@ from .progress import SearchProgress, Snapshot
 log = logging.getLogger("poseidon")
 
 ROUND_STEP = 0.02   # iterative deepening: each round's threshold cap is 2 % above the last
-BISECT_GAP = 0.002  # ... until it passes the incumbent: then one midpoint round if the gap > 0.2 %
+BISECT_GAP = 0.006  # ... until it passes the incumbent: then one midpoint round if the gap > 0.6 %
+                    # (0.2 % before: per-stage TP setting 5 spent 11 s on a midpoint round at
+                    # 0.25 % below its incumbent, then 12 s on the last round; 0.6 %: just above
+                    # the last milestone, 0.5 %, whose round is then followed by the last one)
 GAP_MILESTONES = (0.10, 0.05, 0.02, 0.01, 0.005)  # a round's cap stops at incumbent x (1 - m)
 MILESTONE_MERGE = 0.001   # ... unless the grid's next cap is within 0.1 % above that level
 MAX_ROUNDS = 64     # per pass; the last round searches with the incumbent alone
@@ -49,7 +52,12 @@ JUMP_FIT_ROUNDS = 4  # ... predicted from the growth of the last this many round
 JUMP_MIN_S = 0.25    # ... that took at least this long (shorter ones are mostly overhead)
 SPLIT_NODES = 20000  # a configuration whose last search took this many nodes and
 GIANT_SHARE = 0.5    # ... this share of the last round's is split over the threads (the others
-                     # run side by side, one per thread)
+                     # run side by side, one per thread,
+CONCURRENT_NODES = 100  # ... those whose last search took this many nodes; the smaller ones and
+                       # those not searched yet run in the driver's thread: with every one
+                       # handed to the pool, per-stage TP settings 3 / 4 took 2.0 / 1.2 s with 2
+                       # workers and 1.4 / 0.7 s with 1; now 1.1 / 0.6 s. At 5000 nodes, setting
+                       # 5's round where the trees first grow ran in one thread: 6.0 s, not 2.9)
 WARMUP_CONFIGS = 16  # warm-up samples come from this many configurations of lowest root bound
 WARMUP_PATIENCE = 100  # ... and end after this many draws in a row did not beat the incumbent
 CONSTRUCT_CONFIGS = 64  # constructive plans for (at least) this many configurations, by root bound
@@ -502,7 +510,7 @@ class SearchDriver:
 
         Round r searches with cap_r = root * (1+step)^r; a cap that would pass the incumbent
         becomes, once per pass, the midpoint of the proven bound and the incumbent if their gap
-        is > 0.2 %, else the incumbent (cap = inf: threshold = incumbent). A round
+        is > BISECT_GAP, else the incumbent (cap = inf: threshold = incumbent). A round
         that ends with no plan <= cap_r proves every plan of the pass is > cap_r; the first
         round that finds one (threshold <= cap_r) has found the best plan, since every better
         plan would have been <= cap_r too. With an incumbent from an earlier pass (a seed),
@@ -618,7 +626,9 @@ class SearchDriver:
         searches run in nogil C), each with the threshold known when it starts: a plan another
         one finds meanwhile only lowers the next ones'. A configuration whose last search took
         >= SPLIT_NODES nodes and >= GIANT_SHARE of the last round's is searched alone by every
-        worker (its subtrees shared: ``_search.search_config``). Each configuration's result
+        worker (its subtrees shared: ``_search.search_config``); one whose last search took
+        < CONCURRENT_NODES (or that was not searched yet) runs in this thread, between the
+        others' hand-offs. Each configuration's result
         is its best plan under its own threshold, >= the round's, so the merged result (the
         smallest (time, configuration, assignment)) is the one of a sequential round; only the
         statistics depend on the interleaving."""
@@ -668,7 +678,7 @@ class SearchDriver:
                     self._done_in_round = searched
                     self.tick()
                     continue
-                if self.workers == 1:
+                if self.workers == 1 or self.work.get(i, 0) < CONCURRENT_NODES:
                     res = run()
                     self.work[i] = res.nodes
                     self.absorb(i, res, thr)
