@@ -1203,6 +1203,40 @@ def test_rounds_stop_at_gap_milestones_without_moving_the_grid(monkeypatch):
     assert caps[:4] == pytest.approx([100.0 * 1.02 ** k for k in (1, 2, 3, 4)])
 
 
+def test_budget_jump_to_a_milestone_only_when_its_round_is_predicted_to_fit():
+    """``_jump_cap``: with three completed rounds whose times grow as exp(-16 sqrt(gap)) the
+    predicted time of the U (1 - m) round is exp(-16 sqrt(m)) scaled from the last one; the
+    cap jumps to the smallest m whose prediction x JUMP_SAFETY fits in the time left, and
+    stays put without a budget, with fewer than three rounds, or when nothing fits."""
+    import time as _time
+
+    from poseidon_plugin.search import driver as drv
+
+    cluster, model = _small()
+    d = drv.SearchDriver(cluster, model, SearchOptions(global_batch_size=8, seq_length=128,
+                                                       progress=False))
+    u = 1000.0
+    d.threshold = u
+    t_of = lambda m: 100.0 * math.exp(-16.0 * math.sqrt(m))      # seconds at gap m
+    gaps = (0.12, 0.10, 0.08)
+    d._round_times = [(u * (1 - m), t_of(m)) for m in gaps]
+    cap = u * (1 - 0.08) * 1.02                                   # the grid's next cap
+    d.pass_deadline = None
+    assert d._jump_cap(cap) == cap                                # no budget: the grid
+    for m in (0.005, 0.01, 0.02, 0.05):
+        need = t_of(m) * drv.JUMP_SAFETY
+        d.pass_deadline = _time.monotonic() + need * 1.01         # m's round just fits
+        assert d._jump_cap(cap) == pytest.approx(u * (1 - m)), m
+        d.pass_deadline = _time.monotonic() + need * 0.97         # it does not: a larger m
+        got = d._jump_cap(cap)
+        assert got < u * (1 - m) * (1 - 1e-9) or got == cap, m
+    d.pass_deadline = _time.monotonic() + 0.5 * t_of(0.05)        # nothing fits
+    assert d._jump_cap(cap) == cap
+    d._round_times = d._round_times[-2:]                          # two rounds: no fit
+    d.pass_deadline = _time.monotonic() + 1e6
+    assert d._jump_cap(cap) == cap
+
+
 def _pair_parts(F, B, Pf, Pb, R, orders):
     """Per stage s of an interleaved schedule, walked op by op: (fwd_s, head_s, bwd_s, bb_s):
     its ops before F(s, 0, k*) (k* the last micro-batch of the first chunk-0 forward group),
