@@ -158,27 +158,14 @@ def test_bound_parts_are_monotone_in_the_stage_layers(inst, seed):
     the counts above the first it cuts) and ``low_bound`` (never increases: the counts below
     the first it passes are skipped) are <= g and monotone in l, for every stage x of random
     plans' prefixes."""
-    import random
-    types, layers, gbs, scheds, tp_mode = inst
-    cluster, model = make_instance(types, layers, None)
-    ctx = SearchContext(CostModel(cluster, model, None, seq_length=128))
-    cfgs = _configs(ctx, gbs, tuple(scheds), tp_mode, max_virtual_stages=3)
-    rng = random.Random(seed)
-    for _ in range(5):
-        if not cfgs:
-            return
-        cfg = rng.choice(cfgs)
-        a = ctx.random_assignment(cfg, rng)
-        if a is None or cfg.num_stages < 2:
-            continue
-        opts, lay = a
-        inst_ = ctx.instance(cfg, pruning="none", blocks=False)
+    for cm, cfg, (opts, lay) in _random_plans(inst, seed):
+        inst_ = SearchContext(cm).instance(cfg, pruning="none", blocks=False)
         for x in range(cfg.num_stages - 1):
             rows = _search.bound_parts(inst_, opts, lay, x)
             for l, g, inc, low in rows:
-                assert inc <= g * (1 + 1e-12) and low <= g * (1 + 1e-12), (cfg, a, x, l)
+                assert inc <= g * (1 + 1e-12) and low <= g * (1 + 1e-12), (cfg, opts, x, l)
             for (_, _, i1, w1), (_, _, i2, w2) in zip(rows, rows[1:]):
-                assert i2 >= i1 * (1 - 1e-12) and w2 <= w1 * (1 + 1e-12), (cfg, a, x, rows)
+                assert i2 >= i1 * (1 - 1e-12) and w2 <= w1 * (1 + 1e-12), (cfg, opts, x, rows)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))

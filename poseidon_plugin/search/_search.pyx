@@ -1134,10 +1134,8 @@ cdef class Searcher:
                 S.st_l[x] = l
                 _set_stage(I, S, x, o, l, ring)
                 g = bound(I, S, x, Lrem - l)
-                pre = memo_on and K > 0 and x + 1 >= S.plen
                 if I.use_bound and g > thr_eps:
                     self.st.cut_bound += 1
-                    pre = 0
                     if S.ginc > thr_eps and l - lo >= 2:
                         # the terms of g that never decrease with l cut l and every larger
                         # count; bisect for the largest smaller count they do not cut
@@ -1153,25 +1151,25 @@ cdef class Searcher:
                                 a = mid
                         self.st.cut_bound += l - 1 - a
                         l = a + 1
-                elif pre:
-                    # the memo's key now, and its slot loading while the capacity cut runs
-                    h = self.memo_key(x, Lrem - l, o, start, l, key)
-                    _memo_prefetch(self.mp, h)
-                if I.use_bound and g > thr_eps:
-                    pass
-                elif (I.use_bound and K > 0
-                      and capacity(I, S, x, thr_eps - cap_path(I, S, x), K,
-                                   rt_limit(I, S, x, K, thr_eps))
-                      < Lrem - l):
-                    self.st.cut_capacity += 1
-                elif K == 0:
-                    self.leaf(nr)
-                elif pre:
-                    self.descend(x, Lrem - l, nr, thr_eps, key, h)
-                elif I.use_bound and rt_cut(I, S, x, K, Lrem - l, thr_eps):
-                    self.st.cut_capacity += 1
                 else:
-                    self.recurse(x + 1, Lrem - l, nr)
+                    pre = memo_on and K > 0 and x + 1 >= S.plen
+                    if pre:
+                        # the memo's key now, and its slot loading while the capacity cut runs
+                        h = self.memo_key(x, Lrem - l, o, start, l, key)
+                        _memo_prefetch(self.mp, h)
+                    if (I.use_bound and K > 0
+                            and capacity(I, S, x, thr_eps - cap_path(I, S, x), K,
+                                         rt_limit(I, S, x, K, thr_eps))
+                            < Lrem - l):
+                        self.st.cut_capacity += 1
+                    elif K == 0:
+                        self.leaf(nr)
+                    elif pre:
+                        self.descend(x, Lrem - l, nr, thr_eps, key, h)
+                    elif I.use_bound and rt_cut(I, S, x, K, Lrem - l, thr_eps):
+                        self.st.cut_capacity += 1
+                    else:
+                        self.recurse(x + 1, Lrem - l, nr)
                 if S.timed_out:
                     break
                 thr_eps = S.thr * (1.0 + 1e-9)

@@ -640,26 +640,35 @@ class SearchDriver:
         running: dict = {}            # future -> (configuration, threshold, DAG slot)
         free = list(range(self.workers, 0, -1))   # DAG slots (0: this thread's, the polish's)
 
-        def collect(block: bool) -> None:
+        def finish(j: int, res, thr_j: float) -> None:
             nonlocal searched
+            self.work[j] = res.nodes
+            self.absorb(j, res, thr_j)
+            searched += 1
+            self._done_in_round = searched
+            self.tick()
+
+        def collect(block: bool) -> None:
             if not running:
                 return
             done, _ = wait(list(running), return_when=FIRST_COMPLETED if block else ALL_COMPLETED)
             for fut in sorted(done, key=lambda f: running[f][0]):   # (a deterministic order)
                 j, thr_j, slot = running.pop(fut)
                 free.append(slot)
-                res = fut.result()
-                self.work[j] = res.nodes
-                self.absorb(j, res, thr_j)
-                searched += 1
-                self._done_in_round = searched
-                self.tick()
+                finish(j, fut.result(), thr_j)
 
         try:
             for i in pass_order:
                 if self._past_pass_deadline():
                     self.timed_out = True
                     break
+                work = self.work.get(i, 0)
+                split = self.workers > 1 and work >= giant
+                inline = self.workers == 1 or work < CONCURRENT_NODES
+                if split:
+                    collect(block=False)           # alone, split over every worker
+                elif not inline and not free:
+                    collect(block=True)
                 thr = math.inf if self.exact else min(cap, self.threshold)
                 if not self.exact and self.roots[i] > thr * (1 + 1e-9):
                     break   # order is by root bound: the rest are cut too
@@ -668,34 +677,15 @@ class SearchDriver:
                                                        self.options.type_sequence_limit)
                 run = partial(self.ctx.run, cfg, pruning=pruning, blocks=blocks,
                               threshold_ms=thr, deadline=self.pass_deadline or 0.0)
-                if self.workers > 1 and self.work.get(i, 0) >= giant:
-                    collect(block=False)           # alone, split over every worker
-                    thr = math.inf if self.exact else min(cap, self.threshold)
-                    res = run(threshold_ms=thr, threads=self.workers)
-                    self.work[i] = res.nodes
-                    self.absorb(i, res, thr)
-                    searched += 1
-                    self._done_in_round = searched
-                    self.tick()
-                    continue
-                if self.workers == 1 or self.work.get(i, 0) < CONCURRENT_NODES:
-                    res = run()
-                    self.work[i] = res.nodes
-                    self.absorb(i, res, thr)
-                    searched += 1
-                    self._done_in_round = searched
-                    self.tick()
-                    continue
-                if not free:
-                    collect(block=True)
-                    thr = math.inf if self.exact else min(cap, self.threshold)
-                    if not self.exact and self.roots[i] > thr * (1 + 1e-9):
-                        break
-                    run = partial(run, threshold_ms=thr)
-                slot = free.pop()
-                if running:
-                    self.stats.statistics_depend_on_timing = True
-                running[self._executor().submit(run, slot=slot)] = (i, thr, slot)
+                if split:
+                    finish(i, run(threads=self.workers), thr)
+                elif inline:
+                    finish(i, run(), thr)
+                else:
+                    slot = free.pop()
+                    if running:
+                        self.stats.statistics_depend_on_timing = True
+                    running[self._executor().submit(run, slot=slot)] = (i, thr, slot)
         finally:
             collect(block=False)
         self._last_round_nodes = self.stats.nodes - n_before
