@@ -30,12 +30,12 @@ cdef enum RidgeMode:
 
 cdef struct Shared:
     # threads of one search_config call: the subtrees (prefixes of the first D stages) handed
-    # out in groups from a shared counter, and the incumbent time (an atomic minimum)
+    # out one at a time, in the order of the one-thread search, from a shared counter, and the
+    # incumbent time (an atomic minimum)
     int next
     int D
-    int* buf           # gstart[ngroup] * 2D: options then layers of each prefix
-    int* gstart        # ngroup + 1: prefixes gstart[g] .. gstart[g+1]-1 go to one searcher
-    int ngroup         # (a group: the orders of one set of stages, which reach the same keys)
+    int* buf           # n * 2D: options then layers of each prefix
+    int n
     int mlock          # the lock of the memo the searchers share (``Searcher.record``)
     double thr
 
