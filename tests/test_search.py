@@ -379,6 +379,28 @@ def test_dominance_memo_skips_reordered_prefixes_on_two_identical_types():
     assert on.best == off.best == two.best
 
 
+@pytest.mark.parametrize("tp_mode", ["uniform", "per-stage"])
+def test_the_options_are_tried_fastest_first_whatever_the_listing(tp_mode):
+    """The search tries the options fastest layer first, then the most memory
+    (``ConfigData.oorder``), so the order a cluster file lists its device types in changes
+    neither the plans' times nor the nodes searched (the dominance memo depends on the
+    visiting order: tried as listed, a slow-first listing searched more)."""
+    types = [(50.0, 2, 2, 0.1), (150.0, 2, 2, 1.0), (80.0, 2, 2, 0.05), (80.0, 2, 1, 1.0)]
+    seen = []
+    for order in ([0, 1, 2, 3], [3, 2, 1, 0], [2, 0, 3, 1]):
+        cluster, model = make_instance([types[i] for i in order], 10, None)
+        ctx = SearchContext(CostModel(cluster, model, None, seq_length=128))
+        runs = {}
+        for cfg in _configs(ctx, 8, ("1f1b", "interleaved-1f1b"), tp_mode):
+            if cfg.num_stages > 5:
+                continue
+            r = ctx.run(cfg, pruning="safe", blocks=False, threshold_ms=math.inf)
+            runs[cfg.key] = (None if r.best is None else round(r.best[0], 6), r.nodes)
+        seen.append(runs)
+    assert sum(n for _, n in seen[0].values()) > 1000
+    assert seen[0] == seen[1] == seen[2]
+
+
 def _memo_covers(a, b):
     """Memo vector a covers b: a <= b in every bound term and a's threshold (index 7) >= b's."""
     return all(a[i] <= b[i] for i in range(len(a)) if i != 7) and a[7] >= b[7]

@@ -60,6 +60,7 @@ cdef struct ConfigData:
     double of_[MAXO]               # one layer's forward / backward (ms)
     double ob_[MAXO]
     double ofb[MAXO]               # of_ + ob_
+    int oorder[MAXO]               # the options in the order the search tries them
     double oef[MAXO]               # embedding forward / backward (stage 0)
     double oeb[MAXO]
     double oof[MAXO]               # output layer forward / backward (last stage)

@@ -323,6 +323,15 @@ cdef class ConfigInstance:
         if lm.shape[0] != O * N:
             raise ValueError("ConfigInstance: lmax must have O*N entries")
         lm2 = lm.reshape(O, N)
+        # the order the search tries the options in: fastest layer first, then the most memory
+        # (the sum of the stages' limits), then as given. Only the visiting order, not the
+        # result (ties between plans are broken by the option indices): the dominance memo
+        # skips a subtree when one searched before it proved it, and the fast, roomy stages'
+        # subtrees prove the most. 70B/10,240's interleaved configuration at 1,648.1 ms, one
+        # thread: 10.9 M nodes with its types listed fastest first, 14.2 M listed the other
+        # way round and tried as listed; sorted, 10.9 M either way.
+        for o, oi in enumerate(sorted(range(O), key=lambda i: (I.ofb[i], -int(lm2[i].sum()), i))):
+            I.oorder[o] = oi
         per_stage = lm2.max(axis=0) if O > 0 else np.zeros(N, dtype=np.int32)
         suffix = np.zeros(N + 1, dtype=np.int32)
         somax = np.zeros((O, N + 1), dtype=np.int32)
@@ -1101,7 +1110,7 @@ cdef class Searcher:
         self.record(key, klen, h, vec)
 
     cdef void recurse(self, int x, int Lrem, int nonridge) noexcept nogil:
-        """Branch on stage x's option o (device type, TP) and layer count l, larger l first;
+        """Branch on stage x's option o (device type, TP; in ``oorder``) and layer count l, larger l first;
         see the module docstring and ``docs/search.md`` for the rules. (One piece on purpose:
         the nogil hot loop; placement, costs and bounds are the helpers it calls.)"""
         cdef const ConfigData* I = self.cfg
@@ -1113,9 +1122,11 @@ cdef class Searcher:
         cdef unsigned long long h = 0
         cdef int memo_on = (self.use_memo and I.ridge_mode == RIDGE_OFF and I.use_bound
                             and S.collect_D == 0)
+        cdef int oi
         if not self.enter(x):
             return
-        for o in range(I.O):
+        for oi in range(I.O):
+            o = I.oorder[oi]
             if x < S.plen and o != S.p_opt[x]:
                 continue
             k = I.opt_type[o]
