@@ -21,7 +21,7 @@ Cost formulas here are twins of the Python originals (each names its original; a
 pair): ``_send_ms``, ``_allreduce_ms`` and ``_chunk_layers``.
 """
 
-from libc.stdlib cimport calloc, free, malloc, realloc
+from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memset
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 
@@ -113,7 +113,8 @@ cdef extern from *:
                 return NULL;
             p = (char *) (((uintptr_t) raw + 64 + PSN_HUGE - 1) & ~(uintptr_t) (PSN_HUGE - 1));
         #if defined(MADV_HUGEPAGE)
-            madvise(p, (n + PSN_HUGE - 1) & ~(PSN_HUGE - 1), MADV_HUGEPAGE);
+            madvise(p, n, MADV_HUGEPAGE);   /* (the block only: n rounded up to 2 MB could
+                                               pass the mapping's end) */
         #endif
             ((size_t *) p)[-2] = (size_t) raw;
             ((size_t *) p)[-1] = total;
@@ -1386,9 +1387,10 @@ cdef void _run_threads(ConfigInstance inst, Searcher se, int D, int threads, thr
     in the order the one-thread search meets them (its depth-first order), so a subtree's
     memo records are, as there, mostly written before the later subtrees that find them; with
     many small prefixes (``PREFIXES_PER_THREAD``) only the few searched at the same moment
-    miss each other's. (Grouping the orders of one set of stages together, as before, put
-    far-apart subtrees side by side: 70B/10,240's interleaved configuration at 1,648.1 ms
-    took 17.1 M nodes in that order on one thread against 10.9 M depth-first.)"""
+    miss each other's. (Handing out the orders of one set of stages together, as before,
+    searched subtrees before the ones whose records would have cut them: 70B/10,240's
+    interleaved configuration at 1,648.1 ms took 17.1 M nodes in that order on one thread
+    against 10.9 M depth-first.)"""
     cdef SearchState* S = se.state
     cdef Shared sh
     cdef Searcher h
