@@ -38,4 +38,35 @@ def allreduce_ms(num_bytes: float, ranks: int, gbps: float, latency_ms: float) -
             + 2.0 * (ranks - 1) / ranks * num_bytes * 8.0 / (gbps * 1e6))
 
 
-__all__ = ["send_ms", "allreduce_ms"]
+def reduce_scatter_ms(num_bytes: float, ranks: int, gbps: float, latency_ms: float) -> float:
+    """Ring reduce-scatter of ``num_bytes`` (each rank ends with 1/d of the sum); a ring
+    all-gather of ``num_bytes`` costs the same.
+
+    d-1 steps, each a latency and 1/d of the bytes:
+    ``(d-1) * latency_ms + (d-1)/d * num_bytes * 8.0 / (gbps * 1e6)`` with d = ``ranks``;
+    0 ms for ``ranks <= 1`` or ``num_bytes <= 0``.
+    """
+    if ranks <= 1 or num_bytes <= 0:
+        return 0.0
+    return ((ranks - 1) * latency_ms
+            + (ranks - 1) / ranks * num_bytes * 8.0 / (gbps * 1e6))
+
+
+def dp_sync_ms(grad_bytes: float, param_bytes: float, ranks: int, gbps: float,
+               latency_ms: float, sharded: bool) -> float:
+    """A stage's data-parallel synchronisation per iteration (Megatron's DDP).
+
+    Without the distributed optimizer: the gradients' ring all-reduce
+    (``allreduce_ms(grad_bytes)``). With it (``sharded``): the gradients' reduce-scatter
+    before each rank updates its 1/d shard, then the updated parameters' all-gather
+    (``reduce_scatter_ms(grad_bytes) + reduce_scatter_ms(param_bytes)``): the same ring
+    steps, but the second half moves parameters, not gradients (2 bytes each for a bf16
+    model against 4 for fp32 gradients).
+    """
+    if not sharded:
+        return allreduce_ms(grad_bytes, ranks, gbps, latency_ms)
+    return (reduce_scatter_ms(grad_bytes, ranks, gbps, latency_ms)
+            + reduce_scatter_ms(param_bytes, ranks, gbps, latency_ms))
+
+
+__all__ = ["send_ms", "allreduce_ms", "reduce_scatter_ms", "dp_sync_ms"]

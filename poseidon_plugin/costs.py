@@ -10,14 +10,18 @@ Per stage s of a plan (type k, TP t, l layers, micro-batch b, sequence S, DP d):
   last stage.
 * activation send s -> s+1 (and the gradient back) = ``comm.send_ms`` of b * S * h * 2 bytes
   (bf16) over the placement's slowest replica link, plus the cluster's per-message latency.
-* DP all-reduce R_s = ``comm.allreduce_ms``, a ring over d ranks of the stage's gradient bytes:
+* DP all-reduce A_s = ``comm.allreduce_ms``, a ring over d ranks of the stage's gradient bytes:
   2(d-1)/d * bytes / bw + 2(d-1) * latency, gradient bytes = the stage's parameters on one device
   x the training setup's ``grad_bytes`` (megatron-core 0.19 accumulates and all-reduces a bf16
   model's gradients in fp32 unless ``--grad-reduce-in-bf16``: 4 bytes by default). bw = the
-  ring's slowest link (``placement.ring_gbps``).
+  ring's slowest link (``placement.ring_gbps``). With the distributed optimizer
+  (``comm.dp_sync_ms``) A_s is the gradients' ring reduce-scatter plus the updated parameters'
+  ring all-gather: (d-1)/d * (gradient bytes + parameter bytes) / bw + 2(d-1) * latency, the
+  parameter bytes in the setup's weight dtype (bf16: half the fp32 gradients').
 * optimizer step O_s = the stage's gradient bytes x the type's measured optimizer ms per
   gradient byte (the decoder record's ``optimizer_ms`` over its gradient bytes: Adam, the grad norm
-  and the copy back scale with the parameters a device holds); 0 where no record measured it.
+  and the copy back scale with the parameters a device holds), / d with the distributed
+  optimizer (a rank updates its 1/d shard); 0 where no record measured it.
 * per-iteration overhead X = the profile DB's ``IterationOverhead`` record of (model, sequence,
   setup, the cluster's device types) (``overhead.py``: calibrated by a live run; 0 when none):
   what an iteration takes beyond the simulated pipeline (the embedding and grad-norm
@@ -43,7 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import memory as memory_mod
-from .comm import allreduce_ms, send_ms
+from .comm import dp_sync_ms, send_ms
 from .placement import Pool, StagePlacement, place_stages, ring_gbps, send_link_gbps, type_pools
 from .profiles import LayerProfile, ProfileKey, lookup_overhead, lookup_profile
 from .training import TrainingSetup
@@ -110,6 +114,14 @@ def optimizer_per_grad_byte(decoder, grad_per_param_byte: float) -> float:
     return opt / grad if opt > 0.0 and grad > 0 else 0.0
 
 
+def optimizer_step_ms(grad_bytes: float, ms_per_grad_byte: float, dp: int,
+                      sharded: bool) -> float:
+    """The optimizer step of a stage's device: its gradient bytes x the measured ms per
+    gradient byte; with the distributed optimizer each of the d DP ranks updates 1/d of them
+    (grad norm, Adam and the copy back run on the rank's shard)."""
+    return grad_bytes * ms_per_grad_byte / dp if sharded else grad_bytes * ms_per_grad_byte
+
+
 class CostModel:
     """Costs of one (cluster, model, profile DB, sequence length); memoised lookups."""
 
@@ -120,6 +132,10 @@ class CostModel:
         self.profiles = profiles
         self.seq_length = seq_length
         self.training = training or TrainingSetup()
+        # the distributed optimizer: DP sync = gradients' reduce-scatter + parameters'
+        # all-gather (param bytes = gradient bytes x this), optimizer step on a 1/d shard
+        self.sharded_optimizer = bool(self.training.distributed_optimizer)
+        self.param_per_grad_byte = self.training.weight_bytes / self.training.grad_bytes
         self.type_names: tuple[str, ...] = cluster.type_names
         self.pools: tuple[Pool, ...] = type_pools(cluster)
         self.capacity_bytes = tuple(cluster.device_types[n].memory_bytes for n in self.type_names)
@@ -316,8 +332,9 @@ class CostModel:
                 fc[v - 1] += lc.output_forward_ms
                 bc[v - 1] += lc.output_backward_ms
                 grad += lc.output_grad_bytes
-            ar = allreduce_ms(grad, dp, ring_gbps(self.cluster, placements[s]), self.latency_ms) \
-                if dp > 1 else 0.0
+            ar = dp_sync_ms(grad, grad * self.param_per_grad_byte, dp,
+                            ring_gbps(self.cluster, placements[s]), self.latency_ms,
+                            self.sharded_optimizer) if dp > 1 else 0.0
             mem = self.stage_memory(layers=l, stage=s, num_stages=n, tp=t, dp=dp,
                                     micro_batch_size=micro_batch_size,
                                     num_microbatches=num_microbatches, schedule=schedule,
@@ -331,7 +348,8 @@ class CostModel:
                 send_backward_ms=sends[s] if s < n - 1 else 0.0,
                 allreduce_ms=ar, memory_bytes=mem.total_bytes,
                 memory_capacity_bytes=self.capacity_bytes[k], memory=mem, provenance=kinds,
-                optimizer_ms=grad * lc.optimizer_ms_per_grad_byte,
+                optimizer_ms=optimizer_step_ms(grad, lc.optimizer_ms_per_grad_byte, dp,
+                                               self.sharded_optimizer),
                 overhead_ms=self.iteration_overhead_ms))
         return tuple(out), placements, unused
 

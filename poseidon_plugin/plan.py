@@ -44,6 +44,10 @@ re-derives with it; ``iteration_overhead`` says where it came from (``source`` `
 a live run measured it; ``record``: the key and the plan and iterations it was calibrated on),
 null when the profile DB had none (0 ms).
 
+DP synchronisation: ``allreduce_ms`` is the stage's DP gradient all-reduce per iteration, or,
+when ``training.distributed_optimizer`` is true, the gradients' reduce-scatter plus the updated
+parameters' all-gather; ``optimizer_ms`` is then the step on the rank's 1/dp shard.
+
 Rank order: Megatron's default order tp-cp-ep-dp-pp (cp = ep = 1):
 ``rank = stage * (tp * dp) + dp_rank * tp + tp_rank`` (uniform TP).
 """
@@ -391,7 +395,9 @@ class Plan:
                  f"MFU {100 * self.mfu:.1f}%",
                  "",
                  "per stage: fwd, bwd and send ms per micro-batch; allred ms per iteration "
-                 "(DP gradient all-reduce)",
+                 + ("(DP gradient reduce-scatter + parameter all-gather: distributed optimizer)"
+                    if (self.training or {}).get("distributed_optimizer")
+                    else "(DP gradient all-reduce)"),
                  f"{'stage':>5} {'type':<10} {'tp':>3} {'dp':>3} {'layers':>6} {'fwd ms':>9} "
                  f"{'bwd ms':>9} {'send ms':>8} {'allred ms':>9} {'optim ms':>8} {'memory GiB':>15}  nodes"]
         for s in self.stages:

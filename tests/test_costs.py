@@ -109,7 +109,7 @@ def test_allreduce_ms_is_two_sends_of_a_share_per_step():
 def test_one_definition_per_formula():
     # the cost model and the profile estimator call the same functions, not copies
     assert costs.send_ms is comm.send_ms
-    assert costs.allreduce_ms is comm.allreduce_ms
+    assert costs.dp_sync_ms is comm.dp_sync_ms
     assert profiles.allreduce_ms is comm.allreduce_ms
     assert not hasattr(profiles, "send_ms")
 

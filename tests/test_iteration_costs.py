@@ -20,6 +20,7 @@ from poseidon_plugin.plan import Plan
 from poseidon_plugin.profiles import LayerProfile, ProfileDB, ProfileKey, lookup_profile
 from poseidon_plugin.search import SearchContext, SearchOptions, enumerate_configs, search_plan
 from poseidon_plugin.simulator import iteration_time_ms
+from poseidon_plugin.training import TrainingSetup
 
 SMALL = "examples/clusters/small-two-type.yaml"
 TINY = "examples/models/tiny-gpt.yaml"
@@ -107,8 +108,8 @@ def test_two_stage_iteration_adds_each_stages_post_pipeline_work(setup):
         max(15.0 + r2[0], 13.0 + r2[1])
 
 
-def _brute_force(cluster, model, db, gbs):
-    cm = CostModel(cluster, model, db, seq_length=SEQ)
+def _brute_force(cluster, model, db, gbs, training=None):
+    cm = CostModel(cluster, model, db, seq_length=SEQ, training=training)
     ctx = SearchContext(cm)
     best = math.inf
     opts_ = SearchOptions(global_batch_size=gbs, seq_length=SEQ, schedules=("1f1b",),
@@ -134,22 +135,58 @@ def _brute_force(cluster, model, db, gbs):
     return best
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["ddp", "distributed-optimizer"])
 @pytest.mark.parametrize("opt_ms", [{"fast": 0.5, "slow": 2.0}, {"fast": 40.0, "slow": 1.0}])
-def test_search_with_optimizer_costs_is_exact(opt_ms):
+def test_search_with_optimizer_costs_is_exact(opt_ms, sharded):
     """The Cython search adds the same term (build_plan checks it against the Python path) and
     still finds the brute-force optimum; a large optimizer step changes the plan's time."""
     cluster, model = load_cluster(SMALL), get_model(TINY)
     db = measured_db(cluster, model, opt_ms)
+    setup = TrainingSetup(distributed_optimizer=sharded)
     opts = SearchOptions(global_batch_size=8, seq_length=SEQ, schedules=("1f1b",),
                          micro_batch_sizes=(1, 2), max_virtual_stages=1, tp_degrees=(1, 2),
-                         workers=1, pruning="none")
+                         workers=1, pruning="none", training=setup)
     plan = search_plan(cluster, model, opts, db)
     assert plan.predicted_iteration_time_ms == pytest.approx(
-        _brute_force(cluster, model, db, 8), rel=1e-9)
+        _brute_force(cluster, model, db, 8, setup), rel=1e-9)
     assert all(st.optimizer_ms > 0 for st in plan.stages)
     without = search_plan(cluster, model, opts, measured_db(cluster, model,
                                                             {"fast": 0.0, "slow": 0.0}))
     assert plan.predicted_iteration_time_ms > without.predicted_iteration_time_ms
+
+
+def test_distributed_optimizer_shards_the_step_and_splits_the_dp_sync(setup):
+    """With --use-distributed-optimizer a DP rank reduce-scatters the gradients, updates its 1/d
+    shard and all-gathers the parameters (bf16: half the fp32 gradients' bytes): by hand from the
+    plain-DDP stage, for d = 1 (nothing changes), 2 and 4."""
+    from poseidon_plugin.placement import ring_gbps
+
+    cluster, model, db = setup
+    plain = CostModel(cluster, model, db, seq_length=SEQ)
+    sharded = CostModel(cluster, model, db, seq_length=SEQ,
+                        training=TrainingSetup(distributed_optimizer=True))
+    for dp in (1, 2, 4):
+        kw = dict(stage_types=[0, 1], stage_tps=[1, 1], layers=[3, 5], dp=dp,
+                  micro_batch_size=1, num_microbatches=4, schedule="1f1b", virtual_stages=1)
+        a, places, _ = plain.stage_costs(**kw)
+        b, _, _ = sharded.stage_costs(**kw)
+        for s, (p, q) in enumerate(zip(a, b)):
+            lc = plain.layer_costs(s, 1, 1)
+            grad = [3, 5][s] * lc.grad_bytes + (lc.embedding_grad_bytes if s == 0
+                                                else lc.output_grad_bytes)
+            assert q.optimizer_ms == pytest.approx(p.optimizer_ms / dp, rel=1e-12)
+            assert (q.forward_ms, q.backward_ms) == (p.forward_ms, p.backward_ms)
+            if dp == 1:
+                assert q.allreduce_ms == p.allreduce_ms == 0.0
+                continue
+            gbps, lat = ring_gbps(cluster, places[s]), cluster.links.latency_ms
+            wire = (dp - 1) / dp * 8.0 / (gbps * 1e6)
+            assert p.allreduce_ms == pytest.approx(2 * (dp - 1) * lat + 2 * wire * grad, rel=1e-12)
+            # fp32 gradients reduce-scattered, bf16 parameters all-gathered
+            assert q.allreduce_ms == pytest.approx(2 * (dp - 1) * lat + wire * grad * 1.5,
+                                                   rel=1e-12)
+            assert q.allreduce_ms < p.allreduce_ms
+            assert q.memory_bytes < p.memory_bytes
 
 
 def test_plan_json_carries_the_optimizer_step(setup):

@@ -906,6 +906,15 @@ def test_cython_cost_twins_equal_their_python_originals(num_bytes, gbps, latency
     assert _search.twin_chunk_layers(layers, v) == tuple(chunk_layers(layers, v))
 
 
+@given(st.floats(-1e3, 1e12, allow_nan=False), st.floats(0.0, 4.0), st.floats(0.1, 1e4),
+       st.floats(0.0, 1.0), st.integers(1, 64), st.booleans())
+def test_cython_dp_sync_twin_equals_its_python_original(grad, wpg, gbps, latency, ranks, sharded):
+    from poseidon_plugin.comm import dp_sync_ms
+    from poseidon_plugin.search import _search
+    assert (_search.twin_dp_sync_ms(grad, grad * wpg, ranks, gbps, latency, sharded)
+            == dp_sync_ms(grad, grad * wpg, ranks, gbps, latency, sharded))
+
+
 def test_cython_twins_name_their_originals():
     import pathlib
 
@@ -913,7 +922,9 @@ def test_cython_twins_name_their_originals():
     src = (pathlib.Path(pkg.__file__).parent / "_search.pyx").read_text()
     for twin, original in (("_send_ms", "poseidon_plugin.comm.send_ms"),
                            ("_allreduce_ms", "poseidon_plugin.comm.allreduce_ms"),
-                           ("_chunk_layers", "poseidon_plugin.costs.chunk_layers")):
+                           ("_chunk_layers", "poseidon_plugin.costs.chunk_layers"),
+                           ("_reduce_scatter_ms", "poseidon_plugin.comm.reduce_scatter_ms"),
+                           ("_dp_sync_ms", "poseidon_plugin.comm.dp_sync_ms")):
         body = src.split(f" {twin}(", 1)[1][:400]
         assert f"Twin of ``{original}``" in body, twin
 

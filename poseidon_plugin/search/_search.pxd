@@ -70,6 +70,9 @@ cdef struct ConfigData:
     double ogo[MAXO]
     double oog[MAXO]               # optimizer ms per gradient byte (R = all-reduce + G * oog + X)
     double overhead_ms             # X: the per-iteration overhead, in every stage's R
+    int sharded                    # 1: distributed optimizer (DP sync = reduce-scatter of the
+    #                                gradients + all-gather of the parameters; step / d)
+    double wpg                     # parameter bytes per gradient byte (the all-gather's bytes)
     const int* lmax                # O * N: most layers option o fits at stage x (memory)
     const int* suffix_lmax         # N + 1: sum over j >= x of max_o lmax[o, j]
     const int* suf_omax            # O * (N + 1): max over j >= x of lmax[o, j]

@@ -196,6 +196,25 @@ cdef inline double _allreduce_ms(double num_bytes, int ranks, double gbps,
             + 2.0 * (ranks - 1) / ranks * num_bytes * 8.0 / (gbps * 1e6))
 
 
+cdef inline double _reduce_scatter_ms(double num_bytes, int ranks, double gbps,
+                                      double latency_ms) noexcept nogil:
+    """Twin of ``poseidon_plugin.comm.reduce_scatter_ms`` (ring: d-1 steps; an all-gather
+    costs the same)."""
+    if ranks <= 1 or num_bytes <= 0.0:
+        return 0.0
+    return ((ranks - 1) * latency_ms
+            + (<double>(ranks - 1)) / ranks * num_bytes * 8.0 / (gbps * 1e6))
+
+
+cdef inline double _dp_sync_ms(double grad_bytes, double param_bytes, int ranks, double gbps,
+                               double latency_ms, int sharded) noexcept nogil:
+    """Twin of ``poseidon_plugin.comm.dp_sync_ms``."""
+    if not sharded:
+        return _allreduce_ms(grad_bytes, ranks, gbps, latency_ms)
+    return (_reduce_scatter_ms(grad_bytes, ranks, gbps, latency_ms)
+            + _reduce_scatter_ms(param_bytes, ranks, gbps, latency_ms))
+
+
 cdef inline int _chunk_layers(int layers, int virtual_stages, int chunk) noexcept nogil:
     """Twin of ``poseidon_plugin.costs.chunk_layers`` (one chunk's share)."""
     return layers // virtual_stages + (1 if chunk < layers % virtual_stages else 0)
@@ -209,6 +228,12 @@ def twin_send_ms(double num_bytes, double gbps, double latency_ms):
 def twin_allreduce_ms(double num_bytes, int ranks, double gbps, double latency_ms):
     """``_allreduce_ms`` from Python (the tests pin it to its original)."""
     return _allreduce_ms(num_bytes, ranks, gbps, latency_ms)
+
+
+def twin_dp_sync_ms(double grad_bytes, double param_bytes, int ranks, double gbps,
+                    double latency_ms, bint sharded):
+    """``_dp_sync_ms`` from Python (the tests pin it to its original)."""
+    return _dp_sync_ms(grad_bytes, param_bytes, ranks, gbps, latency_ms, sharded)
 
 
 def twin_chunk_layers(int layers, int virtual_stages):
@@ -283,7 +308,7 @@ cdef class ConfigInstance:
                  double minfb, double outmin, double alpha, int ridge_mode, int ridge_ends,
                  int blocks, int use_bound, opt_type, opt_tp, f, b, ef, eb, of, ob, gl, ge, go,
                  lmax, ndev, type_off, intra, inter, node_of, local_of, og=None,
-                 double overhead_ms=0.0):
+                 double overhead_ms=0.0, bint sharded=False, double wpg=0.5):
         cdef ConfigData* I = &self.data
         cdef int N = structure.N, V = structure.V, O = len(opt_type), T = len(ndev), o, x, k
         if N > MAXN or V > MAXV or O > MAXO or T > MAXT:
@@ -294,6 +319,7 @@ cdef class ConfigInstance:
         I.d, I.L, I.O, I.T = dp, num_layers, O, T
         I.act_bytes, I.latency_ms, I.cross_gbps = act_bytes, latency_ms, cross_gbps
         I.overhead_ms = overhead_ms
+        I.sharded, I.wpg = sharded, wpg
         I.minsend, I.minfb, I.outmin, I.alpha = minsend, minfb, outmin, alpha
         I.ridge_mode, I.ridge_ends, I.blocks, I.use_bound = ridge_mode, ridge_ends, blocks, use_bound
         for o in range(O):
@@ -502,7 +528,9 @@ cdef void _set_stage(const ConfigData* I, SearchState* S, int x, int o, int l,
     for cc in range(V):
         F += S.fc[x * V + cc]
     S.Fst[x] = F
-    S.R[x] = ((_allreduce_ms(G, I.d, ring, I.latency_ms) if I.d > 1 else 0.0) + G * I.oog[o]
+    S.R[x] = ((_dp_sync_ms(G, G * I.wpg, I.d, ring, I.latency_ms, I.sharded) if I.d > 1
+               else 0.0)
+              + ((G * I.oog[o] / I.d) if I.sharded else G * I.oog[o])
               + I.overhead_ms)
 
 

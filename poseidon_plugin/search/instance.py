@@ -162,7 +162,8 @@ class SearchContext:
             opt_type=[k for k, _ in cfg.options], opt_tp=[t for _, t in cfg.options],
             f=costs.f, b=costs.b, ef=costs.ef, eb=costs.eb, of=costs.of, ob=costs.ob,
             gl=costs.gl, ge=costs.ge, go=costs.go, og=costs.og or None,
-            overhead_ms=cm.iteration_overhead_ms, lmax=self.lmax(cfg),
+            overhead_ms=cm.iteration_overhead_ms, sharded=cm.sharded_optimizer,
+            wpg=cm.param_per_grad_byte, lmax=self.lmax(cfg),
             ndev=[p.size for p in cm.pools], type_off=type_off, intra=list(cm.intra_gbps),
             inter=list(cm.inter_gbps), node_of=node_of, local_of=local_of)
 
