@@ -18,7 +18,11 @@ Fields per device type: ``memory_gib`` (> 0), ``intra_node_gbps`` (> 0), ``peak_
 bf16, > 0) and ``efficiency`` (fraction of peak a transformer layer reaches, 0 < e <= 1; default
 ``DEFAULT_EFFICIENCY``) -- the estimator's two fields, optional where a profile DB measures the
 type's layers (``poseidon plan`` then calibrates the rest from the measured rate); optional
-``reserve_gib`` (>= 0, default ``default_reserve_gib``): memory the plan leaves to the runtime. ``inter_node_gbps`` must name every device type that
+``reserve_gib`` (>= 0, default ``default_reserve_gib``): memory the plan leaves to the runtime;
+optional ``memory_bandwidth_gbps`` (> 0, Gbit/s like every bandwidth here, or a string such as
+``"2039 GB/s"``): the device memory's peak bandwidth, from which ``costs`` estimates the
+optimizer step where no profile measured it (without it and a measurement the step counts
+0 ms, and the plan says so). ``inter_node_gbps`` must name every device type that
 nodes use; ``latency_ms`` >= 0. Unknown keys anywhere are errors (they are usually typos).
 
 Every mistake raises ``SpecError(source, field_path, expected, got)``, e.g.
@@ -71,6 +75,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "reserve_gib": (0.0, 65536.0),           # runtime reserve (below memory_gib)
     "peak_tflops": (1e-6, 1e6),              # 1 MFLOP/s .. 1 EFLOP/s per device
     "intra_node_gbps": (1e-6, 1e9),          # 1 kbit/s .. 1 Ebit/s
+    "memory_bandwidth_gbps": (1e-6, 1e9),
     "inter_node_gbps": (1e-6, 1e9),
     "cross_type_gbps": (1e-6, 1e9),
     "latency_ms": (0.0, 1e5),                # up to 100 s per message
@@ -87,6 +92,7 @@ class DeviceType:
     reserve_gib: float = 0.0        # runtime reserve (context, buffers, fragments); the file
                                     # loader defaults it to default_reserve_gib(memory_gib)
     calibrated: bool = False        # the speed was set from measured layers (not the file)
+    memory_bandwidth_gbps: float | None = None   # device memory peak, Gbit/s (None: unknown)
 
     @property
     def memory_bytes(self) -> int:
@@ -175,7 +181,8 @@ class Cluster:
 # --------------------------------------------------------------------------- loading
 
 _TOP_KEYS = {"name", "device_types", "nodes", "links"}
-_DEVICE_KEYS = {"memory_gib", "peak_tflops", "intra_node_gbps", "efficiency", "reserve_gib"}
+_DEVICE_KEYS = {"memory_gib", "peak_tflops", "intra_node_gbps", "efficiency", "reserve_gib",
+                "memory_bandwidth_gbps"}
 _DEVICE_REQUIRED = ("memory_gib", "intra_node_gbps")
 _NODE_KEYS = {"device_type", "devices_per_node", "count"}
 _LINK_KEYS = {"inter_node_gbps", "cross_type_gbps", "latency_ms"}
@@ -258,7 +265,9 @@ def _device_type(name: str, data: object, source: str) -> DeviceType:
     return DeviceType(
         name=name, memory_gib=memory, peak_tflops=peak,
         intra_node_gbps=get("intra_node_gbps", "bandwidth"), efficiency=efficiency,
-        reserve_gib=float(reserve))
+        reserve_gib=float(reserve),
+        memory_bandwidth_gbps=(get("memory_bandwidth_gbps", "bandwidth")
+                               if data.get("memory_bandwidth_gbps") is not None else None))
 
 
 def cluster_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Cluster:

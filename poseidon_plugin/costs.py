@@ -21,7 +21,9 @@ Per stage s of a plan (type k, TP t, l layers, micro-batch b, sequence S, DP d):
 * optimizer step O_s = the stage's gradient bytes x the type's measured optimizer ms per
   gradient byte (the decoder record's ``optimizer_ms`` over its gradient bytes: Adam, the grad norm
   and the copy back scale with the parameters a device holds), / d with the distributed
-  optimizer (a rank updates its 1/d shard); 0 where no record measured it.
+  optimizer (a rank updates its 1/d shard). Where no record measured it: estimated from the
+  device type's ``memory_bandwidth_gbps`` (``TrainingSetup.optimizer_step_bytes`` per
+  parameter at ``MEMORY_EFFICIENCY`` of the peak), else 0; ``optimizer_source`` says which.
 * per-iteration overhead X = the profile DB's ``IterationOverhead`` record of (model, sequence,
   setup, the cluster's device types) (``overhead.py``: calibrated by a live run; 0 when none):
   what an iteration takes beyond the simulated pipeline (the embedding and grad-norm
@@ -70,6 +72,8 @@ class LayerCosts:
     output_grad_bytes: float
     profiles: tuple[LayerProfile, ...] = ()   # (decoder, embedding, output): provenance
     optimizer_ms_per_grad_byte: float = 0.0
+    # where the optimizer step came from: ("measured" | "estimated" | "none", what it used)
+    optimizer_source: tuple[str, str] = ("none", "")
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,7 @@ class StageCosts:
     provenance: tuple[LayerProfile, ...] = ()           # the layer kinds this stage runs
     optimizer_ms: float = 0.0
     overhead_ms: float = 0.0        # the per-iteration overhead X (every stage alike)
+    optimizer_source: tuple[str, str] = ("none", "")   # LayerCosts.optimizer_source
 
     @property
     def post_pipeline_ms(self) -> float:
@@ -112,6 +117,37 @@ def optimizer_per_grad_byte(decoder, grad_per_param_byte: float) -> float:
     opt = float(getattr(decoder, "optimizer_ms", 0.0) or 0.0)
     grad = decoder.param_bytes * grad_per_param_byte
     return opt / grad if opt > 0.0 and grad > 0 else 0.0
+
+
+MEMORY_EFFICIENCY = 0.8   # fraction of the memory's peak bandwidth a streaming kernel reaches
+
+
+def estimated_optimizer_per_grad_byte(setup: TrainingSetup, memory_bandwidth_gbps: float
+                                      ) -> float:
+    """Optimizer ms per gradient byte from the device memory's bandwidth: the step is a
+    streaming pass over the parameters' state (``TrainingSetup.optimizer_step_bytes`` per
+    parameter) at ``MEMORY_EFFICIENCY`` of the peak. Gbit/s -> bytes per ms: x 1e9 / 8 / 1e3."""
+    bytes_per_ms = MEMORY_EFFICIENCY * memory_bandwidth_gbps * 1.25e5
+    return setup.optimizer_step_bytes / setup.grad_bytes / bytes_per_ms
+
+
+def optimizer_costs(decoder, device_type, setup: TrainingSetup
+                    ) -> tuple[float, tuple[str, str]]:
+    """(optimizer ms per gradient byte, (source, what it used)) for a stage option: the decoder
+    record's measured step, else the estimate from the type's ``memory_bandwidth_gbps``, else
+    0 (source ``none``)."""
+    g = setup.grad_bytes / setup.weight_bytes
+    measured = optimizer_per_grad_byte(decoder, g)
+    if measured > 0.0:
+        return measured, ("measured", f"{decoder.key.describe()}: "
+                                      f"{decoder.optimizer_ms:.3f} ms per layer")
+    bw = getattr(device_type, "memory_bandwidth_gbps", None)
+    if bw:
+        return (estimated_optimizer_per_grad_byte(setup, bw),
+                ("estimated", f"{device_type.name}: {setup.optimizer_step_bytes} bytes per "
+                              f"parameter at {MEMORY_EFFICIENCY:g} x {bw:g} Gbit/s"))
+    return 0.0, ("none", f"{device_type.name}: 0 ms (not measured; no "
+                         "memory_bandwidth_gbps in the cluster file)")
 
 
 def optimizer_step_ms(grad_bytes: float, ms_per_grad_byte: float, dp: int,
@@ -168,10 +204,11 @@ class CostModel:
         dec, emb, out = prof("decoder"), prof("embedding"), prof("output")
         # param_bytes are in the setup's dtype; the DP all-reduce moves grad_bytes per parameter
         g = self.training.grad_bytes / self.training.weight_bytes
+        og, og_source = optimizer_costs(dec, self.cluster.device_types[name], self.training)
         lc = LayerCosts(dec.forward_ms, dec.backward_ms, dec.param_bytes * g,
                         emb.forward_ms, emb.backward_ms, emb.param_bytes * g,
                         out.forward_ms, out.backward_ms, out.param_bytes * g, (dec, emb, out),
-                        optimizer_per_grad_byte(dec, g))
+                        og, og_source)
         self._layer_cache[key] = lc
         return lc
 
@@ -350,7 +387,8 @@ class CostModel:
                 memory_capacity_bytes=self.capacity_bytes[k], memory=mem, provenance=kinds,
                 optimizer_ms=optimizer_step_ms(grad, lc.optimizer_ms_per_grad_byte, dp,
                                                self.sharded_optimizer),
-                overhead_ms=self.iteration_overhead_ms))
+                overhead_ms=self.iteration_overhead_ms,
+                optimizer_source=lc.optimizer_source))
         return tuple(out), placements, unused
 
     def wrap_send_ms(self, placements, micro_batch_size: int) -> float:

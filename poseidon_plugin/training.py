@@ -71,6 +71,16 @@ class TrainingSetup:
         return state / dp if self.distributed_optimizer else state
 
     @property
+    def optimizer_step_bytes(self) -> int:
+        """Device-memory bytes one optimizer step moves per parameter (the estimate where no
+        profile measured the step): the grad norm reads the gradient (g); Adam reads the
+        gradient and its state (g + 12: the fp32 master or fp32 weight, two fp32 moments) and
+        writes the state (12); a 16-bit model copies the master back (4 + w); the next
+        iteration zeroes the gradient buffer (g). bf16 with fp32 gradients: 42 bytes."""
+        g, w = self.grad_bytes, self.weight_bytes
+        return 3 * g + 24 + (4 + w if w < 4 else 0)
+
+    @property
     def keeps_attention_scores(self) -> bool:
         """Whether a layer keeps the s x s attention matrices for backward."""
         return self.attention == "unfused" and self.recompute == "none"

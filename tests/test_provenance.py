@@ -73,8 +73,9 @@ def test_stage_provenance_in_json_and_table(capsys, tmp_path):
 def test_without_profiles_everything_is_estimated(capsys):
     rc, out, _ = run(capsys, PLAN + ["--json"])
     plan = json.loads(out)
-    sources = {v["source"] for st in plan["stages"] for v in st["provenance"].values()}
-    assert sources == {"estimated"}
+    sources = {kind: v["source"] for st in plan["stages"] for kind, v in st["provenance"].items()}
+    assert sources.pop("optimizer") == "none"     # no measurement, no memory bandwidth given
+    assert set(sources.values()) == {"estimated"}
 
 
 def test_plan_json_round_trips_provenance_and_memory(capsys, tmp_path):
@@ -182,6 +183,82 @@ def test_reserve_gib_field():
     assert c.device_types["fast"].reserve_bytes == 512 << 20
     with pytest.raises(SpecError, match=r"device_types.fast.reserve_gib: expected a number >= 0"):
         cluster_from_dict(_cluster(peak_tflops=100, reserve_gib=16))
+
+
+def test_memory_bandwidth_field():
+    assert cluster_from_dict(_cluster(peak_tflops=100)).device_types["fast"] \
+        .memory_bandwidth_gbps is None
+    c = cluster_from_dict(_cluster(peak_tflops=100, memory_bandwidth_gbps="2039 GB/s"))
+    assert c.device_types["fast"].memory_bandwidth_gbps == pytest.approx(16312.0)
+    assert cluster_from_dict(_cluster(memory_bandwidth_gbps=900)).device_types["fast"] \
+        .memory_bandwidth_gbps == 900.0
+    with pytest.raises(SpecError, match=r"device_types.fast.memory_bandwidth_gbps: expected a"):
+        cluster_from_dict(_cluster(peak_tflops=100, memory_bandwidth_gbps=-5))
+    with pytest.raises(SpecError, match=r"memory_bandwidth_gbps"):
+        cluster_from_dict(_cluster(peak_tflops=100, memory_bandwidth_gbps="2 GiB"))
+
+
+def _two_type(bw=None):
+    spec = cluster_from_dict({
+        "device_types": {
+            "fast": {"memory_gib": 16, "peak_tflops": 200, "intra_node_gbps": 800,
+                     **({"memory_bandwidth_gbps": bw} if bw else {})},
+            "slow": {"memory_gib": 8, "peak_tflops": 100, "intra_node_gbps": 400}},
+        "nodes": [{"device_type": "fast", "devices_per_node": 4, "count": 2},
+                  {"device_type": "slow", "devices_per_node": 4, "count": 2}],
+        "links": {"inter_node_gbps": 100, "cross_type_gbps": 50}})
+    return spec
+
+
+@pytest.mark.parametrize("setup,per_param", [(TrainingSetup(), 42),
+                                             (TrainingSetup(grad_dtype="bf16"), 36),
+                                             (TrainingSetup(params_dtype="fp32"), 36)])
+def test_optimizer_step_estimated_from_the_memory_bandwidth(setup, per_param):
+    """By hand: a streaming pass of ``per_param`` bytes per parameter (grad norm, Adam's reads
+    and writes, the master copied back, the gradient buffer zeroed) at 0.8 x the bandwidth;
+    a type without a bandwidth adds 0 ms and says so; a measured step wins."""
+    bw = 16312.0   # 2039 GB/s
+    cm = CostModel(_two_type(bw), MODEL, None, seq_length=128, training=setup)
+    stages, _, _ = cm.stage_costs(stage_types=[0, 1], stage_tps=[1, 1], layers=[5, 3], dp=2,
+                                  micro_batch_size=1, num_microbatches=4, schedule="1f1b",
+                                  virtual_stages=1)
+    fast = cm.layer_costs(0, 1, 1)
+    params = (5 * fast.grad_bytes + fast.embedding_grad_bytes) / setup.grad_bytes
+    assert stages[0].optimizer_ms == pytest.approx(params * per_param / (0.8 * bw * 1e9 / 8)
+                                                   * 1e3, rel=1e-12)
+    assert stages[0].optimizer_source[0] == "estimated"
+    assert f"{per_param} bytes per parameter" in stages[0].optimizer_source[1]
+    assert stages[1].optimizer_ms == 0.0 and stages[1].optimizer_source[0] == "none"
+    # a measured step (0.25 ms per layer) replaces the estimate
+    db = ProfileDB(None)
+    rec = measured("fast", setup=setup)
+    db.put(LayerProfile(rec.key, rec.forward_ms, rec.backward_ms, rec.activation_bytes,
+                        rec.param_bytes, "measured", optimizer_ms=0.25))
+    cm2 = CostModel(_two_type(bw), MODEL, db, seq_length=128, training=setup)
+    lc = cm2.layer_costs(0, 1, 1)
+    assert lc.optimizer_source[0] == "measured"
+    assert 4 * lc.grad_bytes * lc.optimizer_ms_per_grad_byte == pytest.approx(1.0)
+
+
+def test_optimizer_provenance_in_the_table_and_json(capsys, tmp_path):
+    import yaml
+    path = tmp_path / "c.yaml"
+    data = yaml.safe_load(open(SMALL))
+    data["device_types"]["fast"]["memory_bandwidth_gbps"] = "1 TB/s"
+    path.write_text(yaml.safe_dump(data))
+    argv = [str(path) if a == SMALL else a for a in PLAN]
+    rc, out, err = run(capsys, argv + ["--json"])
+    assert rc == 0, err
+    plan = json.loads(out)
+    by_type = {st["device_type"]: st for st in plan["stages"]}
+    for name, st in by_type.items():
+        src = st["provenance"]["optimizer"]["source"]
+        assert src == ("estimated" if name == "fast" else "none")
+        assert (st["optimizer_ms"] > 0) == (name == "fast")
+    assert set(by_type) == {"fast", "slow"}
+    rc, table, _ = run(capsys, argv)
+    assert "optimizer estimated" in table and "at 0.8 x 8000 Gbit/s" in table
+    assert "optimizer none" in table
 
 
 def test_peak_is_optional_where_records_are_measured(tmp_path):

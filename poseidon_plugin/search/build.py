@@ -30,7 +30,8 @@ def _stage_plans(cm: CostModel, cfg: OuterConfig, opts, layers, stages, placemen
                   chunk_forward_ms=tuple(st.chunk_forward_ms),
                   chunk_backward_ms=tuple(st.chunk_backward_ms),
                   provenance=tuple((p.key.layer_kind, p.source, p.key.describe())
-                                   for p in st.provenance),
+                                   for p in st.provenance)
+                  + (("optimizer",) + tuple(st.optimizer_source),),
                   memory_parts=_memory_parts(st))
         for s, st in enumerate(stages))
 
