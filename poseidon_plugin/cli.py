@@ -116,6 +116,16 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--allow-estimates", action="store_true",
                     help="plan on estimates when --profiles has no usable record")
     _add_setup_flags(pl)
+    g = pl.add_argument_group("DP communication overlap (as the launch will train)")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="Megatron's --overlap-grad-reduce: pipeline stage 0's DP gradient sync "
+                   "runs in buckets during its last backward (non-interleaved plans)")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="Megatron's --overlap-param-gather (with --distributed-optimizer): "
+                   "stage 0's parameter all-gather overlaps its first forward")
+    g.add_argument("--ddp-bucket-size", type=int, default=0, metavar="PARAMS",
+                   help="Megatron's --ddp-bucket-size: parameters per DP bucket under the "
+                   "overlap (default 0: Megatron's max(4e7, 1e6 x dp))")
     pl.add_argument("--schedules", nargs="+", default=list(LAUNCHABLE_SCHEDULES),
                     choices=list(SCHEDULES), metavar="NAME",
                     help=f"schedules to search, of {_words(SCHEDULES)} (default: "
@@ -235,7 +245,10 @@ def training_setup(ns, attention: str | None = None):
 
     return TrainingSetup(recompute=ns.recompute, distributed_optimizer=ns.distributed_optimizer,
                          params_dtype=ns.params_dtype, grad_dtype=ns.grad_dtype,
-                         attention=attention or ns.attention)
+                         attention=attention or ns.attention,
+                         overlap_grad_reduce=getattr(ns, "overlap_grad_reduce", False),
+                         overlap_param_gather=getattr(ns, "overlap_param_gather", False),
+                         ddp_bucket_size=getattr(ns, "ddp_bucket_size", 0))
 
 
 def search_options(ns) -> SearchOptions:

@@ -14,6 +14,8 @@ change them together (``tests/test_costs.py`` pins the values).
 
 from __future__ import annotations
 
+import math
+
 
 def send_ms(num_bytes: float, gbps: float, latency_ms: float) -> float:
     """Point-to-point send of ``num_bytes`` over a ``gbps`` link with a per-message latency.
@@ -52,9 +54,35 @@ def reduce_scatter_ms(num_bytes: float, ranks: int, gbps: float, latency_ms: flo
             + (ranks - 1) / ranks * num_bytes * 8.0 / (gbps * 1e6))
 
 
+DDP_BUCKET_PARAMS = 40_000_000   # megatron-core's default bucket: max(4e7, 1e6 x dp) params
+MAX_BUCKETS = 1 << 30            # a count the search's C int holds (more changes nothing)
+
+
+def ddp_buckets(params: float, ranks: int, bucket_params: float = 0.0) -> int:
+    """How many buckets megatron-core's DDP splits ``params`` parameters into under
+    ``--overlap-grad-reduce``: ``bucket_params`` each (``--ddp-bucket-size``), or when 0 its
+    default max(4e7, 1e6 x dp)."""
+    if params <= 0:
+        return 1
+    size = bucket_params if bucket_params > 0 else max(float(DDP_BUCKET_PARAMS), 1e6 * ranks)
+    return min(MAX_BUCKETS, max(1, math.ceil(params / size)))
+
+
+def exposed_ms(comm_ms: float, window_ms: float, buckets: int) -> float:
+    """What remains of ``comm_ms`` after the compute it overlaps: ``buckets`` equal buckets
+    ready one by one over ``window_ms`` (the i-th at i/k of it) and sent one after another on
+    one stream; the last ends ``max(comm/k, comm - window (k-1)/k)`` after the window (one
+    bucket, or no window: nothing overlaps)."""
+    if buckets <= 1 or window_ms <= 0.0:
+        return comm_ms
+    return max(comm_ms / buckets, comm_ms - window_ms * (buckets - 1) / buckets)
+
+
 def dp_sync_ms(grad_bytes: float, param_bytes: float, ranks: int, gbps: float,
-               latency_ms: float, sharded: bool) -> float:
-    """A stage's data-parallel synchronisation per iteration (Megatron's DDP).
+               latency_ms: float, sharded: bool, buckets: int = 1,
+               grad_window_ms: float = 0.0, param_window_ms: float = 0.0) -> float:
+    """A stage's data-parallel synchronisation per iteration (Megatron's DDP), the part the
+    iteration waits for.
 
     Without the distributed optimizer: the gradients' ring all-reduce
     (``allreduce_ms(grad_bytes)``). With it (``sharded``): the gradients' reduce-scatter
@@ -62,11 +90,20 @@ def dp_sync_ms(grad_bytes: float, param_bytes: float, ranks: int, gbps: float,
     (``reduce_scatter_ms(grad_bytes) + reduce_scatter_ms(param_bytes)``): the same ring
     steps, but the second half moves parameters, not gradients (2 bytes each for a bf16
     model against 4 for fp32 gradients).
+
+    Overlap (``--overlap-grad-reduce`` / ``--overlap-param-gather``): the gradients' sync in
+    ``buckets`` during the last micro-batch's backward (``grad_window_ms``), the parameters'
+    all-gather during the next iteration's first forward (``param_window_ms``), each reduced
+    to ``exposed_ms``; a window of 0 overlaps nothing.
     """
     if not sharded:
-        return allreduce_ms(grad_bytes, ranks, gbps, latency_ms)
-    return (reduce_scatter_ms(grad_bytes, ranks, gbps, latency_ms)
-            + reduce_scatter_ms(param_bytes, ranks, gbps, latency_ms))
+        return exposed_ms(allreduce_ms(grad_bytes, ranks, gbps, latency_ms), grad_window_ms,
+                          buckets)
+    return (exposed_ms(reduce_scatter_ms(grad_bytes, ranks, gbps, latency_ms), grad_window_ms,
+                       buckets)
+            + exposed_ms(reduce_scatter_ms(param_bytes, ranks, gbps, latency_ms),
+                         param_window_ms, buckets))
 
 
-__all__ = ["send_ms", "allreduce_ms", "reduce_scatter_ms", "dp_sync_ms"]
+__all__ = ["send_ms", "allreduce_ms", "reduce_scatter_ms", "dp_sync_ms", "ddp_buckets",
+           "exposed_ms", "DDP_BUCKET_PARAMS"]

@@ -18,6 +18,14 @@ Per stage s of a plan (type k, TP t, l layers, micro-batch b, sequence S, DP d):
   (``comm.dp_sync_ms``) A_s is the gradients' ring reduce-scatter plus the updated parameters'
   ring all-gather: (d-1)/d * (gradient bytes + parameter bytes) / bw + 2(d-1) * latency, the
   parameter bytes in the setup's weight dtype (bf16: half the fp32 gradients').
+  ``--overlap-grad-reduce`` / ``--overlap-param-gather``: megatron-core 0.19 buckets the
+  gradients only on pipeline rank 0's first model chunk (``get_model``: no bucketing for
+  chunks > 0 or pp_rank > 0), so only stage 0 of a non-interleaved plan overlaps: its sync in
+  ``comm.ddp_buckets`` buckets during the last micro-batch's backward (its all-gather during
+  the first forward), ``comm.exposed_ms`` of it remains; every other stage's sync starts after
+  its last backward, which the simulator already overlaps with the stages still running.
+  An interleaved stage 0 is counted unoverlapped (its other chunks' syncs start earlier, at
+  their own last backward: not modelled, so the figure errs long).
 * optimizer step O_s = the stage's gradient bytes x the type's measured optimizer ms per
   gradient byte (the decoder record's ``optimizer_ms`` over its gradient bytes: Adam, the grad norm
   and the copy back scale with the parameters a device holds), / d with the distributed
@@ -49,7 +57,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import memory as memory_mod
-from .comm import dp_sync_ms, send_ms
+from .comm import ddp_buckets, dp_sync_ms, send_ms
 from .placement import Pool, StagePlacement, place_stages, ring_gbps, send_link_gbps, type_pools
 from .profiles import LayerProfile, ProfileKey, lookup_overhead, lookup_profile
 from .training import TrainingSetup
@@ -369,9 +377,24 @@ class CostModel:
                 fc[v - 1] += lc.output_forward_ms
                 bc[v - 1] += lc.output_backward_ms
                 grad += lc.output_grad_bytes
-            ar = dp_sync_ms(grad, grad * self.param_per_grad_byte, dp,
-                            ring_gbps(self.cluster, placements[s]), self.latency_ms,
-                            self.sharded_optimizer) if dp > 1 else 0.0
+            ar = 0.0
+            if dp > 1:
+                # Megatron buckets only pipeline rank 0's first chunk: there the sync
+                # overlaps the last micro-batch's backward (and the all-gather the next
+                # forward); elsewhere it starts after the stage's last backward, as modelled
+                gw = pw = 0.0
+                buckets = 1
+                if s == 0 and v == 1:
+                    if self.training.overlap_grad_reduce:
+                        gw = bc[0]
+                    if self.training.overlap_param_gather:
+                        pw = fc[0]
+                    if gw or pw:
+                        buckets = ddp_buckets(grad / self.training.grad_bytes, dp,
+                                              self.training.ddp_bucket_size)
+                ar = dp_sync_ms(grad, grad * self.param_per_grad_byte, dp,
+                                ring_gbps(self.cluster, placements[s]), self.latency_ms,
+                                self.sharded_optimizer, buckets, gw, pw)
             mem = self.stage_memory(layers=l, stage=s, num_stages=n, tp=t, dp=dp,
                                     micro_batch_size=micro_batch_size,
                                     num_microbatches=num_microbatches, schedule=schedule,

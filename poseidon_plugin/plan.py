@@ -20,7 +20,7 @@ indent, floats rounded to 6 decimals, trailing newline, so equal plans give equa
      "wrap_send_ms", "timing_model" ("engine": re-derive with Plan.rederived_iteration_time_ms),
      "iteration_overhead": {"ms", "source", "record"} or null,
      "training": {"recompute", "distributed_optimizer", "params_dtype", "grad_dtype",
-                  "attention"},
+                  "attention", "overlap_grad_reduce", "overlap_param_gather"},
      "unused_devices": [{"node", "local_device"}], "megatron_args": [...] (null if per-stage TP),
      "mindspeed_llm_args": [...] (null if per-stage TP), "rank_order": [{"rank", "node",
      "local_device"}], "search": {...statistics...},
@@ -46,7 +46,9 @@ null when the profile DB had none (0 ms).
 
 DP synchronisation: ``allreduce_ms`` is the stage's DP gradient all-reduce per iteration, or,
 when ``training.distributed_optimizer`` is true, the gradients' reduce-scatter plus the updated
-parameters' all-gather; ``optimizer_ms`` is then the step on the rank's 1/dp shard.
+parameters' all-gather; ``optimizer_ms`` is then the step on the rank's 1/dp shard. With
+``overlap_grad_reduce`` / ``overlap_param_gather`` stage 0's figure (non-interleaved plans) is
+the part its last backward / first forward does not hide (``comm.dp_sync_ms``).
 
 Rank order: Megatron's default order tp-cp-ep-dp-pp (cp = ep = 1):
 ``rank = stage * (tp * dp) + dp_rank * tp + tp_rank`` (uniform TP).
@@ -466,10 +468,13 @@ class Plan:
                        f"{node_ranges(measured, None)}{rest}")
         if self.training:
             t = self.training
+            overlap = [n for k, n in (("overlap_grad_reduce", "grad reduce"),
+                                      ("overlap_param_gather", "param gather")) if t.get(k)]
             out.append(f"  training setup: recompute {t.get('recompute')}, attention "
                        f"{t.get('attention')}, params {t.get('params_dtype')}, grads "
                        f"{t.get('grad_dtype')}, distributed optimizer "
-                       f"{'on' if t.get('distributed_optimizer') else 'off'}")
+                       f"{'on' if t.get('distributed_optimizer') else 'off'}, overlap "
+                       f"{' + '.join(overlap) if overlap else 'off'}")
         return out
 
 

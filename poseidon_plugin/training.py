@@ -13,6 +13,10 @@ Fields and what they change
     ``grad_dtype``: ``fp32`` | ``bf16`` — the main-gradient buffer and the DP all-reduce.
         Megatron (megatron-core 0.19 ``validate_args``) accumulates and all-reduces bf16 models'
         gradients in fp32 unless ``--grad-reduce-in-bf16``: the default here is fp32.
+    ``overlap_grad_reduce`` / ``overlap_param_gather``: Megatron's bucketed, asynchronous DP
+        gradient sync during the last micro-batch's backward / parameter all-gather during the
+        next forward (``comm.dp_sync_ms``; the latter needs the distributed optimizer);
+        ``ddp_bucket_size`` their bucket (``--ddp-bucket-size``; 0: max(4e7, 1e6 x dp)).
     ``attention``: ``flash`` | ``unfused`` — flash (fused) attention keeps no s x s matrices;
         an unfused one (Megatron's ``local`` spec, ``--attention-backend unfused``) keeps the
         scores, the softmax output and the dropout mask, 5*a*s^2*b/t bytes per layer.
@@ -42,6 +46,9 @@ class TrainingSetup:
     params_dtype: str = "bf16"
     grad_dtype: str = "fp32"
     attention: str = "flash"
+    overlap_grad_reduce: bool = False    # --overlap-grad-reduce (bucketed, async DP sync)
+    overlap_param_gather: bool = False   # --overlap-param-gather (needs the distributed optimizer)
+    ddp_bucket_size: int = 0             # --ddp-bucket-size, parameters (0: Megatron's default)
 
     def __post_init__(self) -> None:
         for name, allowed in (("recompute", RECOMPUTE), ("params_dtype", PARAM_DTYPES),
@@ -50,9 +57,19 @@ class TrainingSetup:
             if value not in allowed:
                 raise PoseidonError(f"training setup {name}: expected one of "
                                     f"{', '.join(allowed)}, got {value!r}")
-        if not isinstance(self.distributed_optimizer, bool):
-            raise PoseidonError(f"training setup distributed_optimizer: expected true or false, "
-                                f"got {self.distributed_optimizer!r}")
+        for name in ("distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather"):
+            if not isinstance(getattr(self, name), bool):
+                raise PoseidonError(f"training setup {name}: expected true or false, "
+                                    f"got {getattr(self, name)!r}")
+        if (isinstance(self.ddp_bucket_size, bool) or not isinstance(self.ddp_bucket_size, int)
+                or self.ddp_bucket_size < 0):
+            raise PoseidonError(f"training setup ddp_bucket_size: expected an integer >= 0 "
+                                f"(parameters per bucket; 0: Megatron's default), got "
+                                f"{self.ddp_bucket_size!r}")
+        if self.overlap_param_gather and not self.distributed_optimizer:
+            raise PoseidonError("training setup overlap_param_gather: needs the distributed "
+                                "optimizer (Megatron: --overlap-param-gather only with "
+                                "--use-distributed-optimizer)")
 
     # ------------------------------------------------------------------ bytes
     @property
@@ -126,9 +143,12 @@ def setup_from_megatron_args(args: Any) -> TrainingSetup:
         attention = "unfused"
     else:
         attention = "flash"
-    return TrainingSetup(recompute=recompute,
-                         distributed_optimizer=bool(arg("use_distributed_optimizer", False)),
-                         params_dtype=dtype, grad_dtype=grad, attention=attention)
+    dist = bool(arg("use_distributed_optimizer", False))
+    return TrainingSetup(recompute=recompute, distributed_optimizer=dist,
+                         params_dtype=dtype, grad_dtype=grad, attention=attention,
+                         overlap_grad_reduce=bool(arg("overlap_grad_reduce", False)),
+                         overlap_param_gather=dist and bool(arg("overlap_param_gather", False)),
+                         ddp_bucket_size=int(arg("ddp_bucket_size", 0) or 0))
 
 
 def megatron_flags(setup: TrainingSetup) -> list[str]:

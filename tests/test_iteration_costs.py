@@ -135,14 +135,24 @@ def _brute_force(cluster, model, db, gbs, training=None):
     return best
 
 
-@pytest.mark.parametrize("sharded", [False, True], ids=["ddp", "distributed-optimizer"])
+SETUPS = {"ddp": TrainingSetup(),
+          "distributed-optimizer": TrainingSetup(distributed_optimizer=True),
+          # tiny buckets, so the tiny model's stage 0 has several and the overlap shows
+          "overlap": TrainingSetup(overlap_grad_reduce=True, ddp_bucket_size=50_000),
+          "distributed-overlap": TrainingSetup(distributed_optimizer=True,
+                                               overlap_grad_reduce=True,
+                                               overlap_param_gather=True,
+                                               ddp_bucket_size=50_000)}
+
+
+@pytest.mark.parametrize("setup_name", list(SETUPS))
 @pytest.mark.parametrize("opt_ms", [{"fast": 0.5, "slow": 2.0}, {"fast": 40.0, "slow": 1.0}])
-def test_search_with_optimizer_costs_is_exact(opt_ms, sharded):
+def test_search_with_optimizer_costs_is_exact(opt_ms, setup_name):
     """The Cython search adds the same term (build_plan checks it against the Python path) and
     still finds the brute-force optimum; a large optimizer step changes the plan's time."""
     cluster, model = load_cluster(SMALL), get_model(TINY)
     db = measured_db(cluster, model, opt_ms)
-    setup = TrainingSetup(distributed_optimizer=sharded)
+    setup = SETUPS[setup_name]
     opts = SearchOptions(global_batch_size=8, seq_length=SEQ, schedules=("1f1b",),
                          micro_batch_sizes=(1, 2), max_virtual_stages=1, tp_degrees=(1, 2),
                          workers=1, pruning="none", training=setup)
@@ -187,6 +197,81 @@ def test_distributed_optimizer_shards_the_step_and_splits_the_dp_sync(setup):
                                                    rel=1e-12)
             assert q.allreduce_ms < p.allreduce_ms
             assert q.memory_bytes < p.memory_bytes
+
+
+@pytest.mark.parametrize("setup_name", list(SETUPS))
+def test_search_costs_equal_the_python_path_under_every_dp_setup(setup_name):
+    """Random complete assignments with DP > 1 (1f1b and interleaved): the search's own cost
+    code (replay) times each exactly as CostModel + the simulator do."""
+    import random
+
+    cluster, model = load_cluster(SMALL), get_model(TINY)
+    cm = CostModel(cluster, model, measured_db(cluster, model), seq_length=SEQ,
+                   training=SETUPS[setup_name])
+    ctx = SearchContext(cm)
+    opts_ = SearchOptions(global_batch_size=16, seq_length=SEQ,
+                          schedules=("1f1b", "interleaved-1f1b"), micro_batch_sizes=(1, 2),
+                          tp_degrees=(1, 2))
+    rng = random.Random(7)
+    checked = 0
+    for cfg in enumerate_configs(cm, opts_):
+        if cfg.dp < 2:
+            continue
+        for _ in range(3):
+            a = ctx.random_assignment(cfg, rng)
+            if a is None:
+                continue
+            stage_opts, layers = a
+            _, t = ctx.replay(cfg, stage_opts, layers)
+            assert t == pytest.approx(ctx.evaluate(cfg, stage_opts, layers), rel=1e-12)
+            checked += 1
+    assert checked > 20
+
+
+def test_exposed_ms_by_hand():
+    from poseidon_plugin.comm import ddp_buckets, exposed_ms
+    assert exposed_ms(10.0, 100.0, 5) == 2.0          # compute-bound: the last bucket only
+    assert exposed_ms(100.0, 40.0, 5) == 68.0         # comm-bound: all but 4/5 of the window
+    assert exposed_ms(100.0, 40.0, 1) == 100.0        # one bucket: nothing overlaps
+    assert exposed_ms(100.0, 0.0, 5) == 100.0         # no window
+    assert ddp_buckets(2.07e9, 4) == 52               # max(4e7, 4e6) = 4e7 per bucket
+    assert ddp_buckets(2.07e9, 64) == 33              # max(4e7, 6.4e7)
+    assert ddp_buckets(2.07e9, 4, 1e9) == 3 and ddp_buckets(0, 4) == 1
+
+
+def test_overlap_hides_only_stage_zeros_sync_in_a_non_interleaved_plan(setup):
+    """megatron-core buckets only pipeline rank 0's first chunk: stage 0's sync (all-reduce,
+    or reduce-scatter + all-gather) overlaps its last backward / first forward; stage 1 and
+    every stage of an interleaved plan keep the full sync."""
+    from poseidon_plugin.comm import ddp_buckets, exposed_ms
+
+    cluster, model, db = setup
+    for base, over in ((SETUPS["ddp"], SETUPS["overlap"]),
+                       (SETUPS["distributed-optimizer"], SETUPS["distributed-overlap"])):
+        plain = CostModel(cluster, model, db, seq_length=SEQ, training=base)
+        olap = CostModel(cluster, model, db, seq_length=SEQ, training=over)
+        for v, layers in ((1, [3, 5]), (2, [4, 4])):
+            kw = dict(stage_types=[0, 1], stage_tps=[1, 1], layers=layers, dp=4,
+                      micro_batch_size=1, num_microbatches=4,
+                      schedule="1f1b" if v == 1 else "interleaved-1f1b", virtual_stages=v)
+            a, _, _ = plain.stage_costs(**kw)
+            b, _, _ = olap.stage_costs(**kw)
+            assert b[1].allreduce_ms == a[1].allreduce_ms
+            if v == 2:
+                assert b[0].allreduce_ms == a[0].allreduce_ms
+                continue
+            lc = plain.layer_costs(0, 1, 1)
+            params = (3 * lc.grad_bytes + lc.embedding_grad_bytes) / base.grad_bytes
+            nb = ddp_buckets(params, 4, 50_000)
+            assert nb > 1
+            if not base.distributed_optimizer:
+                assert b[0].allreduce_ms == exposed_ms(a[0].allreduce_ms, a[0].backward_ms, nb)
+            else:   # split the plain figure back into its reduce-scatter and all-gather
+                rs = a[0].allreduce_ms / 1.5            # fp32 gradients, bf16 parameters
+                assert b[0].allreduce_ms == pytest.approx(
+                    exposed_ms(rs, a[0].backward_ms, nb)
+                    + exposed_ms(rs * 0.5, a[0].forward_ms, nb), rel=1e-9)
+            assert b[0].allreduce_ms < a[0].allreduce_ms
 
 
 def test_plan_json_carries_the_optimizer_step(setup):

@@ -907,12 +907,25 @@ def test_cython_cost_twins_equal_their_python_originals(num_bytes, gbps, latency
 
 
 @given(st.floats(-1e3, 1e12, allow_nan=False), st.floats(0.0, 4.0), st.floats(0.1, 1e4),
-       st.floats(0.0, 1.0), st.integers(1, 64), st.booleans())
-def test_cython_dp_sync_twin_equals_its_python_original(grad, wpg, gbps, latency, ranks, sharded):
+       st.floats(0.0, 1.0), st.integers(1, 64), st.booleans(), st.integers(1, 300),
+       st.floats(0.0, 1e4), st.floats(0.0, 1e4))
+def test_cython_dp_sync_twin_equals_its_python_original(grad, wpg, gbps, latency, ranks, sharded,
+                                                        buckets, gwin, pwin):
     from poseidon_plugin.comm import dp_sync_ms
     from poseidon_plugin.search import _search
     assert (_search.twin_dp_sync_ms(grad, grad * wpg, ranks, gbps, latency, sharded)
             == dp_sync_ms(grad, grad * wpg, ranks, gbps, latency, sharded))
+    assert (_search.twin_dp_sync_ms(grad, grad * wpg, ranks, gbps, latency, sharded, buckets,
+                                    gwin, pwin)
+            == dp_sync_ms(grad, grad * wpg, ranks, gbps, latency, sharded, buckets, gwin, pwin))
+
+
+@given(st.floats(-1e3, 1e13, allow_nan=False), st.integers(1, 100000),
+       st.sampled_from([0.0, 1.0, 1e5, 4e7, 3.3e8]))
+def test_cython_ddp_buckets_twin_equals_its_python_original(params, ranks, bucket):
+    from poseidon_plugin.comm import ddp_buckets
+    from poseidon_plugin.search import _search
+    assert _search.twin_ddp_buckets(params, ranks, bucket) == ddp_buckets(params, ranks, bucket)
 
 
 def test_cython_twins_name_their_originals():
@@ -924,7 +937,9 @@ def test_cython_twins_name_their_originals():
                            ("_allreduce_ms", "poseidon_plugin.comm.allreduce_ms"),
                            ("_chunk_layers", "poseidon_plugin.costs.chunk_layers"),
                            ("_reduce_scatter_ms", "poseidon_plugin.comm.reduce_scatter_ms"),
-                           ("_dp_sync_ms", "poseidon_plugin.comm.dp_sync_ms")):
+                           ("_dp_sync_ms", "poseidon_plugin.comm.dp_sync_ms"),
+                           ("_ddp_buckets", "poseidon_plugin.comm.ddp_buckets"),
+                           ("_exposed_ms", "poseidon_plugin.comm.exposed_ms")):
         body = src.split(f" {twin}(", 1)[1][:400]
         assert f"Twin of ``{original}``" in body, twin
 

@@ -105,6 +105,10 @@ def _ns(**kw):
     ({"grad_reduce_in_bf16": True}, TrainingSetup(grad_dtype="bf16")),
     ({"bf16": False}, TrainingSetup(params_dtype="fp32")),
     ({"bf16": False, "fp16": True}, TrainingSetup(params_dtype="fp16")),
+    ({"overlap_grad_reduce": True, "ddp_bucket_size": 1000},
+     TrainingSetup(overlap_grad_reduce=True, ddp_bucket_size=1000)),
+    ({"use_distributed_optimizer": True, "overlap_param_gather": True},
+     TrainingSetup(distributed_optimizer=True, overlap_param_gather=True)),
 ])
 def test_setup_from_megatron_args(kw, want):
     assert setup_from_megatron_args(_ns(**kw)) == want
@@ -122,3 +126,21 @@ def test_setup_from_real_megatron_arguments():
         recompute="full", distributed_optimizer=True, attention="unfused")
     args = parse_megatron_args("pretrain_gpt.py", base + ["--bf16"])
     assert setup_from_megatron_args(args) == TrainingSetup()
+    args = parse_megatron_args("pretrain_gpt.py", base + [
+        "--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce",
+        "--overlap-param-gather", "--ddp-bucket-size", "12345"])
+    assert setup_from_megatron_args(args) == TrainingSetup(
+        distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True,
+        ddp_bucket_size=12345)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"overlap_param_gather": True}, "needs the distributed optimizer"),
+    ({"overlap_grad_reduce": 1}, "overlap_grad_reduce: expected true or false"),
+    ({"ddp_bucket_size": -1}, "ddp_bucket_size: expected an integer >= 0"),
+    ({"ddp_bucket_size": 2.5}, "ddp_bucket_size: expected an integer >= 0"),
+])
+def test_bad_overlap_setup_is_a_one_line_error(kw, match):
+    from poseidon_plugin.errors import PoseidonError
+    with pytest.raises(PoseidonError, match=match):
+        TrainingSetup(**kw)

@@ -73,6 +73,9 @@ cdef struct ConfigData:
     int sharded                    # 1: distributed optimizer (DP sync = reduce-scatter of the
     #                                gradients + all-gather of the parameters; step / d)
     double wpg                     # parameter bytes per gradient byte (the all-gather's bytes)
+    int ovl_grad, ovl_param        # --overlap-grad-reduce / --overlap-param-gather (stage 0, V 1)
+    double gpp                     # gradient bytes per parameter (the DDP bucket count)
+    double bucket                  # DDP bucket, parameters (0: megatron's default)
     const int* lmax                # O * N: most layers option o fits at stage x (memory)
     const int* suffix_lmax         # N + 1: sum over j >= x of max_o lmax[o, j]
     const int* suf_omax            # O * (N + 1): max over j >= x of lmax[o, j]

@@ -21,6 +21,7 @@ Cost formulas here are twins of the Python originals (each names its original; a
 pair): ``_send_ms``, ``_allreduce_ms`` and ``_chunk_layers``.
 """
 
+from libc.math cimport ceil as c_ceil
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memset
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
@@ -206,13 +207,36 @@ cdef inline double _reduce_scatter_ms(double num_bytes, int ranks, double gbps,
             + (<double>(ranks - 1)) / ranks * num_bytes * 8.0 / (gbps * 1e6))
 
 
+cdef inline int _ddp_buckets(double params, int ranks, double bucket_params) noexcept nogil:
+    """Twin of ``poseidon_plugin.comm.ddp_buckets``."""
+    cdef double b, size
+    if params <= 0.0:
+        return 1
+    size = bucket_params if bucket_params > 0.0 else dmax(40000000.0, 1e6 * ranks)
+    b = c_ceil(params / size)
+    if b > 1073741824.0:                 # comm.MAX_BUCKETS
+        return 1073741824
+    return 1 if b < 1.0 else <int>b
+
+
+cdef inline double _exposed_ms(double comm_ms, double window_ms, int buckets) noexcept nogil:
+    """Twin of ``poseidon_plugin.comm.exposed_ms``."""
+    if buckets <= 1 or window_ms <= 0.0:
+        return comm_ms
+    return dmax(comm_ms / buckets, comm_ms - window_ms * (buckets - 1) / buckets)
+
+
 cdef inline double _dp_sync_ms(double grad_bytes, double param_bytes, int ranks, double gbps,
-                               double latency_ms, int sharded) noexcept nogil:
+                               double latency_ms, int sharded, int buckets,
+                               double grad_window_ms, double param_window_ms) noexcept nogil:
     """Twin of ``poseidon_plugin.comm.dp_sync_ms``."""
     if not sharded:
-        return _allreduce_ms(grad_bytes, ranks, gbps, latency_ms)
-    return (_reduce_scatter_ms(grad_bytes, ranks, gbps, latency_ms)
-            + _reduce_scatter_ms(param_bytes, ranks, gbps, latency_ms))
+        return _exposed_ms(_allreduce_ms(grad_bytes, ranks, gbps, latency_ms), grad_window_ms,
+                           buckets)
+    return (_exposed_ms(_reduce_scatter_ms(grad_bytes, ranks, gbps, latency_ms),
+                        grad_window_ms, buckets)
+            + _exposed_ms(_reduce_scatter_ms(param_bytes, ranks, gbps, latency_ms),
+                          param_window_ms, buckets))
 
 
 cdef inline int _chunk_layers(int layers, int virtual_stages, int chunk) noexcept nogil:
@@ -231,9 +255,16 @@ def twin_allreduce_ms(double num_bytes, int ranks, double gbps, double latency_m
 
 
 def twin_dp_sync_ms(double grad_bytes, double param_bytes, int ranks, double gbps,
-                    double latency_ms, bint sharded):
+                    double latency_ms, bint sharded, int buckets=1, double grad_window_ms=0.0,
+                    double param_window_ms=0.0):
     """``_dp_sync_ms`` from Python (the tests pin it to its original)."""
-    return _dp_sync_ms(grad_bytes, param_bytes, ranks, gbps, latency_ms, sharded)
+    return _dp_sync_ms(grad_bytes, param_bytes, ranks, gbps, latency_ms, sharded, buckets,
+                       grad_window_ms, param_window_ms)
+
+
+def twin_ddp_buckets(double params, int ranks, double bucket_params=0.0):
+    """``_ddp_buckets`` from Python (the tests pin it to its original)."""
+    return _ddp_buckets(params, ranks, bucket_params)
 
 
 def twin_chunk_layers(int layers, int virtual_stages):
@@ -308,7 +339,9 @@ cdef class ConfigInstance:
                  double minfb, double outmin, double alpha, int ridge_mode, int ridge_ends,
                  int blocks, int use_bound, opt_type, opt_tp, f, b, ef, eb, of, ob, gl, ge, go,
                  lmax, ndev, type_off, intra, inter, node_of, local_of, og=None,
-                 double overhead_ms=0.0, bint sharded=False, double wpg=0.5):
+                 double overhead_ms=0.0, bint sharded=False, double wpg=0.5,
+                 bint overlap_grad=False, bint overlap_param=False, double gpp=4.0,
+                 double bucket=0.0):
         cdef ConfigData* I = &self.data
         cdef int N = structure.N, V = structure.V, O = len(opt_type), T = len(ndev), o, x, k
         if N > MAXN or V > MAXV or O > MAXO or T > MAXT:
@@ -320,6 +353,7 @@ cdef class ConfigInstance:
         I.act_bytes, I.latency_ms, I.cross_gbps = act_bytes, latency_ms, cross_gbps
         I.overhead_ms = overhead_ms
         I.sharded, I.wpg = sharded, wpg
+        I.ovl_grad, I.ovl_param, I.gpp, I.bucket = overlap_grad, overlap_param, gpp, bucket
         I.minsend, I.minfb, I.outmin, I.alpha = minsend, minfb, outmin, alpha
         I.ridge_mode, I.ridge_ends, I.blocks, I.use_bound = ridge_mode, ridge_ends, blocks, use_bound
         for o in range(O):
@@ -511,8 +545,8 @@ cdef void _set_stage(const ConfigData* I, SearchState* S, int x, int o, int l,
     """Chunk costs, forward total and post-pipeline time (DP all-reduce + optimizer step +
     per-iteration overhead) of stage x with option o and l layers
     (the embedding on chunk 0 of stage 0, the output layer on chunk V-1 of the last stage)."""
-    cdef int V = I.V, cc
-    cdef double G, F = 0.0
+    cdef int V = I.V, cc, nb
+    cdef double G, F = 0.0, gw, pw
     for cc in range(V):
         S.fc[x * V + cc] = _chunk_layers(l, V, cc) * I.of_[o]
         S.bc[x * V + cc] = _chunk_layers(l, V, cc) * I.ob_[o]
@@ -528,8 +562,18 @@ cdef void _set_stage(const ConfigData* I, SearchState* S, int x, int o, int l,
     for cc in range(V):
         F += S.fc[x * V + cc]
     S.Fst[x] = F
-    S.R[x] = ((_dp_sync_ms(G, G * I.wpg, I.d, ring, I.latency_ms, I.sharded) if I.d > 1
-               else 0.0)
+    gw = 0.0
+    pw = 0.0
+    nb = 1
+    if I.d > 1 and x == 0 and V == 1:    # as costs.stage_costs: only stage 0's chunk 0 buckets
+        if I.ovl_grad:
+            gw = S.bc[0]
+        if I.ovl_param:
+            pw = S.fc[0]
+        if gw != 0.0 or pw != 0.0:
+            nb = _ddp_buckets(G / I.gpp, I.d, I.bucket)
+    S.R[x] = ((_dp_sync_ms(G, G * I.wpg, I.d, ring, I.latency_ms, I.sharded, nb, gw, pw)
+               if I.d > 1 else 0.0)
               + ((G * I.oog[o] / I.d) if I.sharded else G * I.oog[o])
               + I.overhead_ms)
 

@@ -163,7 +163,10 @@ class SearchContext:
             f=costs.f, b=costs.b, ef=costs.ef, eb=costs.eb, of=costs.of, ob=costs.ob,
             gl=costs.gl, ge=costs.ge, go=costs.go, og=costs.og or None,
             overhead_ms=cm.iteration_overhead_ms, sharded=cm.sharded_optimizer,
-            wpg=cm.param_per_grad_byte, lmax=self.lmax(cfg),
+            wpg=cm.param_per_grad_byte, overlap_grad=cm.training.overlap_grad_reduce,
+            overlap_param=cm.training.overlap_param_gather,
+            gpp=float(cm.training.grad_bytes), bucket=float(cm.training.ddp_bucket_size),
+            lmax=self.lmax(cfg),
             ndev=[p.size for p in cm.pools], type_off=type_off, intra=list(cm.intra_gbps),
             inter=list(cm.inter_gbps), node_of=node_of, local_of=local_of)
 
