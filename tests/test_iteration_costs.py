@@ -199,6 +199,25 @@ def test_distributed_optimizer_shards_the_step_and_splits_the_dp_sync(setup):
             assert q.memory_bytes < p.memory_bytes
 
 
+@pytest.mark.parametrize("bucket", [20_000, 50_000, 120_000, 400_000])
+@pytest.mark.parametrize("sharded", [False, True], ids=["ddp", "distributed-optimizer"])
+def test_pruned_search_is_exact_under_the_dp_overlap(bucket, sharded):
+    """Stage 0's exposed sync can shrink as its layers grow (more buckets, a longer backward
+    to hide them): the bounds must not assume it grows. The pruned search (safe) finds the
+    brute-force optimum for bucket sizes around a layer's parameters (tiny-gpt: ~0.4 M
+    a layer)."""
+    cluster, model = load_cluster(SMALL), get_model(TINY)
+    db = measured_db(cluster, model, {"fast": 0.5, "slow": 2.0})
+    setup = TrainingSetup(distributed_optimizer=sharded, overlap_grad_reduce=True,
+                          overlap_param_gather=sharded, ddp_bucket_size=bucket)
+    opts = SearchOptions(global_batch_size=8, seq_length=SEQ, schedules=("1f1b",),
+                         micro_batch_sizes=(1, 2), max_virtual_stages=1, tp_degrees=(1, 2),
+                         workers=1, pruning="safe", training=setup)
+    plan = search_plan(cluster, model, opts, db)
+    assert plan.predicted_iteration_time_ms == pytest.approx(
+        _brute_force(cluster, model, db, 8, setup), rel=1e-9)
+
+
 @pytest.mark.parametrize("setup_name", list(SETUPS))
 def test_search_costs_equal_the_python_path_under_every_dp_setup(setup_name):
     """Random complete assignments with DP > 1 (1f1b and interleaved): the search's own cost

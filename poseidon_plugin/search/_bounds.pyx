@@ -104,7 +104,8 @@ cdef inline int _type_groups(int* tcap, int* tcnt, int ng, int best, int cnt,
 
 
 cdef double bound(const ConfigData* I, SearchState* S, int x, int Lrem) noexcept nogil:
-    """Update the incremental bound state of stage x (costs, Pf/Pb[x-1], R[x] set) and return g."""
+    """Update the incremental bound state of stage x (costs, Pf/Pb[x-1], R[x] and Rb[x] set)
+    and return g (the tail uses Rb: R, or below it where R is not monotone in the layers)."""
     cdef int V = I.V, M = I.M, N = I.N, cc, K
     cdef double A, C, Z, fut, g, gy, lay, qx, qy
     cdef int clast = I.clast
@@ -113,11 +114,11 @@ cdef double bound(const ConfigData* I, SearchState* S, int x, int Lrem) noexcept
         gp = _pair_bound(I, S, x)
     if x == 0:
         S.head[0] = 0.0
-        S.tail[0] = S.R[0]
+        S.tail[0] = S.Rb[0]
         S.P[0] = 0.0
     else:
         S.head[x] = S.head[x - 1] + S.fc[(x - 1) * V] + S.Pf[x - 1]
-        S.tail[x] = dmax(S.R[x], S.Pb[x - 1] + S.bc[(x - 1) * V + clast] + S.tail[x - 1])
+        S.tail[x] = dmax(S.Rb[x], S.Pb[x - 1] + S.bc[(x - 1) * V + clast] + S.tail[x - 1])
         S.P[x] = (S.P[x - 1] + S.Pf[x - 1] + S.fc[x * V + V - 1] + S.bc[x * V + V - 1]
                   + S.Pb[x - 1])
     A = S.head[x]
@@ -172,7 +173,7 @@ cdef double bound(const ConfigData* I, SearchState* S, int x, int Lrem) noexcept
         gp = dmax(gp, qx)
         inc = dmax(inc, qx)
     # S.ginc: the terms of g that never decrease as stage x's layer count grows (its costs,
-    # R[x] and tail[x] only grow with it): MA, MC + P, the interleaved path bounds (in the
+    # Rb[x] and tail[x] only grow with it): MA, MC + P, the interleaved path bounds (in the
     # last one, stage x's -f and -b of chunk 0 in its two parts cancel with the + f + b). The
     # layer loop bisects with it: a count it cuts is cut with every larger count.
     S.ginc = inc

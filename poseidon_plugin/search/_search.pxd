@@ -115,7 +115,10 @@ cdef struct SearchState:
     double Fst[MAXN]               # stage forward total
     double Pf[MAXN]                # link sends (Pf[N-1]: the interleaved wrap-around)
     double Pb[MAXN]
-    double R[MAXN]                 # DP all-reduce
+    double R[MAXN]                 # post-pipeline work: DP sync + optimizer step + X
+    double Rb[MAXN]                # the R the bounds use: R, but stage 0's DP sync counted 0
+    #                                under the DP overlap (its exposed part can shrink as the
+    #                                stage's layers grow; every bound term must not)
     # incremental bound terms (``_bounds.stage_bound``)
     double head[MAXN]
     double tail[MAXN]

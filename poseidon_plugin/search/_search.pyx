@@ -546,7 +546,8 @@ cdef void _set_stage(const ConfigData* I, SearchState* S, int x, int o, int l,
     per-iteration overhead) of stage x with option o and l layers
     (the embedding on chunk 0 of stage 0, the output layer on chunk V-1 of the last stage)."""
     cdef int V = I.V, cc, nb
-    cdef double G, F = 0.0, gw, pw
+    cdef bint overlap
+    cdef double G, F = 0.0, gw, pw, opt
     for cc in range(V):
         S.fc[x * V + cc] = _chunk_layers(l, V, cc) * I.of_[o]
         S.bc[x * V + cc] = _chunk_layers(l, V, cc) * I.ob_[o]
@@ -565,17 +566,22 @@ cdef void _set_stage(const ConfigData* I, SearchState* S, int x, int o, int l,
     gw = 0.0
     pw = 0.0
     nb = 1
-    if I.d > 1 and x == 0 and V == 1:    # as costs.stage_costs: only stage 0's chunk 0 buckets
+    overlap = I.d > 1 and x == 0 and V == 1 and (I.ovl_grad or I.ovl_param)
+    if overlap:                          # as costs.stage_costs: only stage 0's chunk 0 buckets
         if I.ovl_grad:
             gw = S.bc[0]
         if I.ovl_param:
             pw = S.fc[0]
         if gw != 0.0 or pw != 0.0:
             nb = _ddp_buckets(G / I.gpp, I.d, I.bucket)
+    opt = (G * I.oog[o] / I.d) if I.sharded else G * I.oog[o]
     S.R[x] = ((_dp_sync_ms(G, G * I.wpg, I.d, ring, I.latency_ms, I.sharded, nb, gw, pw)
                if I.d > 1 else 0.0)
-              + ((G * I.oog[o] / I.d) if I.sharded else G * I.oog[o])
+              + opt
               + I.overhead_ms)
+    # the bounds' R: with the overlap, stage 0's exposed sync is not monotone in its layers
+    # (a longer backward hides more), so it is left out there (a lower bound, monotone in l)
+    S.Rb[x] = (opt + I.overhead_ms) if overlap else S.R[x]
 
 
 cdef inline int _ridge_stage(const ConfigData* I, int x) noexcept nogil:
