@@ -10,12 +10,21 @@ and other processes on the host take their share too.
 It is measured instead, with the rank's own layer (forward + backward):
 
 * :func:`measure_alone` -- the ranks of a host in turns, each on a free host
-  (``ALONE_SECONDS``): the step's mean wall time;
+  (``ALONE_SECONDS``): the step's median wall time;
 * :func:`measure_contention` -- every rank of every host at once for the same window
   (``CONTENTION_SECONDS``), each step followed by the sleep its emulated type would pad it
-  with, so the host carries the load training puts on it: the step's mean wall time over the
+  with, so the host carries the load training puts on it: the step's median wall time over the
   alone one is how much longer the compute takes when the ranks share the host -- waiting for a
   core, and the caches and memory bandwidth the others take (a CPU-time ratio would miss those).
+
+The median, not the mean: on the 2-core reference host a slow-type rank's steps took 6 ms at
+the median (4.3 ms alone) but now and then one took 60-700 ms (a rank that woke from its
+padding sleep onto busy cores and waited), one to three such steps in a 1-s window of 10-40, so
+the window's mean jumped between 1.3x and 26x from one window to the next. Six identical dry
+runs then read the slow type at x1.24-x3.93 (one launch x14.5) and chose three different plans;
+with the median, x1.43-x2.21 and the same plan six times. Training meets those stalls too: what
+they cost an iteration is in the live calibration (the per-iteration overhead and the stages'
+measured compute), not in the profile.
 
 :func:`host_shares` turns the per-rank ratios into one factor per host and device type (the
 median of those ranks, at least 1): the ``share`` of :class:`.profiler.EmulatedClock`, which
@@ -66,9 +75,9 @@ def _steps(step: Callable[[], tuple[float, float]], seconds: float, min_steps: i
 def measure_alone(step: Callable[[], tuple[float, float]], *, seconds: float = ALONE_SECONDS,
                   min_steps: int = MIN_STEPS, max_steps: int = MAX_STEPS,
                   clock: Callable[[], float] = time.perf_counter) -> float:
-    """Mean wall seconds of ``step()`` (one forward + backward -> (wall s, CPU s)) on a free
+    """Median wall seconds of ``step()`` (one forward + backward -> (wall s, CPU s)) on a free
     host (the caller runs the ranks of a host in turns)."""
-    return statistics.fmean(_steps(step, seconds, min_steps, max_steps, clock))
+    return statistics.median(_steps(step, seconds, min_steps, max_steps, clock))
 
 
 def measure_contention(step: Callable[[], tuple[float, float]], factor: float, alone_s: float,
@@ -77,7 +86,7 @@ def measure_contention(step: Callable[[], tuple[float, float]], factor: float, a
                        clock: Callable[[], float] = time.perf_counter,
                        sleep: Callable[[float], None] = time.sleep) -> ContentionSample:
     """Run ``step()`` for ``seconds``, each step followed by the emulated type's padding sleep
-    ``(factor - 1) x`` its CPU time (as training pads it); ratio = the mean wall time of the
+    ``(factor - 1) x`` its CPU time (as training pads it); ratio = the median wall time of the
     steps over ``alone_s`` (:func:`measure_alone`'s), at least 1.
 
     The caller starts every rank of the host at once (a barrier) so they contend as in training."""
@@ -86,7 +95,7 @@ def measure_contention(step: Callable[[], tuple[float, float]], factor: float, a
             sleep((factor - 1.0) * cpu)
 
     walls = _steps(step, seconds, min_steps, max_steps, clock, pad)
-    ratio = statistics.fmean(walls) / alone_s if alone_s > 0.0 else 1.0
+    ratio = statistics.median(walls) / alone_s if alone_s > 0.0 else 1.0
     return ContentionSample(max(1.0, ratio), len(walls))
 
 

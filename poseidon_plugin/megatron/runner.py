@@ -399,7 +399,7 @@ def _contention_probe(ctx: LaunchContext
         if ctx.rank == 0:
             per_type = {g[2]: shares[r] for r, g in enumerate(got)}
             log.info("host contention: %d rank(s) running at once slow each other's compute "
-                     "%s (step time together over alone, %.1f s; per rank %s; the fixed rule "
+                     "%s (median step time together over alone, %.1f s; per rank %s; the fixed rule "
                      "ranks x threads / cores would say x%.2f for every type)", len(got),
                      ", ".join(f"{t} x{v:.2f}" for t, v in sorted(per_type.items())),
                      contention.CONTENTION_SECONDS, " ".join(f"{g[0]:.2f}" for g in got),
