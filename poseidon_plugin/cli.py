@@ -55,6 +55,16 @@ def _positive_finite_float(text: str) -> float:
     return value
 
 
+def _tie_percent(text: str) -> float:
+    """argparse type of ``--tie-tolerance`` (a percent, as a fraction)."""
+    from .search.options import tie_tolerance_percent
+
+    try:
+        return tie_tolerance_percent("--tie-tolerance", text)
+    except PoseidonError as e:
+        raise argparse.ArgumentTypeError(str(e).split(": ", 1)[1]) from None
+
+
 def _timeout_seconds(text: str) -> float:
     """argparse type of ``poseidon profile --timeout`` (the launch's --poseidon-timeout rule)."""
     from .megatron.options import timeout_seconds
@@ -163,6 +173,11 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="wall-clock budget in seconds for everything after the command line "
                     "(loading, the search, the baselines): the best plan found by then, with its "
                     "gap to the proven lower bound (default: none, search to the end)")
+    pl.add_argument("--tie-tolerance", type=_tie_percent, default=0.0, metavar="PCT",
+                    help="trade up to PCT %% of speed for the simplest plan: the preferred "
+                    "plan among those within PCT %% of the fastest (fewest stages, no "
+                    "interleaving, smaller TP, larger micro-batch, then device types by name and "
+                    "fewest layers stage by stage; default: 0, the fastest plan)")
     pl.add_argument("--workers", type=int, default=None, metavar="K",
                     help="search threads (default: every core); the plan does not depend on it")
     pl.add_argument("--seed", type=int, default=0, metavar="N",
@@ -260,6 +275,7 @@ def search_options(ns) -> SearchOptions:
         max_virtual_stages=ns.max_virtual_stages, type_order=ns.type_order,
         warmup_samples=ns.warmup_samples, seed=ns.seed, time_budget_s=ns.time_budget,
         workers=ns.workers, progress=sys.stderr.isatty() or bool(ns.verbose),
+        tie_tolerance=ns.tie_tolerance,
         training=training_setup(ns))
 
 

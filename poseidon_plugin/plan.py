@@ -110,6 +110,29 @@ class StagePlan:
         return self.allreduce_ms + self.optimizer_ms + self.overhead_ms
 
 
+def _tie_text(s: dict, t: float) -> str:
+    """The table's line on the tie rule (``search/tiebreak.py``)."""
+    tol, fastest = 100 * s["tie_tolerance"], s.get("fastest_ms") or t
+    head = f"tie rule ({tol:g}% window, {s.get('tie_queries', 0)} queries): "
+    if s["tie_rule"] == "preferred":
+        return (head + f"the preferred plan within {tol:g}% of the fastest ({fastest:.2f} ms, "
+                f"this one +{100 * (t / fastest - 1):.2f}%): fewest stages, no interleaving, "
+                f"then device types by name and fewest layers stage by stage")
+    if s["tie_rule"] == "fastest":
+        return head + "the fastest plan is also the preferred one in the window"
+    return head + "ran out of time; the fastest plan stands"
+
+
+def _previous_text(s: dict) -> str:
+    """The table's line on the previous launch's plan (``SearchDriver.keep``)."""
+    state, fastest = s["previous_plan"], s.get("fastest_ms")
+    if state in ("kept", "replaced"):
+        over = 100 * (s["previous_ms"] / fastest - 1)
+        return (f"previous plan: {state} ({s['previous_ms']:.2f} ms under these costs, "
+                f"{over:+.2f}% over the fastest {fastest:.2f} ms)")
+    return f"previous plan: {state}"
+
+
 def _r(x: float) -> float:
     return round(float(x), 6)
 
@@ -436,6 +459,10 @@ class Plan:
                 f", lower bound {self.lower_bound_ms:.2f} ms (gap {100 * self.gap:.2f}%)")
             if s.get("search_space"):
                 lines.append(f"searched space: {s['search_space']}")
+            if s.get("tie_rule", "off") != "off":
+                lines.append(_tie_text(s, self.predicted_iteration_time_ms))
+            if s.get("previous_plan", "none") != "none":
+                lines.append(_previous_text(s))
         return "\n".join(lines) + "\n"
 
     def _overhead_line(self) -> str:

@@ -162,6 +162,9 @@ def test_emulated_heterogeneous_training(tmp_path):
     assert plan2["iteration_overhead"]["ms"] == pytest.approx(over["overhead_ms"])
     assert all(s["overhead_ms"] == pytest.approx(over["overhead_ms"]) for s in plan2["stages"])
     assert "iteration calibrated" in " ".join(out.split())
+    # the first launch's plan was offered to the second, under the calibrated costs
+    assert "the previous launch's plan" in out and ("kept (window 2%" in out
+                                                   or "replaced (window 2%" in out), out
 
 
 def test_dry_run_prints_flags_builds_nothing_and_second_launch_uses_the_cache(tmp_path):
@@ -179,6 +182,8 @@ def test_dry_run_prints_flags_builds_nothing_and_second_launch_uses_the_cache(tm
     proc2, out2, _ = torchrun(4, args, env)
     assert proc2.returncode == 0, ok(proc2, out2)
     assert "from the cache" in out2 and "profiling:" not in out2
+    # the same costs: the first launch's plan is the fastest again, and kept
+    assert "+0.00% over the fastest" in out2 and "kept (window 2%" in out2, out2
 
 
 def test_corrupt_profile_cache_is_set_aside_and_reprofiled(tmp_path):

@@ -28,6 +28,8 @@ class PoseidonOptions:
     schedules: tuple[str, ...] = ()       # --poseidon-schedules 1f1b,interleaved-1f1b (search default if empty)
     pruning: str = "safe"                 # --poseidon-pruning MODE
     time_budget_s: float | None = None    # --poseidon-time-budget SECONDS (search)
+    keep_within: float = 0.02             # --poseidon-keep-plan-within PCT (default 2; 0: off)
+    replan: bool = False                  # --poseidon-replan: ignore the previous launch's plan
     backend: str = "auto"                 # --poseidon-backend megatron|mindspeed-llm|auto
     emulate_file: str | None = None       # --poseidon-emulate FILE: CPU emulation of device types
     timeout_s: float = 300.0              # --poseidon-timeout SECONDS: every collective / barrier
@@ -104,6 +106,8 @@ _SPEC: dict[str, tuple[str, str]] = {
     "--poseidon-schedules": ("schedules", "csv"),
     "--poseidon-pruning": ("pruning", "str"),
     "--poseidon-time-budget": ("time_budget_s", "float"),
+    "--poseidon-keep-plan-within": ("keep_within", "percent"),
+    "--poseidon-replan": ("replan", "flag"),
     "--poseidon-backend": ("backend", "backend"),
     "--poseidon-emulate": ("emulate_file", "str"),
     "--poseidon-timeout": ("timeout_s", "timeout"),
@@ -160,6 +164,10 @@ def extract_options(argv: list[str]) -> tuple[PoseidonOptions, list[str]]:
             values[fld] = tuple(s.strip() for s in raw.split(",") if s.strip())
         elif kind == "float":
             values[fld] = _positive_float(name, raw)
+        elif kind == "percent":
+            from ..search.options import tie_tolerance_percent
+
+            values[fld] = tie_tolerance_percent(name, raw)
         elif kind == "timeout":
             values[fld] = timeout_seconds(name, raw)
         elif kind == "int":

@@ -475,10 +475,64 @@ def _rank0_search_plan(ctx: LaunchContext) -> tuple[str, str]:
     from ..search import search_plan
 
     t0 = time.perf_counter()
-    plan = search_plan(ctx.cluster, ctx.model, _search_options(ctx), ctx.profiles)
+    options = _search_options(ctx)
+    path = previous_plan_path(ctx.cache_path, ctx.cluster, ctx.model, options)
+    previous = None if ctx.opts.replan or not options.keep_tolerance else _load_previous(path)
+    plan = search_plan(ctx.cluster, ctx.model, options, ctx.profiles, previous=previous)
     log.info("search: %.2f s", time.perf_counter() - t0)
+    s = plan.search
+    if s["previous_plan"] in ("kept", "replaced"):
+        log.info("the previous launch's plan (%s) is %.2f ms under these costs, %+.2f%% over the "
+                 "fastest %.2f ms: %s (window %g%%; --poseidon-replan chooses afresh)", path,
+                 s["previous_ms"], 100 * (s["previous_ms"] / s["fastest_ms"] - 1),
+                 s["fastest_ms"], s["previous_plan"], 100 * options.keep_tolerance)
+    elif s["previous_plan"] != "none":
+        log.warning("the previous launch's plan (%s) is %s; planning afresh", path,
+                    s["previous_plan"])
     text = plan.to_json()
+    _save_previous(path, text)
     return text, plan_checksum(text)
+
+
+def previous_plan_path(cache_path: str, cluster: Cluster, model: ModelSpec,
+                       options: SearchOptions) -> str:
+    """Where a launch keeps its plan for the next identical launch: beside the profile cache,
+    named by a hash of what the plan depends on (the cache's name: versions and emulation;
+    model, sequence, batch, training setup, the cluster's device types and nodes, the search
+    space), not of the measured costs."""
+    o = options
+    key = repr((os.path.basename(cache_path), model.signature(), model.num_layers, o.global_batch_size, o.seq_length,
+                o.training, o.schedules, o.pruning, o.tp_mode, o.tp_degrees,
+                o.micro_batch_sizes, o.max_virtual_stages, o.type_order,
+                [(t, cluster.devices_of_type(t)) for t in cluster.type_names],
+                [(n.device_type, n.num_devices) for n in cluster.nodes]))
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return os.path.join(os.path.dirname(cache_path), f"plan-{digest}.json")
+
+
+def _load_previous(path: str) -> Plan | None:
+    """The plan a previous identical launch ran, or None (none yet; unreadable: a warning)."""
+    from ..plan import Plan
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return Plan.from_json(f.read())
+    except FileNotFoundError:
+        return None
+    except (OSError, PoseidonError) as e:
+        log.warning("previous plan %s is unreadable (%s); planning afresh", path, e)
+        return None
+
+
+def _save_previous(path: str, text: str) -> None:
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("could not keep the plan for the next launch in %s: %s", path, e)
 
 
 def _search_options(ctx: LaunchContext) -> SearchOptions:
@@ -493,6 +547,7 @@ def _search_options(ctx: LaunchContext) -> SearchOptions:
         tp_degrees=opts.tp_candidates or None, micro_batch_sizes=ctx.micro_batch_sizes,
         max_virtual_stages=opts.max_virtual_stages, seed=opts.seed,
         time_budget_s=opts.time_budget_s, training=ctx.training,
+        keep_tolerance=opts.keep_within,
         workers=opts.search_workers or max(1, (os.cpu_count() or 1)
                                            // max(1, ctx.env.local_world_size)))
 

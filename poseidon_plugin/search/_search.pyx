@@ -1514,7 +1514,7 @@ cdef void _run_threads(ConfigInstance inst, Searcher se, int D, int threads, thr
 
 
 def search_config(ConfigInstance inst, dag, double threshold_ms, double deadline=0.0,
-                  int threads=1, thread_dag=None, bint memo=True):
+                  int threads=1, thread_dag=None, bint memo=True, prefix=None):
     """Branch and bound over one outer configuration; see the module docstring.
 
     ``threshold_ms``: plans slower than this are not returned (inf: none); ``deadline``:
@@ -1537,12 +1537,27 @@ def search_config(ConfigInstance inst, dag, double threshold_ms, double deadline
     ``memo``: skip subtrees that a searched subtree of the same key dominates
     (``Searcher.descend``; without the ridge rule). Off, the search visits more nodes
     and returns the same plan (the tests compare the two).
+
+    ``prefix``: ``(options, layers)`` of the first stages, fixed (one thread only): the best
+    plan that starts with them (the tie rule's queries, ``search/tiebreak.py``).
     """
     cdef SearchState* S = _new_state(&inst.data, threshold_ms, deadline)
     cdef Searcher se
-    cdef int D = 0
+    cdef int D = 0, x
     try:
         se = _searcher(inst, S, dag, memo)
+        if prefix is not None:
+            popts, players = prefix
+            if threads > 1 or len(popts) != len(players) or len(popts) > inst.data.N:
+                raise ValueError("search_config: a prefix needs one thread and at most N "
+                                 "(option, layers) pairs")
+            for x in range(len(popts)):
+                if not (0 <= popts[x] < inst.data.O and players[x] >= 1):
+                    raise ValueError(f"search_config: prefix stage {x}: option {popts[x]}, "
+                                     f"{players[x]} layers")
+                S.p_opt[x] = popts[x]
+                S.p_l[x] = players[x]
+            S.plen = len(popts)
         if threads > 1 and inst.data.N >= 3:
             if thread_dag is None:
                 raise ValueError("search_config: threads > 1 needs thread_dag")

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 
 from ..costs import CostModel
-from ..errors import InfeasibleError
+from ..errors import InfeasibleError, PoseidonError
 from ..plan import Plan
 from .configs import OuterConfig, enumerate_configs
 from .instance import SearchContext
@@ -110,6 +110,12 @@ class SearchStats:
     type_order: str = ""
     workers: int = 1
     statistics_depend_on_timing: bool = False   # a configuration was split over threads
+    tie_tolerance: float = 0.0         # the tie rule (tiebreak.py): the window over the fastest,
+    tie_rule: str = "off"              # off / preferred / fastest / timed out,
+    fastest_ms: float | None = None    # the fastest plan's time (the plan may be slower by
+    tie_queries: int = 0               # up to the tolerance), and its branch-and-bound calls
+    previous_plan: str = "none"        # a previous plan offered (driver.keep): kept / replaced /
+    previous_ms: float | None = None   # unusable (why), and its time under these costs
     _seeded: bool = field(default=False, repr=False)
 
     def add_counters(self, counters: dict) -> None:
@@ -138,7 +144,7 @@ class SearchDriver:
     """One plan search over the space ``options`` describes (see the module docstring)."""
 
     def __init__(self, cluster, model, options, profiles=None,
-                 context: SearchContext | None = None) -> None:
+                 context: SearchContext | None = None, previous: Plan | None = None) -> None:
         self.t0 = time.perf_counter()
         options.check_against(cluster, model)
         self.cluster, self.model, self.options, self.profiles = cluster, model, options, profiles
@@ -153,6 +159,9 @@ class SearchDriver:
                                  tp_mode=options.tp_mode, type_order=options.type_order,
                                  workers=self.workers)
         self.best: Incumbent | None = None
+        self.chosen: Incumbent | None = None   # the plan returned when not the fastest (best):
+                                               # the tie rule's, or the previous plan kept
+        self.previous = previous
         self.threshold = math.inf
         self.roots: list[float] = []
         self.order: list[int] = []
@@ -271,6 +280,11 @@ class SearchDriver:
                 self.set_phase("polish")
                 self.polish_found()
             self.run_passes()
+            if self.options.tie_tolerance > 0 and self.best is not None:
+                self.set_phase("tie rule")
+                self.tie_break()
+            if self.previous is not None and self.best is not None:
+                self.keep(self.previous)
         finally:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
@@ -285,6 +299,88 @@ class SearchDriver:
             from .baselines import explain_infeasible
             raise InfeasibleError(explain_infeasible(self.ctx.cm, self.configs))
         self.stats.seconds = round(time.perf_counter() - self.t0, 3)
+
+    def tie_break(self) -> None:
+        """The tie rule (``tiebreak.py``): the preferred plan within the tolerance becomes the
+        returned plan (``self.chosen``); ``self.best`` stays the fastest (the lower bound's)."""
+        from .tiebreak import TIE_MIN_S, TIE_SHARE, TieBreaker
+
+        spent = time.perf_counter() - self.t0
+        end = time.monotonic() + max(TIE_MIN_S, TIE_SHARE * spent)
+        if self.deadline is not None:
+            end = min(end, self.deadline)
+        res = TieBreaker(self, self.options.tie_tolerance, end).run()
+        st = self.stats
+        st.tie_tolerance, st.fastest_ms = self.options.tie_tolerance, self.best.time_ms
+        st.tie_queries, st.tie_rule = res.queries, res.status
+        if res.status == "preferred":
+            cand = Incumbent(res.time_ms, res.cfg.key, res.opts, res.layers, res.cfg)
+            if cand.time_ms > self.best.time_ms * (1 + self.options.tie_tolerance) * (1 + 1e-9):
+                raise AssertionError(f"tie rule: {cand} outside the window")
+            if (cand.key, cand.opts, cand.layers) == (self.best.key, self.best.opts,
+                                                      self.best.layers):
+                st.tie_rule = "fastest"
+            self.chosen = cand
+        log.debug("tie rule (%.1f %%): %s after %d queries, %.1f ms (fastest %.1f ms)",
+                  100 * self.options.tie_tolerance, st.tie_rule, res.queries,
+                  (self.chosen or self.best).time_ms, self.best.time_ms)
+
+    def keep(self, prev: Plan) -> None:
+        """Stability across launches: the previous launch's plan ``prev`` is returned while it
+        is still within ``keep_tolerance`` of the fastest plan under today's costs (a relaunch
+        keeps its layout through a few per cent of measurement noise; a plan faster by more
+        replaces it). It must still lie in the searched space and fit devices and memory."""
+        st, tol = self.stats, self.options.keep_tolerance
+        try:
+            cfg, opts, layers = self._locate(prev)
+            t = self.ctx.evaluate(cfg, opts, layers)
+        except (PoseidonError, ValueError) as e:
+            st.previous_plan = f"unusable: {e}"
+            return
+        st.previous_ms = t
+        st.fastest_ms = self.best.time_ms
+        if t <= self.best.time_ms * (1 + tol) * (1 + 1e-9):
+            st.previous_plan = "kept"
+            self.chosen = Incumbent(t, cfg.key, tuple(opts), tuple(layers), cfg)
+        else:
+            st.previous_plan = "replaced"
+        log.debug("previous plan %s: %.2f ms, fastest %.2f ms (window %.1f %%)",
+                  st.previous_plan, t, self.best.time_ms, 100 * tol)
+
+    def _locate(self, prev: Plan) -> tuple[OuterConfig, list[int], list[int]]:
+        """(configuration, options, layers) of ``prev`` in this search's space, or ValueError
+        naming what no longer matches."""
+        names = self.ctx.cm.type_names
+        n = len(prev.stages)
+        tps = {s.tp for s in prev.stages}
+        want_tp = tps.pop() if len(tps) == 1 and self.options.tp_mode == "uniform" else 0
+        for cfg in self.configs:
+            if (cfg.schedule, cfg.virtual_stages, cfg.micro_batch_size, cfg.dp,
+                    cfg.num_stages, cfg.tp) != (prev.schedule, prev.virtual_stages,
+                                                prev.micro_batch_size, prev.dp, n, want_tp):
+                continue
+            index = {(names[k], t): o for o, (k, t) in enumerate(cfg.options)}
+            opts = [index.get((s.device_type, s.tp)) for s in prev.stages]
+            if None in opts:
+                break
+            layers = [s.layers for s in prev.stages]
+            lmax = self.ctx.lmax_rows(cfg)
+            if sum(layers) != self.model.num_layers:
+                raise ValueError(f"its {sum(layers)} layers are not the model's "
+                                 f"{self.model.num_layers}")
+            for x, (o, l) in enumerate(zip(opts, layers)):
+                if l < cfg.virtual_stages:
+                    raise ValueError(f"stage {x} has {l} layers, fewer than its "
+                                     f"{cfg.virtual_stages} model chunks")
+                if l > lmax[o][x]:
+                    raise ValueError(f"stage {x}'s {l} layers no longer fit its memory "
+                                     f"(at most {lmax[o][x]})")
+            if not self.in_space(cfg, opts):
+                break
+            return cfg, opts, layers
+        raise ValueError(f"{prev.schedule} pp={n} dp={prev.dp} mbs={prev.micro_batch_size} "
+                         f"on {','.join(s.device_type for s in prev.stages)} is not in this "
+                         f"search's space")
 
     def order_configs(self) -> None:
         """Root bound per configuration; visit order cheapest first (deterministic)."""
@@ -739,7 +835,7 @@ class SearchDriver:
     def plan(self) -> Plan:
         from .build import build_plan
 
-        b = self.best
+        b = self.chosen or self.best
         return build_plan(self.ctx.cm, b.cfg, b.opts, b.layers,
                           global_batch_size=self.options.global_batch_size,
                           predicted_ms=b.time_ms, lower_bound_ms=self.lower_bound_ms(),
@@ -755,10 +851,11 @@ class SearchDriver:
                 f"that interleaving has M a multiple of pp)")
 
 
-def search_plan(cluster, model, options, profiles=None) -> Plan:
+def search_plan(cluster, model, options, profiles=None, previous: Plan | None = None) -> Plan:
     """The fastest plan of the space ``options`` (a ``SearchOptions``) describes on
     ``cluster`` for ``model``, with costs from ``profiles`` (measured records) or the analytic
-    estimator; InfeasibleError when nothing fits (the closest candidate explained)."""
-    driver = SearchDriver(cluster, model, options, profiles)
+    estimator; InfeasibleError when nothing fits (the closest candidate explained).
+    ``previous``: a plan kept while within ``options.keep_tolerance`` of the fastest."""
+    driver = SearchDriver(cluster, model, options, profiles, previous=previous)
     driver.search()
     return driver.plan()

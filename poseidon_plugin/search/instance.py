@@ -141,8 +141,8 @@ class SearchContext:
             hit = self._instances[key] = self._build_instance(cfg, pruning, blocks)
         return hit
 
-    def _build_instance(self, cfg: OuterConfig, pruning: str, blocks: bool
-                        ) -> _search.ConfigInstance:
+    def _build_instance(self, cfg: OuterConfig, pruning: str, blocks: bool,
+                        lmax: np.ndarray | None = None) -> _search.ConfigInstance:
         cm, costs = self.cm, self.option_costs(cfg)
         rule = self.ridge_rule(cfg, pruning)
         node_of, local_of, type_off = [], [], []
@@ -166,23 +166,29 @@ class SearchContext:
             wpg=cm.param_per_grad_byte, overlap_grad=cm.training.overlap_grad_reduce,
             overlap_param=cm.training.overlap_param_gather,
             gpp=float(cm.training.grad_bytes), bucket=float(cm.training.ddp_bucket_size),
-            lmax=self.lmax(cfg),
+            lmax=self.lmax(cfg) if lmax is None else lmax,
             ndev=[p.size for p in cm.pools], type_off=type_off, intra=list(cm.intra_gbps),
             inter=list(cm.inter_gbps), node_of=node_of, local_of=local_of)
 
     # ------------------------------------------------------------------ searching
     def run(self, cfg: OuterConfig, *, pruning: str, blocks: bool, threshold_ms: float,
-            deadline: float = 0.0, threads: int = 1, memo: bool = True, slot: int = 0
+            deadline: float = 0.0, threads: int = 1, memo: bool = True, slot: int = 0,
+            prefix: tuple | None = None, lmax: np.ndarray | None = None
             ) -> _search.ConfigResult:
         """Branch and bound over ``cfg``: the best plan with time <= ``threshold_ms``.
         The DAG is built only when the search reaches its first leaf (most configurations are
         settled by the bounds alone); threads > 1: one DAG per thread (its own workspace).
         ``slot``: which DAG workspace (``cached_dag``; searches that run at the same time
-        need different ones, and slot 0 is the calling thread's)."""
+        need different ones, and slot 0 is the calling thread's). ``prefix``: (options,
+        layers) of the first stages, fixed; ``lmax``: tighter per-stage limits than memory's
+        (an O x N array <= ``self.lmax(cfg)``, 0 bars an option from a stage): the best plan
+        of that part of the space (the tie rule's queries, one thread)."""
         key = (cfg.schedule, cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages)
-        return _search.search_config(self.instance(cfg, pruning=pruning, blocks=blocks),
-                                     lambda: cached_dag(*key, slot), threshold_ms, deadline,
-                                     threads, lambda s: cached_dag(*key, slot + s), memo)
+        inst = (self.instance(cfg, pruning=pruning, blocks=blocks) if lmax is None
+                else self._build_instance(cfg, pruning, blocks, lmax))
+        return _search.search_config(inst, lambda: cached_dag(*key, slot), threshold_ms,
+                                     deadline, threads, lambda s: cached_dag(*key, slot + s),
+                                     memo, prefix)
 
     def replay(self, cfg: OuterConfig, opts, layers) -> tuple[list[float], float]:
         """(g after each stage, simulated time) of one complete assignment through the

@@ -34,9 +34,23 @@ MAX_GLOBAL_BATCH_SIZE = 1 << 17
 MAX_SEQ_LENGTH = 1 << 24
 MAX_VIRTUAL_STAGES = 4096
 MAX_WARMUP_SAMPLES = 1_000_000   # ~30 s of sampling on 2 cores for the tiny example
+MAX_TIE_TOLERANCE = 0.2          # a plan may be kept / preferred at most 20 % over the fastest
 
 _TP_MODE_ALIASES = {"uniform": "uniform", "uniform-tp": "uniform", "per-stage": "per-stage",
                     "per-stage-tp": "per-stage"}
+
+
+def tie_tolerance_percent(name: str, text: str) -> float:
+    """``--tie-tolerance PCT`` / ``--poseidon-keep-plan-within PCT``: a percent in [0, 20] as a
+    fraction (``SearchOptions.tie_tolerance`` / ``keep_tolerance``)."""
+    try:
+        value = float(text.strip().rstrip("%"))
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or not 0.0 <= value <= 100 * MAX_TIE_TOLERANCE:
+        raise PoseidonError(f"{name}: expected a percent in [0, {100 * MAX_TIE_TOLERANCE:g}], "
+                            f"got {text!r}")
+    return value / 100.0
 
 
 def _positive_int(name: str, value: object, limit: int | None = None) -> int:
@@ -67,7 +81,10 @@ class SearchOptions:
     valid one), the micro-batch sizes, the largest interleaving depth V, which device-type
     sequences are searched (``auto``/``any``/``blocks``), the warm-up samples and their seed,
     the wall-clock budget in seconds (None: none), the search threads (None: one per core);
-    ``training`` is the training setup (recompute, optimizer, dtypes, attention: ``training.py``).
+    ``training`` is the training setup (recompute, optimizer, dtypes, attention: ``training.py``);
+    ``tie_tolerance`` (0 = off): return the preferred plan among those within this fraction of
+    the fastest (``search/tiebreak.py``); ``keep_tolerance`` (0 = off): a previous plan passed
+    to the search is kept while it is within this fraction of the fastest (``driver.keep``).
     """
 
     global_batch_size: int
@@ -85,6 +102,8 @@ class SearchOptions:
     time_budget_s: float | None = None
     workers: int | None = None
     training: TrainingSetup = TrainingSetup()
+    tie_tolerance: float = 0.0
+    keep_tolerance: float = 0.0
     progress: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -137,6 +156,13 @@ class SearchOptions:
                                     f"finite number > 0, got {b!r}")
         if self.workers is not None:
             _positive_int("search threads (--workers / workers)", self.workers)
+        for what, t in (("tie tolerance (--tie-tolerance / tie_tolerance)", self.tie_tolerance),
+                        ("keep tolerance (--poseidon-keep-plan-within / keep_tolerance)",
+                         self.keep_tolerance)):
+            if (isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t)
+                    or not 0.0 <= t <= MAX_TIE_TOLERANCE):
+                raise PoseidonError(f"{what}: expected a fraction in "
+                                    f"[0, {MAX_TIE_TOLERANCE:g}], got {t!r}")
         _positive_int("type_sequence_limit", self.type_sequence_limit)
         if not isinstance(self.training, TrainingSetup):
             raise PoseidonError(f"training: expected a TrainingSetup, got {self.training!r}")
