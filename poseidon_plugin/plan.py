@@ -27,6 +27,12 @@ indent, floats rounded to 6 decimals, trailing newline, so equal plans give equa
      "baselines": [{"name", "status", "predicted_iteration_time_ms", "pp", "dp", "tp",
                     "schedule", "speedup", "reason"}] (only where the plan has them)}
 
+``search`` holds the search's statistics (``SearchStats``), among them how the plan was chosen
+when it is not simply the fastest: ``fastest_ms`` (the fastest plan's time, = the lower bound
+when exhaustive), ``tie_rule`` (``off``, or ``preferred`` / ``fastest`` / ``timed out`` under
+``--tie-tolerance``, whose window is ``tie_tolerance``) and ``previous_plan`` (``none``, ``kept``,
+``replaced`` or ``unusable: why``: a launch's previous plan, ``previous_ms`` under today's costs).
+
 ``baselines`` (``poseidon plan`` always sets them): one entry per baseline, ``megatron-default``
 (Megatron's even split over every device) and ``best-single-type``; ``status`` is ``ok``,
 ``no plan`` (``reason`` says why) or ``skipped`` (``--no-baselines``); ``speedup`` is the

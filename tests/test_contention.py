@@ -108,3 +108,41 @@ def test_timed_compute_reads_both_clocks():
     assert timed_compute(lambda: ran.append(1), lambda: next(wall), lambda: next(cpu)) == (
         pytest.approx(0.5), pytest.approx(0.25))
     assert ran == [1]
+
+
+# --------------------------------------------------------------------------- emulated speeds
+
+def _agg(t, tp, mbs, f, b):
+    from poseidon_plugin.megatron.profiler import Aggregate
+
+    return Aggregate(t, tp, mbs, f, b, 0, 0, 2)
+
+
+def test_speed_check_expects_the_speeds_with_the_host_shares():
+    """fast: share 1.16, speed 1; slow: share 1.42, speed 0.25 -> (1.42 + 3) / 1.16 = 3.81;
+    measured 4.00 / 3.84 (a launch on the 2-core host) are within 10 %, 4.4 is not."""
+    from poseidon_plugin.megatron.contention import emulated_speed_checks
+
+    speeds, shares = {"emu-fast": 1.0, "emu-slow": 0.25}, {"emu-fast": 1.16, "emu-slow": 1.42}
+    aggs = [_agg("emu-fast", 1, 1, 27.3, 59.1), _agg("emu-slow", 1, 1, 109.2, 227.2),
+            _agg("emu-fast", 2, 1, 30.7, 45.7), _agg("emu-slow", 2, 1, 98.9, 159.1),
+            _agg("emu-slow", 1, 2, 999.0, 999.0)]            # no fast mbs-2 record: not used
+    (c,) = emulated_speed_checks(aggs, speeds, shares)
+    assert (c.device_type, c.reference) == ("emu-slow", "emu-fast")
+    assert c.expected == pytest.approx(4.42 / 1.16) and c.configured == pytest.approx(4.0)
+    assert c.forward == pytest.approx(109.2 / 27.3) and c.backward == pytest.approx(227.2 / 59.1)
+    assert c.ok and "expected x3.81 (x4.00 configured" in c.describe()
+    aggs[1] = _agg("emu-slow", 1, 1, 4.4 * 27.3, 227.2)
+    (c,) = emulated_speed_checks(aggs, speeds, shares)
+    assert not c.ok
+    # free cores (no shares measured): the configured ratio itself
+    (c,) = emulated_speed_checks(aggs[:2], speeds, {})
+    assert c.expected == pytest.approx(4.0)
+
+
+def test_speed_check_needs_tp1_and_two_types():
+    from poseidon_plugin.megatron.contention import emulated_speed_checks
+
+    speeds = {"a": 1.0, "b": 0.5}
+    assert emulated_speed_checks([_agg("a", 2, 1, 1, 1), _agg("b", 2, 1, 2, 2)], speeds, {}) == []
+    assert emulated_speed_checks([_agg("a", 1, 1, 1, 1)], speeds, {}) == []

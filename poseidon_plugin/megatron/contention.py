@@ -117,3 +117,58 @@ def timed_compute(run: Callable[[], None], wall: Callable[[], float] = time.perf
     t0, c0 = wall(), cpu()
     run()
     return wall() - t0, cpu() - c0
+
+
+SPEED_TOLERANCE = 0.10
+"""The emulation's promise, checked after profiling: each emulated type's measured TP-1 times
+over the fastest type's within 10 % of what its speed and the host shares make them."""
+
+
+@dataclass(frozen=True)
+class SpeedCheck:
+    """One emulated type's measured slowdown against the fastest emulated type's (TP 1, the
+    smallest micro-batch): ``forward`` and ``backward`` measured, ``expected`` from the speeds
+    and the host shares (:class:`.profiler.EmulatedClock`: (share + 1/speed - 1) x CPU time),
+    ``configured`` the speed ratio alone (free cores, share 1)."""
+
+    device_type: str
+    reference: str
+    forward: float
+    backward: float
+    expected: float
+    configured: float
+
+    @property
+    def ok(self) -> bool:
+        return all(abs(r / self.expected - 1.0) <= SPEED_TOLERANCE
+                   for r in (self.forward, self.backward))
+
+    def describe(self) -> str:
+        return (f"{self.device_type} forward x{self.forward:.2f}, backward x{self.backward:.2f} "
+                f"of {self.reference}'s; expected x{self.expected:.2f} (x{self.configured:.2f} "
+                f"configured, with the host shares)")
+
+
+def emulated_speed_checks(aggs, speeds: Mapping[str, float], shares: Mapping[str, float]
+                          ) -> list[SpeedCheck]:
+    """A :class:`SpeedCheck` per emulated type but the fastest, from the profiled aggregates
+    (``profiler.Aggregate``: one per type, TP and micro-batch) at TP 1 and the smallest
+    micro-batch they share; none without TP 1 or a second type."""
+    tp1 = {}
+    for a in aggs:
+        if a.tp == 1 and a.device_type in speeds:
+            tp1.setdefault(a.device_type, {})[a.micro_batch_size] = a
+    common = set.intersection(*(set(v) for v in tp1.values())) if len(tp1) > 1 else set()
+    if not common:
+        return []
+    mbs = min(common)
+    ref = max(tp1, key=lambda t: (speeds[t], t))
+
+    def unit(t: str) -> float:   # emulated time per CPU second of the same work
+        return shares.get(t, 1.0) + 1.0 / speeds[t] - 1.0
+
+    r = tp1[ref][mbs]
+    return [SpeedCheck(t, ref, tp1[t][mbs].forward_ms / r.forward_ms,
+                       tp1[t][mbs].backward_ms / r.backward_ms, unit(t) / unit(ref),
+                       speeds[ref] / speeds[t])
+            for t in sorted(tp1) if t != ref]

@@ -157,6 +157,7 @@ class LaunchContext:
     cache_path: str = field(init=False)
     profiles: ProfileDB | None = field(init=False, default=None)   # rank 0 only
     stragglers: list[str] = field(init=False, default_factory=list)  # rank 0 only
+    type_shares: dict[str, float] = field(init=False, default_factory=dict)  # rank 0, emulation
     # _all_ranks_share_plan
     plan: Plan = field(init=False)
     plan_text: str = field(init=False)
@@ -398,6 +399,7 @@ def _contention_probe(ctx: LaunchContext
                                         {r: g[2] for r, g in enumerate(got)})
         if ctx.rank == 0:
             per_type = {g[2]: shares[r] for r, g in enumerate(got)}
+            ctx.type_shares = per_type
             log.info("host contention: %d rank(s) running at once slow each other's compute "
                      "%s (median step time together over alone, %.1f s; per rank %s; the fixed rule "
                      "ranks x threads / cores would say x%.2f for every type)", len(got),
@@ -433,6 +435,25 @@ def _rank0_store_profiles(ctx: LaunchContext, gathered: list[list[profiler.Layer
                  f"; {a.unconverged} not within 2%" if a.unconverged else "")
     for s in ctx.stragglers:
         log.warning("straggler: %s", s)
+    if ctx.emu is not None:
+        _log_emulated_speeds(ctx, aggs)
+
+
+def _log_emulated_speeds(ctx: LaunchContext, aggs: Sequence[profiler.Aggregate]) -> None:
+    """Under CPU emulation: did each type measure at its configured speed? One line per type;
+    a warning when a ratio is more than 10 % off (the plan then rests on wrong speeds)."""
+    from .contention import SPEED_TOLERANCE, emulated_speed_checks
+
+    assert ctx.emu is not None
+    speeds = {n: t.speed for n, t in ctx.emu.types.items()}
+    for c in emulated_speed_checks(aggs, speeds, ctx.type_shares):
+        if c.ok:
+            log.info("emulated speed: %s: within %d%%", c.describe(), 100 * SPEED_TOLERANCE)
+        else:
+            log.warning("emulated speed: %s: more than %d%% off; the profile (and the plan) "
+                        "do not see this type at its configured speed (a loaded host? "
+                        "--poseidon-reprofile measures again)", c.describe(),
+                        100 * SPEED_TOLERANCE)
 
 
 def _rank0_calibrate_cluster(ctx: LaunchContext) -> None:
