@@ -178,6 +178,12 @@ def _build_parser() -> argparse.ArgumentParser:
                     "plan among those within PCT %% of the fastest (fewest stages, no "
                     "interleaving, smaller TP, larger micro-batch, then device types by name and "
                     "fewest layers stage by stage; default: 0, the fastest plan)")
+    pl.add_argument("--keep", default=None, metavar="PLAN_JSON",
+                    help="a previous plan (the JSON of --out / --poseidon-save-plan): returned "
+                    "instead of the fastest while it is within --keep-within of it under these "
+                    "costs (a re-plan after new profiles keeps its layout through noise)")
+    pl.add_argument("--keep-within", type=_tie_percent, default=0.02, metavar="PCT",
+                    help="the window of --keep in percent of the fastest plan (default: 2)")
     pl.add_argument("--workers", type=int, default=None, metavar="K",
                     help="search threads (default: every core); the plan does not depend on it")
     pl.add_argument("--seed", type=int, default=0, metavar="N",
@@ -275,7 +281,7 @@ def search_options(ns) -> SearchOptions:
         max_virtual_stages=ns.max_virtual_stages, type_order=ns.type_order,
         warmup_samples=ns.warmup_samples, seed=ns.seed, time_budget_s=ns.time_budget,
         workers=ns.workers, progress=sys.stderr.isatty() or bool(ns.verbose),
-        tie_tolerance=ns.tie_tolerance,
+        tie_tolerance=ns.tie_tolerance, keep_tolerance=ns.keep_within,
         training=training_setup(ns))
 
 
@@ -290,6 +296,7 @@ def _cmd_plan(ns) -> int:
             _check_writable(flag, path)
     if ns.gantt:
         _check_gantt_path(ns.gantt)
+    previous = _read_previous_plan(ns.keep) if ns.keep else None
     budget = _Budget(ns.time_budget, share=1.0 if ns.no_baselines else SEARCH_SHARE)
     cluster = load_cluster(ns.cluster)
     model = get_model(ns.model)
@@ -300,7 +307,8 @@ def _cmd_plan(ns) -> int:
         check_profiles(profiles, cluster, model)
     from .profiles import calibrate_cluster
     cluster = calibrate_cluster(cluster, profiles, model, options.seq_length, options.training)
-    plan = search_plan(cluster, model, budget.search_options(options), profiles)
+    plan = search_plan(cluster, model, budget.search_options(options), profiles,
+                       previous=previous)
     plan = plan.with_baselines(_baselines(ns, cluster, model, budget, options, profiles, plan))
     text = plan.to_json()
     if ns.gantt:
@@ -318,6 +326,23 @@ def _cmd_plan(ns) -> int:
     if not ns.no_baselines:
         sys.stdout.write("".join(_baseline_line(e) + "\n" for e in plan.baselines))
     return 0
+
+
+def _read_previous_plan(path: str):
+    """``--keep FILE``: the plan JSON read back, or a one-line error naming the file."""
+    from .plan import Plan
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(64 << 20)
+    except OSError as exc:
+        raise PoseidonError(f"--keep {path}: cannot read ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise PoseidonError(f"--keep {path}: not UTF-8 text") from None
+    try:
+        return Plan.from_json(text)
+    except PoseidonError as exc:
+        raise PoseidonError(f"--keep {path}: {exc}") from None
 
 
 def _baselines(ns, cluster, model, budget, options, profiles, plan) -> tuple[dict, ...]:

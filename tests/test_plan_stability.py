@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 import os
 import random
@@ -279,3 +280,32 @@ def test_launch_options():
     assert opts.keep_within == 0.0 and opts.replan
     with pytest.raises(PoseidonError, match="--poseidon-keep-plan-within: expected a percent"):
         extract_options(["--poseidon-auto", "--poseidon-keep-plan-within", "nan"])
+
+
+def test_cli_keep_a_previous_plan(tmp_path, capsys):
+    args = ["plan", "--cluster", "examples/clusters/paper-setting1.yaml", "--model", "llama3-8b",
+            "--global-batch-size", "128", "--seq-length", "4096", "--no-baselines",
+            "--workers", "1", "--schedules", "1f1b", "interleaved-1f1b"]
+    slower = tmp_path / "slower.json"
+    # the preferred plan 3 % out (the tie rule) stands in for a previous launch's plan
+    assert cli_main(args + ["--tie-tolerance", "3", "--out", str(slower)]) == 0
+    capsys.readouterr()
+    prev = json.loads(slower.read_text())
+    assert prev["search"]["tie_rule"] == "preferred"
+    assert cli_main(args + ["--keep", str(slower), "--json"]) == 0   # default window 2 %
+    got = json.loads(capsys.readouterr().out)
+    assert got["search"]["previous_plan"] == "replaced"
+    assert got["predicted_iteration_time_ms"] == pytest.approx(prev["search"]["fastest_ms"])
+    assert cli_main(args + ["--keep", str(slower), "--keep-within", "4", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["search"]["previous_plan"] == "kept"
+    assert got["stages"] == prev["stages"]
+    assert got["lower_bound_ms"] == pytest.approx(prev["search"]["fastest_ms"])
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    assert cli_main(args + ["--keep", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"poseidon: error: --keep {bad}: plan JSON: "
+                                               "malformed"), err
+    assert cli_main(args + ["--keep", str(tmp_path / "none.json")]) == 2
+    assert "cannot read (No such file or directory)" in capsys.readouterr().err

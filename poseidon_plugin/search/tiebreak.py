@@ -66,6 +66,11 @@ class _OutOfTime(Exception):
     pass
 
 
+class _Disagreed(Exception):
+    """A query found no plan where an earlier one had (cannot happen with an exact search;
+    ``--pruning ridge`` may): the fastest plan stands."""
+
+
 class TieBreaker:
     """One run of the tie rule over a finished ``SearchDriver``'s space."""
 
@@ -94,6 +99,8 @@ class TieBreaker:
             return self._run()
         except _OutOfTime:
             return TieResult("timed out", self.queries)
+        except _Disagreed:
+            return TieResult("fastest", self.queries)
 
     def _run(self) -> TieResult:
         d = self.d
@@ -112,9 +119,7 @@ class TieBreaker:
                     continue
             t, opts, layers = self._stages(cfg, blocks)
             return TieResult("preferred", self.queries, t, cfg, opts, layers, tried)
-        # the fastest plan lies in the window, so some configuration holds a plan: unreachable
-        # unless a query disagreed with the search (then the fastest plan stands)
-        return TieResult("fastest", self.queries)
+        raise _Disagreed   # the fastest plan lies in the window: some configuration holds it
 
     def _stages(self, cfg: OuterConfig, blocks: bool):
         """The preferred plan of ``cfg`` under the cap, stage by stage."""
@@ -138,7 +143,7 @@ class TieBreaker:
                     best = got
                     break
             else:
-                raise _OutOfTime   # cannot happen: the configuration has a plan under the cap
+                raise _Disagreed   # the configuration had a plan under the cap with this prefix
             # the fewest layers stage x can take: bisect its cap (each plan found moves hi down)
             lo, hi = v, best[2][x]
             while lo < hi and x < n - 1:   # (the last stage takes the layers left)
