@@ -55,12 +55,12 @@ def _positive_finite_float(text: str) -> float:
     return value
 
 
-def _tie_percent(text: str) -> float:
-    """argparse type of ``--tie-tolerance`` (a percent, as a fraction)."""
-    from .search.options import tie_tolerance_percent
+def _percent(text: str) -> float:
+    """argparse type of ``--tie-tolerance`` and ``--keep-within`` (a percent, as a fraction)."""
+    from .search.options import percent_option
 
     try:
-        return tie_tolerance_percent("--tie-tolerance", text)
+        return percent_option("PCT", text)
     except PoseidonError as e:
         raise argparse.ArgumentTypeError(str(e).split(": ", 1)[1]) from None
 
@@ -173,7 +173,7 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="wall-clock budget in seconds for everything after the command line "
                     "(loading, the search, the baselines): the best plan found by then, with its "
                     "gap to the proven lower bound (default: none, search to the end)")
-    pl.add_argument("--tie-tolerance", type=_tie_percent, default=0.0, metavar="PCT",
+    pl.add_argument("--tie-tolerance", type=_percent, default=0.0, metavar="PCT",
                     help="trade up to PCT %% of speed for the simplest plan: the preferred "
                     "plan among those within PCT %% of the fastest (fewest stages, no "
                     "interleaving, smaller TP, larger micro-batch, then device types by name and "
@@ -182,7 +182,7 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="a previous plan (the JSON of --out / --poseidon-save-plan): returned "
                     "instead of the fastest while it is within --keep-within of it under these "
                     "costs (a re-plan after new profiles keeps its layout through noise)")
-    pl.add_argument("--keep-within", type=_tie_percent, default=0.02, metavar="PCT",
+    pl.add_argument("--keep-within", type=_percent, default=0.02, metavar="PCT",
                     help="the window of --keep in percent of the fastest plan (default: 2)")
     pl.add_argument("--workers", type=int, default=None, metavar="K",
                     help="search threads (default: every core); the plan does not depend on it")

@@ -165,9 +165,9 @@ def extract_options(argv: list[str]) -> tuple[PoseidonOptions, list[str]]:
         elif kind == "float":
             values[fld] = _positive_float(name, raw)
         elif kind == "percent":
-            from ..search.options import tie_tolerance_percent
+            from ..search.options import percent_option
 
-            values[fld] = tie_tolerance_percent(name, raw)
+            values[fld] = percent_option(name, raw)
         elif kind == "timeout":
             values[fld] = timeout_seconds(name, raw)
         elif kind == "int":

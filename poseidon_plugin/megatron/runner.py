@@ -522,9 +522,9 @@ def previous_plan_path(cache_path: str, cluster: Cluster, model: ModelSpec,
     model, sequence, batch, training setup, the cluster's device types and nodes, the search
     space), not of the measured costs."""
     o = options
-    key = repr((os.path.basename(cache_path), model.signature(), model.num_layers, o.global_batch_size, o.seq_length,
-                o.training, o.schedules, o.pruning, o.tp_mode, o.tp_degrees,
-                o.micro_batch_sizes, o.max_virtual_stages, o.type_order,
+    key = repr((os.path.basename(cache_path), model.signature(), model.num_layers,
+                o.global_batch_size, o.seq_length, o.training, o.schedules, o.pruning,
+                o.tp_mode, o.tp_degrees, o.micro_batch_sizes, o.max_virtual_stages, o.type_order,
                 [(t, cluster.devices_of_type(t)) for t in cluster.type_names],
                 [(n.device_type, n.num_devices) for n in cluster.nodes]))
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]

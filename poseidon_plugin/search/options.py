@@ -34,21 +34,21 @@ MAX_GLOBAL_BATCH_SIZE = 1 << 17
 MAX_SEQ_LENGTH = 1 << 24
 MAX_VIRTUAL_STAGES = 4096
 MAX_WARMUP_SAMPLES = 1_000_000   # ~30 s of sampling on 2 cores for the tiny example
-MAX_TIE_TOLERANCE = 0.2          # a plan may be kept / preferred at most 20 % over the fastest
+MAX_PLAN_WINDOW = 0.2     # a plan may be kept / preferred at most 20 % over the fastest
 
 _TP_MODE_ALIASES = {"uniform": "uniform", "uniform-tp": "uniform", "per-stage": "per-stage",
                     "per-stage-tp": "per-stage"}
 
 
-def tie_tolerance_percent(name: str, text: str) -> float:
+def percent_option(name: str, text: str) -> float:
     """``--tie-tolerance PCT`` / ``--poseidon-keep-plan-within PCT``: a percent in [0, 20] as a
     fraction (``SearchOptions.tie_tolerance`` / ``keep_tolerance``)."""
     try:
         value = float(text.strip().rstrip("%"))
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or not 0.0 <= value <= 100 * MAX_TIE_TOLERANCE:
-        raise PoseidonError(f"{name}: expected a percent in [0, {100 * MAX_TIE_TOLERANCE:g}], "
+    if not math.isfinite(value) or not 0.0 <= value <= 100 * MAX_PLAN_WINDOW:
+        raise PoseidonError(f"{name}: expected a percent in [0, {100 * MAX_PLAN_WINDOW:g}], "
                             f"got {text!r}")
     return value / 100.0
 
@@ -160,9 +160,9 @@ class SearchOptions:
                         ("keep tolerance (--poseidon-keep-plan-within / keep_tolerance)",
                          self.keep_tolerance)):
             if (isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t)
-                    or not 0.0 <= t <= MAX_TIE_TOLERANCE):
+                    or not 0.0 <= t <= MAX_PLAN_WINDOW):
                 raise PoseidonError(f"{what}: expected a fraction in "
-                                    f"[0, {MAX_TIE_TOLERANCE:g}], got {t!r}")
+                                    f"[0, {MAX_PLAN_WINDOW:g}], got {t!r}")
         _positive_int("type_sequence_limit", self.type_sequence_limit)
         if not isinstance(self.training, TrainingSetup):
             raise PoseidonError(f"training: expected a TrainingSetup, got {self.training!r}")
