@@ -132,9 +132,9 @@ def test_time_budget_covers_the_baselines(monkeypatch):
     calls = []
     real = driver_mod.search_plan
 
-    def spy(cluster, model, options, profiles=None):
+    def spy(cluster, model, options, profiles=None, **kw):
         calls.append((time.monotonic(), options.time_budget_s))
-        return real(cluster, model, options, profiles)
+        return real(cluster, model, options, profiles, **kw)
 
     monkeypatch.setattr(driver_mod, "search_plan", spy)
     monkeypatch.setattr(search_pkg, "search_plan", spy)
