@@ -1,12 +1,11 @@
 """The tie rule: among the plans within a tolerance of the fastest, a fixed order picks one.
 
-Measured costs are noisy (the profiler stops at a 2 % confidence interval; an emulated host
-shares its cores), so two plans whose predicted times differ by less than that noise are a
-tie the measurements cannot break: two identical launches then swap between them (the slow
-stage first or last, 1F1B or interleaved). With a tolerance t > 0 the search, once it knows
-the fastest plan (time T*), returns the **preferred** plan among those no slower than
-T* x (1 + t). The preference reads no times, so a near-tie resolves the same way in every
-launch whose measurements keep both plans inside the window:
+With a tolerance t > 0 (``--tie-tolerance``) the search, once it knows the fastest plan (time
+T*), returns the **preferred** plan among those no slower than T* x (1 + t): a stated few per
+cent traded for a simpler plan. The preference reads no times. It was built to make noisy
+launches agree on near-ties and does not: the preferred plan tends to sit at the window's
+edge, where noise moves it in and out (``tests/test_plan_stability.py``; the README's "Plan
+stability"). What keeps a relaunch on its plan is ``SearchDriver.keep``. The order:
 
 1. the configuration (``preference``): fewer pipeline stages, then no interleaving (smaller
    V), then the schedule's place in ``SCHEDULES``, then a smaller TP degree, then a larger
