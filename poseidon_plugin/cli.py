@@ -189,6 +189,11 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--seed", type=int, default=0, metavar="N",
                     help="seed of the warm-up sampling (default: %(default)s); the exact plan "
                     "does not depend on it")
+    pl.add_argument("--no-runner-up", action="store_true",
+                    help="skip the runner-up: by default, after the search, the fastest plan "
+                    "of any other configuration (schedule, PP, DP, TP, micro-batch) and its "
+                    "margin over this one are found and shown (how sure the choice is; a "
+                    "near-tie under 2%%)")
     pl.add_argument("--no-baselines", action="store_true",
                     help="skip the two baselines (Megatron's even split over all devices; the "
                     "best plan on one device type: a search per type, each under --time-budget);"
@@ -282,7 +287,7 @@ def search_options(ns) -> SearchOptions:
         warmup_samples=ns.warmup_samples, seed=ns.seed, time_budget_s=ns.time_budget,
         workers=ns.workers, progress=sys.stderr.isatty() or bool(ns.verbose),
         tie_tolerance=ns.tie_tolerance, keep_tolerance=ns.keep_within,
-        training=training_setup(ns))
+        runner_up=not ns.no_runner_up, training=training_setup(ns))
 
 
 def _cmd_plan(ns) -> int:

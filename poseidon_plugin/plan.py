@@ -31,7 +31,12 @@ indent, floats rounded to 6 decimals, trailing newline, so equal plans give equa
 when it is not simply the fastest: ``fastest_ms`` (the fastest plan's time, = the lower bound
 when exhaustive), ``tie_rule`` (``off``, or ``preferred`` / ``fastest`` / ``timed out`` under
 ``--tie-tolerance``, whose window is ``tie_tolerance``) and ``previous_plan`` (``none``, ``kept``,
-``replaced`` or ``unusable: why``: a launch's previous plan, ``previous_ms`` under today's costs).
+``replaced`` or ``unusable: why``: a launch's previous plan, ``previous_ms`` under today's costs),
+and how sure the choice is (``search/runnerup.py``): ``runner_up_status`` (``off``, ``exact``,
+``best found``, ``timed out``, ``none``), ``runner_up`` (the fastest plan of any other
+configuration: ``schedule``, ``virtual_stages``, ``pp``, ``dp``, ``tp``, ``micro_batch_size``,
+``stage_types``, ``stage_tps``, ``layers``), ``runner_up_ms``, ``runner_up_margin`` (its time over
+this plan's, minus 1) and ``runner_up_bound_ms`` (no other configuration is faster).
 
 ``baselines`` (``poseidon plan`` always sets them): one entry per baseline, ``megatron-default``
 (Megatron's even split over every device) and ``best-single-type``; ``status`` is ``ok``,
@@ -137,6 +142,36 @@ def _previous_text(s: dict) -> str:
         return (f"previous plan: {state} ({s['previous_ms']:.2f} ms under these costs, "
                 f"{over:+.2f}% over the fastest {fastest:.2f} ms)")
     return f"previous plan: {state}"
+
+
+def _runner_up_text(s: dict) -> str:
+    """The table's line on the runner-up (``search/runnerup.py``): the fastest plan of any
+    other configuration, its margin, and whether that is a near-tie."""
+    from .search.runnerup import NEAR_TIE
+
+    state, q = s["runner_up_status"], s.get("runner_up_queries", 0)
+    if state == "none":
+        return "runner-up: none (no other configuration has a plan that fits)"
+    r, margin = s.get("runner_up"), s.get("runner_up_margin")
+    what = ""
+    if r:
+        tp = "per-stage" if r["tp"] is None else r["tp"]
+        what = (f"{r['schedule']}" + (f" (V={r['virtual_stages']})"
+                                      if r["virtual_stages"] > 1 else "")
+                + f", pp={r['pp']}, dp={r['dp']}, tp={tp}, micro-batch "
+                f"{r['micro_batch_size']}, layers {'/'.join(map(str, r['layers']))} on "
+                f"{','.join(r['stage_types'])}: {s['runner_up_ms']:.2f} ms ({100 * margin:+.2f}%)")
+    if state == "timed out":
+        low = s.get("runner_up_bound_ms")
+        found = f"best other configuration found {what}" if r else "no other plan found"
+        return (f"runner-up: not settled in time ({q} queries): {found}; none is faster than "
+                f"{low:.2f} ms")
+    proof = "proven" if state == "exact" else "not proven: --pruning ridge"
+    line = f"runner-up (fastest other configuration, {proof}): {what}"
+    if margin is not None and margin < NEAR_TIE:
+        line += (f" -- a near-tie: the two predictions {100 * max(margin, 0) / 2:.2f}% wrong "
+                 f"in opposite directions would swap them")
+    return line
 
 
 def _r(x: float) -> float:
@@ -469,6 +504,8 @@ class Plan:
                 lines.append(_tie_text(s, self.predicted_iteration_time_ms))
             if s.get("previous_plan", "none") != "none":
                 lines.append(_previous_text(s))
+            if s.get("runner_up_status", "off") != "off":
+                lines.append(_runner_up_text(s))
         return "\n".join(lines) + "\n"
 
     def _overhead_line(self) -> str:

@@ -193,10 +193,10 @@ def _best_single_type(cluster, model, options, profiles=None, deadline: float | 
     best, why = None, []
     names = list(cluster.type_names)
     for at, name in enumerate(names):
-        opts = options
+        opts = options.replace(runner_up=False, tie_tolerance=0.0)
         if deadline is not None:
             left = max(0.05, (deadline - time.monotonic()) / (len(names) - at))
-            opts = options.replace(time_budget_s=left)
+            opts = opts.replace(time_budget_s=left)
         try:
             p = search_plan(single_type_cluster(cluster, name), model, opts, profiles)
         except (InfeasibleError, PoseidonError) as exc:

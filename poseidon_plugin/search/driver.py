@@ -116,6 +116,13 @@ class SearchStats:
     tie_queries: int = 0               # up to the tolerance), and its branch-and-bound calls
     previous_plan: str = "none"        # a previous plan offered (driver.keep): kept / replaced /
     previous_ms: float | None = None   # unusable (why), and its time under these costs
+    runner_up_status: str = "off"      # runnerup.py: off / exact / best found / timed out /
+    runner_up_ms: float | None = None  # none; the fastest other configuration's plan time,
+    runner_up_bound_ms: float | None = None   # no other configuration is faster than this,
+    runner_up_margin: float | None = None     # runner_up_ms / the returned plan's - 1,
+    runner_up: dict | None = None      # that plan (runnerup.describe), and the
+    runner_up_queries: int = 0         # branch-and-bound calls it took,
+    runner_up_s: float = 0.0           # and its seconds (part of ``seconds``)
     _seeded: bool = field(default=False, repr=False)
 
     def add_counters(self, counters: dict) -> None:
@@ -285,6 +292,9 @@ class SearchDriver:
                 self.tie_break()
             if self.previous is not None and self.best is not None:
                 self.keep(self.previous)
+            if self.options.runner_up and self.best is not None:
+                self.set_phase("runner-up")
+                self.find_runner_up()
         finally:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
@@ -324,6 +334,30 @@ class SearchDriver:
         log.debug("tie rule (%.1f %%): %s after %d queries, %.1f ms (fastest %.1f ms)",
                   100 * self.options.tie_tolerance, st.tie_rule, res.queries,
                   (self.chosen or self.best).time_ms, self.best.time_ms)
+
+    def find_runner_up(self) -> None:
+        """How close the next choice came (``runnerup.py``): the fastest plan of any other
+        configuration than the returned plan's, and its margin, into the statistics."""
+        from .runnerup import RUNNER_MIN_S, RUNNER_SHARE, RunnerUp, describe
+
+        t0 = time.perf_counter()
+        spent = t0 - self.t0
+        end = time.monotonic() + max(RUNNER_MIN_S, RUNNER_SHARE * spent)
+        if self.deadline is not None:
+            end = min(end, self.deadline)
+        chosen = self.chosen or self.best
+        res = RunnerUp(self, chosen, end).run()
+        st = self.stats
+        st.runner_up_status, st.runner_up_queries = res.status, res.queries
+        st.runner_up_ms, st.runner_up_bound_ms = res.time_ms, res.bound_ms
+        if res.time_ms is not None:
+            st.runner_up_margin = res.time_ms / chosen.time_ms - 1.0
+        if res.plan is not None:
+            st.runner_up = describe(res.plan.cfg, self.ctx.cm.type_names, res.plan.opts,
+                                    res.plan.layers, self.options.tp_mode)
+        st.runner_up_s = round(time.perf_counter() - t0, 3)
+        log.debug("runner-up %s after %d queries: %s ms (bound %s ms)", res.status,
+                  res.queries, res.time_ms, res.bound_ms)
 
     def keep(self, prev: Plan) -> None:
         """Stability across launches: the previous launch's plan ``prev`` is returned while it
@@ -440,7 +474,8 @@ class SearchDriver:
         left = None if self.deadline is None else max(1e-3, self.deadline - time.monotonic())
         sub = SearchDriver(self.cluster, self.model,
                            self.options.replace(tp_mode="uniform", time_budget_s=left,
-                                                progress=False),
+                                                progress=False, runner_up=False,
+                                                tie_tolerance=0.0),
                            self.profiles, context=self.ctx)
         try:
             sub.search()

@@ -84,7 +84,9 @@ class SearchOptions:
     ``training`` is the training setup (recompute, optimizer, dtypes, attention: ``training.py``);
     ``tie_tolerance`` (0 = off): return the preferred plan among those within this fraction of
     the fastest (``search/tiebreak.py``); ``keep_tolerance`` (0 = off): a previous plan passed
-    to the search is kept while it is within this fraction of the fastest (``driver.keep``).
+    to the search is kept while it is within this fraction of the fastest (``driver.keep``);
+    ``runner_up``: after the search, find the fastest plan of another configuration and the
+    margin to it (``search/runnerup.py``: how sure the choice is).
     """
 
     global_batch_size: int
@@ -104,6 +106,7 @@ class SearchOptions:
     training: TrainingSetup = TrainingSetup()
     tie_tolerance: float = 0.0
     keep_tolerance: float = 0.0
+    runner_up: bool = True
     progress: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -163,6 +166,8 @@ class SearchOptions:
                     or not 0.0 <= t <= MAX_PLAN_WINDOW):
                 raise PoseidonError(f"{what}: expected a fraction in "
                                     f"[0, {MAX_PLAN_WINDOW:g}], got {t!r}")
+        if not isinstance(self.runner_up, bool):
+            raise PoseidonError(f"runner_up: expected true or false, got {self.runner_up!r}")
         _positive_int("type_sequence_limit", self.type_sequence_limit)
         if not isinstance(self.training, TrainingSetup):
             raise PoseidonError(f"training: expected a TrainingSetup, got {self.training!r}")

@@ -1,0 +1,137 @@
+"""How sure the choice is: the runner-up, the fastest plan of any other configuration.
+
+The search returns the fastest plan and proves it; it does not say how close the next choice
+came. Where another configuration (schedule, PP, DP, TP, micro-batch, model chunks: what the
+launch flags change) is within a per cent or two, the choice is a near-tie that a few per cent
+of error in the costs -- noise of the profiler, an estimated layer -- could reverse; where the
+next one is 20 % slower, it is not. So after the search (and after the tie rule and the
+previous-plan rule, which may return another plan), the runner-up is the fastest plan whose
+configuration differs from the returned plan's, and the margin is its time over the returned
+plan's, minus one (negative only when the returned plan is not the fastest: a kept or preferred
+plan).
+
+Found exactly with what the search already knows: each configuration's best plan found so far
+(an upper bound on its optimum: ``driver.found``) and its proven lower bound (``driver.lbs``).
+R = the best other plan known; then every other configuration whose bound is below R, lowest
+bound first, is searched by the branch and bound with R as threshold: a plan found lowers R, none
+proves the configuration has no plan below R. When the bounds of those left reach R, R is the
+runner-up's time. Under ``--pruning ridge`` a query may miss plans, so the result is the best
+found, not proven. Out of time (``RUNNER_SHARE`` of the search's time, ``RUNNER_MIN_S`` at
+least, within the search's deadline): the best other plan found and the lowest bound of the
+configurations not settled -- the runner-up lies between.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+RUNNER_SHARE = 0.25   # the runner-up may take this share of the search's own time ...
+RUNNER_MIN_S = 1.0    # ... or this long, whichever is more (within a time budget)
+NEAR_TIE = 0.02       # a margin below this is a near-tie (the profiler's CI target; the
+                      # previous-plan rule's default window)
+EPS = 1e-9
+
+
+@dataclass
+class RunnerUpResult:
+    """``status``: ``exact`` (proven the fastest other configuration's plan), ``best found``
+    (``--pruning ridge``: not proven), ``timed out`` (``time_ms`` the best other plan found,
+    ``bound_ms`` no other configuration is faster), ``none`` (no other configuration has a
+    feasible plan; proven unless timed out)."""
+
+    status: str
+    queries: int = 0
+    time_ms: float | None = None
+    bound_ms: float | None = None
+    plan: object | None = None     # the runner-up's Incumbent (configuration, options, layers)
+
+
+class _OutOfTime(Exception):
+    pass
+
+
+class RunnerUp:
+    """One runner-up search over a finished ``SearchDriver``'s space, against ``chosen``."""
+
+    def __init__(self, driver, chosen, deadline: float | None) -> None:
+        self.d, self.chosen, self.deadline = driver, chosen, deadline
+        self.queries = 0
+
+    def same(self, cfg) -> bool:
+        """Whether ``cfg`` is the returned plan's configuration (per-stage TP: TP is a stage's
+        choice, not the configuration's; the uniform-TP seed's plans carry uniform ones)."""
+        return identity(cfg, self.d.options.tp_mode) == identity(self.chosen.cfg,
+                                                                 self.d.options.tp_mode)
+
+    def _bounds(self) -> list[tuple[float, int]]:
+        """(lower bound, index) of every other configuration."""
+        d = self.d
+        return sorted((d.lbs[i], i) for i, c in enumerate(d.configs) if not self.same(c))
+
+    def run(self) -> RunnerUpResult:
+        from .driver import Incumbent
+
+        d = self.d
+        bounds = self._bounds()
+        if not bounds:
+            return RunnerUpResult("none")
+        best = min((inc for c, inc in d.found.items() if not self.same(c)), default=None)
+        r = math.inf if best is None else best.time_ms
+        pending = [(lb, i) for lb, i in bounds]
+        settled = 0
+        try:
+            for lb, i in pending:
+                if lb >= r * (1 - EPS):
+                    break      # no configuration left has a plan below r
+                cfg = d.configs[i]
+                res = self._query(cfg, r)
+                settled += 1
+                if res is not None:
+                    t, opts, layers = res
+                    cand = Incumbent(t, cfg.key, tuple(opts), tuple(layers), cfg)
+                    if best is None or cand < best:
+                        best, r = cand, t
+        except _OutOfTime:
+            rest = [lb for lb, _ in pending[settled:]]
+            low = min([r] + rest)
+            return RunnerUpResult("timed out", self.queries,
+                                  None if best is None else best.time_ms, low, best)
+        if best is None:
+            return RunnerUpResult("none", self.queries)
+        status = "best found" if d.heuristic else "exact"
+        return RunnerUpResult(status, self.queries, best.time_ms, best.time_ms, best)
+
+    def _query(self, cfg, threshold: float):
+        """The best plan of ``cfg`` with time <= ``threshold`` (None: there is none)."""
+        d = self.d
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise _OutOfTime
+        self.queries += 1
+        o = d.options
+        blocks = cfg.type_sequences_restricted(o.type_order, o.type_sequence_limit)
+        res = d.ctx.run(cfg, pruning=o.pruning, blocks=blocks, threshold_ms=threshold,
+                        deadline=self.deadline or 0.0)
+        d.stats.add_counters(res.counters())
+        if res.timed_out:
+            raise _OutOfTime
+        return res.best
+
+
+def identity(cfg, tp_mode: str) -> tuple:
+    """What makes two plans' configurations the same: the launch's schedule, model chunks,
+    micro-batch, DP and PP, and (uniform TP) the TP degree."""
+    return (cfg.schedule, cfg.virtual_stages, cfg.micro_batch_size, cfg.dp, cfg.num_stages,
+            cfg.tp if tp_mode == "uniform" else 0)
+
+
+def describe(cfg, names, opts, layers, tp_mode: str) -> dict:
+    """The JSON form of a runner-up plan (``search.runner_up``)."""
+    return {"schedule": cfg.schedule, "virtual_stages": cfg.virtual_stages,
+            "pp": cfg.num_stages, "dp": cfg.dp,
+            "tp": cfg.tp if tp_mode == "uniform" else None,
+            "micro_batch_size": cfg.micro_batch_size,
+            "stage_types": [names[cfg.options[o][0]] for o in opts],
+            "stage_tps": [cfg.options[o][1] for o in opts],
+            "layers": list(layers)}

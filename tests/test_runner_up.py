@@ -1,0 +1,242 @@
+"""How sure the choice is: the runner-up (``search/runnerup.py``), the fastest plan of any
+configuration other than the returned plan's, checked against an enumeration of every plan; its
+time-out, heuristic and off paths; the table's and the JSON's account of it."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from poseidon_plugin.cli import main as cli_main
+from poseidon_plugin.cluster import load_cluster
+from poseidon_plugin.errors import InfeasibleError, PoseidonError
+from poseidon_plugin.model import get_model
+from poseidon_plugin.plan import Plan
+from poseidon_plugin.search import SearchContext, SearchOptions, search_plan
+from poseidon_plugin.costs import CostModel
+from poseidon_plugin.search.driver import SearchDriver
+from poseidon_plugin.search.runnerup import NEAR_TIE, RunnerUp
+
+from test_plan_stability import _every_plan, _options
+from test_search import SCHEDS, make_instance, type_st
+
+REL = 1e-9
+
+
+def _cfg_of(plan: Plan, tp_mode: str = "uniform") -> tuple:
+    """A plan's configuration (per-stage TP: TP is each stage's, not the configuration's)."""
+    return (plan.schedule, plan.virtual_stages, plan.micro_batch_size, plan.dp, plan.pp,
+            plan.tp if tp_mode == "uniform" else 0)
+
+
+def _cfg_key(cfg) -> tuple:
+    return (cfg.schedule, cfg.virtual_stages, cfg.micro_batch_size, cfg.dp, cfg.num_stages,
+            cfg.tp)
+
+
+def _truth(plans, returned: Plan, tp_mode: str) -> float:
+    """The fastest enumerated plan whose configuration differs from ``returned``'s."""
+    return min((p[0] for p in plans if _cfg_key(p[2]) != _cfg_of(returned, tp_mode)),
+               default=math.inf)
+
+
+def _retime_cfg(cluster, model, options, r: dict) -> float:
+    cm = CostModel(cluster, model, None, seq_length=128)
+    ctx = SearchContext(cm)
+    names = list(cm.type_names)
+    from poseidon_plugin.search import enumerate_configs
+    for cfg in enumerate_configs(cm, options):
+        if _cfg_key(cfg) != (r["schedule"], r["virtual_stages"], r["micro_batch_size"],
+                             r["dp"], r["pp"], r["tp"] or 0):
+            continue
+        index = {(names[k], t): o for o, (k, t) in enumerate(cfg.options)}
+        opts = [index[(n, t)] for n, t in zip(r["stage_types"], r["stage_tps"])]
+        return ctx.evaluate(cfg, opts, r["layers"])
+    raise AssertionError(f"no configuration {r}")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(type_st, min_size=2, max_size=2), st.integers(2, 5), st.sampled_from([2, 4]),
+       st.lists(st.sampled_from(SCHEDS), min_size=1, max_size=2, unique=True),
+       st.sampled_from(["uniform", "per-stage"]), st.sampled_from([0.0, 0.02]))
+def test_the_runner_up_is_the_fastest_other_configuration(types, layers, gbs, scheds, tp_mode,
+                                                          tol):
+    """Against every plan enumerated: the runner-up's time is the fastest plan of any
+    configuration other than the returned plan's (with the tie rule on, the returned plan may
+    not be the fastest: the margin is then against it), proven; the plan it describes times to
+    that; none where no other configuration has a plan."""
+    cluster, model = make_instance(types, layers, None)
+    options = _options(gbs, scheds, tp_mode, tol)
+    plans = _every_plan(cluster, model, options)
+    if not plans:
+        with pytest.raises(InfeasibleError):
+            search_plan(cluster, model, options)
+        return
+    got = search_plan(cluster, model, options)
+    s = got.search
+    want = _truth(plans, got, tp_mode)
+    if not math.isfinite(want):
+        assert s["runner_up_status"] == "none"
+        assert s["runner_up_ms"] is None and s["runner_up"] is None
+        assert "runner-up: none" in got.table()
+        return
+    assert s["runner_up_status"] == "exact"
+    assert s["runner_up_ms"] == pytest.approx(want, rel=REL)
+    assert s["runner_up_bound_ms"] == pytest.approx(want, rel=REL)
+    assert s["runner_up_margin"] == pytest.approx(
+        want / got.predicted_iteration_time_ms - 1, rel=1e-7, abs=1e-12)
+    r = s["runner_up"]
+    assert (r["schedule"], r["virtual_stages"], r["micro_batch_size"], r["dp"], r["pp"],
+            r["tp"] or 0) != _cfg_of(got, tp_mode)
+    assert sum(r["layers"]) == layers and len(r["layers"]) == r["pp"]
+    assert _retime_cfg(cluster, model, options, r) == pytest.approx(want, rel=REL)
+    if tol == 0.0:
+        assert s["runner_up_margin"] >= -REL     # the returned plan is the fastest
+
+
+def _setting1(**kw):
+    cluster = load_cluster("examples/clusters/paper-setting1.yaml")
+    model = get_model("llama3-8b")
+    opts = SearchOptions(global_batch_size=128, seq_length=4096, workers=1, **kw)
+    return cluster, model, opts
+
+
+def test_off_says_nothing():
+    cluster, model, opts = _setting1(runner_up=False)
+    plan = search_plan(cluster, model, opts)
+    s = plan.search
+    assert s["runner_up_status"] == "off" and s["runner_up_queries"] == 0
+    assert s["runner_up_ms"] is None and s["runner_up"] is None
+    assert "runner-up" not in plan.table()
+
+
+def test_the_paper_setting_1_runner_up_and_its_table_line():
+    """Setting 1 (the CLI's schedules): the runner-up is proven, slower than the plan, of
+    another configuration, and no search with that configuration removed finds it faster."""
+    cluster, model, opts = _setting1(schedules=("1f1b", "interleaved-1f1b"))
+    plan = search_plan(cluster, model, opts)
+    s = plan.search
+    assert s["runner_up_status"] == "exact" and s["runner_up_queries"] > 0
+    assert s["runner_up_ms"] >= plan.predicted_iteration_time_ms
+    # independently: the fastest plan of every configuration but the plan's own
+    d = SearchDriver(cluster, model, opts.replace(runner_up=False))
+    d.search()
+    own = d.best.cfg
+    best_other = math.inf
+    for cfg in d.configs:
+        if cfg == own:
+            continue
+        # (a threshold just above it: any configuration with a faster plan would return it)
+        res = d.ctx.run(cfg, pruning="safe", blocks=False,
+                        threshold_ms=s["runner_up_ms"] * (1 + 1e-6))
+        if res.best is not None:
+            best_other = min(best_other, res.best[0])
+    assert s["runner_up_ms"] == pytest.approx(best_other, rel=REL)
+    line = [x for x in plan.table().splitlines() if x.startswith("runner-up")]
+    assert len(line) == 1
+    assert f"{s['runner_up_ms']:.2f} ms ({100 * s['runner_up_margin']:+.2f}%)" in line[0]
+    assert ("near-tie" in line[0]) == (s["runner_up_margin"] < NEAR_TIE)
+    assert "proven" in line[0]
+
+
+def test_the_json_carries_it_and_reads_back():
+    cluster, model, opts = _setting1(schedules=("1f1b", "interleaved-1f1b"))
+    plan = search_plan(cluster, model, opts)
+    back = Plan.from_json(plan.to_json())
+    for k in ("runner_up_status", "runner_up", "runner_up_queries"):
+        assert back.search[k] == plan.search[k]
+    for k in ("runner_up_ms", "runner_up_margin", "runner_up_bound_ms"):
+        assert back.search[k] == pytest.approx(plan.search[k], rel=1e-6, abs=1e-6)
+    line = [x for x in plan.table().splitlines() if x.startswith("runner-up")]
+    assert line and line == [x for x in back.table().splitlines() if x.startswith("runner-up")]
+
+
+def test_out_of_time_gives_the_best_found_and_a_bound_around_the_truth():
+    """A runner-up search whose time is up before its first query: the best other plan the
+    search happened to find (an upper bound) and the lowest bound of the configurations not
+    settled (a lower bound) -- the proven runner-up lies between."""
+    cluster, model, opts = _setting1(schedules=("1f1b", "interleaved-1f1b"), runner_up=False)
+    d = SearchDriver(cluster, model, opts)
+    d.search()
+    truth = RunnerUp(d, d.best, None).run()
+    assert truth.status == "exact"
+    late = RunnerUp(d, d.best, time.monotonic() - 1.0).run()
+    assert late.status == "timed out" and late.queries == 0
+    assert late.bound_ms <= truth.time_ms * (1 + REL)
+    if late.time_ms is not None:
+        assert late.time_ms >= truth.time_ms * (1 - REL)
+    plan = search_plan(cluster, model, opts.replace(runner_up=True))
+    s = dict(plan.search, runner_up_status="timed out", runner_up_bound_ms=late.bound_ms,
+             runner_up_queries=0)
+    text = Plan.from_json(json.dumps(dict(json.loads(plan.to_json()), search=s))).table()
+    assert "runner-up: not settled in time (0 queries)" in text
+    assert f"none is faster than {late.bound_ms:.2f} ms" in text
+
+
+def test_a_tight_budget_never_runs_past_it():
+    """Under --time-budget the runner-up shares the search's deadline."""
+    cluster = load_cluster("examples/clusters/paper-setting6.yaml")
+    model = get_model("llama3-70b")
+    t0 = time.monotonic()
+    plan = search_plan(cluster, model, SearchOptions(global_batch_size=128, seq_length=4096,
+                                                     time_budget_s=0.5, workers=1))
+    spent = time.monotonic() - t0
+    s = plan.search
+    assert s["runner_up_status"] in ("exact", "timed out", "none")
+    if s["runner_up_status"] == "timed out":
+        assert s["runner_up_bound_ms"] is not None
+    assert s["runner_up_s"] <= max(0.0, spent)
+    assert spent < 0.5 + 5.0      # the budget plus start-up work, not the runner-up's own second
+
+
+def test_ridge_pruning_is_not_called_proven():
+    cluster, model, opts = _setting1(schedules=("1f1b",), pruning="ridge")
+    plan = search_plan(cluster, model, opts)
+    s = plan.search
+    assert s["runner_up_status"] in ("best found", "none")
+    if s["runner_up_status"] == "best found":
+        assert "not proven: --pruning ridge" in plan.table()
+        exact = search_plan(cluster, model, opts.replace(pruning="safe"))
+        if _cfg_of(exact) == _cfg_of(plan):
+            # the heuristic's plans are real plans: it may miss the runner-up, never beat it
+            assert s["runner_up_ms"] >= exact.search["runner_up_ms"] * (1 - REL)
+
+
+def test_one_configuration_only_has_no_runner_up():
+    """One schedule, one micro-batch size, one TP degree and a cluster whose devices allow one
+    (dp, pp): nothing to compare with."""
+    cluster, model = make_instance([(100.0, 1, 2, 1.0)], 4, None)
+    opts = SearchOptions(global_batch_size=2, seq_length=128, schedules=("1f1b",),
+                         micro_batch_sizes=(2,), workers=1)
+    plans = _every_plan(cluster, model, opts.replace(tie_tolerance=0.0))
+    cfgs = {_cfg_key(p[2]) for p in plans}
+    plan = search_plan(cluster, model, opts)
+    if len(cfgs) == 1:
+        assert plan.search["runner_up_status"] == "none"
+        assert "runner-up: none" in plan.table()
+    else:
+        assert plan.search["runner_up_status"] == "exact"
+
+
+def test_the_option_is_validated():
+    with pytest.raises(PoseidonError, match="runner_up: expected true or false"):
+        SearchOptions(global_batch_size=8, seq_length=128, runner_up="yes")
+
+
+def test_cli_no_runner_up(capsys):
+    rc = cli_main(["plan", "--cluster", "examples/clusters/paper-setting1.yaml", "--model",
+                   "llama3-8b", "--global-batch-size", "128", "--seq-length", "4096",
+                   "--no-baselines", "--no-runner-up", "--json"])
+    assert rc == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["search"]["runner_up_status"] == "off"
+    rc = cli_main(["plan", "--cluster", "examples/clusters/paper-setting1.yaml", "--model",
+                   "llama3-8b", "--global-batch-size", "128", "--seq-length", "4096",
+                   "--no-baselines"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "runner-up (fastest other configuration, proven): " in out
