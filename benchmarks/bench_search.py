@@ -14,7 +14,9 @@ excluded); ``exhaustive`` = ``yes``, or ``not exhaustive`` when ``--max-seconds`
 ``time_budget_s``) stopped the search; the counters come from ``plan.search``: outer
 configurations (and how many were cut at the root by their bound), search-tree nodes, plans
 simulated, and branches cut by each rule (stage-level bound, memory, ridge-like layer rule,
-device count). ``iter ms`` = the plan's predicted iteration time; ``vs megatron`` / ``vs single``
+device count). ``iter ms`` = the plan's predicted iteration time; ``runner-up`` = the fastest plan of
+any other configuration and its margin over the plan (``search/runnerup.py``; its time,
+``runner-up s``, is part of ``search s``); ``vs megatron`` / ``vs single``
 = speed-up over the two baselines of ``search.baseline_plans`` (Megatron's even split on all
 devices; the best plan on one device type), ``n/a`` when the baseline has no feasible plan. The
 baselines get the same ``--max-seconds`` budget.
@@ -53,7 +55,7 @@ ALIASES = {"6": "6-288"}
 
 COLUMNS = ("case", "model", "devices", "search s", "paper s", "exhaustive", "configs (root-cut)",
            "nodes", "plans simulated", "cut bound", "cut memory", "cut ridge", "cut devices",
-           "plan", "iter ms", "vs megatron", "vs single")
+           "plan", "iter ms", "runner-up", "runner-up s", "vs megatron", "vs single")
 
 
 
@@ -85,7 +87,7 @@ def run_case(case: str, ns) -> list[str]:
         wall = time.perf_counter() - t0
         msg = " ".join(str(exc).split())
         return [case, mname, str(cluster.total_devices), f"{wall:.1f}",
-                "" if paper_s is None else f"{paper_s:.1f}", f"error: {msg}"] + [""] * 11
+                "" if paper_s is None else f"{paper_s:.1f}", f"error: {msg}"] + [""] * 13
     wall = time.perf_counter() - t0
     s = plan.search
     shape = (f"{plan.schedule}{'' if plan.virtual_stages == 1 else f' V={plan.virtual_stages}'}"
@@ -105,7 +107,20 @@ def run_case(case: str, ns) -> list[str]:
             _int(s.get("nodes", 0)), _int(s.get("plans_simulated", 0)),
             _int(s.get("cut_bound", 0)), _int(s.get("cut_memory", 0)),
             _int(s.get("cut_ridge", 0)), _int(s.get("cut_devices", 0)),
-            shape, f"{t:.1f}", speed["megatron-default"], speed["best-single-type"]]
+            shape, f"{t:.1f}", _runner_up(s), f"{s.get('runner_up_s', 0):.2f}",
+            speed["megatron-default"], speed["best-single-type"]]
+
+
+def _runner_up(s: dict) -> str:
+    """The runner-up cell: its configuration and margin, or its state."""
+    r, state = s.get("runner_up"), s.get("runner_up_status", "off")
+    if not r or state == "none":
+        return state
+    shape = (f"{r['schedule']}{'' if r['virtual_stages'] == 1 else f' V={r['virtual_stages']}'}"
+             f" pp={r['pp']} dp={r['dp']} tp={r['tp'] if r['tp'] is not None else 'per-stage'}"
+             f" b={r['micro_batch_size']}")
+    margin = f"{100 * s['runner_up_margin']:+.2f} %"
+    return f"{shape} {margin}" + ("" if state == "exact" else f" ({state})")
 
 
 def markdown(rows: list[list[str]]) -> str:

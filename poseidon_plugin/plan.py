@@ -36,7 +36,8 @@ and how sure the choice is (``search/runnerup.py``): ``runner_up_status`` (``off
 ``best found``, ``timed out``, ``none``), ``runner_up`` (the fastest plan of any other
 configuration: ``schedule``, ``virtual_stages``, ``pp``, ``dp``, ``tp``, ``micro_batch_size``,
 ``stage_types``, ``stage_tps``, ``layers``), ``runner_up_ms``, ``runner_up_margin`` (its time over
-this plan's, minus 1) and ``runner_up_bound_ms`` (no other configuration is faster).
+this plan's, minus 1), ``runner_up_bound_ms`` (no other configuration is faster) and, timed out,
+``runner_up_open`` (other configurations not ruled out below ``runner_up_ms``).
 
 ``baselines`` (``poseidon plan`` always sets them): one entry per baseline, ``megatron-default``
 (Megatron's even split over every device) and ``best-single-type``; ``status`` is ``ok``,
@@ -144,6 +145,9 @@ def _previous_text(s: dict) -> str:
     return f"previous plan: {state}"
 
 
+RUNNER_UP_STAGES_SHOWN = 4   # the runner-up line lists stage types and layers up to this PP
+
+
 def _runner_up_text(s: dict) -> str:
     """The table's line on the runner-up (``search/runnerup.py``): the fastest plan of any
     other configuration, its margin, and whether that is a near-tie."""
@@ -159,12 +163,18 @@ def _runner_up_text(s: dict) -> str:
         what = (f"{r['schedule']}" + (f" (V={r['virtual_stages']})"
                                       if r["virtual_stages"] > 1 else "")
                 + f", pp={r['pp']}, dp={r['dp']}, tp={tp}, micro-batch "
-                f"{r['micro_batch_size']}, layers {'/'.join(map(str, r['layers']))} on "
-                f"{','.join(r['stage_types'])}: {s['runner_up_ms']:.2f} ms ({100 * margin:+.2f}%)")
+                f"{r['micro_batch_size']}, "
+                + (f"layers {'/'.join(map(str, r['layers']))} on {','.join(r['stage_types'])}"
+                   if r["pp"] <= RUNNER_UP_STAGES_SHOWN else
+                   f"{len(set(r['stage_types']))} device type(s) over its stages (JSON: "
+                   f"search.runner_up)")
+                + f": {s['runner_up_ms']:.2f} ms ({100 * margin:+.2f}%)")
     if state == "timed out":
-        low = s.get("runner_up_bound_ms")
-        found = f"best other configuration found {what}" if r else "no other plan found"
-        return (f"runner-up: not settled in time ({q} queries): {found}; none is faster than "
+        low, n = s.get("runner_up_bound_ms"), s.get("runner_up_open", 0)
+        found = (f"the best other configuration found is {what}; {n} other configuration(s) "
+                 f"not ruled out below it" if r else f"no other plan found; {n} "
+                 f"configuration(s) not ruled out")
+        return (f"runner-up: not settled in time ({q} queries): {found}, none faster than "
                 f"{low:.2f} ms")
     proof = "proven" if state == "exact" else "not proven: --pruning ridge"
     line = f"runner-up (fastest other configuration, {proof}): {what}"

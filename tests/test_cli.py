@@ -50,8 +50,8 @@ def run_module(argv, module="poseidon_plugin.cli"):
 
 def mask_seconds(text: str) -> str:
     text = re.sub(r", [0-9.]+ s, exhaustive", ", <s> s, exhaustive", text)
-    # the two wall-clock fields of the statistics: the search's time and its first plan's
-    return re.sub(r'"(seconds|first_plan_s)": [0-9.]+', r'"\1": <s>', text)
+    # the wall-clock fields of the statistics: the search's time, its first plan's, the runner-up's
+    return re.sub(r'"(seconds|first_plan_s|runner_up_s)": [0-9.]+', r'"\1": <s>', text)
 
 
 # --------------------------------------------------------------------------- happy paths

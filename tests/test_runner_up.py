@@ -171,10 +171,13 @@ def test_out_of_time_gives_the_best_found_and_a_bound_around_the_truth():
         assert late.time_ms >= truth.time_ms * (1 - REL)
     plan = search_plan(cluster, model, opts.replace(runner_up=True))
     s = dict(plan.search, runner_up_status="timed out", runner_up_bound_ms=late.bound_ms,
-             runner_up_queries=0)
+             runner_up_queries=0, runner_up_open=late.open)
     text = Plan.from_json(json.dumps(dict(json.loads(plan.to_json()), search=s))).table()
-    assert "runner-up: not settled in time (0 queries)" in text
-    assert f"none is faster than {late.bound_ms:.2f} ms" in text
+    assert "runner-up: not settled in time (0 queries): " in text
+    assert late.open >= 1 if late.time_ms is not None and late.bound_ms < late.time_ms else True
+    assert f"none faster than {late.bound_ms:.2f} ms" in text
+    if late.time_ms is not None:
+        assert f"{late.open} other configuration(s) not ruled out below it" in text
 
 
 def test_a_tight_budget_never_runs_past_it():
@@ -240,3 +243,34 @@ def test_cli_no_runner_up(capsys):
     assert rc == 0
     out = capsys.readouterr().out
     assert "runner-up (fastest other configuration, proven): " in out
+
+
+def test_the_line_for_each_state():
+    """The table line, from the statistics alone: near-tie or not, deep plans summarised,
+    'none', and a timed-out bracket without any other plan found."""
+    from poseidon_plugin.plan import RUNNER_UP_STAGES_SHOWN, _runner_up_text
+
+    r = {"schedule": "1f1b", "virtual_stages": 1, "pp": 2, "dp": 4, "tp": 2,
+         "micro_batch_size": 1, "stage_types": ["A", "B"], "stage_tps": [2, 2],
+         "layers": [3, 5]}
+    s = {"runner_up_status": "exact", "runner_up_queries": 7, "runner_up": r,
+         "runner_up_ms": 103.0, "runner_up_margin": 0.03, "runner_up_bound_ms": 103.0}
+    line = _runner_up_text(s)
+    assert line == ("runner-up (fastest other configuration, proven): 1f1b, pp=2, dp=4, tp=2, "
+                    "micro-batch 1, layers 3/5 on A,B: 103.00 ms (+3.00%)")
+    near = _runner_up_text(dict(s, runner_up_ms=101.0, runner_up_margin=0.01))
+    assert near.endswith("-- a near-tie: the two predictions 0.50% wrong in opposite "
+                         "directions would swap them")
+    deep = dict(r, pp=RUNNER_UP_STAGES_SHOWN + 1, stage_types=["A", "B", "A", "B", "B"],
+                layers=[1, 1, 1, 1, 4], tp=None)
+    line = _runner_up_text(dict(s, runner_up=deep))
+    assert "tp=per-stage" in line and "2 device type(s) over its stages" in line
+    assert "layers" not in line
+    assert _runner_up_text(dict(s, runner_up_status="best found")).startswith(
+        "runner-up (fastest other configuration, not proven: --pruning ridge): ")
+    assert _runner_up_text({"runner_up_status": "none"}).startswith("runner-up: none")
+    out = _runner_up_text({"runner_up_status": "timed out", "runner_up_queries": 3,
+                           "runner_up": None, "runner_up_ms": None, "runner_up_margin": None,
+                           "runner_up_bound_ms": 99.5, "runner_up_open": 4})
+    assert out == ("runner-up: not settled in time (3 queries): no other plan found; 4 "
+                   "configuration(s) not ruled out, none faster than 99.50 ms")

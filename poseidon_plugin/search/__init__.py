@@ -11,6 +11,9 @@
 ``_bounds`` (Cython)    the lower bounds and capacity cuts it prunes with
 ``driver``              ``SearchDriver``: order, seed, warm-up, passes and rounds, result;
                         ``search_plan``
+``construct``, ``polish`` constructive plans and the local search from them
+``tiebreak``            ``--tie-tolerance``: the preferred plan within a window of the fastest
+``runnerup``            how sure the choice is: the fastest plan of any other configuration
 ``build``               the ``Plan`` value of a searched assignment
 ``baselines``           Megatron's even split and the best single-type plan; why nothing fits
 ======================  =================================================================

@@ -121,7 +121,8 @@ class SearchStats:
     runner_up_bound_ms: float | None = None   # no other configuration is faster than this,
     runner_up_margin: float | None = None     # runner_up_ms / the returned plan's - 1,
     runner_up: dict | None = None      # that plan (runnerup.describe), and the
-    runner_up_queries: int = 0         # branch-and-bound calls it took,
+    runner_up_queries: int = 0         # branch-and-bound calls it took, the configurations
+    runner_up_open: int = 0            # not ruled out below it when its time ran out,
     runner_up_s: float = 0.0           # and its seconds (part of ``seconds``)
     _seeded: bool = field(default=False, repr=False)
 
@@ -349,6 +350,7 @@ class SearchDriver:
         res = RunnerUp(self, chosen, end).run()
         st = self.stats
         st.runner_up_status, st.runner_up_queries = res.status, res.queries
+        st.runner_up_open = res.open
         st.runner_up_ms, st.runner_up_bound_ms = res.time_ms, res.bound_ms
         if res.time_ms is not None:
             st.runner_up_margin = res.time_ms / chosen.time_ms - 1.0

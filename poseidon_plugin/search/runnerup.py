@@ -10,14 +10,19 @@ configuration differs from the returned plan's, and the margin is its time over 
 plan's, minus one (negative only when the returned plan is not the fastest: a kept or preferred
 plan).
 
-Found exactly with what the search already knows: each configuration's best plan found so far
-(an upper bound on its optimum: ``driver.found``) and its proven lower bound (``driver.lbs``).
-R = the best other plan known; then every other configuration whose bound is below R, lowest
-bound first, is searched by the branch and bound with R as threshold: a plan found lowers R, none
-proves the configuration has no plan below R. When the bounds of those left reach R, R is the
-runner-up's time. Under ``--pruning ridge`` a query may miss plans, so the result is the best
-found, not proven. Out of time (``RUNNER_SHARE`` of the search's time, ``RUNNER_MIN_S`` at
-least, within the search's deadline): the best other plan found and the lowest bound of the
+Found exactly with what the search already knows -- each configuration's best plan found so far
+(an upper bound on its optimum: ``driver.found``) and its proven lower bound (``driver.lbs``) --
+and rounds of the branch and bound with a rising cap, as the search's own rounds: R = the best
+other plan known, base = the lowest bound of the other configurations; round k searches every
+other configuration whose bound is below min(cap_k, R) with that threshold, cap_k = base x (1 +
+``MILESTONES[k]``). A plan found lowers R (and is its configuration's optimum, the best below
+the threshold); none raises the configuration's bound to the threshold. When R <= cap_k after a
+round, every other configuration's bound is >= R or its optimum is known: R is the runner-up's
+time. Rounds near the base are cheap (the bounds cut most of the tree), so where the runner-up
+is close it is found fast, and where it is not, the completed rounds still prove "no other
+configuration within x %". Under ``--pruning ridge`` a query may miss plans, so the result is
+the best found, not proven. Out of time (``RUNNER_SHARE`` of the search's time, ``RUNNER_MIN_S``
+at least, within the search's deadline): the best other plan found and the lowest bound of the
 configurations not settled -- the runner-up lies between.
 """
 
@@ -32,6 +37,8 @@ RUNNER_MIN_S = 1.0    # ... or this long, whichever is more (within a time budge
 NEAR_TIE = 0.02       # a margin below this is a near-tie (the profiler's CI target; the
                       # previous-plan rule's default window)
 EPS = 1e-9
+MILESTONES = (0.005, 0.01, 0.02, 0.05, 0.10, 0.20, 0.50, math.inf)   # the rounds' caps over
+                      # the lowest bound of the other configurations (the last: no cap)
 
 
 @dataclass
@@ -46,6 +53,7 @@ class RunnerUpResult:
     time_ms: float | None = None
     bound_ms: float | None = None
     plan: object | None = None     # the runner-up's Incumbent (configuration, options, layers)
+    open: int = 0                  # timed out: other configurations not ruled out below time_ms
 
 
 class _OutOfTime(Exception):
@@ -77,43 +85,58 @@ class RunnerUp:
         bounds = self._bounds()
         if not bounds:
             return RunnerUpResult("none")
+        lb = {i: x for x, i in bounds}
         best = min((inc for c, inc in d.found.items() if not self.same(c)), default=None)
         r = math.inf if best is None else best.time_ms
-        pending = [(lb, i) for lb, i in bounds]
-        settled = 0
+        base = max(bounds[0][0], EPS)
         try:
-            for lb, i in pending:
-                if lb >= r * (1 - EPS):
-                    break      # no configuration left has a plan below r
-                cfg = d.configs[i]
-                res = self._query(cfg, r)
-                settled += 1
-                if res is not None:
+            for m in MILESTONES:
+                cap = base * (1 + m)
+                for i in sorted(lb, key=lambda j: (lb[j], d.configs[j].key)):
+                    thr = min(cap, r)
+                    if lb[i] >= thr * (1 - EPS):
+                        continue       # no plan of it below this round's threshold
+                    cfg = d.configs[i]
+                    res = self._query(i, thr)
+                    if res is None:
+                        lb[i] = max(lb[i], thr)
+                        continue
                     t, opts, layers = res
+                    lb[i] = max(lb[i], t)       # its optimum: the best below the threshold
                     cand = Incumbent(t, cfg.key, tuple(opts), tuple(layers), cfg)
                     if best is None or cand < best:
                         best, r = cand, t
+                if r <= cap * (1 + EPS):
+                    break
         except _OutOfTime:
-            rest = [lb for lb, _ in pending[settled:]]
-            low = min([r] + rest)
+            low = min([r] + list(lb.values()))
+            still = sum(1 for x in lb.values() if x < r * (1 - EPS))
             return RunnerUpResult("timed out", self.queries,
-                                  None if best is None else best.time_ms, low, best)
+                                  None if best is None else best.time_ms, low, best, still)
         if best is None:
             return RunnerUpResult("none", self.queries)
         status = "best found" if d.heuristic else "exact"
         return RunnerUpResult(status, self.queries, best.time_ms, best.time_ms, best)
 
-    def _query(self, cfg, threshold: float):
-        """The best plan of ``cfg`` with time <= ``threshold`` (None: there is none)."""
+    def _query(self, i: int, threshold: float):
+        """The best plan of configuration ``i`` with time <= ``threshold`` (None: there is
+        none). One whose last search in the rounds was a giant is split over every worker,
+        as the search's rounds do."""
+        from .driver import SPLIT_NODES
+
         d = self.d
+        cfg = d.configs[i]
+        threads = d.workers if d.workers > 1 and d.work.get(i, 0) >= SPLIT_NODES else 1
         if self.deadline is not None and time.monotonic() > self.deadline:
             raise _OutOfTime
         self.queries += 1
         o = d.options
         blocks = cfg.type_sequences_restricted(o.type_order, o.type_sequence_limit)
         res = d.ctx.run(cfg, pruning=o.pruning, blocks=blocks, threshold_ms=threshold,
-                        deadline=self.deadline or 0.0)
+                        deadline=self.deadline or 0.0, threads=threads)
         d.stats.add_counters(res.counters())
+        if res.split_depth:
+            d.stats.statistics_depend_on_timing = True
         if res.timed_out:
             raise _OutOfTime
         return res.best
