@@ -146,3 +146,96 @@ def test_speed_check_needs_tp1_and_two_types():
     speeds = {"a": 1.0, "b": 0.5}
     assert emulated_speed_checks([_agg("a", 2, 1, 1, 1), _agg("b", 2, 1, 2, 2)], speeds, {}) == []
     assert emulated_speed_checks([_agg("a", 1, 1, 1, 1)], speeds, {}) == []
+
+
+def _speed_ctx(rank, decisions=None):
+    """A launch context with what ``_all_ranks_remeasure_off_speeds`` reads: rank 0 decides,
+    another rank takes rank 0's decisions (``decisions``) from the fake broadcast."""
+    from types import SimpleNamespace as NS
+
+    ns = iter(decisions or [])
+    return NS(rank=rank, type_shares={},
+              emu=NS(types={"emu-fast": NS(speed=1.0), "emu-slow": NS(speed=0.25)}),
+              topo=NS(infos=[NS(rank=0, device_type="emu-fast"),
+                             NS(rank=1, device_type="emu-slow")]),
+              boot=NS(broadcast_object=lambda obj, name: obj if rank == 0 else next(ns)),
+              guarded=lambda phase, fn: fn())
+
+
+def _attempts(monkeypatch, ctx, slow_fwd: dict[str, float]):
+    """Each attempt's gathered timings are a token; the fake aggregate turns a token into the
+    slow type's forward over the fast one's (expected x4: free cores, no shares); each new
+    attempt also measures new host shares, as the contention probe does."""
+    from poseidon_plugin.megatron import runner
+
+    def aggregate(gathered, types):
+        tok = gathered[0][0]
+        return [_agg("emu-fast", 1, 1, 10.0, 20.0),
+                _agg("emu-slow", 1, 1, 10.0 * slow_fwd[tok], 80.0)], []
+
+    later = iter([t for t in slow_fwd][1:])
+    calls = []
+
+    def measure(c):
+        tok = next(later)
+        calls.append(tok)
+        c.type_shares = {"seen": tok}
+        return [[tok]]
+
+    monkeypatch.setattr(runner.profiler, "aggregate", aggregate)
+    monkeypatch.setattr(runner, "_all_ranks_measure", measure)
+    return calls
+
+
+def test_an_off_speed_is_profiled_again_until_within_10_percent(monkeypatch, caplog):
+    from poseidon_plugin.megatron import runner
+
+    ctx = _speed_ctx(0)
+    calls = _attempts(monkeypatch, ctx, {"a": 5.0, "b": 4.2, "c": 4.0})   # 25 %, then 5 %
+    with caplog.at_level("INFO", logger="poseidon"):
+        got = runner._all_ranks_remeasure_off_speeds(ctx, [["a"]])
+    assert got == [["b"]] and calls == ["b"]
+    assert ctx.type_shares == {"seen": "b"}
+    text = caplog.text
+    assert "off by 25% (more than 10%): profiling again (attempt 2 of 3)" in text
+    assert "kept the attempt that missed least (5%) of 2" in text
+
+
+def test_within_10_percent_profiles_once(monkeypatch):
+    from poseidon_plugin.megatron import runner
+
+    ctx = _speed_ctx(0)
+    calls = _attempts(monkeypatch, ctx, {"a": 4.3, "b": 4.0})
+    assert runner._all_ranks_remeasure_off_speeds(ctx, [["a"]]) == [["a"]]
+    assert calls == []
+
+
+def test_at_most_three_attempts_and_the_closest_is_kept(monkeypatch):
+    from poseidon_plugin.megatron import runner
+    from poseidon_plugin.megatron.contention import SPEED_ATTEMPTS
+
+    assert SPEED_ATTEMPTS == 3
+    ctx = _speed_ctx(0)
+    calls = _attempts(monkeypatch, ctx, {"a": 5.0, "b": 6.0, "c": 5.6, "d": 4.0})
+    got = runner._all_ranks_remeasure_off_speeds(ctx, [["a"]])
+    assert calls == ["b", "c"]                  # three attempts in all, never "d"
+    assert got == [["a"]]                       # 25 % < 40 %, 50 %
+    assert ctx.type_shares == {}                # the first attempt's shares (none measured)
+
+
+def test_other_ranks_follow_rank_0s_decisions(monkeypatch):
+    from poseidon_plugin.megatron import runner
+
+    ctx = _speed_ctx(1, decisions=[True, False])
+    calls = _attempts(monkeypatch, ctx, {"x": 1.0, "y": 1.0, "z": 1.0})
+    assert runner._all_ranks_remeasure_off_speeds(ctx, [["x"]]) == [["y"]]
+    assert calls == ["y"]
+
+
+def test_speed_error_is_the_largest_miss():
+    from poseidon_plugin.megatron.contention import emulated_speed_checks, speed_error
+
+    speeds = {"a": 1.0, "b": 0.5}
+    assert speed_error([]) == 0.0
+    checks = emulated_speed_checks([_agg("a", 1, 1, 10, 10), _agg("b", 1, 1, 18, 23)], speeds, {})
+    assert speed_error(checks) == pytest.approx(0.15)     # backward x2.3 against x2

