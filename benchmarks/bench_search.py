@@ -15,8 +15,9 @@ excluded); ``exhaustive`` = ``yes``, or ``not exhaustive`` when ``--max-seconds`
 configurations (and how many were cut at the root by their bound), search-tree nodes, plans
 simulated, and branches cut by each rule (stage-level bound, memory, ridge-like layer rule,
 device count). ``iter ms`` = the plan's predicted iteration time; ``runner-up`` = the fastest plan of
-any other configuration and its margin over the plan (``search/runnerup.py``; its time,
-``runner-up s``, is part of ``search s``); ``vs megatron`` / ``vs single``
+any other configuration and its margin over the plan, ``other layout`` = the margin of the
+fastest plan of the same configuration with another device type on some stage
+(``search/runnerup.py``; their time, ``runner-up s``, is part of ``search s``); ``vs megatron`` / ``vs single``
 = speed-up over the two baselines of ``search.baseline_plans`` (Megatron's even split on all
 devices; the best plan on one device type), ``n/a`` when the baseline has no feasible plan. The
 baselines get the same ``--max-seconds`` budget.
@@ -55,7 +56,7 @@ ALIASES = {"6": "6-288"}
 
 COLUMNS = ("case", "model", "devices", "search s", "paper s", "exhaustive", "configs (root-cut)",
            "nodes", "plans simulated", "cut bound", "cut memory", "cut ridge", "cut devices",
-           "plan", "iter ms", "runner-up", "runner-up s", "vs megatron", "vs single")
+           "plan", "iter ms", "runner-up", "other layout", "runner-up s", "vs megatron", "vs single")
 
 
 
@@ -87,7 +88,7 @@ def run_case(case: str, ns) -> list[str]:
         wall = time.perf_counter() - t0
         msg = " ".join(str(exc).split())
         return [case, mname, str(cluster.total_devices), f"{wall:.1f}",
-                "" if paper_s is None else f"{paper_s:.1f}", f"error: {msg}"] + [""] * 13
+                "" if paper_s is None else f"{paper_s:.1f}", f"error: {msg}"] + [""] * 14
     wall = time.perf_counter() - t0
     s = plan.search
     shape = (f"{plan.schedule}{'' if plan.virtual_stages == 1 else f' V={plan.virtual_stages}'}"
@@ -107,8 +108,16 @@ def run_case(case: str, ns) -> list[str]:
             _int(s.get("nodes", 0)), _int(s.get("plans_simulated", 0)),
             _int(s.get("cut_bound", 0)), _int(s.get("cut_memory", 0)),
             _int(s.get("cut_ridge", 0)), _int(s.get("cut_devices", 0)),
-            shape, f"{t:.1f}", _runner_up(s), f"{s.get('runner_up_s', 0):.2f}",
+            shape, f"{t:.1f}", _runner_up(s), _layout(s), f"{s.get('runner_up_s', 0):.2f}",
             speed["megatron-default"], speed["best-single-type"]]
+
+
+def _layout(s: dict) -> str:
+    """The other-layout cell: its margin, or its state."""
+    state = s.get("layout_status", "off")
+    if s.get("layout_margin") is None:
+        return state
+    return f"{100 * s['layout_margin']:+.2f} %" + ("" if state == "exact" else f" ({state})")
 
 
 def _runner_up(s: dict) -> str:

@@ -37,7 +37,9 @@ and how sure the choice is (``search/runnerup.py``): ``runner_up_status`` (``off
 configuration: ``schedule``, ``virtual_stages``, ``pp``, ``dp``, ``tp``, ``micro_batch_size``,
 ``stage_types``, ``stage_tps``, ``layers``), ``runner_up_ms``, ``runner_up_margin`` (its time over
 this plan's, minus 1), ``runner_up_bound_ms`` (no other configuration is faster) and, timed out,
-``runner_up_open`` (other configurations not ruled out below ``runner_up_ms``).
+``runner_up_open`` (other configurations not ruled out below ``runner_up_ms``); the same for the
+plan's own configuration with another device type on some stage: ``layout_status``, ``layout``,
+``layout_ms``, ``layout_margin``, ``layout_bound_ms``.
 
 ``baselines`` (``poseidon plan`` always sets them): one entry per baseline, ``megatron-default``
 (Megatron's even split over every device) and ``best-single-type``; ``status`` is ``ok``,
@@ -181,6 +183,33 @@ def _runner_up_text(s: dict) -> str:
     if margin is not None and margin < NEAR_TIE:
         line += (f" -- a near-tie: the two predictions {100 * max(margin, 0) / 2:.2f}% wrong "
                  f"in opposite directions would swap them")
+    return line
+
+
+def _layout_text(s: dict) -> str:
+    """The table's line on the closest other layout of the plan's configuration
+    (``RunnerUp.layout``): another device type on at least one stage."""
+    from .search.runnerup import NEAR_TIE
+
+    state = s["layout_status"]
+    head = "other layout (this configuration, another device type on some stage"
+    if state == "none":
+        return head + "): none (no other device type fits any stage)"
+    r, margin = s.get("layout"), s.get("layout_margin")
+    what = ""
+    if r:
+        where = (f"layers {'/'.join(map(str, r['layers']))} on {','.join(r['stage_types'])}"
+                 if r["pp"] <= RUNNER_UP_STAGES_SHOWN else
+                 "stage types and layers in the JSON: search.layout")
+        what = f"{where}: {s['layout_ms']:.2f} ms ({100 * margin:+.2f}%)"
+    if state == "timed out":
+        low = s.get("layout_bound_ms")
+        return (head + f"): not settled in time: {'best found ' + what if r else 'none found'}"
+                f", none faster than {low:.2f} ms")
+    proof = "proven" if state == "exact" else "not proven: --pruning ridge"
+    line = head + f", {proof}): {what}"
+    if margin is not None and margin < NEAR_TIE:
+        line += " -- a near-tie: which device type serves which stage matters little here"
     return line
 
 
@@ -516,6 +545,8 @@ class Plan:
                 lines.append(_previous_text(s))
             if s.get("runner_up_status", "off") != "off":
                 lines.append(_runner_up_text(s))
+            if s.get("layout_status", "off") != "off":
+                lines.append(_layout_text(s))
         return "\n".join(lines) + "\n"
 
     def _overhead_line(self) -> str:

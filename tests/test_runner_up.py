@@ -98,6 +98,47 @@ def test_the_runner_up_is_the_fastest_other_configuration(types, layers, gbs, sc
         assert s["runner_up_margin"] >= -REL     # the returned plan is the fastest
 
 
+def _types_of(plan: Plan) -> tuple:
+    return tuple(st.device_type for st in plan.stages)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(type_st, min_size=2, max_size=3), st.integers(2, 5), st.sampled_from([2, 4]),
+       st.lists(st.sampled_from(SCHEDS), min_size=1, max_size=2, unique=True),
+       st.sampled_from(["uniform", "per-stage"]), st.sampled_from([0.0, 0.02]))
+def test_the_other_layout_is_the_fastest_other_type_sequence(types, layers, gbs, scheds,
+                                                              tp_mode, tol):
+    """Against every plan enumerated: the other layout is the fastest plan of the returned
+    plan's configuration whose device type differs on at least one stage; none where there
+    is no such plan."""
+    cluster, model = make_instance(types, layers, None)
+    options = _options(gbs, scheds, tp_mode, tol)
+    plans = _every_plan(cluster, model, options)
+    if not plans:
+        return
+    got = search_plan(cluster, model, options)
+    s = got.search
+    names = None
+    own = _cfg_of(got, tp_mode)
+    seq = _types_of(got)
+    cm = CostModel(cluster, model, None, seq_length=128)
+    names = cm.type_names
+    want = min((p[0] for p in plans if _cfg_key(p[2]) == own
+                and tuple(names[p[2].options[o][0]] for o in p[3]) != seq), default=math.inf)
+    if not math.isfinite(want):
+        assert s["layout_status"] == "none" and s["layout"] is None
+        assert "other layout (this configuration, another device type on some stage): none" \
+            in got.table()
+        return
+    assert s["layout_status"] == "exact"
+    assert s["layout_ms"] == pytest.approx(want, rel=REL)
+    r = s["layout"]
+    assert tuple(r["stage_types"]) != seq and r["pp"] == got.pp
+    assert _retime_cfg(cluster, model, options, r) == pytest.approx(want, rel=REL)
+    assert s["layout_margin"] == pytest.approx(want / got.predicted_iteration_time_ms - 1,
+                                               rel=1e-7, abs=1e-12)
+
+
 def _setting1(**kw):
     cluster = load_cluster("examples/clusters/paper-setting1.yaml")
     model = get_model("llama3-8b")
@@ -274,3 +315,35 @@ def test_the_line_for_each_state():
                            "runner_up_bound_ms": 99.5, "runner_up_open": 4})
     assert out == ("runner-up: not settled in time (3 queries): no other plan found; 4 "
                    "configuration(s) not ruled out, none faster than 99.50 ms")
+
+
+def test_the_layout_line():
+    from poseidon_plugin.plan import _layout_text
+
+    r = {"schedule": "1f1b", "virtual_stages": 1, "pp": 2, "dp": 2, "tp": 1,
+         "micro_batch_size": 1, "stage_types": ["slow", "fast"], "stage_tps": [1, 1],
+         "layers": [1, 7]}
+    s = {"layout_status": "exact", "layout": r, "layout_ms": 683.5, "layout_margin": 0.0026,
+         "layout_bound_ms": 683.5}
+    assert _layout_text(s) == (
+        "other layout (this configuration, another device type on some stage, proven): "
+        "layers 1/7 on slow,fast: 683.50 ms (+0.26%) -- a near-tie: which device type serves "
+        "which stage matters little here")
+    assert "near-tie" not in _layout_text(dict(s, layout_margin=0.05))
+    assert _layout_text({"layout_status": "none"}).endswith(
+        "): none (no other device type fits any stage)")
+    assert _layout_text(dict(s, layout_status="timed out", layout_bound_ms=680.0)).endswith(
+        "not settled in time: best found layers 1/7 on slow,fast: 683.50 ms (+0.26%), none "
+        "faster than 680.00 ms")
+
+
+def test_the_json_carries_the_layout():
+    cluster, model, opts = _setting1(schedules=("1f1b", "interleaved-1f1b"))
+    plan = search_plan(cluster, model, opts)
+    back = Plan.from_json(plan.to_json())
+    assert back.search["layout"] == plan.search["layout"]
+    assert plan.search["layout_status"] == "exact"
+    assert tuple(plan.search["layout"]["stage_types"]) != tuple(
+        s.device_type for s in plan.stages)
+    lines = [x for x in back.table().splitlines() if x.startswith("other layout")]
+    assert len(lines) == 1 and f"{plan.search['layout_ms']:.2f} ms" in lines[0]

@@ -124,6 +124,11 @@ class SearchStats:
     runner_up_queries: int = 0         # branch-and-bound calls it took, the configurations
     runner_up_open: int = 0            # not ruled out below it when its time ran out,
     runner_up_s: float = 0.0           # and its seconds (part of ``seconds``)
+    layout_status: str = "off"         # runnerup.layout: the same configuration with another
+    layout_ms: float | None = None     # device type on some stage: its state, time,
+    layout_bound_ms: float | None = None      # bound,
+    layout_margin: float | None = None        # margin over the returned plan,
+    layout: dict | None = None         # and the plan (runnerup.describe)
     _seeded: bool = field(default=False, repr=False)
 
     def add_counters(self, counters: dict) -> None:
@@ -338,7 +343,8 @@ class SearchDriver:
 
     def find_runner_up(self) -> None:
         """How close the next choice came (``runnerup.py``): the fastest plan of any other
-        configuration than the returned plan's, and its margin, into the statistics."""
+        configuration than the returned plan's, and the fastest of its own configuration with
+        another device type on some stage, with their margins, into the statistics."""
         from .runnerup import RUNNER_MIN_S, RUNNER_SHARE, RunnerUp, describe
 
         t0 = time.perf_counter()
@@ -357,6 +363,14 @@ class SearchDriver:
         if res.plan is not None:
             st.runner_up = describe(res.plan.cfg, self.ctx.cm.type_names, res.plan.opts,
                                     res.plan.layers, self.options.tp_mode)
+        lay = RunnerUp(self, chosen, end).layout()
+        st.runner_up_queries += lay.queries
+        st.layout_status, st.layout_ms, st.layout_bound_ms = lay.status, lay.time_ms, lay.bound_ms
+        if lay.time_ms is not None:
+            st.layout_margin = lay.time_ms / chosen.time_ms - 1.0
+        if lay.plan is not None:
+            st.layout = describe(lay.plan.cfg, self.ctx.cm.type_names, lay.plan.opts,
+                                 lay.plan.layers, self.options.tp_mode)
         st.runner_up_s = round(time.perf_counter() - t0, 3)
         log.debug("runner-up %s after %d queries: %s ms (bound %s ms)", res.status,
                   res.queries, res.time_ms, res.bound_ms)

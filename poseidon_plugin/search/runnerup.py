@@ -32,6 +32,8 @@ import math
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 RUNNER_SHARE = 0.25   # the runner-up may take this share of the search's own time ...
 RUNNER_MIN_S = 1.0    # ... or this long, whichever is more (within a time budget)
 NEAR_TIE = 0.02       # a margin below this is a near-tie (the profiler's CI target; the
@@ -79,33 +81,84 @@ class RunnerUp:
         return sorted((d.lbs[i], i) for i, c in enumerate(d.configs) if not self.same(c))
 
     def run(self) -> RunnerUpResult:
+        """The fastest plan of any other configuration."""
         from .driver import Incumbent
 
         d = self.d
         bounds = self._bounds()
         if not bounds:
             return RunnerUpResult("none")
-        lb = {i: x for x, i in bounds}
         best = min((inc for c, inc in d.found.items() if not self.same(c)), default=None)
+
+        def query(i: int, thr: float):
+            res = self._query(i, thr)
+            if res is None:
+                return None
+            cfg = d.configs[i]
+            return Incumbent(res[0], cfg.key, tuple(res[1]), tuple(res[2]), cfg)
+
+        return self._rounds({i: x for x, i in bounds}, query, best,
+                            lambda i: d.configs[i].key)
+
+    def layout(self) -> RunnerUpResult:
+        """The fastest plan of the returned plan's own configuration with another device type
+        on at least one stage: the min over stages x of the best plan whose stage x is barred
+        from the returned plan's type there (``lmax`` 0 on those options, as the tie rule
+        restricts a stage), in the same rounds. ``none``: no other type fits any stage."""
+        from .driver import Incumbent
+
+        d, ch = self.d, self.chosen
+        mode = d.options.tp_mode
+        own = [j for j, c in enumerate(d.configs) if identity(c, mode) == identity(ch.cfg, mode)]
+        if not own:
+            return RunnerUpResult("none")
+        j = own[0]
+        cfg = d.configs[j]
+        types = [ch.cfg.options[o][0] for o in ch.opts]
+        base = d.ctx.lmax(cfg)
+        masks = {}
+        for x, k in enumerate(types):
+            mask = np.array(base, dtype=np.int32)
+            for o, (ko, _) in enumerate(cfg.options):
+                if ko == k:
+                    mask[o, x] = 0
+            if int(mask[:, x].max()) >= cfg.virtual_stages:
+                masks[x] = mask
+        if not masks:
+            return RunnerUpResult("none")
+        seq = tuple(types)
+
+        def query(x: int, thr: float):
+            res = self._query(j, thr, lmax=masks[x])
+            if res is None:
+                return None
+            got = tuple(cfg.options[o][0] for o in res[1])
+            assert got != seq, "a barred stage kept its type"
+            return Incumbent(res[0], cfg.key, tuple(res[1]), tuple(res[2]), cfg)
+
+        return self._rounds({x: d.lbs[j] for x in masks}, query, None, lambda x: x)
+
+    def _rounds(self, lb: dict, query, best, key) -> RunnerUpResult:
+        """The rounds with rising caps over the parts ``lb`` maps to their proven bounds:
+        ``query(part, threshold)`` -> the part's best plan under it (an ``Incumbent``) or
+        None; ``best`` an upper bound known beforehand."""
+        d = self.d
         r = math.inf if best is None else best.time_ms
-        base = max(bounds[0][0], EPS)
+        base = max(min(lb.values()), EPS)
         try:
             for m in MILESTONES:
                 cap = base * (1 + m)
-                for i in sorted(lb, key=lambda j: (lb[j], d.configs[j].key)):
+                for part in sorted(lb, key=lambda p: (lb[p], key(p))):
                     thr = min(cap, r)
-                    if lb[i] >= thr * (1 - EPS):
+                    if lb[part] >= thr * (1 - EPS):
                         continue       # no plan of it below this round's threshold
-                    cfg = d.configs[i]
-                    res = self._query(i, thr)
-                    if res is None:
-                        lb[i] = max(lb[i], thr)
+                    cand = query(part, thr)
+                    if cand is None:
+                        lb[part] = max(lb[part], thr)
                         continue
-                    t, opts, layers = res
-                    lb[i] = max(lb[i], t)       # its optimum: the best below the threshold
-                    cand = Incumbent(t, cfg.key, tuple(opts), tuple(layers), cfg)
+                    lb[part] = max(lb[part], cand.time_ms)   # its optimum: the best below thr
                     if best is None or cand < best:
-                        best, r = cand, t
+                        best, r = cand, cand.time_ms
                 if r <= cap * (1 + EPS):
                     break
         except _OutOfTime:
@@ -118,7 +171,7 @@ class RunnerUp:
         status = "best found" if d.heuristic else "exact"
         return RunnerUpResult(status, self.queries, best.time_ms, best.time_ms, best)
 
-    def _query(self, i: int, threshold: float):
+    def _query(self, i: int, threshold: float, lmax=None):
         """The best plan of configuration ``i`` with time <= ``threshold`` (None: there is
         none). One whose last search in the rounds was a giant is split over every worker,
         as the search's rounds do."""
@@ -126,14 +179,15 @@ class RunnerUp:
 
         d = self.d
         cfg = d.configs[i]
-        threads = d.workers if d.workers > 1 and d.work.get(i, 0) >= SPLIT_NODES else 1
+        threads = (d.workers if d.workers > 1 and d.work.get(i, 0) >= SPLIT_NODES
+                   and lmax is None else 1)
         if self.deadline is not None and time.monotonic() > self.deadline:
             raise _OutOfTime
         self.queries += 1
         o = d.options
         blocks = cfg.type_sequences_restricted(o.type_order, o.type_sequence_limit)
         res = d.ctx.run(cfg, pruning=o.pruning, blocks=blocks, threshold_ms=threshold,
-                        deadline=self.deadline or 0.0, threads=threads)
+                        deadline=self.deadline or 0.0, threads=threads, lmax=lmax)
         d.stats.add_counters(res.counters())
         if res.split_depth:
             d.stats.statistics_depend_on_timing = True
