@@ -1,4 +1,5 @@
-"""How sure the choice is: the runner-up, the fastest plan of any other configuration.
+"""How sure the choice is: the runner-up, the fastest plan of any other configuration, and the
+other layout, the fastest plan of the same configuration with another device type on a stage.
 
 The search returns the fastest plan and proves it; it does not say how close the next choice
 came. Where another configuration (schedule, PP, DP, TP, micro-batch, model chunks: what the
@@ -24,6 +25,11 @@ configuration within x %". Under ``--pruning ridge`` a query may miss plans, so 
 the best found, not proven. Out of time (``RUNNER_SHARE`` of the search's time, ``RUNNER_MIN_S``
 at least, within the search's deadline): the best other plan found and the lowest bound of the
 configurations not settled -- the runner-up lies between.
+
+The other layout (``RunnerUp.layout``) asks the same of the returned plan's own configuration:
+the fastest plan whose device type differs on at least one stage is the minimum over stages x
+of the best plan with stage x barred from the returned plan's type there (``lmax`` 0 on those
+options, the tie rule's restriction of a stage), found in the same rounds, one part per stage.
 """
 
 from __future__ import annotations
