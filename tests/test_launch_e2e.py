@@ -186,8 +186,17 @@ def test_dry_run_prints_flags_builds_nothing_and_second_launch_uses_the_cache(tm
     proc2, out2, _ = torchrun(4, args, env)
     assert proc2.returncode == 0, ok(proc2, out2)
     assert "from the cache" in out2 and "profiling:" not in out2
-    # the same costs: the first launch's plan is the fastest again, and kept
-    assert "+0.00% over the fastest" in out2 and "kept (window 2%" in out2, out2
+    # the same layer costs (the links are probed again each launch, so the sends move a
+    # little: a layout one near-tie away may now be faster by a fraction of a per cent): the
+    # first launch's plan is within the window of the fastest, and kept
+    m = re.search(r"previous plan: kept \([0-9.]+ ms under these costs, \+([0-9.]+)% over the "
+                  r"fastest", out2)
+    assert m and float(m.group(1)) <= 2.0 and "kept (window 2%" in out2, out2
+
+    def layout(o: str) -> str:
+        return re.search(r"--pipeline-model-parallel-layout (\S+)", o).group(1)
+
+    assert layout(out2) == layout(out)
 
 
 def test_corrupt_profile_cache_is_set_aside_and_reprofiled(tmp_path):
