@@ -118,7 +118,6 @@ def test_the_other_layout_is_the_fastest_other_type_sequence(types, layers, gbs,
         return
     got = search_plan(cluster, model, options)
     s = got.search
-    names = None
     own = _cfg_of(got, tp_mode)
     seq = _types_of(got)
     cm = CostModel(cluster, model, None, seq_length=128)
