@@ -6,20 +6,55 @@
 #   bash examples/gpu_check.sh            # on a machine with one CUDA GPU (torch + megatron-core)
 #   bash examples/gpu_check.sh --cpu      # rehearsal on CPU (one emulated device, tiny model)
 #
-# Writes build/gpu-check/<device>/: run.log (the whole launch), profiles-*.json (the measured
-# profile DB), plan.json, and summary.txt: device, driver, torch and megatron-core versions, the
-# plan's predicted iteration time and per-stage memory, and the calibration line (predicted vs
-# measured iteration time, predicted vs measured peak memory). Send summary.txt and the profile DB.
+# First `poseidon profile` of the llama3-8b preset's layer (TP 1, micro-batches 1 and 2, sequence
+# 4096; on CPU the tiny model) into llama3-8b-<device>.json, a DB `poseidon plan --profiles`
+# reads. Writes build/gpu-check/<device>/: that DB and profile.log, run.log (the whole launch),
+# profiles-*.json (the launch's measured profile DB), plan.json, and summary.txt: device,
+# driver, torch and megatron-core versions, the profiled records, the plan's predicted
+# iteration time and per-stage memory, and the calibration line (predicted vs measured
+# iteration time, predicted vs measured peak memory). Send summary.txt and the profile DBs.
 # Extra Megatron flags: GPU_CHECK_ARGS="--seq-length 4096 ..." (appended, so they win).
+# GPU_CHECK_COPY_TO=DIR also copies those files to DIR; GPU_CHECK_PROFILE_TIMEOUT and
+# GPU_CHECK_TRAIN_TIMEOUT (seconds; 900 and 1800) bound the two steps.
+#
+# On a machine without network (a lent GPU machine with torch but no megatron-core): run
+# examples/gpu_kit.sh here first (it fetches the megatron-core wheel into .whl/), take .whl/
+# along, and this script installs it into /tmp/poseidon-site; it builds the Cython core in place
+# when it is not built (Cython and a C compiler needed there). On this workplace's lent machine:
+#   run(command="GPU_CHECK_COPY_TO=$OUT GPU_CHECK_PROFILE_TIMEOUT=200 GPU_CHECK_TRAIN_TIMEOUT=280
+#                bash examples/gpu_check.sh", carry=[".whl"], timeout_s=560)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 MODE=gpu
 [ "${1:-}" = "--cpu" ] && MODE=cpu
 if [ -x .venv/bin/torchrun ]; then BIN=.venv/bin/; else BIN=""; fi
-if [ -n "$BIN" ]; then PY="${BIN}python"; else PY="$(command -v python || command -v python3)"; fi
+if [ -n "$BIN" ]; then PY="${BIN}python"; else PY="$(command -v python3 || command -v python)"; fi
+if [ -n "$BIN" ]; then TORCHRUN=("${BIN}torchrun"); else TORCHRUN=("$PY" -m torch.distributed.run); fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PORT="${MASTER_PORT:-$((29500 + RANDOM % 2000))}"
+
+COPY_TO="${GPU_CHECK_COPY_TO:-}"
+
+# A machine without network (a lent GPU machine): megatron-core from the wheel in .whl/
+# (examples/gpu_kit.sh fetched it) into a private folder, and the Cython core built in place.
+if ! "$PY" -c "import megatron.core" 2>/dev/null; then
+  if ls .whl/megatron_core-*.whl >/dev/null 2>&1; then
+    echo "== megatron-core missing: installing .whl/ into /tmp/poseidon-site"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/poseidon-site .whl/megatron_core-*.whl
+    export PYTHONPATH="$PYTHONPATH:/tmp/poseidon-site"
+  else
+    echo "megatron-core is not importable here and .whl/ holds no wheel of it (run" \
+         "examples/gpu_kit.sh where there is network, or pip install megatron-core==0.19.2)" >&2
+    exit 3
+  fi
+fi
+if ! "$PY" -c "import poseidon_plugin.simulator._core, poseidon_plugin.search._search" 2>/dev/null; then
+  echo "== building the Cython core in place"
+  "$PY" setup.py -q build_ext --inplace -j "$(nproc 2>/dev/null || echo 2)" > build-ext.log 2>&1 || {
+    echo "could not build the Cython core (build-ext.log)" >&2; tail -20 build-ext.log >&2; exit 3; }
+fi
 
 if [ "$MODE" = gpu ]; then
   "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)" || {
@@ -45,27 +80,44 @@ else
   export OMP_NUM_THREADS=1
 fi
 
-OUT="build/gpu-check/$DEVICE"
-mkdir -p "$OUT"
+DEST="build/gpu-check/$DEVICE"
+mkdir -p "$DEST"
 if [ "$MODE" = cpu ]; then
-  printf 'device_types:\n  emu-one: {speed: 1.0, memory_gib: 16}\nranks: [emu-one]\n' > "$OUT/emulate-1rank.yaml"
-  EMU=(--poseidon-emulate "$OUT/emulate-1rank.yaml")
+  printf 'device_types:\n  emu-one: {speed: 1.0, memory_gib: 16}\nranks: [emu-one]\n' > "$DEST/emulate-1rank.yaml"
+  EMU=(--poseidon-emulate "$DEST/emulate-1rank.yaml")
 fi
-export POSEIDON_PROFILE_DIR="$PWD/$OUT"
+export POSEIDON_PROFILE_DIR="$PWD/$DEST"
 read -r -a EXTRA <<< "${GPU_CHECK_ARGS:-}"
+
+# the offline profiler on this device: one decoder layer, TP 1, micro-batches 1 and 2, into a DB
+# that `poseidon plan --profiles` reads (the GPU: the llama3-8b preset at sequence 4096)
+if [ "$MODE" = gpu ]; then
+  PROF=(--model llama3-8b --seq-length 4096 --device cuda); DB="$DEST/llama3-8b-$DEVICE.json"
+else
+  PROF=(--model examples/models/tiny-gpt.yaml --seq-length 128 --device cpu); DB="$DEST/tiny-gpt-$DEVICE.json"
+fi
+echo "== poseidon profile ${PROF[*]} --device-type $DEVICE --tp 1 --micro-batch-sizes 1 2 -o $DB"
+rm -f "$DB"
+set +e
+timeout "${GPU_CHECK_PROFILE_TIMEOUT:-900}" "$PY" -m poseidon_plugin profile "${PROF[@]}" --device-type "$DEVICE" --tp 1 \
+    --micro-batch-sizes 1 2 -o "$DB" > "$DEST/profile.log" 2>&1
+PROF_RC=$?
+set -e
+grep -E "decoder tp|wrote|error" "$DEST/profile.log" || true
 
 echo "== $MODE check on $DEVICE: torchrun --nproc-per-node 1 -m poseidon_plugin.launch examples/pretrain_gpt.py ... --poseidon-auto"
 set +e
-"${BIN}torchrun" --nproc-per-node 1 --master-addr 127.0.0.1 --master-port "$PORT" \
+timeout "${GPU_CHECK_TRAIN_TIMEOUT:-1800}" "${TORCHRUN[@]}" --nproc-per-node 1 --master-addr 127.0.0.1 --master-port "$PORT" \
     -m poseidon_plugin.launch examples/pretrain_gpt.py "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" \
     --lr 1e-4 --lr-decay-style constant --mock-data --tokenizer-type NullTokenizer \
     --log-interval 1 --eval-iters 0 --eval-interval 100000 --num-workers 0 --bf16 --seed 1234 \
-    "${EXTRA[@]}" --poseidon-auto --poseidon-reprofile --poseidon-save-plan "$OUT/plan.json" \
-    "${EMU[@]}" > "$OUT/run.log" 2>&1
+    "${EXTRA[@]}" --poseidon-auto --poseidon-reprofile --poseidon-save-plan "$DEST/plan.json" \
+    "${EMU[@]}" > "$DEST/run.log" 2>&1
 RC=$?
 set -e
 
-"$PY" - "$OUT" "$RC" <<'EOF'
+set +e
+PROF_RC="$PROF_RC" "$PY" - "$DEST" "$RC" <<'EOF'
 import json, os, re, subprocess, sys
 
 out, rc = sys.argv[1], int(sys.argv[2])
@@ -90,6 +142,12 @@ def versions():
     return f"torch {torch.__version__} (CUDA {cuda}), megatron-core {mcore}, GPU/driver: {driver}"
 
 lines.append(f"launch exit code: {rc}")
+prof_log = os.path.join(out, "profile.log")
+if os.path.exists(prof_log):
+    plines = [l.strip() for l in open(prof_log, encoding="utf-8", errors="replace")
+              if re.search(r"decoder tp\d|wrote \d|error", l)]
+    lines.append("poseidon profile (exit code " + os.environ.get("PROF_RC", "?") + "):")
+    lines += ["  " + l for l in plines]
 lines.append(versions())
 plan_path = os.path.join(out, "plan.json")
 if os.path.exists(plan_path):
@@ -110,3 +168,11 @@ open(os.path.join(out, "summary.txt"), "w", encoding="utf-8").write(text)
 sys.stdout.write(text)
 sys.exit(rc if rc else (0 if cal else 1))
 EOF
+SUM_RC=$?
+if [ -n "$COPY_TO" ]; then   # e.g. GPU_CHECK_COPY_TO=$OUT on a lent machine: what comes back
+  mkdir -p "$COPY_TO"
+  cp "$DEST"/summary.txt "$DEST"/run.log "$DEST"/profile.log "$COPY_TO"/ 2>/dev/null
+  cp "$DEST"/plan.json "$DEST"/profiles-*.json "$DB" "$COPY_TO"/ 2>/dev/null
+  ls -l "$COPY_TO"
+fi
+exit "$SUM_RC"
