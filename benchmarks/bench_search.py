@@ -91,9 +91,8 @@ def run_case(case: str, ns) -> list[str]:
                 "" if paper_s is None else f"{paper_s:.1f}", f"error: {msg}"] + [""] * 14
     wall = time.perf_counter() - t0
     s = plan.search
-    shape = (f"{plan.schedule}{'' if plan.virtual_stages == 1 else f' V={plan.virtual_stages}'}"
-             f" pp={plan.pp} dp={plan.dp} tp={plan.tp if plan.uniform_tp else 'per-stage'}"
-             f" b={plan.micro_batch_size}")
+    shape = _shape(plan.schedule, plan.virtual_stages, plan.pp, plan.dp,
+                   plan.tp if plan.uniform_tp else None, plan.micro_batch_size)
     t = plan.predicted_iteration_time_ms
     speed = {"megatron-default": "skipped", "best-single-type": "skipped"}
     if not ns.no_baselines:
@@ -112,6 +111,12 @@ def run_case(case: str, ns) -> list[str]:
             speed["megatron-default"], speed["best-single-type"]]
 
 
+def _shape(schedule: str, v: int, pp: int, dp: int, tp: int | None, b: int) -> str:
+    """A configuration as the plan column writes it (tp None: per-stage)."""
+    return (f"{schedule}{'' if v == 1 else f' V={v}'} pp={pp} dp={dp} "
+            f"tp={tp if tp is not None else 'per-stage'} b={b}")
+
+
 def _layout(s: dict) -> str:
     """The other-layout cell: its margin, or its state."""
     state = s.get("layout_status", "off")
@@ -125,9 +130,8 @@ def _runner_up(s: dict) -> str:
     r, state = s.get("runner_up"), s.get("runner_up_status", "off")
     if not r or state == "none":
         return state
-    shape = (f"{r['schedule']}{'' if r['virtual_stages'] == 1 else f' V={r['virtual_stages']}'}"
-             f" pp={r['pp']} dp={r['dp']} tp={r['tp'] if r['tp'] is not None else 'per-stage'}"
-             f" b={r['micro_batch_size']}")
+    shape = _shape(r["schedule"], r["virtual_stages"], r["pp"], r["dp"], r["tp"],
+                   r["micro_batch_size"])
     margin = f"{100 * s['runner_up_margin']:+.2f} %"
     return f"{shape} {margin}" + ("" if state == "exact" else f" ({state})")
 

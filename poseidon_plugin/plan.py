@@ -147,7 +147,18 @@ def _previous_text(s: dict) -> str:
     return f"previous plan: {state}"
 
 
-RUNNER_UP_STAGES_SHOWN = 4   # the runner-up line lists stage types and layers up to this PP
+RUNNER_UP_STAGES_SHOWN = 4   # the runner-up lines list stage types and layers up to this PP
+
+
+def _stages_text(r: dict, key: str) -> str:
+    """A runner-up plan's stages: layers and types, or (deep plans) where the JSON has them."""
+    if r["pp"] <= RUNNER_UP_STAGES_SHOWN:
+        return f"layers {'/'.join(map(str, r['layers']))} on {','.join(r['stage_types'])}"
+    return f"{len(set(r['stage_types']))} device type(s) over its stages (JSON: search.{key})"
+
+
+def _proof_text(state: str) -> str:
+    return "proven" if state == "exact" else "not proven: --pruning ridge"
 
 
 def _runner_up_text(s: dict) -> str:
@@ -165,12 +176,8 @@ def _runner_up_text(s: dict) -> str:
         what = (f"{r['schedule']}" + (f" (V={r['virtual_stages']})"
                                       if r["virtual_stages"] > 1 else "")
                 + f", pp={r['pp']}, dp={r['dp']}, tp={tp}, micro-batch "
-                f"{r['micro_batch_size']}, "
-                + (f"layers {'/'.join(map(str, r['layers']))} on {','.join(r['stage_types'])}"
-                   if r["pp"] <= RUNNER_UP_STAGES_SHOWN else
-                   f"{len(set(r['stage_types']))} device type(s) over its stages (JSON: "
-                   f"search.runner_up)")
-                + f": {s['runner_up_ms']:.2f} ms ({100 * margin:+.2f}%)")
+                f"{r['micro_batch_size']}, {_stages_text(r, 'runner_up')}: "
+                f"{s['runner_up_ms']:.2f} ms ({100 * margin:+.2f}%)")
     if state == "timed out":
         low, n = s.get("runner_up_bound_ms"), s.get("runner_up_open", 0)
         found = (f"the best other configuration found is {what}; {n} other configuration(s) "
@@ -178,8 +185,7 @@ def _runner_up_text(s: dict) -> str:
                  f"configuration(s) not ruled out")
         return (f"runner-up: not settled in time ({q} queries): {found}, none faster than "
                 f"{low:.2f} ms")
-    proof = "proven" if state == "exact" else "not proven: --pruning ridge"
-    line = f"runner-up (fastest other configuration, {proof}): {what}"
+    line = f"runner-up (fastest other configuration, {_proof_text(state)}): {what}"
     if margin is not None and margin < NEAR_TIE:
         line += (f" -- a near-tie: the two predictions {100 * max(margin, 0) / 2:.2f}% wrong "
                  f"in opposite directions would swap them")
@@ -198,16 +204,12 @@ def _layout_text(s: dict) -> str:
     r, margin = s.get("layout"), s.get("layout_margin")
     what = ""
     if r:
-        where = (f"layers {'/'.join(map(str, r['layers']))} on {','.join(r['stage_types'])}"
-                 if r["pp"] <= RUNNER_UP_STAGES_SHOWN else
-                 "stage types and layers in the JSON: search.layout")
-        what = f"{where}: {s['layout_ms']:.2f} ms ({100 * margin:+.2f}%)"
+        what = f"{_stages_text(r, 'layout')}: {s['layout_ms']:.2f} ms ({100 * margin:+.2f}%)"
     if state == "timed out":
         low = s.get("layout_bound_ms")
         return (head + f"): not settled in time: {'best found ' + what if r else 'none found'}"
                 f", none faster than {low:.2f} ms")
-    proof = "proven" if state == "exact" else "not proven: --pruning ridge"
-    line = head + f", {proof}): {what}"
+    line = head + f", {_proof_text(state)}): {what}"
     if margin is not None and margin < NEAR_TIE:
         line += " -- a near-tie: which device type serves which stage matters little here"
     return line

@@ -81,10 +81,10 @@ class RunnerUp:
         return identity(cfg, self.d.options.tp_mode) == identity(self.chosen.cfg,
                                                                  self.d.options.tp_mode)
 
-    def _bounds(self) -> list[tuple[float, int]]:
-        """(lower bound, index) of every other configuration."""
+    def _bounds(self) -> dict[int, float]:
+        """Every other configuration's index -> its proven lower bound."""
         d = self.d
-        return sorted((d.lbs[i], i) for i, c in enumerate(d.configs) if not self.same(c))
+        return {i: d.lbs[i] for i, c in enumerate(d.configs) if not self.same(c)}
 
     def run(self) -> RunnerUpResult:
         """The fastest plan of any other configuration."""
@@ -103,8 +103,7 @@ class RunnerUp:
             cfg = d.configs[i]
             return Incumbent(res[0], cfg.key, tuple(res[1]), tuple(res[2]), cfg)
 
-        return self._rounds({i: x for x, i in bounds}, query, best,
-                            lambda i: d.configs[i].key)
+        return self._rounds(bounds, query, best, lambda i: d.configs[i].key)
 
     def layout(self) -> RunnerUpResult:
         """The fastest plan of the returned plan's own configuration with another device type
