@@ -21,8 +21,8 @@
 # examples/gpu_kit.sh here first (it fetches the megatron-core wheel into .whl/), take .whl/
 # along, and this script installs it into /tmp/poseidon-site; it builds the Cython core in place
 # when it is not built (Cython and a C compiler needed there). On this workplace's lent machine:
-#   run(command="GPU_CHECK_COPY_TO=$OUT GPU_CHECK_PROFILE_TIMEOUT=200 GPU_CHECK_TRAIN_TIMEOUT=280
-#                bash examples/gpu_check.sh", carry=[".whl"], timeout_s=560)
+#   run(command="GPU_CHECK_COPY_TO=$OUT GPU_CHECK_PROFILE_TIMEOUT=150 GPU_CHECK_TRAIN_TIMEOUT=240
+#                bash examples/gpu_check.sh", carry=[".whl", <the four built .so files>], timeout_s=420)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -90,9 +90,12 @@ export POSEIDON_PROFILE_DIR="$PWD/$DEST"
 read -r -a EXTRA <<< "${GPU_CHECK_ARGS:-}"
 
 # the offline profiler on this device: one decoder layer, TP 1, micro-batches 1 and 2, into a DB
-# that `poseidon plan --profiles` reads (the GPU: the llama3-8b preset at sequence 4096)
+# that `poseidon plan --profiles` reads (the GPU: the llama3-8b preset at sequence 4096, with the
+# training's attention: unfused with Megatron's local spec, flash with Transformer Engine)
 if [ "$MODE" = gpu ]; then
-  PROF=(--model llama3-8b --seq-length 4096 --device cuda); DB="$DEST/llama3-8b-$DEVICE.json"
+  ATTN=unfused; [ "$IMPL" = transformer_engine ] && ATTN=flash   # as the training's layer spec
+  PROF=(--model llama3-8b --seq-length 4096 --device cuda --attention "$ATTN")
+  DB="$DEST/llama3-8b-$DEVICE.json"
 else
   PROF=(--model examples/models/tiny-gpt.yaml --seq-length 128 --device cpu); DB="$DEST/tiny-gpt-$DEVICE.json"
 fi

@@ -44,3 +44,32 @@ def patch_dataset_helpers() -> bool:
     utils.compile_helpers = lambda: None
     log.debug("megatron.core.datasets: prebuilt helpers_cpp found, skipping the make step")
     return True
+
+
+# Fused CUDA kernels Megatron's defaults ask for, the module each needs, and the flag that turns
+# the kernel off. megatron-core's wheel builds none of them: gradient-accumulation fusion and the
+# masked-softmax kernels come with Apex (or an NGC container), RoPE fusion with Transformer
+# Engine. Without the module Megatron raises at model build (gradient accumulation, RoPE) or at
+# the first attention (softmax); the unfused paths compute the same values.
+CUDA_KERNEL_FLAGS: tuple[tuple[str, str, str], ...] = (
+    ("gradient-accumulation fusion", "fused_weight_gradient_mlp_cuda",
+     "--no-gradient-accumulation-fusion"),
+    ("masked-softmax fusion", "scaled_masked_softmax_cuda", "--no-masked-softmax-fusion"),
+    ("RoPE fusion", "transformer_engine", "--no-rope-fusion"),
+)
+
+
+def module_available(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def missing_kernel_flags(argv: list[str] | tuple[str, ...]) -> list[tuple[str, str, str]]:
+    """The (kernel, module, flag) of each fused CUDA kernel Megatron would use by default whose
+    module is not installed here and whose flag ``argv`` does not already carry."""
+    from .argv import find_flag
+
+    return [(kernel, module, flag) for kernel, module, flag in CUDA_KERNEL_FLAGS
+            if not module_available(module) and not find_flag(list(argv), flag)]

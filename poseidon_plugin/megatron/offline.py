@@ -130,6 +130,21 @@ def backend_flags(kind: str, setup: TrainingSetup) -> list[str]:
     return ["--transformer-impl", "local", "--attention-backend", "unfused"]
 
 
+def kernel_flags(kind: str) -> list[str]:
+    """On CUDA: the flags that turn off Megatron's default fused kernels whose modules (Apex,
+    Transformer Engine) are not installed here, as a launch does (logged)."""
+    from .compat import missing_kernel_flags
+
+    if kind != "cuda":
+        return []
+    missing = missing_kernel_flags([])
+    if missing:
+        log.warning("not installed here: %s; profiling with %s",
+                    ", ".join(f"{module} ({kernel})" for kernel, module, _ in missing),
+                    " ".join(flag for _, _, flag in missing))
+    return [flag for _, _, flag in missing]
+
+
 def _init_alone(kind: str, store_dir: str) -> None:
     """One process: a one-rank default group on the device's backend, on a file store."""
     import torch.distributed as dist
@@ -172,7 +187,7 @@ def profile_layers(req: ProfileRequest, procs: Processes | None = None) -> list 
     from .compat import patch_dataset_helpers
 
     kind = _pick_device(req.device)
-    flags = backend_flags(kind, req.setup)
+    flags = backend_flags(kind, req.setup) + kernel_flags(kind)
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     device, name = _setup_device(kind, req, procs)
     patch_dataset_helpers()

@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 from ..errors import DistributedError, PoseidonError
 from . import argv as argvmod
 from . import bootstrap, discovery, emulation, group_profile, profile_gather, profiler, renumber
-from .compat import CPU_EMULATION_FLAGS, CPU_INCOMPATIBLE_BOOL_FLAGS, patch_dataset_helpers
+from .compat import (CPU_EMULATION_FLAGS, CPU_INCOMPATIBLE_BOOL_FLAGS, missing_kernel_flags,
+                     patch_dataset_helpers)
 from .options import PoseidonOptions, extract_options
 
 if TYPE_CHECKING:
@@ -231,10 +232,26 @@ def _all_ranks_setup_device(ctx: LaunchContext) -> None:
         if ctx.device.kind == "cpu":
             raise PoseidonError("no GPU or NPU found on this rank; to rehearse the launch on CPU "
                                 "add --poseidon-emulate FILE (see examples/emulate-2types.yaml)")
+        if ctx.device.kind == "cuda":
+            _turn_off_missing_kernels(ctx)
         ctx.host = bootstrap.hostname()
     ctx.backend = argvmod.detect_backend(ctx.opts.backend, ctx.script)
     if ctx.backend == "mindspeed-llm":
         _setup_mindspeed_llm(ctx)
+
+
+def _turn_off_missing_kernels(ctx: LaunchContext) -> None:
+    """Megatron's default fused CUDA kernels whose modules (Apex, Transformer Engine) are not
+    installed are turned off, with one line saying which: Megatron would otherwise stop at model
+    build, after the search. The profiled layer is built from the same flags."""
+    missing = missing_kernel_flags(ctx.argv)
+    if not missing:
+        return
+    if ctx.rank == 0:
+        log.warning("not installed here: %s; appending %s",
+                    ", ".join(f"{module} ({kernel})" for kernel, module, _ in missing),
+                    " ".join(flag for _, _, flag in missing))
+    ctx.argv = ctx.argv + [flag for _, _, flag in missing]
 
 
 def _setup_mindspeed_llm(ctx: LaunchContext) -> None:
