@@ -48,14 +48,16 @@ def patch_dataset_helpers() -> bool:
 
 # Fused CUDA kernels Megatron's defaults ask for, the module each needs, and the flag that turns
 # the kernel off. megatron-core's wheel builds none of them: gradient-accumulation fusion and the
-# masked-softmax kernels come with Apex (or an NGC container), RoPE fusion with Transformer
-# Engine. Without the module Megatron raises at model build (gradient accumulation, RoPE) or at
-# the first attention (softmax); the unfused paths compute the same values.
+# masked-softmax kernels and the persistent layer norm come with Apex (or an NGC container), RoPE
+# fusion with Transformer Engine. Without the module Megatron raises at model build (gradient
+# accumulation, RoPE, the norm) or at the first attention (softmax); the unfused paths compute the same values.
 CUDA_KERNEL_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("gradient-accumulation fusion", "fused_weight_gradient_mlp_cuda",
      "--no-gradient-accumulation-fusion"),
     ("masked-softmax fusion", "scaled_masked_softmax_cuda", "--no-masked-softmax-fusion"),
     ("RoPE fusion", "transformer_engine", "--no-rope-fusion"),
+    # the persistent layer norm is Apex's; without Apex the local spec's torch norm asserts it off
+    ("persistent layer norm", "apex", "--no-persist-layer-norm"),
 )
 
 
