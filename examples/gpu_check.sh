@@ -15,7 +15,8 @@
 # iteration time, predicted vs measured peak memory). Send summary.txt and the profile DBs.
 # Extra Megatron flags: GPU_CHECK_ARGS="--seq-length 4096 ..." (appended, so they win).
 # GPU_CHECK_COPY_TO=DIR also copies those files to DIR; GPU_CHECK_PROFILE_TIMEOUT and
-# GPU_CHECK_TRAIN_TIMEOUT (seconds; 900 and 1800) bound the two steps.
+# GPU_CHECK_TRAIN_TIMEOUT (seconds; 900 and 1800) bound the two steps; GPU_CHECK_SKIP_PROFILE=1
+# runs the training alone.
 #
 # On a machine without network (a lent GPU machine with torch but no megatron-core): run
 # examples/gpu_kit.sh here first (it fetches the megatron-core wheel into .whl/), take .whl/
@@ -99,14 +100,17 @@ if [ "$MODE" = gpu ]; then
 else
   PROF=(--model examples/models/tiny-gpt.yaml --seq-length 128 --device cpu); DB="$DEST/tiny-gpt-$DEVICE.json"
 fi
-echo "== poseidon profile ${PROF[*]} --device-type $DEVICE --tp 1 --micro-batch-sizes 1 2 -o $DB"
-rm -f "$DB"
-set +e
-timeout "${GPU_CHECK_PROFILE_TIMEOUT:-900}" "$PY" -m poseidon_plugin profile "${PROF[@]}" --device-type "$DEVICE" --tp 1 \
-    --micro-batch-sizes 1 2 -o "$DB" > "$DEST/profile.log" 2>&1
-PROF_RC=$?
-set -e
-grep -E "decoder tp|wrote|error" "$DEST/profile.log" || true
+PROF_RC=skipped
+if [ -z "${GPU_CHECK_SKIP_PROFILE:-}" ]; then   # GPU_CHECK_SKIP_PROFILE=1: the training alone
+  echo "== poseidon profile ${PROF[*]} --device-type $DEVICE --tp 1 --micro-batch-sizes 1 2 -o $DB"
+  rm -f "$DB"
+  set +e
+  timeout "${GPU_CHECK_PROFILE_TIMEOUT:-900}" "$PY" -m poseidon_plugin profile "${PROF[@]}" --device-type "$DEVICE" --tp 1 \
+      --micro-batch-sizes 1 2 -o "$DB" > "$DEST/profile.log" 2>&1
+  PROF_RC=$?
+  set -e
+  grep -E "decoder tp|wrote|error" "$DEST/profile.log" || true
+fi
 
 echo "== $MODE check on $DEVICE: torchrun --nproc-per-node 1 -m poseidon_plugin.launch examples/pretrain_gpt.py ... --poseidon-auto"
 set +e

@@ -3,6 +3,8 @@ fit to the calibration iterations, the check against the later ones, the write-b
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from types import SimpleNamespace
 
 import pytest
@@ -229,12 +231,49 @@ def test_report_line_compares_peak_memory_per_stage():
                                               StageTiming(1, 1.0, 2.0, 110.0, 5.0, 0)),
                             1, (int(1.9 * gib), gib))
     line = rep.line()
-    assert "s0 predicted 1.90 GiB, measured 2.00 GiB (-5.0%)" in line
+    assert "allocated s0 predicted 1.90 GiB, measured 2.00 GiB (-5.0%)" in line
     assert "s1 predicted" not in line          # not measured there
     assert "tail 5.0" in line and "(-9.1%)" in line
     assert "re-predicted" not in line          # no calibration window
     cpu = CalibrationReport(8, 100.0, 100.0, (StageTiming(0, 1.0, 2.0, 100.0),), 0, (gib,))
     assert "peak memory not measurable" in cpu.line()
+
+
+def test_peak_memory_is_compared_like_for_like():
+    """The prediction's runtime reserve is not in ``max_memory_allocated``: the allocator's peak
+    is compared with the prediction less the reserve, and the device's peak (allocated plus the
+    measured runtime bytes) with the whole prediction."""
+    gib = 1 << 30
+    st = StageTiming(0, 1.0, 2.0, 110.0, 5.0, int(23.5 * gib), runtime_bytes=int(1.5 * gib))
+    rep = CalibrationReport(8, 100.0, 110.0, (st,), 1, (25 * gib,),
+                            predicted_reserve_bytes=(2 * gib,))
+    text = rep.memory_text()
+    assert text.startswith("peak memory allocated s0 predicted 23.00 GiB, measured 23.50 GiB "
+                           "(-2.1%)")
+    assert ("runtime reserve stated 2.00 GiB, measured 1.50 GiB, on the device predicted "
+            "25.00 GiB, measured 25.00 GiB (+0.0%)") in text
+    # without a device reading of the runtime bytes: the allocated comparison alone
+    bare = CalibrationReport(8, 100.0, 110.0, (replace(st, runtime_bytes=0),), 1, (25 * gib,),
+                             predicted_reserve_bytes=(2 * gib,))
+    assert "runtime reserve" not in bare.memory_text() and "(-2.1%)" in bare.memory_text()
+
+
+def test_device_memory_reads_the_allocator_and_the_device(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from poseidon_plugin.megatron import calibration, emulation
+
+    gib = 1 << 30
+    monkeypatch.setattr(emulation, "shims_installed", lambda: False)
+    monkeypatch.delattr(torch, "npu", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 20 * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 21 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 19 * gib)
+    # 80 GiB device, 59.5 free: 20.5 used, of which 19 in the allocator's reserve
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (int(59.5 * gib), 80 * gib))
+    assert calibration._device_memory() == (20 * gib, int(2.5 * gib))   # 1 + 1.5
+    monkeypatch.setattr(emulation, "shims_installed", lambda: True)
+    assert calibration._device_memory() == (0, 0)
 
 
 def test_retimed_plan_without_its_overhead_matches_the_simulator():

@@ -305,3 +305,96 @@ def test_emulated_clock_scales_the_compute_by_the_host_share(monkeypatch):
     assert profiler.host_share() == pytest.approx(2.0)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert profiler.host_share() == 1.0
+
+
+class FakeDeviceEvents:
+    """A device-event class on a fake device clock: each ``record()`` reads the next time (ms)
+    of a shared script; ``synchronize()`` is counted."""
+
+    def __init__(self, times):
+        self.times = iter(times)
+        self.recorded: list = []
+        self.syncs = 0
+        outer = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing
+                self.t = None
+
+            def record(self):
+                self.t = next(outer.times)
+                outer.recorded.append(self)
+
+            def elapsed_time(self, other):
+                return other.t - self.t
+
+            def synchronize(self):
+                outer.syncs += 1
+
+        self.Event = Event
+
+
+def tiny_layer(torch, calls):
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, hidden_states):
+            calls.append("f")
+            return self.lin(hidden_states)
+
+    return Layer()
+
+
+def test_device_timing_runs_micro_batches_back_to_back_after_a_lead_one(monkeypatch):
+    """On a GPU / NPU a sample is k forward/backward pairs between device events, after one
+    untimed micro-batch, synchronised once: per micro-batch forward and backward are the mean
+    event gaps."""
+    torch = pytest.importorskip("torch")
+    from poseidon_plugin.megatron import profiler
+
+    # 3 micro-batches: (fwd, bwd) = (2, 5), (3, 6), (4, 7) ms; the events are contiguous
+    times = [0.0, 2.0, 7.0, 7.0, 10.0, 16.0, 16.0, 20.0, 27.0]
+    fake = FakeDeviceEvents(times)
+    calls: list = []
+    x = torch.ones(2, 4, requires_grad=True)
+    f, b = profiler._back_to_back_step(tiny_layer(torch, calls), x, {}, torch.ones(2, 4),
+                                       torch.device("cpu"), fake.Event, k=3)
+    assert (f, b) == (pytest.approx(3.0), pytest.approx(6.0))
+    assert len(calls) == 4             # the lead micro-batch + 3 timed, one forward each
+    assert len(fake.recorded) == 9 and fake.syncs == 1
+    assert x.grad is None              # each backward's input gradient is dropped
+
+
+def test_time_layer_uses_device_events_on_a_device_and_the_clock_on_the_cpu(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from poseidon_plugin.megatron import profiler
+
+    seen = []
+    monkeypatch.setattr(profiler, "_layer_inputs", lambda c, v, d: (
+        torch.ones(2, 4, requires_grad=True), {}, torch.ones(2, 4)))
+    monkeypatch.setattr(profiler, "_activation_bytes", lambda *a: 0)
+    monkeypatch.setattr(profiler, "tp_group_any", lambda d: None)
+    monkeypatch.setattr(profiler, "_back_to_back_step",
+                        lambda *a, **k: seen.append("events") or (1.0, 2.0))
+    monkeypatch.setattr(profiler, "_timed_step",
+                        lambda *a, **k: seen.append("clock") or (1.0, 2.0))
+    vargs = SimpleNamespace(tensor_model_parallel_size=1)
+    monkeypatch.setattr(profiler, "device_event_class", lambda d: object)
+    profiler.time_layer(None, None, vargs, torch.device("cpu"), 8)
+    assert set(seen) == {"events"} and len(seen) >= 8
+    seen.clear()
+    monkeypatch.setattr(profiler, "device_event_class", lambda d: None)
+    profiler.time_layer(None, None, vargs, torch.device("cpu"), 8)
+    assert set(seen) == {"clock"}
+
+
+def test_device_event_class_is_none_on_the_cpu():
+    torch = pytest.importorskip("torch")
+    from poseidon_plugin.megatron import profiler
+
+    assert profiler.device_event_class(torch.device("cpu")) is None

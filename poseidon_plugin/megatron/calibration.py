@@ -89,6 +89,10 @@ class StageTiming:
     periods_ms: tuple[float, ...] = ()
     forward_mb_ms: tuple[float, ...] = ()
     backward_mb_ms: tuple[float, ...] = ()
+    # the device memory this process holds beyond its peak allocated bytes: the caching
+    # allocator's peak reserve over its peak allocation, plus what lies outside the allocator
+    # (CUDA/CANN context, library workspaces, NCCL/HCCL buffers); 0: not measurable
+    runtime_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,7 @@ class CalibrationReport:
     written: IterationFit | None = None    # fitted to every iteration after the warm-up
     windows: tuple[tuple[int, int], ...] = ()   # 1-based (first, last) of calibration, measured
     overhead_written: bool = False
+    predicted_reserve_bytes: tuple[int, ...] = ()  # the runtime reserve in each stage's peak
 
     @property
     def error(self) -> float:
@@ -154,16 +159,30 @@ class CalibrationReport:
         return text
 
     def memory_text(self) -> str:
-        """Predicted vs measured peak memory per stage (the device's max allocated bytes)."""
-        pairs = [(t.stage, self.predicted_memory_bytes[t.stage], t.peak_memory_bytes)
-                 for t in self.stages
-                 if t.peak_memory_bytes > 0 and t.stage < len(self.predicted_memory_bytes)]
-        if not pairs:
-            return "peak memory not measurable on this device"
+        """Predicted vs measured peak memory per stage, like for like: the allocator's peak (the
+        prediction less its runtime reserve vs ``max_memory_allocated``) and, where the device
+        says how much it holds, the reserve (stated vs measured) and the device's peak."""
         gib = float(1 << 30)
-        return "peak memory " + ", ".join(
-            f"s{s} predicted {p / gib:.2f} GiB, measured {m / gib:.2f} GiB "
-            f"({100 * (p - m) / m:+.1f}%)" for s, p, m in pairs)
+        parts = []
+        for t in self.stages:
+            if t.peak_memory_bytes <= 0 or t.stage >= len(self.predicted_memory_bytes):
+                continue
+            total = self.predicted_memory_bytes[t.stage]
+            reserve = (self.predicted_reserve_bytes[t.stage]
+                       if t.stage < len(self.predicted_reserve_bytes) else 0)
+            alloc, peak = total - reserve, t.peak_memory_bytes
+            text = (f"s{t.stage} predicted {alloc / gib:.2f} GiB, measured {peak / gib:.2f} GiB "
+                    f"({100 * (alloc - peak) / peak:+.1f}%)")
+            if t.runtime_bytes > 0:
+                held = peak + t.runtime_bytes
+                text += (f", runtime reserve stated {reserve / gib:.2f} GiB, measured "
+                         f"{t.runtime_bytes / gib:.2f} GiB, on the device predicted "
+                         f"{total / gib:.2f} GiB, measured {held / gib:.2f} GiB "
+                         f"({100 * (total - held) / held:+.1f}%)")
+            parts.append(text)
+        if not parts:
+            return "peak memory not measurable on this device"
+        return "peak memory allocated " + "; ".join(parts)
 
 
 def _per_microbatch(ops, is_bwd: bool) -> float:
@@ -179,6 +198,7 @@ def stage_timing(recorder: OpRecorder, stage: int, skip: int,
     ``skip``; every recorded iteration's period (``next_start_s``: the start of the iteration
     after the last recorded one; without it the last period is its wall time) and
     per-micro-batch forward / backward time."""
+    recorder.flush()
     its = recorder.iterations[skip:]
     if not its:
         return None
@@ -197,25 +217,63 @@ def stage_timing(recorder: OpRecorder, stage: int, skip: int,
     every = recorder.iterations
     starts = [it.start_s for it in every[1:]] + [
         next_start_s if next_start_s is not None else every[-1].end_s]
+    peak, runtime = _device_memory()
     return StageTiming(stage, statistics.median(fwd) * 1e3 if fwd else 0.0,
                        statistics.median(bwd) * 1e3 if bwd else 0.0, wall * 1e3,
-                       statistics.fmean(tails) * 1e3 if tails else 0.0, _peak_memory_bytes(),
+                       statistics.fmean(tails) * 1e3 if tails else 0.0, peak,
                        tuple(1e3 * (nxt - it.start_s) for it, nxt in zip(every, starts)),
                        tuple(_per_microbatch(it.ops, False) for it in every),
-                       tuple(_per_microbatch(it.ops, True) for it in every))
+                       tuple(_per_microbatch(it.ops, True) for it in every), runtime)
 
 
-def _peak_memory_bytes() -> int:
-    """``max_memory_allocated`` of this rank's CUDA / NPU device; 0 on CPU (emulation)."""
+def _device_event_class() -> Any:
+    """The timing events of this rank's real GPU / NPU (None under CPU emulation or without
+    one): the recorder stamps the ops with them (see :mod:`.recorder`)."""
+    from . import emulation
+
+    if emulation.shims_installed():
+        return None
+    try:
+        import torch
+
+        npu = getattr(torch, "npu", None)
+        if npu is not None and npu.is_available():
+            return npu.Event
+        if torch.cuda.is_available():
+            return torch.cuda.Event
+    except Exception:  # noqa: BLE001 - no device runtime
+        pass
+    return None
+
+
+def _device_memory() -> tuple[int, int]:
+    """(peak allocated bytes, runtime bytes) of this rank's CUDA / NPU device (see
+    :class:`StageTiming`); (0, 0) on the CPU, emulated devices included. The runtime bytes are
+    ``max_memory_reserved - max_memory_allocated`` plus the device's used memory
+    (``mem_get_info``) outside the allocator's current reserve; 0 when the device does not say
+    (other processes on the same device would count as this one's)."""
+    from . import emulation
+
+    if emulation.shims_installed():
+        return 0, 0
     try:
         import torch
 
         for mod in (getattr(torch, "npu", None), torch.cuda):
-            if mod is not None and mod.is_available():
-                return int(mod.max_memory_allocated())
+            if mod is None or not mod.is_available():
+                continue
+            peak = int(mod.max_memory_allocated())
+            runtime = 0
+            try:
+                free, total = mod.mem_get_info()
+                outside = (int(total) - int(free)) - int(mod.memory_reserved())
+                runtime = max(0, int(mod.max_memory_reserved()) - peak) + max(0, outside)
+            except Exception:  # noqa: BLE001 - a runtime without mem_get_info
+                runtime = 0
+            return peak, runtime
     except Exception:  # noqa: BLE001 - no device runtime
         pass
-    return 0
+    return 0, 0
 
 
 def iteration_times(timings: Sequence[StageTiming]) -> list[float]:
@@ -338,7 +396,7 @@ class LiveCalibration:
     # -- installation --------------------------------------------------------------------------
     def install(self, wrap_train_step: bool = True) -> "LiveCalibration":
         stage = self.stage if self.stage is not None else _pp_rank()
-        self.recorder = OpRecorder(stage)
+        self.recorder = OpRecorder(stage, event_class=_device_event_class())
         self._rec_ctx = self.recorder.installed(None)
         self._rec_ctx.__enter__()
         self._undo.append(lambda: self._rec_ctx.__exit__(None, None, None))
@@ -369,10 +427,8 @@ class LiveCalibration:
             return
         if self._iteration >= self.warmup + self.calibrate + self.measure:
             # the start of the next iteration closes the last one's period: report now
-            from .recorder import clock
-
             try:
-                self._finish(clock())
+                self._finish(self.recorder.now_s())
             except Exception as exc:  # never break the training
                 log.warning("calibration failed: %s", exc)
                 self.result = CalibrationReport(self._iteration, self.predicted_ms, float("nan"),
@@ -408,7 +464,8 @@ class LiveCalibration:
         for t in timings:
             kept = per_stage.setdefault(t.stage, t)
             if t.peak_memory_bytes > kept.peak_memory_bytes:  # the stage's largest replica
-                per_stage[t.stage] = replace(kept, peak_memory_bytes=t.peak_memory_bytes)
+                per_stage[t.stage] = replace(kept, peak_memory_bytes=t.peak_memory_bytes,
+                                             runtime_bytes=t.runtime_bytes)
         stages = tuple(per_stage[s] for s in sorted(per_stage))
         check = written = None
         profiles_written, overhead_written = 0, False
@@ -430,7 +487,9 @@ class LiveCalibration:
         self.result = CalibrationReport(
             self._iteration, self.predicted_ms, measured, stages, profiles_written,
             tuple(int(getattr(s, "memory_bytes", 0)) for s in self.plan.stages), check, written,
-            ((w + 1, w + c), (w + c + 1, len(walls))), overhead_written)
+            ((w + 1, w + c), (w + c + 1, len(walls))), overhead_written,
+            tuple(int(dict(getattr(s, "memory_parts", ())).get("reserve_bytes", 0) or 0)
+                  for s in self.plan.stages))
         if rank0:
             line = self.result.line()
             (self._emit or log.warning)(line)

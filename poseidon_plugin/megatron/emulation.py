@@ -209,6 +209,11 @@ def _make_mode():
     return CpuRedirectMode()
 
 
+def shims_installed() -> bool:
+    """Whether this process runs ``torch.cuda`` on the CPU (:func:`install_cpu_shims`)."""
+    return _SHIMS_INSTALLED
+
+
 def install_cpu_shims(*, local_rank: int = 0, device_count: int = 1, device_name: str = "cpu",
                       memory_bytes: int = 16 << 30) -> None:
     """Make ``torch.cuda`` (as megatron-core uses it) run on the CPU. Idempotent; process-wide."""

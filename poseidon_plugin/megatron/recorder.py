@@ -14,7 +14,13 @@ Identification of an op (no cooperation from the model needed):
   so ``id(output)`` finds (chunk, micro-batch) of its forward.
 
 Clock: ``time.perf_counter`` which on Linux is ``CLOCK_MONOTONIC``, shared by every process of a
-host, so ranks of one host are aligned exactly; :func:`align` subtracts a common origin (the
+host, so ranks of one host are aligned exactly. On a GPU / NPU (``event_class``:
+``torch.cuda.Event``, ``torch.npu.Event``) the host runs ahead of the device, so the host clock
+around a call times its kernel launches, not its work (on an H200 a llama3-8b layer's backward
+read half its length and the rest landed in the optimizer step's wait): there every mark is a
+device event, and :meth:`OpRecorder.flush` (one synchronisation, when the records are read)
+turns them into host-clock seconds, ``origin + elapsed since the first iteration's start
+event``; :func:`align` subtracts a common origin (the
 earliest iteration start over the ranks). Ranks on several hosts would need an offset estimate
 (a barrier round); the validate harness only runs on one host.
 
@@ -28,6 +34,7 @@ Usage (one rank)::
             forward_backward_func(...)
             optimizer_step()
             rec.end_iteration()
+    rec.flush()                       # device events -> seconds (a no-op on the host clock)
     rows = rec.iterations[k]          # IterationRecord: ops, allreduce window, start/end
 
 ``timeline_from_records([rank0_iter, rank1_iter, ...])`` turns one iteration of every stage into a
@@ -76,20 +83,78 @@ class IterationRecord:
 class OpRecorder:
     """Record the start/finish of every forward and backward a megatron-core schedule runs."""
 
-    def __init__(self, stage: int) -> None:
+    def __init__(self, stage: int, event_class: Any = None) -> None:
         self.stage = int(stage)
         self.iterations: list[IterationRecord] = []
         self._current: IterationRecord | None = None
         self._chunk_of: dict[int, int] = {}
         self._fwd_count: dict[int, int] = {}
         self._producer: dict[int, tuple[int, int]] = {}
+        self._event_class = event_class
+        self._origin: tuple[float, Any] | None = None   # (host seconds, its device event)
+        self._marks: dict[str, Any] = {}                 # the current iteration's events
+        self._pending: list[tuple[IterationRecord, dict[str, Any]]] = []
+
+    # -- clocks --------------------------------------------------------------------------------
+    def _mark(self) -> Any:
+        """A time mark: host seconds, or a recorded device event."""
+        if self._event_class is None:
+            return clock()
+        ev = self._event_class(enable_timing=True)
+        ev.record()
+        return ev
+
+    def _seconds(self, mark: Any) -> float:
+        if self._event_class is None:
+            return float(mark)
+        host, ev0 = self._origin  # type: ignore[misc]
+        return host + ev0.elapsed_time(mark) / 1e3
+
+    def flush(self) -> None:
+        """Device events of the recorded iterations -> host-clock seconds (one synchronisation
+        on the last event); a no-op on the host clock."""
+        if not self._pending:
+            return
+        self._pending[-1][1]["end"].synchronize()
+        for rec, marks in self._pending:
+            rec.start_s, rec.end_s = self._seconds(marks["start"]), self._seconds(marks["end"])
+            rec.ops = [(c, m, b, self._seconds(e0), self._seconds(e1))
+                       for (c, m, b, _, _), (e0, e1) in zip(rec.ops, marks["ops"])]
+            if "allreduce" in marks:
+                e0, e1 = marks["allreduce"]
+                rec.allreduce_start_s, rec.allreduce_finish_s = self._seconds(e0), self._seconds(e1)
+        self._pending.clear()
+
+    def now_s(self) -> float:
+        """The current time on this recorder's clock (on a device: once its queued work is done,
+        in the same host-clock seconds as the flushed records)."""
+        if self._event_class is None or self._origin is None:
+            return clock()
+        ev = self._mark()
+        ev.synchronize()
+        return self._seconds(ev)
+
+    def _op(self, chunk: int, mb: int, is_bwd: bool, m0: Any, m1: Any) -> None:
+        if self._current is None:
+            return
+        if self._event_class is None:
+            self._current.ops.append((chunk, mb, is_bwd, m0, m1))
+        else:
+            self._current.ops.append((chunk, mb, is_bwd, float("nan"), float("nan")))
+            self._marks["ops"].append((m0, m1))
 
     def set_chunks(self, chunks: Sequence[Any]) -> None:
         self._chunk_of = {id(m): i for i, m in enumerate(chunks)}
 
     # -- iteration markers -------------------------------------------------------------------
     def begin_iteration(self) -> None:
-        self._current = IterationRecord(self.stage, start_s=clock())
+        host = clock()
+        start = self._mark()
+        if self._event_class is not None:
+            if self._origin is None:
+                self._origin = (host, start)
+            self._marks = {"start": start, "ops": []}
+        self._current = IterationRecord(self.stage, start_s=host)
         self._fwd_count.clear()
         self._producer.clear()
 
@@ -97,7 +162,14 @@ class OpRecorder:
         rec = self._current
         if rec is None:
             raise RuntimeError("end_iteration without begin_iteration")
-        rec.end_s = clock()
+        end = self._mark()
+        if self._event_class is None:
+            rec.end_s = end
+        else:   # times filled in by flush()
+            rec.end_s = clock()
+            self._marks["end"] = end
+            self._pending.append((rec, self._marks))
+            self._marks = {}
         self.iterations.append(rec)
         self._current = None
         return rec
@@ -110,17 +182,16 @@ class OpRecorder:
 
     def _wrap_forward(self, orig):
         def forward_step(forward_step_func, data_iterator, model, *args, **kwargs):
-            t0 = clock()
+            t0 = self._mark()
             out = orig(forward_step_func, data_iterator, model, *args, **kwargs)
-            t1 = clock()
+            t1 = self._mark()
             chunk = self._chunk(model, kwargs.get("vp_stage"))
             mb = self._fwd_count.get(chunk, 0)
             self._fwd_count[chunk] = mb + 1
             tensor = out[0] if isinstance(out, tuple) else out
             key = tensor[0] if isinstance(tensor, list) and tensor else tensor
             self._producer[id(key)] = (chunk, mb)
-            if self._current is not None:
-                self._current.ops.append((chunk, mb, False, t0, t1))
+            self._op(chunk, mb, False, t0, t1)
             return out
         forward_step.__wrapped__ = orig  # type: ignore[attr-defined]
         return forward_step
@@ -130,21 +201,24 @@ class OpRecorder:
             key = output_tensor[0] if isinstance(output_tensor, list) and output_tensor \
                 else output_tensor
             chunk, mb = self._producer.pop(id(key), (-1, -1))
-            t0 = clock()
+            t0 = self._mark()
             out = orig(input_tensor, output_tensor, output_tensor_grad, *args, **kwargs)
-            t1 = clock()
-            if self._current is not None:
-                self._current.ops.append((chunk, mb, True, t0, t1))
+            t1 = self._mark()
+            self._op(chunk, mb, True, t0, t1)
             return out
         backward_step.__wrapped__ = orig  # type: ignore[attr-defined]
         return backward_step
 
     def _wrap_finalize(self, orig):
         def finalize(*args, **kwargs):
-            t0 = clock()
+            t0 = self._mark()
             out = orig(*args, **kwargs)
+            t1 = self._mark()
             if self._current is not None:
-                self._current.allreduce_start_s, self._current.allreduce_finish_s = t0, clock()
+                if self._event_class is None:
+                    self._current.allreduce_start_s, self._current.allreduce_finish_s = t0, t1
+                else:
+                    self._marks["allreduce"] = (t0, t1)
             return out
         finalize.__wrapped__ = orig  # type: ignore[attr-defined]
         return finalize
