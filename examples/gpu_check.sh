@@ -112,13 +112,17 @@ if [ -z "${GPU_CHECK_SKIP_PROFILE:-}" ]; then   # GPU_CHECK_SKIP_PROFILE=1: the 
   grep -E "decoder tp|wrote|error" "$DEST/profile.log" || true
 fi
 
+# GPU_CHECK_REUSE_CACHE=1: a second launch, planned from the first one's cached profiles and the
+# per-iteration overhead its calibration wrote (otherwise every launch profiles afresh)
+REPROFILE=(--poseidon-reprofile)
+[ -n "${GPU_CHECK_REUSE_CACHE:-}" ] && REPROFILE=()
 echo "== $MODE check on $DEVICE: torchrun --nproc-per-node 1 -m poseidon_plugin.launch examples/pretrain_gpt.py ... --poseidon-auto"
 set +e
 timeout "${GPU_CHECK_TRAIN_TIMEOUT:-1800}" "${TORCHRUN[@]}" --nproc-per-node 1 --master-addr 127.0.0.1 --master-port "$PORT" \
     -m poseidon_plugin.launch examples/pretrain_gpt.py "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" \
     --lr 1e-4 --lr-decay-style constant --mock-data --tokenizer-type NullTokenizer \
     --log-interval 1 --eval-iters 0 --eval-interval 100000 --num-workers 0 --bf16 --seed 1234 \
-    "${EXTRA[@]}" --poseidon-auto --poseidon-reprofile --poseidon-save-plan "$DEST/plan.json" \
+    "${EXTRA[@]}" --poseidon-auto "${REPROFILE[@]}" --poseidon-save-plan "$DEST/plan.json" \
     "${EMU[@]}" > "$DEST/run.log" 2>&1
 RC=$?
 set -e

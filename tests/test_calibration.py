@@ -244,14 +244,16 @@ def test_peak_memory_is_compared_like_for_like():
     is compared with the prediction less the reserve, and the device's peak (allocated plus the
     measured runtime bytes) with the whole prediction."""
     gib = 1 << 30
-    st = StageTiming(0, 1.0, 2.0, 110.0, 5.0, int(23.5 * gib), runtime_bytes=int(1.5 * gib))
+    st = StageTiming(0, 1.0, 2.0, 110.0, 5.0, int(23.5 * gib), runtime_bytes=int(1.5 * gib),
+                     cached_bytes=6 * gib)
     rep = CalibrationReport(8, 100.0, 110.0, (st,), 1, (25 * gib,),
                             predicted_reserve_bytes=(2 * gib,))
     text = rep.memory_text()
     assert text.startswith("peak memory allocated s0 predicted 23.00 GiB, measured 23.50 GiB "
                            "(-2.1%)")
-    assert ("runtime reserve stated 2.00 GiB, measured 1.50 GiB, on the device predicted "
-            "25.00 GiB, measured 25.00 GiB (+0.0%)") in text
+    assert ("runtime reserve stated 2.00 GiB, measured 1.50 GiB outside the allocator (which "
+            "cached 6.00 GiB more at its peak, freed before an out-of-memory error), on the "
+            "device predicted 25.00 GiB, measured 25.00 GiB (+0.0%)") in text
     # without a device reading of the runtime bytes: the allocated comparison alone
     bare = CalibrationReport(8, 100.0, 110.0, (replace(st, runtime_bytes=0),), 1, (25 * gib,),
                              predicted_reserve_bytes=(2 * gib,))
@@ -271,9 +273,10 @@ def test_device_memory_reads_the_allocator_and_the_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 19 * gib)
     # 80 GiB device, 59.5 free: 20.5 used, of which 19 in the allocator's reserve
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (int(59.5 * gib), 80 * gib))
-    assert calibration._device_memory() == (20 * gib, int(2.5 * gib))   # 1 + 1.5
+    # outside the allocator 1.5 GiB; cached beyond the peak allocation 1 GiB
+    assert calibration._device_memory() == (20 * gib, int(1.5 * gib), gib)
     monkeypatch.setattr(emulation, "shims_installed", lambda: True)
-    assert calibration._device_memory() == (0, 0)
+    assert calibration._device_memory() == (0, 0, 0)
 
 
 def test_retimed_plan_without_its_overhead_matches_the_simulator():

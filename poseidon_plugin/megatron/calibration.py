@@ -89,10 +89,12 @@ class StageTiming:
     periods_ms: tuple[float, ...] = ()
     forward_mb_ms: tuple[float, ...] = ()
     backward_mb_ms: tuple[float, ...] = ()
-    # the device memory this process holds beyond its peak allocated bytes: the caching
-    # allocator's peak reserve over its peak allocation, plus what lies outside the allocator
-    # (CUDA/CANN context, library workspaces, NCCL/HCCL buffers); 0: not measurable
+    # the device memory this process holds outside PyTorch's allocator (CUDA/CANN context,
+    # library workspaces, NCCL/HCCL buffers); 0: not measurable
     runtime_bytes: int = 0
+    # what the caching allocator held beyond its peak allocation (max reserved - max allocated):
+    # cached blocks it frees and retries with before an out-of-memory error
+    cached_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -176,9 +178,10 @@ class CalibrationReport:
             if t.runtime_bytes > 0:
                 held = peak + t.runtime_bytes
                 text += (f", runtime reserve stated {reserve / gib:.2f} GiB, measured "
-                         f"{t.runtime_bytes / gib:.2f} GiB, on the device predicted "
-                         f"{total / gib:.2f} GiB, measured {held / gib:.2f} GiB "
-                         f"({100 * (total - held) / held:+.1f}%)")
+                         f"{t.runtime_bytes / gib:.2f} GiB outside the allocator (which cached "
+                         f"{t.cached_bytes / gib:.2f} GiB more at its peak, freed before an "
+                         f"out-of-memory error), on the device predicted {total / gib:.2f} GiB, "
+                         f"measured {held / gib:.2f} GiB ({100 * (total - held) / held:+.1f}%)")
             parts.append(text)
         if not parts:
             return "peak memory not measurable on this device"
@@ -217,13 +220,13 @@ def stage_timing(recorder: OpRecorder, stage: int, skip: int,
     every = recorder.iterations
     starts = [it.start_s for it in every[1:]] + [
         next_start_s if next_start_s is not None else every[-1].end_s]
-    peak, runtime = _device_memory()
+    peak, runtime, cached = _device_memory()
     return StageTiming(stage, statistics.median(fwd) * 1e3 if fwd else 0.0,
                        statistics.median(bwd) * 1e3 if bwd else 0.0, wall * 1e3,
                        statistics.fmean(tails) * 1e3 if tails else 0.0, peak,
                        tuple(1e3 * (nxt - it.start_s) for it, nxt in zip(every, starts)),
                        tuple(_per_microbatch(it.ops, False) for it in every),
-                       tuple(_per_microbatch(it.ops, True) for it in every), runtime)
+                       tuple(_per_microbatch(it.ops, True) for it in every), runtime, cached)
 
 
 def _device_event_class() -> Any:
@@ -246,16 +249,15 @@ def _device_event_class() -> Any:
     return None
 
 
-def _device_memory() -> tuple[int, int]:
-    """(peak allocated bytes, runtime bytes) of this rank's CUDA / NPU device (see
-    :class:`StageTiming`); (0, 0) on the CPU, emulated devices included. The runtime bytes are
-    ``max_memory_reserved - max_memory_allocated`` plus the device's used memory
-    (``mem_get_info``) outside the allocator's current reserve; 0 when the device does not say
-    (other processes on the same device would count as this one's)."""
+def _device_memory() -> tuple[int, int, int]:
+    """(peak allocated, runtime, cached) bytes of this rank's CUDA / NPU device (see
+    :class:`StageTiming`); zeros on the CPU, emulated devices included. The runtime bytes are
+    the device's used memory (``mem_get_info``) outside the allocator's current reserve (0 when
+    the device does not say; another process on the same device would count as this one's)."""
     from . import emulation
 
     if emulation.shims_installed():
-        return 0, 0
+        return 0, 0, 0
     try:
         import torch
 
@@ -263,17 +265,16 @@ def _device_memory() -> tuple[int, int]:
             if mod is None or not mod.is_available():
                 continue
             peak = int(mod.max_memory_allocated())
-            runtime = 0
+            cached = max(0, int(mod.max_memory_reserved()) - peak)
             try:
                 free, total = mod.mem_get_info()
-                outside = (int(total) - int(free)) - int(mod.memory_reserved())
-                runtime = max(0, int(mod.max_memory_reserved()) - peak) + max(0, outside)
+                runtime = max(0, (int(total) - int(free)) - int(mod.memory_reserved()))
             except Exception:  # noqa: BLE001 - a runtime without mem_get_info
                 runtime = 0
-            return peak, runtime
+            return peak, runtime, cached
     except Exception:  # noqa: BLE001 - no device runtime
         pass
-    return 0, 0
+    return 0, 0, 0
 
 
 def iteration_times(timings: Sequence[StageTiming]) -> list[float]:
@@ -465,7 +466,8 @@ class LiveCalibration:
             kept = per_stage.setdefault(t.stage, t)
             if t.peak_memory_bytes > kept.peak_memory_bytes:  # the stage's largest replica
                 per_stage[t.stage] = replace(kept, peak_memory_bytes=t.peak_memory_bytes,
-                                             runtime_bytes=t.runtime_bytes)
+                                             runtime_bytes=t.runtime_bytes,
+                                             cached_bytes=t.cached_bytes)
         stages = tuple(per_stage[s] for s in sorted(per_stage))
         check = written = None
         profiles_written, overhead_written = 0, False
