@@ -55,8 +55,28 @@ about 0.5 GiB of NCCL/HCCL buffers for a rank's TP, PP, DP and embedding communi
 MiB per channel and peer each), and about 1 GiB of caching-allocator fragmentation (reserved
 minus allocated, typically 5-10 % of a training process's peak on a 16-24 GiB working set).
 Devices under 16 GiB (small or emulated ones) get an eighth of their memory instead
-(``default_reserve_gib``). Measure it on your devices (``nvidia-smi`` / ``npu-smi`` used memory minus
-``torch.cuda.max_memory_allocated`` after a few iterations) and set it per device type."""
+(``default_reserve_gib``). Measure it on your devices and set it per device type: a launch's
+calibration line reports it (the device's used memory outside PyTorch's allocator). Measured
+on an H200 (CUDA 13.0, torch 2.11, megatron-core 0.19.2, one rank, no Apex/TE): 2.42 GiB
+outside the allocator, which itself cached 4.9-5.5 GiB beyond its peak allocation (freed and
+retried before an out-of-memory error, so not counted here)."""
+
+
+# Dense bf16 peak TFLOP/s of known accelerators, by a substring of the device name (first match
+# wins): the peak a launch assumes for a discovered device, and the one ``poseidon plan`` measures
+# MFU against when a cluster file gives none.
+NOMINAL_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("H200", 989.0), ("H100", 989.0), ("H800", 989.0), ("H20", 148.0), ("A100", 312.0),
+    ("A800", 312.0), ("L40", 181.0), ("V100", 125.0), ("910B", 376.0), ("910", 320.0),
+)
+
+
+def nominal_peak_tflops(name: str) -> float | None:
+    """The dense bf16 peak of a device known by ``name`` (a substring match), else None."""
+    for key, value in NOMINAL_PEAK_TFLOPS:
+        if key.lower() in name.lower():
+            return value
+    return None
 
 
 def default_reserve_gib(memory_gib: float) -> float:
@@ -92,6 +112,8 @@ class DeviceType:
     reserve_gib: float = 0.0        # runtime reserve (context, buffers, fragments); the file
                                     # loader defaults it to default_reserve_gib(memory_gib)
     calibrated: bool = False        # the speed was set from measured layers (not the file)
+    measured_peak: bool = False     # peak_tflops is a measured layer rate, not the device's
+    #                                 peak (no MFU against it)
     memory_bandwidth_gbps: float | None = None   # device memory peak, Gbit/s (None: unknown)
 
     @property

@@ -80,7 +80,8 @@ class LayerCosts:
     output_grad_bytes: float
     profiles: tuple[LayerProfile, ...] = ()   # (decoder, embedding, output): provenance
     optimizer_ms_per_grad_byte: float = 0.0
-    # where the optimizer step came from: ("measured" | "estimated" | "none", what it used)
+    # where the optimizer step came from: ("measured" | "calibrated" (another measured record
+    # of the type, per gradient byte) | "estimated" | "none", what it used)
     optimizer_source: tuple[str, str] = ("none", "")
 
 
@@ -213,12 +214,38 @@ class CostModel:
         # param_bytes are in the setup's dtype; the DP all-reduce moves grad_bytes per parameter
         g = self.training.grad_bytes / self.training.weight_bytes
         og, og_source = optimizer_costs(dec, self.cluster.device_types[name], self.training)
+        if og_source[0] != "measured":
+            og, og_source = self._optimizer_from_another_record(name, g, (og, og_source))
         lc = LayerCosts(dec.forward_ms, dec.backward_ms, dec.param_bytes * g,
                         emb.forward_ms, emb.backward_ms, emb.param_bytes * g,
                         out.forward_ms, out.backward_ms, out.param_bytes * g, (dec, emb, out),
                         og, og_source)
         self._layer_cache[key] = lc
         return lc
+
+    def _optimizer_from_another_record(self, name: str, g: float, fallback):
+        """The optimizer step per gradient byte of another measured decoder record of this type
+        and model (another TP degree, micro-batch size or sequence length: the step streams the
+        parameters' state, so its time per gradient byte does not depend on them); ``fallback``
+        without one. Without it a TP degree nobody profiled would get no optimizer time while a
+        profiled one pays its measured step."""
+        if self.profiles is None or not hasattr(self.profiles, "profiles"):
+            return fallback
+        fields = self.training.profile_fields
+        best = None
+        for p in self.profiles.profiles():
+            k = p.key
+            if (p.source == "measured" and k.layer_kind == "decoder" and k.device_type == name
+                    and k.model_signature == self._sig and (p.optimizer_ms or 0.0) > 0.0
+                    and all(getattr(k, f) == v for f, v in fields.items())):
+                if best is None or (k.tp, k.micro_batch_size) < (best.key.tp,
+                                                                 best.key.micro_batch_size):
+                    best = p
+        if best is None:
+            return fallback
+        return optimizer_per_grad_byte(best, g), (
+            "calibrated", f"{best.key.describe()}: {best.optimizer_ms:.3f} ms per layer, "
+                          "per gradient byte")
 
     def activation_bytes(self, micro_batch_size: int) -> float:
         return float(BYTES_PER_ACTIVATION * micro_batch_size * self.seq_length

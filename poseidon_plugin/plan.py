@@ -499,7 +499,8 @@ class Plan:
                  f"predicted iteration {self.predicted_iteration_time_ms:.2f} ms, "
                  f"{self.predicted_tokens_per_s:,.0f} tokens/s, "
                  f"{_tflops_text(self.model_tflops_per_device)} model TFLOP/s per device, "
-                 f"MFU {100 * self.mfu:.1f}%",
+                 + (f"MFU {100 * self.mfu:.1f}%" if self.mfu > 0 else
+                    "MFU n/a (no device peak known)"),
                  "",
                  "per stage: fwd, bwd and send ms per micro-batch; allred ms per iteration "
                  + ("(DP gradient reduce-scatter + parameter all-gather: distributed optimizer)"

@@ -72,6 +72,7 @@ from types import MappingProxyType
 from typing import Any, Iterator, Literal, get_args
 
 from . import memory
+from .cluster import nominal_peak_tflops
 from .comm import allreduce_ms
 from .errors import (ProfileDBError, SpecError, check_record_fields, record_choice,
                      record_field_error, short_repr)
@@ -578,9 +579,11 @@ def diagnose(db: ProfileDB, cluster, model, seq_length: int,
 def calibrate_cluster(cluster, db: ProfileDB | None, model, seq_length: int,
                       setup: TrainingSetup | None = None):
     """``cluster`` with each device type that has no ``peak_tflops`` given the rate its measured
-    decoder records reach (``peak_tflops`` = the median rate over its records, ``efficiency`` 1, ``calibrated``), so the
-    layers no record measured (embedding, output, other TP degrees) are estimated on the same
-    scale. SpecError naming the field when such a type has no measured record either."""
+    decoder records reach (the median over its records), so the layers no record measured
+    (embedding, output, other TP degrees) are estimated on the same scale: a device known by
+    name (:func:`~poseidon_plugin.cluster.nominal_peak_tflops`) keeps its peak with
+    ``efficiency`` = rate / peak; another gets ``peak_tflops`` = the rate, ``efficiency`` 1 and
+    ``measured_peak`` (no MFU). SpecError naming the field when such a type has no measured record either."""
     fields = (setup or TrainingSetup()).profile_fields
     signature = model.signature()
     types = dict(cluster.device_types)
@@ -599,8 +602,15 @@ def calibrate_cluster(cluster, db: ProfileDB | None, model, seq_length: int,
             raise SpecError(cluster.source, f"device_types.{name}.peak_tflops",
                             "a peak (no usable measured decoder record of this type to "
                             "calibrate from)", "missing")
-        types[name] = replace(dt, peak_tflops=round(statistics.median(rates), 6), efficiency=1.0,
-                              calibrated=True)
+        rate = statistics.median(rates)
+        nominal = nominal_peak_tflops(name)
+        if nominal is not None and rate <= nominal:   # a known device: its peak, the efficiency
+            types[name] = replace(dt, peak_tflops=nominal,
+                                  efficiency=float(f"{max(1e-9, rate / nominal):.9g}"),
+                                  calibrated=True)
+        else:                                          # the rate stands in for the peak
+            types[name] = replace(dt, peak_tflops=round(rate, 6), efficiency=1.0,
+                                  calibrated=True, measured_peak=True)
     return replace(cluster, device_types=MappingProxyType(types))
 
 

@@ -326,3 +326,20 @@ def test_plan_json_rederives_its_time_with_optimizer_costs(setup, schedule):
     assert any(s.optimizer_ms > 0 for s in again.stages)
     assert again.rederived_iteration_time_ms() == pytest.approx(
         plan.predicted_iteration_time_ms, rel=1e-6, abs=1e-4)
+
+
+def test_an_unprofiled_tp_degree_pays_the_measured_step_per_gradient_byte():
+    """Only TP 1 measured: TP 2 (a device holds half the layer's parameters) is charged the TP-1
+    record's optimizer time per gradient byte, not nothing; its provenance says so."""
+    cluster, model = load_cluster(SMALL), get_model(TINY)
+    db = measured_db(cluster, model, tps=(1,), mbs=(1,))
+    cm = CostModel(cluster, model, db, seq_length=SEQ)
+    tp1, tp2 = cm.layer_costs(0, 1, 1), cm.layer_costs(0, 2, 1)
+    assert tp1.optimizer_source[0] == "measured"
+    assert tp2.optimizer_source[0] == "calibrated"
+    assert "fast decoder tp1 mbs1" in tp2.optimizer_source[1]
+    assert tp2.optimizer_ms_per_grad_byte == pytest.approx(tp1.optimizer_ms_per_grad_byte)
+    assert tp2.grad_bytes * tp2.optimizer_ms_per_grad_byte == pytest.approx(OPT_MS["fast"] / 2,
+                                                                         rel=0.01)
+    empty = CostModel(cluster, model, ProfileDB(None), seq_length=SEQ)
+    assert empty.layer_costs(0, 2, 1).optimizer_source[0] == "none"

@@ -318,3 +318,37 @@ def test_old_records_without_setup_fields_still_load(tmp_path):
     db = ProfileDB.from_json(json.dumps({"version": 1, "records": [rec]}))
     (p,) = db.profiles()
     assert (p.key.dtype, p.key.attention, p.key.recompute) == ("bf16", "flash", "none")
+
+
+def test_a_known_device_keeps_its_nominal_peak_and_an_unknown_one_has_no_mfu(capsys, tmp_path):
+    """A type with no peak_tflops is calibrated from its measured layer: a device known by name
+    keeps its nominal peak (efficiency = the measured rate over it, so MFU is against the real
+    peak); an unknown one gets the rate as its peak and no MFU (it would read ~100 %)."""
+    from poseidon_plugin.cluster import nominal_peak_tflops
+
+    assert nominal_peak_tflops("NVIDIA-H200") == 989.0 and nominal_peak_tflops("fast") is None
+    data = _cluster()
+    data["device_types"] = {"NVIDIA-H200": data["device_types"]["fast"]}
+    data["nodes"] = [dict(n, device_type="NVIDIA-H200") for n in data["nodes"]]
+    if isinstance(data["links"].get("inter_node_gbps"), dict):
+        data["links"]["inter_node_gbps"] = {"NVIDIA-H200": 100}
+    cluster = cluster_from_dict(data, source="c.yaml")
+    db = ProfileDB(None)
+    db.put(measured("NVIDIA-H200", fwd=0.5))
+    cal = calibrate_cluster(cluster, db, MODEL, 128)
+    dt = cal.device_types["NVIDIA-H200"]
+    rate = MODEL.layer_forward_flops(1, 128) / 0.5e-3 / 1e12
+    assert dt.peak_tflops == 989.0 and not dt.measured_peak
+    assert dt.efficiency == pytest.approx(rate / 989.0, rel=1e-5)
+    assert dt.effective_tflops == pytest.approx(rate, rel=1e-5)   # the estimates' scale is kept
+
+    path = tmp_path / "c.yaml"
+    path.write_text(json.dumps(_cluster()))
+    dbfile = write_db(tmp_path, measured("fast", fwd=0.5))
+    argv = ["plan", "--cluster", str(path), "--model", TINY, "--global-batch-size", "8",
+            "--seq-length", "128", "--workers", "1", "--no-baselines", "--micro-batch-sizes", "1",
+            "--tp", "1", "--profiles", dbfile]
+    rc, out, _ = run(capsys, argv)
+    assert rc == 0 and "MFU n/a (no device peak known)" in out
+    rc, out, _ = run(capsys, argv + ["--json"])
+    assert json.loads(out)["mfu"] == 0.0

@@ -13,17 +13,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from ..cluster import Cluster, cluster_from_dict
+from ..cluster import NOMINAL_PEAK_TFLOPS, Cluster, cluster_from_dict
 from ..errors import SpecError
 
 log = logging.getLogger("poseidon")
 
-# Dense bf16 peak TFLOP/s by substring of the device name (used only for analytic estimates of what
-# was not measured); first match wins.
-_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("H200", 989.0), ("H100", 989.0), ("H800", 989.0), ("H20", 148.0), ("A100", 312.0),
-    ("A800", 312.0), ("L40", 181.0), ("V100", 125.0), ("910B", 376.0), ("910", 320.0),
-)
 _INTRA_GBPS: tuple[tuple[str, float], ...] = (
     ("H200", 3600.0), ("H100", 3600.0), ("H800", 1600.0), ("A100", 2400.0), ("A800", 1600.0),
     ("V100", 1200.0), ("910B", 1400.0),
@@ -245,7 +239,7 @@ def _cluster_spec(topo: Topology, links: LinkMeasurements, overrides: Mapping[st
     for info in topo.infos:
         if info.device_type in types:
             continue
-        peak = (_lookup(_PEAK_TFLOPS, info.device_type, 100.0) if info.kind in ("cuda", "npu")
+        peak = (_lookup(NOMINAL_PEAK_TFLOPS, info.device_type, 100.0) if info.kind in ("cuda", "npu")
                 else 1.0 * info.speed_hint)
         intra_default = _lookup(_INTRA_GBPS, info.device_type, 100.0)
         types[info.device_type] = {

@@ -51,8 +51,10 @@ def _throughput(cm: CostModel, cfg: OuterConfig, opts, global_batch_size: int, t
     used = sum(cfg.dp * tp for tp in tps)
     flops = cm.model.model_flops_per_iteration(global_batch_size, cm.seq_length)
     tflops_dev = flops / (t_ms / 1e3) / used / 1e12
-    peaks = [cm.cluster.device_types[cm.type_names[k]].peak_tflops for k in types]
-    if any(p is None for p in peaks):   # a type known only from measured layers: no peak
+    dts = [cm.cluster.device_types[cm.type_names[k]] for k in types]
+    peaks = [dt.peak_tflops for dt in dts]
+    if any(p is None for p in peaks) or any(dt.measured_peak for dt in dts):
+        # a type known only from measured layers: no peak to measure MFU against
         return tflops_dev, 0.0
     peak = sum(p * cfg.dp * tp for p, tp in zip(peaks, tps))
     return tflops_dev, flops / (t_ms / 1e3) / (peak * 1e12)
