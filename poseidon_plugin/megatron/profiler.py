@@ -15,7 +15,8 @@ own arguments, timed forward and backward for each candidate TP degree and micro
   below 0.8 x the forward's. The backward includes what Megatron's DDP adds to every parameter's
   gradient (``main_grad += grad``, fp32 buffers). On a GPU / NPU a sample is 4 micro-batches
   run back to back after an untimed lead one, timed with device events between the phases
-  (:func:`_back_to_back_step`): synchronising around each phase made an H200 read 9 % slow. Under CPU emulation the ranks of a host measure in turns (:class:`Turns`), so they
+  (:func:`_back_to_back_step`): synchronising around each phase made an H200 read 9 % slow.
+  Under CPU emulation the ranks of a host measure in turns (:class:`Turns`), so they
   never compete for its cores, and the emulated device's time is computed from the CPU time
   (:class:`EmulatedClock`: (share + factor - 1) x CPU time at TP 1) with the slowdown's sleep
   suspended: the sleep-then-wake padding made the slow type read 4.5-5x for a configured 4x on
