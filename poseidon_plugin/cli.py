@@ -315,6 +315,10 @@ def _cmd_plan(ns) -> int:
     plan = search_plan(cluster, model, budget.search_options(options), profiles,
                        previous=previous)
     plan = plan.with_baselines(_baselines(ns, cluster, model, budget, options, profiles, plan))
+    from .profiles import unprofiled_tp_note
+    note = unprofiled_tp_note(plan, profiles, model, options.seq_length, options.training)
+    if note:
+        sys.stderr.write(f"poseidon: note: {note}\n")
     text = plan.to_json()
     if ns.gantt:
         _draw_plan_gantt(plan, ns.gantt)

@@ -574,6 +574,38 @@ def diagnose(db: ProfileDB, cluster, model, seq_length: int,
                     f"{model.name} at seq {seq_length}: {shown}")
 
 
+def unprofiled_tp_note(plan, db: ProfileDB | None, model, seq_length: int,
+                       setup: TrainingSetup | None = None) -> str | None:
+    """One line when the plan runs a device type at a TP degree its decoder was not measured at
+    while the DB measured that type at another degree: the choice then compares a scaled
+    estimate with measurements (None otherwise)."""
+    if db is None:
+        return None
+    fields = (setup or TrainingSetup()).profile_fields
+    signature = model.signature()
+    measured: dict[str, set[int]] = {}
+    for p in db.profiles():
+        k = p.key
+        if (p.source == "measured" and k.layer_kind == "decoder"
+                and k.model_signature == signature and k.seq_length == seq_length
+                and all(getattr(k, f) == v for f, v in fields.items())):
+            measured.setdefault(k.device_type, set()).add(k.tp)
+    hits: dict[tuple[str, int], list[int]] = {}
+    for st in plan.stages:
+        src = {kind: source for kind, source, _ in st.provenance}.get("decoder")
+        tps = measured.get(st.device_type, set())
+        if src != "measured" and tps and st.tp not in tps:
+            hits.setdefault((st.device_type, st.tp), []).append(st.index)
+    if not hits:
+        return None
+    parts = [f"stage(s) {','.join(map(str, idx))} run {name} at TP {tp}, measured only at TP "
+             f"{'/'.join(map(str, sorted(measured[name])))} (TP {tp} scaled from that rate)"
+             for (name, tp), idx in hits.items()]
+    every = sorted({tp for _, tp in hits} | {t for n, _ in hits for t in measured[n]})
+    return ("; ".join(parts) + f": profile `--tp {' '.join(map(str, every))}` to compare "
+            "measured with measured, or plan with --tp limited to the measured degrees")
+
+
 # --------------------------------------------------------------------------- calibration
 
 def calibrate_cluster(cluster, db: ProfileDB | None, model, seq_length: int,
@@ -617,5 +649,5 @@ def calibrate_cluster(cluster, db: ProfileDB | None, model, seq_length: int,
 __all__ = [
     "LayerKind", "Source", "ProfileKey", "LayerProfile", "ProfileDB", "estimate_profile",
     "lookup_profile", "lookup_overhead", "profile_key", "tp_link_gbps", "diagnose", "signature_diff",
-    "calibrate_cluster",
+    "calibrate_cluster", "unprofiled_tp_note",
 ]

@@ -352,3 +352,19 @@ def test_a_known_device_keeps_its_nominal_peak_and_an_unknown_one_has_no_mfu(cap
     assert rc == 0 and "MFU n/a (no device peak known)" in out
     rc, out, _ = run(capsys, argv + ["--json"])
     assert json.loads(out)["mfu"] == 0.0
+
+
+def test_a_plan_on_an_unprofiled_tp_degree_says_so(capsys):
+    """The committed H200 DB measured TP 1 only; allowed TP 2, the plan picks it on a scaled
+    estimate, and one note line says which stage, which degrees were measured and what to do."""
+    argv = ["plan", "--cluster", "examples/clusters/h200-8.yaml", "--model", "llama3-8b",
+            "--seq-length", "4096", "--global-batch-size", "64", "--workers", "1",
+            "--no-baselines", "--profiles", "examples/profiles/llama3-8b-H200.json",
+            "--attention", "unfused"]
+    rc, out, err = run(capsys, argv)
+    assert rc == 0 and "tp=2" in out.splitlines()[0]
+    (note,) = [l for l in err.splitlines() if l.startswith("poseidon: note:")]
+    assert "stage(s) 0 run NVIDIA-H200 at TP 2, measured only at TP 1" in note
+    assert "`--tp 1 2`" in note
+    rc, out, err = run(capsys, argv + ["--tp", "1"])
+    assert rc == 0 and "tp=1" in out.splitlines()[0] and "poseidon: note" not in err
