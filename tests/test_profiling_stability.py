@@ -398,3 +398,50 @@ def test_device_event_class_is_none_on_the_cpu():
     from poseidon_plugin.megatron import profiler
 
     assert profiler.device_event_class(torch.device("cpu")) is None
+
+
+def test_the_optimizer_step_runs_megatrons_own_norm_clip_and_copy(monkeypatch):
+    """With megatron-core's multi-tensor functions the timed step is Megatron's sequence:
+    l2 norm of the fp32 grads, clipping by that norm (max 1), Adam, the copy back to the bf16
+    parameters."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from poseidon_plugin.megatron import profiler
+
+    calls = []
+
+    def applier(op, buf, lists, *args):
+        return op(buf, lists, *args)
+
+    def l2(buf, lists, per_tensor):
+        calls.append(("norm", len(lists[0])))
+        return torch.sqrt(sum((g.float() ** 2).sum() for g in lists[0])).reshape(1), None
+
+    def clip(params, max_norm, total):
+        calls.append(("clip", max_norm, round(float(total), 6)))
+
+    def copy(this, that, overflow_buf):
+        calls.append(("copy", len(this), this[0].dtype, that[0].dtype))
+        for a, b in zip(this, that):
+            b.copy_(a)
+
+    fake = SimpleNamespace(multi_tensor_applier=applier, l2_norm_impl=l2,
+                           clip_grad_by_total_norm_fp32=clip, multi_tensor_scale_tensor_impl=None)
+    monkeypatch.setattr(profiler, "megatron_step_functions", lambda: (fake, copy))
+
+    class Adam(torch.optim.AdamW):
+        def step(self, closure=None):
+            calls.append(("adam",))
+            return super().step(closure)
+
+    monkeypatch.setattr(profiler, "_megatron_adam", lambda: Adam)
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    res = profiler.time_optimizer_step(layer, torch.device("cpu"), 8)
+    assert res.samples >= 8
+    first = calls[:4]
+    assert [c[0] for c in first] == ["norm", "clip", "adam", "copy"]
+    assert first[0] == ("norm", 2)                        # weight and bias
+    assert first[1][1] == 1.0 and first[1][2] > 0         # clipped by the norm just computed
+    assert first[3] == ("copy", 2, torch.float32, torch.bfloat16)
