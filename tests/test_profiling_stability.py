@@ -445,3 +445,17 @@ def test_the_optimizer_step_runs_megatrons_own_norm_clip_and_copy(monkeypatch):
     assert first[0] == ("norm", 2)                        # weight and bias
     assert first[1][1] == 1.0 and first[1][2] > 0         # clipped by the norm just computed
     assert first[3] == ("copy", 2, torch.float32, torch.bfloat16)
+
+
+def test_an_early_megatron_copy_without_the_multi_tensor_kernel_is_not_used(monkeypatch):
+    """Early megatron-core copied main to model parameters in a plain loop
+    (``_multi_tensor_copy_this_to_that(this, that)``): the profiler then times plain torch ops."""
+    pytest.importorskip("megatron.core")
+    import megatron.core.optimizer.optimizer as opt_mod
+
+    from poseidon_plugin.megatron import profiler
+
+    assert profiler.megatron_step_functions() is not None     # 0.19: the kernel path
+    monkeypatch.setattr(opt_mod, "_multi_tensor_copy_this_to_that",
+                        lambda this, that: None)
+    assert profiler.megatron_step_functions() is None

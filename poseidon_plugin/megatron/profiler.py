@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import io
 import logging
 import statistics
@@ -527,6 +528,11 @@ def megatron_step_functions() -> tuple[Any, Any] | None:
         return None
     needed = ("multi_tensor_applier", "l2_norm_impl", "clip_grad_by_total_norm_fp32")
     if not all(hasattr(clip_grads, n) for n in needed):
+        return None
+    try:   # early versions copied in a plain loop, without the multi-tensor kernel
+        if "overflow_buf" not in inspect.signature(_multi_tensor_copy_this_to_that).parameters:
+            return None
+    except (TypeError, ValueError):
         return None
     return clip_grads, _multi_tensor_copy_this_to_that
 
