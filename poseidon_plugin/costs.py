@@ -59,7 +59,8 @@ import numpy as np
 from . import memory as memory_mod
 from .comm import ddp_buckets, dp_sync_ms, send_ms
 from .placement import Pool, StagePlacement, place_stages, ring_gbps, send_link_gbps, type_pools
-from .profiles import LayerProfile, ProfileKey, lookup_overhead, lookup_profile
+from .profiles import (LayerProfile, ProfileKey, lookup_overhead, lookup_profile,
+                       measured_decoders)
 from .training import TrainingSetup
 
 BYTES_PER_ACTIVATION = 2   # bf16
@@ -231,18 +232,11 @@ class CostModel:
         profiled one pays its measured step."""
         if self.profiles is None or not hasattr(self.profiles, "profiles"):
             return fallback
-        fields = self.training.profile_fields
-        best = None
-        for p in self.profiles.profiles():
-            k = p.key
-            if (p.source == "measured" and k.layer_kind == "decoder" and k.device_type == name
-                    and k.model_signature == self._sig and (p.optimizer_ms or 0.0) > 0.0
-                    and all(getattr(k, f) == v for f, v in fields.items())):
-                if best is None or (k.tp, k.micro_batch_size) < (best.key.tp,
-                                                                 best.key.micro_batch_size):
-                    best = p
-        if best is None:
+        timed = [p for p in measured_decoders(self.profiles, self._sig, self.training)
+                 if p.key.device_type == name and (p.optimizer_ms or 0.0) > 0.0]
+        if not timed:
             return fallback
+        best = min(timed, key=lambda p: (p.key.tp, p.key.micro_batch_size))
         return optimizer_per_grad_byte(best, g), (
             "calibrated", f"{best.key.describe()}: {best.optimizer_ms:.3f} ms per layer, "
                           "per gradient byte")

@@ -574,22 +574,26 @@ def diagnose(db: ProfileDB, cluster, model, seq_length: int,
                     f"{model.name} at seq {seq_length}: {shown}")
 
 
+def measured_decoders(db: ProfileDB | None, signature: str, setup: TrainingSetup | None = None,
+                      seq_length: int | None = None) -> list[LayerProfile]:
+    """The DB's measured decoder records of a model (its signature) under a training setup, at
+    ``seq_length`` (any when None); empty without a DB."""
+    fields = (setup or TrainingSetup()).profile_fields
+    return [p for p in (db.profiles() if db is not None else [])
+            if p.source == "measured" and p.key.layer_kind == "decoder"
+            and p.key.model_signature == signature
+            and (seq_length is None or p.key.seq_length == seq_length)
+            and all(getattr(p.key, f) == v for f, v in fields.items())]
+
+
 def unprofiled_tp_note(plan, db: ProfileDB | None, model, seq_length: int,
                        setup: TrainingSetup | None = None) -> str | None:
     """One line when the plan runs a device type at a TP degree its decoder was not measured at
     while the DB measured that type at another degree: the choice then compares a scaled
     estimate with measurements (None otherwise)."""
-    if db is None:
-        return None
-    fields = (setup or TrainingSetup()).profile_fields
-    signature = model.signature()
     measured: dict[str, set[int]] = {}
-    for p in db.profiles():
-        k = p.key
-        if (p.source == "measured" and k.layer_kind == "decoder"
-                and k.model_signature == signature and k.seq_length == seq_length
-                and all(getattr(k, f) == v for f, v in fields.items())):
-            measured.setdefault(k.device_type, set()).add(k.tp)
+    for p in measured_decoders(db, model.signature(), setup, seq_length):
+        measured.setdefault(p.key.device_type, set()).add(p.key.tp)
     hits: dict[tuple[str, int], list[int]] = {}
     for st in plan.stages:
         src = {kind: source for kind, source, _ in st.provenance}.get("decoder")
@@ -615,9 +619,9 @@ def calibrate_cluster(cluster, db: ProfileDB | None, model, seq_length: int,
     (embedding, output, other TP degrees) are estimated on the same scale: a device known by
     name (:func:`~poseidon_plugin.cluster.nominal_peak_tflops`) keeps its peak with
     ``efficiency`` = rate / peak; another gets ``peak_tflops`` = the rate, ``efficiency`` 1 and
-    ``measured_peak`` (no MFU). SpecError naming the field when such a type has no measured record either."""
-    fields = (setup or TrainingSetup()).profile_fields
-    signature = model.signature()
+    ``measured_peak`` (no MFU). SpecError naming the field when such a type has no measured
+    record either."""
+    decoders = measured_decoders(db, model.signature(), setup, seq_length)
     types = dict(cluster.device_types)
     for name in cluster.type_names:
         dt = types[name]
@@ -625,11 +629,7 @@ def calibrate_cluster(cluster, db: ProfileDB | None, model, seq_length: int,
             continue
         rates = [model.layer_forward_flops(p.key.micro_batch_size, seq_length) / p.key.tp
                  / (p.forward_ms * 1e-3) / 1e12
-                 for p in (db.profiles() if db is not None else [])
-                 if p.source == "measured" and p.key.layer_kind == "decoder"
-                 and p.key.device_type == name and p.key.model_signature == signature
-                 and p.key.seq_length == seq_length and p.forward_ms > 0
-                 and all(getattr(p.key, f) == v for f, v in fields.items())]
+                 for p in decoders if p.key.device_type == name and p.forward_ms > 0]
         if not rates:
             raise SpecError(cluster.source, f"device_types.{name}.peak_tflops",
                             "a peak (no usable measured decoder record of this type to "
@@ -649,5 +649,5 @@ def calibrate_cluster(cluster, db: ProfileDB | None, model, seq_length: int,
 __all__ = [
     "LayerKind", "Source", "ProfileKey", "LayerProfile", "ProfileDB", "estimate_profile",
     "lookup_profile", "lookup_overhead", "profile_key", "tp_link_gbps", "diagnose", "signature_diff",
-    "calibrate_cluster", "unprofiled_tp_note",
+    "calibrate_cluster", "measured_decoders", "unprofiled_tp_note",
 ]

@@ -36,6 +36,19 @@ def _options(gbs, scheds, tp_mode, tol, **kw):
                          type_order="any", workers=1, tie_tolerance=tol, **kw)
 
 
+def _enumerated(types, layers, gbs, scheds, tp_mode, tol):
+    """(cluster, model, options, every plan) of a drawn instance; None when it has no plan,
+    after checking that the search refuses it too."""
+    cluster, model = make_instance(types, layers, None)
+    options = _options(gbs, scheds, tp_mode, tol)
+    plans = _every_plan(cluster, model, options)
+    if not plans:
+        with pytest.raises(InfeasibleError):
+            search_plan(cluster, model, options)
+        return None
+    return cluster, model, options, plans
+
+
 def _every_plan(cluster, model, options):
     """(time, preference key) of every feasible plan, enumerated without the search."""
     cm = CostModel(cluster, model, None, seq_length=128)
@@ -85,13 +98,10 @@ SMALL = (st.lists(type_st, min_size=2, max_size=2), st.integers(2, 5), st.sample
 def test_the_preferred_plan_in_the_window(types, layers, gbs, scheds, tp_mode, tol):
     """The returned plan is the smallest (configuration preference, then (type name, TP,
     layers) stage by stage) among every plan within tol of the fastest, by enumeration."""
-    cluster, model = make_instance(types, layers, None)
-    options = _options(gbs, scheds, tp_mode, tol)
-    plans = _every_plan(cluster, model, options)
-    if not plans:
-        with pytest.raises(InfeasibleError):
-            search_plan(cluster, model, options)
+    drawn = _enumerated(types, layers, gbs, scheds, tp_mode, tol)
+    if drawn is None:
         return
+    cluster, model, options, plans = drawn
     fastest = min(p[0] for p in plans)
     cap = fastest * (1 + tol)
     # plans on the window's edge (within float noise) make the answer ambiguous: skip those

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from poseidon_plugin.cli import main as cli_main
 from poseidon_plugin.cluster import load_cluster
-from poseidon_plugin.errors import InfeasibleError, PoseidonError
+from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.model import get_model
 from poseidon_plugin.plan import Plan
 from poseidon_plugin.search import SearchContext, SearchOptions, search_plan
@@ -21,7 +21,7 @@ from poseidon_plugin.costs import CostModel
 from poseidon_plugin.search.driver import SearchDriver
 from poseidon_plugin.search.runnerup import NEAR_TIE, RunnerUp
 
-from test_plan_stability import SMALL, _every_plan, _options
+from test_plan_stability import SMALL, _enumerated, _every_plan
 from test_search import SCHEDS, make_instance, type_st
 
 REL = 1e-9
@@ -67,13 +67,10 @@ def test_the_runner_up_is_the_fastest_other_configuration(types, layers, gbs, sc
     configuration other than the returned plan's (with the tie rule on, the returned plan may
     not be the fastest: the margin is then against it), proven; the plan it describes times to
     that; none where no other configuration has a plan."""
-    cluster, model = make_instance(types, layers, None)
-    options = _options(gbs, scheds, tp_mode, tol)
-    plans = _every_plan(cluster, model, options)
-    if not plans:
-        with pytest.raises(InfeasibleError):
-            search_plan(cluster, model, options)
+    drawn = _enumerated(types, layers, gbs, scheds, tp_mode, tol)
+    if drawn is None:
         return
+    cluster, model, options, plans = drawn
     got = search_plan(cluster, model, options)
     s = got.search
     want = _truth(plans, got, tp_mode)
@@ -109,11 +106,10 @@ def test_the_other_layout_is_the_fastest_other_type_sequence(types, layers, gbs,
     """Against every plan enumerated: the other layout is the fastest plan of the returned
     plan's configuration whose device type differs on at least one stage; none where there
     is no such plan."""
-    cluster, model = make_instance(types, layers, None)
-    options = _options(gbs, scheds, tp_mode, tol)
-    plans = _every_plan(cluster, model, options)
-    if not plans:
+    drawn = _enumerated(types, layers, gbs, scheds, tp_mode, tol)
+    if drawn is None:
         return
+    cluster, model, options, plans = drawn
     got = search_plan(cluster, model, options)
     s = got.search
     own = _cfg_of(got, tp_mode)

@@ -75,3 +75,8 @@ def missing_kernel_flags(argv: list[str] | tuple[str, ...]) -> list[tuple[str, s
 
     return [(kernel, module, flag) for kernel, module, flag in CUDA_KERNEL_FLAGS
             if not module_available(module) and not find_flag(list(argv), flag)]
+
+
+def missing_kernels_text(missing: list[tuple[str, str, str]]) -> str:
+    """``module (kernel), ...`` of :func:`missing_kernel_flags`' result, for the one log line."""
+    return ", ".join(f"{module} ({kernel})" for kernel, module, _ in missing)

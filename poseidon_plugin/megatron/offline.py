@@ -133,14 +133,13 @@ def backend_flags(kind: str, setup: TrainingSetup) -> list[str]:
 def kernel_flags(kind: str) -> list[str]:
     """On CUDA: the flags that turn off Megatron's default fused kernels whose modules (Apex,
     Transformer Engine) are not installed here, as a launch does (logged)."""
-    from .compat import missing_kernel_flags
+    from .compat import missing_kernel_flags, missing_kernels_text
 
     if kind != "cuda":
         return []
     missing = missing_kernel_flags([])
     if missing:
-        log.warning("not installed here: %s; profiling with %s",
-                    ", ".join(f"{module} ({kernel})" for kernel, module, _ in missing),
+        log.warning("not installed here: %s; profiling with %s", missing_kernels_text(missing),
                     " ".join(flag for _, _, flag in missing))
     return [flag for _, _, flag in missing]
 

@@ -149,8 +149,8 @@ class OpRecorder:
     # -- iteration markers -------------------------------------------------------------------
     def begin_iteration(self) -> None:
         host = clock()
-        start = self._mark()
         if self._event_class is not None:
+            start = self._mark()
             if self._origin is None:
                 self._origin = (host, start)
             self._marks = {"start": start, "ops": []}

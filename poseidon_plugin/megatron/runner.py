@@ -36,7 +36,7 @@ from ..errors import DistributedError, PoseidonError
 from . import argv as argvmod
 from . import bootstrap, discovery, emulation, group_profile, profile_gather, profiler, renumber
 from .compat import (CPU_EMULATION_FLAGS, CPU_INCOMPATIBLE_BOOL_FLAGS, missing_kernel_flags,
-                     patch_dataset_helpers)
+                     missing_kernels_text, patch_dataset_helpers)
 from .options import PoseidonOptions, extract_options
 
 if TYPE_CHECKING:
@@ -248,8 +248,7 @@ def _turn_off_missing_kernels(ctx: LaunchContext) -> None:
     if not missing:
         return
     if ctx.rank == 0:
-        log.warning("not installed here: %s; appending %s",
-                    ", ".join(f"{module} ({kernel})" for kernel, module, _ in missing),
+        log.warning("not installed here: %s; appending %s", missing_kernels_text(missing),
                     " ".join(flag for _, _, flag in missing))
     ctx.argv = ctx.argv + [flag for _, _, flag in missing]
 
