@@ -195,8 +195,12 @@ def _make_mode():
             kwargs = dict(kwargs or {})
             if func in identity:
                 return args[0]
-            if func is tensor_type and len(args) == 1 and not kwargs:
+            if (func is tensor_type or func is torch.Tensor.type) and len(args) == 1 \
+                    and not kwargs:
                 # Megatron's fp16/bf16 optimizer checks param.type() == 'torch.cuda.BFloat16Tensor'.
+                # torch hands a Tensor method's *current* attribute to this mode: MindSpeed
+                # replaces torch.Tensor.type with a wrapper (its 'npu' -> 'cuda' rename), so the
+                # wrapper arrives here, not the method captured above.
                 name = func(*args)
                 return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
             if func is tensor_to:

@@ -50,6 +50,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
+from . import framework_state
 from .sampling import Sampled, SamplingPolicy, sample
 
 log = logging.getLogger("poseidon")
@@ -706,13 +707,18 @@ def profile_rank(args: Any, tps: Sequence[int], micro_batch_sizes: Sequence[int]
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.transformer.spec_utils import build_module
 
+    @contextlib.contextmanager
     def built(tp: int, mbs: int):
+        """The (layer, config, validated args) of (tp, mbs), with Megatron's global args and
+        micro-batch calculator set to that configuration while the block runs (the framework's
+        patched code reads them: :mod:`.framework_state`)."""
         vargs = profiling_args(args, tp, mbs, world_size, rank)
-        config, spec = layer_config_and_spec(vargs)
-        layer = build_module(spec, config=config, layer_number=1)
-        layer = layer.to(device=device, dtype=config.params_dtype)
-        layer.train()
-        return layer, config, vargs
+        with framework_state.profiling(vargs, max(1, world_size // tp)):
+            config, spec = layer_config_and_spec(vargs)
+            layer = build_module(spec, config=config, layer_number=1)
+            layer = layer.to(device=device, dtype=config.params_dtype)
+            layer.train()
+            yield layer, config, vargs
 
     share = 1.0
     if contention is not None and _emulation_factor(device) is not None:
@@ -728,20 +734,20 @@ def profile_rank(args: Any, tps: Sequence[int], micro_batch_sizes: Sequence[int]
             for mbs in micro_batch_sizes:
                 if checkpoint is not None and tp > 1:
                     checkpoint(f"profiling-tp{tp}-mbs{mbs}")
-                layer, config, vargs = built(tp, mbs)
-                out.append(_in_turns(turns, tp, f"profiling-tp{tp}-mbs{mbs}", checkpoint,
-                                     lambda lay=layer, c=config, va=vargs: profile_config(
-                                         lay, c, va, device, iters, tp, mbs, share)))
-                del layer
+                with built(tp, mbs) as (layer, config, vargs):
+                    out.append(_in_turns(turns, tp, f"profiling-tp{tp}-mbs{mbs}", checkpoint,
+                                         lambda lay=layer, c=config, va=vargs: profile_config(
+                                             lay, c, va, device, iters, tp, mbs, share)))
+                    del layer
         finally:
             tensor_parallel.get_cuda_rng_tracker().reset()
-            parallel_state.destroy_model_parallel()
+            framework_state.clear_model_parallel_leftovers()
             if device.type == "cuda" and torch.cuda.is_available():
                 torch.cuda.empty_cache()
     return out
 
 
-def _host_contention(built: Callable[[int, int], tuple[Any, Any, Any]],
+def _host_contention(built: Callable[[int, int], Any],
                      contention: Callable[[Callable[[], tuple[float, float]], float], float],
                      tps: Sequence[int], micro_batch_sizes: Sequence[int], seed: int,
                      checkpoint: Any, turns: Turns | None) -> float:
@@ -749,10 +755,7 @@ def _host_contention(built: Callable[[int, int], tuple[Any, Any, Any]],
     ranks in ``turns``), then ``contention`` (every rank at once); padding suspended (the probe
     sleeps the padding itself). The fixed rule :func:`host_share` when TP 1 is not a
     candidate."""
-    import torch
     from megatron.core import parallel_state, tensor_parallel
-
-    from .contention import measure_alone, timed_compute
 
     if 1 not in tps:
         return host_share()
@@ -761,29 +764,38 @@ def _host_contention(built: Callable[[int, int], tuple[Any, Any, Any]],
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     try:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
-        layer, config, vargs = built(1, micro_batch_sizes[0])
-        hooks = attach_main_grads(layer)
-        x, kwargs, grad = _layer_inputs(config, vargs, torch.device("cpu"))
-
-        def run() -> None:
-            out = layer(hidden_states=x, **kwargs)
-            (out[0] if isinstance(out, tuple) else out).backward(grad)
-            x.grad = None
-
-        def step() -> tuple[float, float]:
-            return timed_compute(run, _WALL, _CPU)
-
-        with _padding_suspended(True):
-            alone = _in_turns(turns, 1, "contention-alone", checkpoint,
-                              lambda: measure_alone(step))
-            share = contention(step, alone)
-        for h in hooks:
-            h.remove()
-        del layer
-        return share
+        with built(1, micro_batch_sizes[0]) as (layer, config, vargs):
+            return _contention_share(layer, config, vargs, contention, checkpoint, turns)
     finally:
         tensor_parallel.get_cuda_rng_tracker().reset()
-        parallel_state.destroy_model_parallel()
+        framework_state.clear_model_parallel_leftovers()
+
+
+def _contention_share(layer: Any, config: Any, vargs: Any,
+                      contention: Callable[[Callable[[], tuple[float, float]], float], float],
+                      checkpoint: Any, turns: Turns | None) -> float:
+    """:func:`_host_contention` on a built TP-1 layer."""
+    import torch
+
+    from .contention import measure_alone, timed_compute
+
+    hooks = attach_main_grads(layer)
+    x, kwargs, grad = _layer_inputs(config, vargs, torch.device("cpu"))
+
+    def run() -> None:
+        out = layer(hidden_states=x, **kwargs)
+        (out[0] if isinstance(out, tuple) else out).backward(grad)
+        x.grad = None
+
+    def step() -> tuple[float, float]:
+        return timed_compute(run, _WALL, _CPU)
+
+    with _padding_suspended(True):
+        alone = _in_turns(turns, 1, "contention-alone", checkpoint, lambda: measure_alone(step))
+        share = contention(step, alone)
+    for h in hooks:
+        h.remove()
+    return share
 
 
 # ----------------------------------------------------------------------------------------------
