@@ -136,6 +136,11 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ddp-bucket-size", type=int, default=0, metavar="PARAMS",
                    help="Megatron's --ddp-bucket-size: parameters per DP bucket under the "
                    "overlap (default 0: Megatron's max(4e7, 1e6 x dp))")
+    pl.add_argument("--megatron-args", default="", metavar="FLAGS",
+                    help="the Megatron-LM / MindSpeed-LLM flags the launch will run with, as one "
+                    "quoted string (e.g. \"--no-overlap-p2p-communication --noop-layers 0\"): "
+                    "what the framework refuses with them is not searched (the launch applies "
+                    "the same rules; docs/search.md, 'Framework rules')")
     pl.add_argument("--schedules", nargs="+", default=list(LAUNCHABLE_SCHEDULES),
                     choices=list(SCHEDULES), metavar="NAME",
                     help=f"schedules to search, of {_words(SCHEDULES)} (default: "
@@ -305,6 +310,7 @@ def _cmd_plan(ns) -> int:
     budget = _Budget(ns.time_budget, share=1.0 if ns.no_baselines else SEARCH_SHARE)
     cluster = load_cluster(ns.cluster)
     model = get_model(ns.model)
+    options = options.replace(rules=framework_rules(ns.megatron_args, model.num_layers))
     profiles = None
     if ns.profiles:
         profiles = _load_profiles(ns, cluster, model, options)
@@ -314,6 +320,8 @@ def _cmd_plan(ns) -> int:
     cluster = calibrate_cluster(cluster, profiles, model, options.seq_length, options.training)
     plan = search_plan(cluster, model, budget.search_options(options), profiles,
                        previous=previous)
+    for line in plan.search.get("excluded", ()):
+        sys.stderr.write(f"poseidon: note: {line}\n")
     plan = plan.with_baselines(_baselines(ns, cluster, model, budget, options, profiles, plan))
     from .profiles import unprofiled_tp_note
     note = unprofiled_tp_note(plan, profiles, model, options.seq_length, options.training)
@@ -335,6 +343,19 @@ def _cmd_plan(ns) -> int:
     if not ns.no_baselines:
         sys.stdout.write("".join(_baseline_line(e) + "\n" for e in plan.baselines))
     return 0
+
+
+def framework_rules(text: str, num_layers: int):
+    """``--megatron-args "..."``: the framework's rules (``search/rules.py``) its flags imply."""
+    import shlex
+
+    from .search.rules import FrameworkRules
+
+    try:
+        tokens = shlex.split(text or "")
+    except ValueError as exc:
+        raise PoseidonError(f"--megatron-args: cannot split {text!r} ({exc})") from None
+    return FrameworkRules.from_argv(tokens, num_layers=num_layers)
 
 
 def _read_previous_plan(path: str):
@@ -512,8 +533,23 @@ def _leave_the_report_to_rank0(argv: list[str]) -> None:
         time.sleep(REPORT_GRACE_S)
 
 
+def _glue_megatron_args(argv: list[str]) -> list[str]:
+    """``--megatron-args "--no-overlap-p2p-communication"`` as ``--megatron-args=...``: argparse
+    would take a lone value that starts with ``--`` for an option of its own."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--megatron-args" and i + 1 < len(argv):
+            out.append(f"--megatron-args={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _glue_megatron_args(list(sys.argv[1:] if argv is None else argv))
     try:
         lead = next((i for i, a in enumerate(argv) if a not in _VERBOSE), len(argv))
         if argv[lead:lead + 1] == ["validate"]:

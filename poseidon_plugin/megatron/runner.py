@@ -1,7 +1,8 @@
 """The ``--poseidon-auto`` flow, run on every rank before the user's script builds anything.
 
     options -> refuse -> [emulation] -> bootstrap -> discovery + link probe -> profiling (or cache)
-      -> gather -> search on rank 0 -> broadcast plan + checksum -> [dry-run: print, exit 0]
+      -> gather -> search on rank 0, judged by the framework's own validate_args (:mod:`.judge`)
+      -> broadcast plan + checksum -> [dry-run: print, exit 0]
       -> renumber ranks + real process group -> rewrite argv -> the user's script
 
 Process groups: the bootstrap's gloo probe group is the default group throughout, except while
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 from ..errors import DistributedError, PoseidonError
 from . import argv as argvmod
 from . import bootstrap, discovery, emulation, group_profile, profile_gather, profiler, renumber
+from . import judge
 from .compat import (CPU_EMULATION_FLAGS, CPU_INCOMPATIBLE_BOOL_FLAGS, missing_kernel_flags,
                      missing_kernels_text, patch_dataset_helpers)
 from .options import PoseidonOptions, extract_options
@@ -559,7 +561,9 @@ def _rank0_search_plan(ctx: LaunchContext) -> tuple[str, str]:
     options = _search_options(ctx)
     path = previous_plan_path(ctx.cache_path, ctx.cluster, ctx.model, options)
     previous = None if ctx.opts.replan or not options.keep_tolerance else _load_previous(path)
-    plan = search_plan(ctx.cluster, ctx.model, options, ctx.profiles, previous=previous)
+    plan = judge.search_accepted(
+        lambda o: search_plan(ctx.cluster, ctx.model, o, ctx.profiles, previous=previous),
+        options, lambda p: _rank0_framework_refusal(ctx, p))
     log.info("search: %.2f s", time.perf_counter() - t0)
     s = plan.search
     if s["previous_plan"] in ("kept", "replaced"):
@@ -573,6 +577,17 @@ def _rank0_search_plan(ctx: LaunchContext) -> tuple[str, str]:
     text = plan.to_json()
     _save_previous(path, text)
     return text, plan_checksum(text)
+
+
+def _rank0_framework_refusal(ctx: LaunchContext, plan: Plan) -> str | None:
+    """Why the installed framework (Megatron's or MindSpeed-LLM's parse_args + validate_args)
+    refuses ``plan`` on the command line the script would run with; None: accepted."""
+    try:
+        new_argv = argvmod.rewrite_argv(ctx.argv, plan, ctx.backend,
+                                        mindspeed_layout=ctx.mindspeed_layout)
+    except PoseidonError as e:
+        return str(e)
+    return judge.framework_refusal(ctx.script, new_argv, plan.world_size, ctx.backend)
 
 
 def previous_plan_path(cache_path: str, cluster: Cluster, model: ModelSpec,
@@ -618,8 +633,10 @@ def _save_previous(path: str, text: str) -> None:
 
 def _search_options(ctx: LaunchContext) -> SearchOptions:
     """The launch's one ``SearchOptions``: the script's batch and sequence, the ``--poseidon-*``
-    search options, schedules Megatron can run, threads = this host's cores / its ranks."""
+    search options, schedules Megatron can run, threads = this host's cores / its ranks, what
+    the framework refuses with the script's flags (``search/rules.py``)."""
     from ..search import SearchOptions
+    from ..search.rules import FrameworkRules
 
     opts = ctx.opts
     return SearchOptions(
@@ -629,6 +646,7 @@ def _search_options(ctx: LaunchContext) -> SearchOptions:
         max_virtual_stages=opts.max_virtual_stages, seed=opts.seed,
         time_budget_s=opts.time_budget_s, training=ctx.training,
         keep_tolerance=opts.keep_within,
+        rules=FrameworkRules.from_argv(ctx.argv, num_layers=ctx.model.num_layers),
         workers=opts.search_workers or max(1, (os.cpu_count() or 1)
                                            // max(1, ctx.env.local_world_size)))
 

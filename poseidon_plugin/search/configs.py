@@ -23,6 +23,7 @@ from ..errors import PoseidonError
 from ..simulator.schedules import SCHEDULES, op_orders, validate_schedule
 from . import _roots, _search
 from .options import SearchOptions
+from .rules import Shape, excluded_line
 
 
 @dataclass(frozen=True)
@@ -88,10 +89,22 @@ def _option_groups(tps: list[tuple[int, ...]], tp_mode: str) -> list[tuple[int, 
 def enumerate_configs(cm: CostModel, options: SearchOptions) -> list[OuterConfig]:
     """Every outer configuration of the search space ``options`` describes on ``cm``'s
     cluster: G = d b M, N up to what the devices (d x smallest TP per stage) and the layers
-    (V per stage) allow, interleaving only where megatron-core accepts (N, M, V)."""
+    (V per stage) allow, interleaving only where megatron-core accepts (N, M, V), none the
+    framework's rules (``options.rules``) refuse."""
+    return enumerate_with_exclusions(cm, options)[0]
+
+
+def enumerate_with_exclusions(cm: CostModel, options: SearchOptions
+                              ) -> tuple[list[OuterConfig], list[str]]:
+    """``enumerate_configs`` and one line per class of configurations ``options.rules``
+    excluded from it (``interleaved-1f1b pp=2 excluded: Megatron requires pp > 2 with
+    --no-overlap-p2p-communication``), in the order first met."""
     cluster, model = cm.cluster, cm.model
+    rules = options.rules
     L = model.num_layers
     tps = [tp_candidates(cluster, model, name, options.tp_degrees) for name in cm.type_names]
+    lines = rules.tp_lines([t for ts in tps for t in ts])
+    tps = [tuple(t for t in ts if rules.tp_allowed(t)) for ts in tps]
     ndev = [p.size for p in cm.pools]
     G = options.global_batch_size
     out: list[OuterConfig] = []
@@ -117,8 +130,16 @@ def enumerate_configs(cm: CostModel, options: SearchOptions) -> list[OuterConfig
                                     validate_schedule(sched, n, m, v)
                                 except PoseidonError:
                                     continue
-                            out.append(OuterConfig(sched, v, b, d, m, n, t, opts))
-    return out
+                            cfg = OuterConfig(sched, v, b, d, m, n, t, opts)
+                            if rules:
+                                hit = rules.violation(Shape.of_config(cfg))
+                                if hit is not None:
+                                    line = excluded_line(*hit)
+                                    if line not in lines:
+                                        lines.append(line)
+                                    continue
+                            out.append(cfg)
+    return out, lines
 
 
 # --------------------------------------------------------------------------- option costs

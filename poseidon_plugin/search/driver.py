@@ -32,7 +32,7 @@ from functools import partial
 from ..costs import CostModel
 from ..errors import InfeasibleError, PoseidonError
 from ..plan import Plan
-from .configs import OuterConfig, enumerate_configs
+from .configs import OuterConfig, enumerate_with_exclusions
 from .instance import SearchContext
 from .progress import SearchProgress, Snapshot
 
@@ -129,6 +129,8 @@ class SearchStats:
     layout_bound_ms: float | None = None      # bound,
     layout_margin: float | None = None        # margin over the returned plan,
     layout: dict | None = None         # and the plan (runnerup.describe)
+    excluded: list = field(default_factory=list)   # the framework's rules (rules.py) and its
+                                                   # refusals: one line per class excluded
     _seeded: bool = field(default=False, repr=False)
 
     def add_counters(self, counters: dict) -> None:
@@ -164,13 +166,15 @@ class SearchDriver:
         self.ctx = context or SearchContext(
             CostModel(cluster, model, profiles, seq_length=options.seq_length,
                       training=options.training))
-        self.configs = enumerate_configs(self.ctx.cm, options)
+        self.configs, excluded = enumerate_with_exclusions(self.ctx.cm, options)
         self.deadline = (None if options.time_budget_s is None
                          else time.monotonic() + options.time_budget_s)
         self.workers = options.num_workers
         self.stats = SearchStats(configs=len(self.configs), pruning=options.pruning,
                                  tp_mode=options.tp_mode, type_order=options.type_order,
-                                 workers=self.workers)
+                                 workers=self.workers, excluded=excluded)
+        for line in excluded:
+            log.debug("%s", line)
         self.best: Incumbent | None = None
         self.chosen: Incumbent | None = None   # the plan returned when not the fastest (best):
                                                # the tie rule's, or the previous plan kept
@@ -313,7 +317,11 @@ class SearchDriver:
                     f"{self.options.time_budget_s:g} s ran out before any plan was found; "
                     f"give the search more time")
             from .baselines import explain_infeasible
-            raise InfeasibleError(explain_infeasible(self.ctx.cm, self.configs))
+            why = explain_infeasible(self.ctx.cm, self.configs)
+            if self.stats.excluded:
+                why += f" (the training framework's rules also excluded: " \
+                       f"{'; '.join(self.stats.excluded)})"
+            raise InfeasibleError(why)
         self.stats.seconds = round(time.perf_counter() - self.t0, 3)
 
     def tie_break(self) -> None:
@@ -381,6 +389,12 @@ class SearchDriver:
         keeps its layout through a few per cent of measurement noise; a plan faster by more
         replaces it). It must still lie in the searched space and fit devices and memory."""
         st, tol = self.stats, self.options.keep_tolerance
+        from .rules import Shape, excluded_line
+
+        hit = self.options.rules.violation(Shape.of_plan(prev))
+        if hit is not None:   # e.g. the user added --no-overlap-p2p-communication since
+            st.previous_plan = f"unusable: {excluded_line(*hit)}"
+            return
         try:
             cfg, opts, layers = self._locate(prev)
             t = self.ctx.evaluate(cfg, opts, layers)
@@ -894,6 +908,10 @@ class SearchDriver:
 
     def _no_config_message(self) -> str:
         g, mbs = self.options.global_batch_size, self.options.micro_batch_sizes
+        if self.stats.excluded:
+            why = "; ".join(self.stats.excluded)
+            return (f"the training framework refuses every configuration this cluster allows: {why}; "
+                    "change or remove the flags named")
         if not [b for b in mbs if g % b == 0]:
             return (f"global batch size {g} is not divisible by any micro-batch size in "
                     f"{list(mbs)}: no batch split M = G / (dp x mbs) is an integer")

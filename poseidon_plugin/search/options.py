@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from ..errors import PoseidonError
 from ..simulator.schedules import LAUNCHABLE_SCHEDULES, SCHEDULES
 from ..training import TrainingSetup
+from .rules import FrameworkRules
 
 SEARCH_SCHEDULES: tuple[str, ...] = SCHEDULES   # every schedule the simulator times
 DEFAULT_SCHEDULES: tuple[str, ...] = ("1f1b", "eager-1f1b", "interleaved-1f1b")
@@ -86,7 +87,9 @@ class SearchOptions:
     the fastest (``search/tiebreak.py``); ``keep_tolerance`` (0 = off): a previous plan passed
     to the search is kept while it is within this fraction of the fastest (``driver.keep``);
     ``runner_up``: after the search, find the fastest plan of another configuration and the
-    margin to it (``search/runnerup.py``: how sure the choice is).
+    margin to it (``search/runnerup.py``: how sure the choice is); ``rules``: what the training
+    framework refuses, excluded before the search (``search/rules.py``: from the user's
+    Megatron flags, and configurations its validation refused at launch).
     """
 
     global_batch_size: int
@@ -107,6 +110,7 @@ class SearchOptions:
     tie_tolerance: float = 0.0
     keep_tolerance: float = 0.0
     runner_up: bool = True
+    rules: FrameworkRules = FrameworkRules()
     progress: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -171,6 +175,8 @@ class SearchOptions:
         _positive_int("type_sequence_limit", self.type_sequence_limit)
         if not isinstance(self.training, TrainingSetup):
             raise PoseidonError(f"training: expected a TrainingSetup, got {self.training!r}")
+        if not isinstance(self.rules, FrameworkRules):
+            raise PoseidonError(f"rules: expected FrameworkRules, got {self.rules!r}")
 
     # ------------------------------------------------------------------ derived values
     @property
