@@ -4,6 +4,7 @@
 #   make bench  - simulator and search benchmarks (tables for the README)
 #   make test-py310 - the torch-free core's tests on Python 3.10 (.venv310; CI runs it too)
 #   make test-mcore-versions - the profiler on Megatron-LM core 0.12.1 / 0.15.3 / 0.19.0 trees
+#                              (../shared/frameworks; skipped where that folder is absent)
 
 SHELL := /bin/bash
 VENV  := .venv
@@ -22,10 +23,12 @@ PYTHON310 ?= $(shell for p in python3.10 $${PYENV_ROOT:-$$HOME/.pyenv}/versions/
 VENV310 := .venv310
 CORE_DEPS := "cython>=3.0" "numpy>=1.26" "pyyaml>=6" "pytest>=8" "hypothesis>=6.100" "matplotlib>=3.7"
 
-# Megatron-LM trees (megatron/ at each tag; the PyPI wheels before 0.18 ship no megatron/training)
-# and a side environment with their pure-Python extras that reaches torch through $(VENV).
+# Megatron-LM trees (megatron/ at each tag; the PyPI wheels before 0.18 ship no megatron/training):
+# the unchanged checkouts in the workplace's shared/frameworks (FRAMEWORKS, beside the repository;
+# no network), and a side environment with their pure-Python extras that reaches torch through
+# $(VENV). Where FRAMEWORKS is absent (a user's clone) the target says so and skips.
 MCORE_VERSIONS ?= 0.12.1 0.15.3 0.19.0
-MEGATRON_LM_GIT ?= https://github.com/NVIDIA/Megatron-LM.git
+FRAMEWORKS ?= ../shared/frameworks
 MCORE_DIR := .mcore
 MCORE_PY := $(MCORE_DIR)/venv/bin/python
 
@@ -75,15 +78,10 @@ $(MCORE_DIR)/venv/.stamp: $(VENV)/.stamp-deps
 	  > "$$($(MCORE_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_poseidon_main_venv.pth"
 	touch $@
 
-$(MCORE_DIR)/megatron-lm-%/megatron/core/__init__.py:
-	rm -rf $(MCORE_DIR)/megatron-lm-$*
-	git clone -q --depth 1 --filter=blob:none --sparse --branch core_v$* $(MEGATRON_LM_GIT) $(MCORE_DIR)/megatron-lm-$*
-	git -C $(MCORE_DIR)/megatron-lm-$* sparse-checkout set megatron
-
-test-mcore-versions: build $(MCORE_DIR)/venv/.stamp $(foreach v,$(MCORE_VERSIONS),$(MCORE_DIR)/megatron-lm-$(v)/megatron/core/__init__.py)
+test-mcore-versions: build $(if $(wildcard $(FRAMEWORKS)),$(MCORE_DIR)/venv/.stamp)
+	POSEIDON_FRAMEWORKS=$(abspath $(FRAMEWORKS)) POSEIDON_MCORE_VERSIONS="$(MCORE_VERSIONS)" \
 	POSEIDON_MCORE_PYTHON=$(abspath $(MCORE_PY)) \
-	POSEIDON_MEGATRON_TREES="$(foreach v,$(MCORE_VERSIONS),$(v)=$(abspath $(MCORE_DIR)/megatron-lm-$(v)))" \
-	  $(PY) -m pytest -q tests/test_mcore_versions.py
+	  $(PY) -m pytest -q -rs tests/test_mcore_versions.py
 
 demo: build
 	$(PY) -m poseidon_plugin.cli plan --cluster examples/clusters/paper-setting1.yaml --model llama3-8b --global-batch-size 128 --seq-length 4096

@@ -570,7 +570,12 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "validate":
             return _cmd_validate(ns)
         raise PoseidonError("expected a command: plan, profile or validate (see poseidon --help)")
-    except PoseidonError as exc:
+    except (PoseidonError, ImportError) as exc:
+        if not isinstance(exc, PoseidonError):   # one line: what is missing and the fix
+            from .megatron.imports import explain
+
+            command = next((a for a in argv if a in ("plan", "profile", "validate")), "")
+            exc = explain(exc, needed_by=f"poseidon {command}".strip())
         _leave_the_report_to_rank0(argv)
         msg = " ".join(str(exc).split())
         sys.stderr.write(f"poseidon: error: {msg}\n")

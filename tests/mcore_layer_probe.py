@@ -49,7 +49,7 @@ def main(argv: list[str]) -> None:
     import megatron.core
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.transformer.spec_utils import build_module
-    from poseidon_plugin.megatron import emulation, profiler
+    from poseidon_plugin.megatron import emulation, profiler, provenance
 
     emulation.install_cpu_shims(local_rank=0, device_count=1, device_name="probe",
                                 memory_bytes=1 << 34)
@@ -68,10 +68,14 @@ def main(argv: list[str]) -> None:
         "normalization": config.normalization,
         "multi_latent_attention": bool(getattr(config, "multi_latent_attention", False)),
         "num_experts": config.num_moe_experts,
+        # what a profile record and the cache key say measured it
+        "recorded": dict(provenance.env_entries())["megatron_core"],
+        "recorded_path": provenance.megatron_core().path,
     }
     try:
         layer = build_module(spec, config=config, layer_number=1)
         report["modules"] = sorted({type(m).__name__ for m in layer.modules()})
+        report["param_bytes"] = sum(p.numel() * p.element_size() for p in layer.parameters())
     except Exception as e:  # noqa: BLE001 - reported
         report["build_error"] = _error(e)
     tensor_parallel.get_cuda_rng_tracker().reset()
@@ -81,6 +85,7 @@ def main(argv: list[str]) -> None:
             (t,) = profiler.profile_rank(args, (1,), (1,), world_size=1, rank=0,
                                          device=torch.device("cpu"), iters=1)
             report["forward_ms"], report["backward_ms"] = t.forward_ms, t.backward_ms
+            report["timed_param_bytes"] = t.param_bytes   # the layer profile_rank built
         except Exception as e:  # noqa: BLE001 - reported
             report["time_error"] = _error(e)
     print("PROBE " + json.dumps(report), flush=True)

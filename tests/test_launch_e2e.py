@@ -206,6 +206,10 @@ def test_corrupt_profile_cache_is_set_aside_and_reprofiled(tmp_path):
     proc, out, _ = torchrun(2, args, env)
     assert proc.returncode == 0, ok(proc, out)
     (cache,) = glob.glob(str(tmp_path / "profiles" / "profiles-*.json"))
+    # each type's records name the device of the ranks that measured it, not rank 0's
+    recs = json.loads(open(cache).read())["records"]
+    assert {r["device_type"] for r in recs} == {"emu-slow", "emu-fast"}
+    assert all(r["env"]["device"] == r["device_type"] for r in recs), recs
     with open(cache, "w") as f:
         f.write('{"version": 1, "records": [{"oops"')
     proc, out, _ = torchrun(2, args, env)

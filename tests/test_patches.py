@@ -68,6 +68,33 @@ def test_patch_applies_without_fuzz(tmp_path, name, target, offset):
         assert lines.index(next(ln for ln in lines if ln.startswith("_PROGRAM_START_TIME"))) < at
 
 
+FRAMEWORKS = os.path.join(os.path.dirname(ROOT), "shared", "frameworks")
+# patch -> the real release tree in ../shared/frameworks (unchanged upstream checkouts)
+REAL = [("megatron-lm-core-0.13-0.15.patch", "megatron-lm-core_v0.15.3"),
+        ("megatron-lm-core-ge-0.18.patch", "megatron-lm-core_v0.19.0"),
+        ("mindspeed-llm.patch", "mindspeed-llm-v2.3.0"),
+        ("mindspeed-llm.patch", "mindspeed-llm-v26.1.0")]
+
+
+@pytest.mark.skipif(not os.path.isdir(FRAMEWORKS),
+                    reason=f"{FRAMEWORKS} is absent (a clone outside the project's workplace)")
+@pytest.mark.parametrize("name,target", REAL, ids=[f"{p}:{t}" for p, t in REAL])
+def test_patch_applies_to_the_real_release_script(tmp_path, name, target):
+    """The release's own pretrain_gpt.py (a copy: shared/ is read-only), not a stand-in shape."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    shutil.copy(os.path.join(FRAMEWORKS, target, "pretrain_gpt.py"), tree / "pretrain_gpt.py")
+    dry = _patch(str(tree), name, dry_run=True)
+    out = dry.stdout + dry.stderr
+    assert dry.returncode == 0 and "fuzz" not in out and "FAILED" not in out, out
+    assert _patch(str(tree), name, dry_run=False).returncode == 0
+    lines = (tree / "pretrain_gpt.py").read_text().splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith(LINE))
+    first = next(i for i, ln in enumerate(lines)
+                 if re.match(r"(from|import) (megatron|mindspeed_llm)\b", ln))
+    assert at < first
+
+
 def test_patches_readme_names_the_checked_versions():
     readme = open(os.path.join(PATCHES, "README.md"), encoding="utf-8").read()
     for name, versions in DOCUMENTED.items():

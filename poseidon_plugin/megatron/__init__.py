@@ -15,4 +15,6 @@ Modules, in the order the ``--poseidon-auto`` flow uses them:
 * ``compat``    -- small fixes before the script runs (prebuilt dataset helpers; CPU-only flags)
 * ``calibration``, ``recorder`` -- live calibration of the running job (predicted vs measured)
 * ``offline``   -- ``poseidon profile``: the profiler as an offline, one-process command
+* ``provenance`` -- the versions of the frameworks actually imported (records' ``env``, cache key)
+* ``imports``   -- a failed import as one line: what is missing and the fix
 """

@@ -248,6 +248,12 @@ def import_mindspeed_llm(script: str, argv: Sequence[str]) -> Any:
     try:
         from mindspeed_llm import megatron_adaptor  # type: ignore[import-not-found]
     except ImportError as e:
+        if isinstance(e, ModuleNotFoundError) and (e.name or "mindspeed_llm").split(".")[0] \
+                not in ("mindspeed_llm",):   # MindSpeed-LLM is there; what it imports is not
+            from .imports import explain
+
+            raise explain(e, "mindspeed_llm.megatron_adaptor",
+                          "the MindSpeed-LLM backend") from None
         backend = os.environ.get("TRAINING_BACKEND")
         hint = (f" (TRAINING_BACKEND={backend}: MindSpeed-LLM defines megatron_adaptor only "
                 "for mcore)" if backend and backend.lower() != "mcore" else "")

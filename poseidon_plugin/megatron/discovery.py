@@ -40,6 +40,7 @@ class DeviceInfo:
     memory_bytes: int
     kind: str              # cuda | npu | cpu | emulated
     speed_hint: float = 1.0  # emulated speed (only for the analytic peak of an emulated type)
+    device_name: str = ""    # the device's own name (the emulated type's under emulation)
 
 
 @dataclass(frozen=True)

@@ -184,11 +184,13 @@ def profile_layers(req: ProfileRequest, procs: Processes | None = None) -> list 
 
     from . import profile_gather, profiler
     from .compat import patch_dataset_helpers
+    from .imports import require_megatron
 
     kind = _pick_device(req.device)
     flags = backend_flags(kind, req.setup) + kernel_flags(kind)
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     device, name = _setup_device(kind, req, procs)
+    require_megatron("poseidon profile")   # after the CPU shims: one line if it is missing
     patch_dataset_helpers()
     argv = (model_flags(req.model, req.seq_length, req.micro_batch_sizes[0])
             + megatron_flags(req.setup) + flags + ["--seed", str(req.seed)])

@@ -12,17 +12,19 @@ import logging
 import math
 import os
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Collection, Sequence
+from typing import Collection, Mapping, Sequence
 
 from ..cluster import Cluster, DeviceType
 from ..errors import ProfileDBError
 from ..model import ModelSpec
 from ..profiles import LayerProfile, ProfileDB, ProfileKey
 from ..training import TrainingSetup
+from . import provenance
 from .options import default_profile_dir
 from .profiler import Aggregate
+from .provenance import Component
 
 log = logging.getLogger("poseidon")
 
@@ -32,20 +34,102 @@ log = logging.getLogger("poseidon")
 # ----------------------------------------------------------------------------------------------
 
 
-def versions_tag(extra: Sequence[str] = ()) -> str:
-    """What, besides the layer's shape, makes a profile stale: library versions, impl, dtype."""
-    import torch
+@dataclass(frozen=True)
+class CacheKey:
+    """What, besides the layer's shape, makes a profile stale: the frameworks as imported here
+    (:mod:`.provenance`: torch, megatron-core, MindSpeed and MindSpeed-LLM on that backend),
+    Poseidon's version, and ``extra`` (impl, dtype, emulated speeds)."""
 
-    try:
-        from importlib.metadata import version
+    extra: tuple[str, ...]
+    components: tuple[Component, ...]
 
-        mcore = version("megatron-core")
-    except Exception:  # noqa: BLE001 - a source checkout of Megatron-LM
-        mcore = "src"
+    @property
+    def tag(self) -> str:
+        """The cache file's name: every part, hashed."""
+        parts = [f"{c.name}={c.describe()}" for c in self.components] + list(self.extra)
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+    @property
+    def base(self) -> str:
+        """The same launch under any versions: where :func:`note_provenance` remembers them."""
+        return hashlib.sha256("|".join(self.extra).encode()).hexdigest()[:16]
+
+
+def cache_key(extra: Sequence[str] = (), backend: str = "megatron") -> CacheKey:
     from .. import __version__
 
-    parts = [f"torch{torch.__version__}", f"mcore{mcore}", f"poseidon{__version__}", *extra]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+    return CacheKey(tuple(extra), (*provenance.components(backend),
+                                   Component("poseidon", str(__version__))))
+
+
+def versions_tag(extra: Sequence[str] = (), backend: str = "megatron") -> str:
+    """The cache key's tag (:class:`CacheKey`)."""
+    return cache_key(extra, backend).tag
+
+
+PROVENANCE_FILE = "cache-versions.json"
+"""Beside the cache files: per launch (``CacheKey.base``) the versions its last cache was
+measured with, so a change of any of them is said in one line."""
+
+
+def provenance_changes(profile_dir: str | None, key: CacheKey) -> list[str]:
+    """What changed since the last launch like this one (``megatron-core changed 0.19.2 ->
+    0.12.1 (/path)``); empty for the first one or when nothing did."""
+    import json
+
+    try:
+        with open(os.path.join(profile_dir or default_profile_dir(), PROVENANCE_FILE),
+                  encoding="utf-8") as f:
+            before = json.load(f).get(key.base)
+    except (OSError, ValueError, AttributeError):
+        return []
+    if not isinstance(before, dict):
+        return []
+    out = []
+    for c in key.components:
+        old = before.get(c.name)
+        if not isinstance(old, dict) or not isinstance(old.get("version"), str):
+            continue
+        old_c = Component(c.name, old["version"], str(old.get("path") or ""))
+        if old_c.describe() != c.describe():
+            out.append(f"{c.name} changed {old_c.for_humans()} -> {c.for_humans()}")
+    return out
+
+
+def remember_provenance(profile_dir: str | None, key: CacheKey) -> None:
+    """Record ``key``'s versions as this launch's last (best effort: a failure is logged)."""
+    import json
+
+    directory = profile_dir or default_profile_dir()
+    path = os.path.join(directory, PROVENANCE_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            index = json.load(f)
+        if not isinstance(index, dict):
+            index = {}
+    except (OSError, ValueError):
+        index = {}
+    index[key.base] = {c.name: {"version": c.version, **({"path": c.path} if c.path else {})}
+                       for c in key.components}
+    try:
+        os.makedirs(directory, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        log.debug("could not record the profile cache's versions in %s: %s", path, e)
+
+
+def note_provenance(profile_dir: str | None, key: CacheKey, cached: bool) -> None:
+    """One line when a version changed since the last launch like this one (which, from what to
+    what), then remember this one's."""
+    changes = provenance_changes(profile_dir, key)
+    if changes:
+        log.info("profile cache: %s, %s", "; ".join(changes),
+                 "using the cache measured with these before" if cached else "re-profiling")
+    remember_provenance(profile_dir, key)
 
 
 def cache_path(profile_dir: str | None, tag: str) -> str:
@@ -104,31 +188,46 @@ def quantize_ms(value: float, resolution: float = TIME_RESOLUTION) -> float:
 
 def measured_records(aggs: Sequence[Aggregate], seq_length: int, model_signature: str,
                      setup: TrainingSetup | None = None,
-                     env: Sequence[tuple[str, str]] = ()) -> list[LayerProfile]:
+                     env: Sequence[tuple[str, str]] = (),
+                     devices: Mapping[str, str] | None = None) -> list[LayerProfile]:
     """The per-type medians of :func:`.profiler.aggregate` as measured decoder-layer records
-    (keyed by the training setup they ran under; ``env`` says what measured them; times on
-    the :data:`TIME_RESOLUTION` grid)."""
+    (keyed by the training setup they ran under; ``env`` says what measured them, its
+    ``device`` replaced by ``devices[type]``, the device of the ranks that measured that type;
+    times on the :data:`TIME_RESOLUTION` grid)."""
     fields = (setup or TrainingSetup()).profile_fields
+
+    def env_of(device_type: str) -> tuple[tuple[str, str], ...]:
+        out = dict(env)
+        if devices and device_type in devices:
+            out["device"] = devices[device_type]
+        return tuple(sorted(out.items()))
+
     return [LayerProfile(ProfileKey(a.device_type, "decoder", a.tp, a.micro_batch_size, seq_length,
                                     model_signature, **fields),
                          quantize_ms(a.forward_ms), quantize_ms(a.backward_ms),
                          a.activation_bytes, a.param_bytes, source="measured",
-                         env=tuple(sorted(env)), optimizer_ms=quantize_ms(a.optimizer_ms))
+                         env=env_of(a.device_type), optimizer_ms=quantize_ms(a.optimizer_ms))
             for a in aggs]
 
 
-def measurement_env(device_name: str, kind: str) -> list[tuple[str, str]]:
-    """What measured a record: the device's name, torch, megatron-core and (``kind`` "cuda")
-    the CUDA version and driver."""
+def devices_by_type(infos: Sequence) -> dict[str, str]:
+    """Device type -> the device name(s) of its ranks (``discovery.DeviceInfo``: the device's
+    own name, the emulated type's under emulation; several, comma-separated, where a cluster
+    file renames different devices to one type)."""
+    names: dict[str, set[str]] = {}
+    for i in infos:
+        names.setdefault(i.device_type, set()).add(getattr(i, "device_name", "") or i.device_type)
+    return {t: ", ".join(sorted(n)) for t, n in names.items()}
+
+
+def measurement_env(device_name: str, kind: str,
+                    backend: str = "megatron") -> list[tuple[str, str]]:
+    """What measured a record: the device's name, torch, the imported megatron-core (and on
+    ``backend`` "mindspeed-llm" MindSpeed and MindSpeed-LLM; :mod:`.provenance`) and (``kind``
+    "cuda") the CUDA version and driver."""
     import torch
 
-    out = [("device", device_name), ("torch", torch.__version__)]
-    try:
-        from importlib.metadata import version
-
-        out.append(("megatron_core", version("megatron-core")))
-    except Exception:  # noqa: BLE001 - a source checkout
-        out.append(("megatron_core", "src"))
+    out = [("device", device_name), *provenance.env_entries(backend)]
     if kind == "cuda" and getattr(torch.version, "cuda", None):
         out.append(("cuda", str(torch.version.cuda)))
         try:

@@ -39,6 +39,8 @@ from . import bootstrap, discovery, emulation, group_profile, profile_gather, pr
 from . import judge
 from .compat import (CPU_EMULATION_FLAGS, CPU_INCOMPATIBLE_BOOL_FLAGS, missing_kernel_flags,
                      missing_kernels_text, patch_dataset_helpers)
+from .imports import explain as explain_import_error
+from .imports import require_megatron
 from .options import PoseidonOptions, extract_options
 
 if TYPE_CHECKING:
@@ -304,6 +306,7 @@ def _all_ranks_read_model(ctx: LaunchContext) -> None:
     from ..model import model_from_megatron_args
     from ..training import setup_from_megatron_args
 
+    require_megatron("--poseidon-auto")   # one line naming what is missing, and the fix
     args = profiler.parse_megatron_args(ctx.script, ctx.argv)
     ctx.args = args
     ctx.model = model_from_megatron_args(args, name=os.path.basename(ctx.script))
@@ -337,7 +340,8 @@ def _all_ranks_discover(ctx: LaunchContext) -> None:
         rank=env.rank, local_rank=env.local_rank, host=ctx.host,
         device_type=discovery.rename_type(device.name, ctx.overrides),
         memory_bytes=device.memory_bytes, kind=device.kind,
-        speed_hint=(ctx.emu.type_of(env.rank).speed if ctx.emu is not None else 1.0))
+        speed_hint=(ctx.emu.type_of(env.rank).speed if ctx.emu is not None else 1.0),
+        device_name=device.name)
     infos = ctx.guarded("discovery", lambda: boot.all_gather_object(me, "discovery"))
     ctx.topo = topo = discovery.group_nodes(infos)
     assert boot.sync is not None
@@ -360,16 +364,17 @@ def _all_ranks_profile(ctx: LaunchContext) -> None:
     ctx.tps = ctx.opts.tp_candidates or _profiled_tps(ctx.cluster, ctx.model, ctx.world_size)
     emu_tag = ([f"emu:{n}={t.speed}" for n, t in sorted(ctx.emu.types.items())]
                if ctx.emu is not None else [])
-    tag = profile_gather.versions_tag([f"impl:{getattr(args, 'transformer_impl', '')}",
-                                       f"bf16:{bool(args.bf16)}", f"fp16:{bool(args.fp16)}",
-                                       *emu_tag])
-    ctx.cache_path = profile_gather.cache_path(ctx.opts.profile_dir, tag)
+    key = profile_gather.cache_key([f"impl:{getattr(args, 'transformer_impl', '')}",
+                                    f"bf16:{bool(args.bf16)}", f"fp16:{bool(args.fp16)}",
+                                    *emu_tag], backend=ctx.backend)
+    ctx.cache_path = profile_gather.cache_path(ctx.opts.profile_dir, key.tag)
     needed = profile_gather.needed_keys(ctx.cluster, ctx.model, ctx.tps, ctx.micro_batch_sizes,
                                         ctx.seq_length, ctx.training)
     cached = False
     if ctx.rank == 0:
         ctx.profiles = profile_gather.load_cache(ctx.cache_path, ctx.opts.reprofile)
         cached = profile_gather.all_measured(ctx.profiles, needed)
+        profile_gather.note_provenance(ctx.opts.profile_dir, key, cached)  # a version changed?
     cached = ctx.guarded("profile-cache", lambda: ctx.boot.broadcast_object(cached, "profile-cache"))
     if cached:
         if ctx.rank == 0:
@@ -480,9 +485,10 @@ def _rank0_store_profiles(ctx: LaunchContext, gathered: list[list[profiler.Layer
     assert ctx.profiles is not None
     aggs, ctx.stragglers = profiler.aggregate(dict(enumerate(gathered)),
                                               {i.rank: i.device_type for i in ctx.topo.infos})
-    env = profile_gather.measurement_env(ctx.device.name, ctx.device.kind)
+    env = profile_gather.measurement_env(ctx.device.name, ctx.device.kind, ctx.backend)
     for record in profile_gather.measured_records(aggs, ctx.seq_length, ctx.model.signature(),
-                                                  ctx.training, env):
+                                                  ctx.training, env,
+                                                  profile_gather.devices_by_type(ctx.topo.infos)):
         ctx.profiles.put(record)
     try:
         ctx.profiles.save(ctx.cache_path)
@@ -792,6 +798,8 @@ def launch_main(argv: Sequence[str] | None = None) -> int:
         return int(e.code or 0)
     except PoseidonError as e:
         return _fail(e)
+    except ImportError as e:   # one line: what is missing and the fix (no traceback)
+        return _fail(explain_import_error(e, needed_by="--poseidon-auto"))
     run_script(script, rest)
     return 0
 
@@ -827,4 +835,6 @@ def auto_main() -> None:
         result = plan_and_apply(script, rest, opts)
     except PoseidonError as e:
         raise SystemExit(_fail(e)) from None
+    except ImportError as e:
+        raise SystemExit(_fail(explain_import_error(e, needed_by="--poseidon-auto"))) from None
     sys.argv = [script, *result.argv]
