@@ -53,8 +53,26 @@ $(VENV)/.stamp-build: $(VENV)/.stamp-deps $(PYX) setup.py
 
 build: $(VENV)/.stamp-build
 
-test: build
-	$(PY) -m pytest -q tests
+# MindSpeed-LLM's pure-Python dependencies (the versions its v2.3.0 / v26.1.0 launches were run
+# with here) in a side environment that reaches torch, megatron-core's deps and this package
+# through $(VENV); built only where the framework trees are (they are what it runs).
+MSLLM_DIR := .msllm
+MSLLM_PY := $(MSLLM_DIR)/venv/bin/python
+MSLLM_DEPS := six==1.17.0 regex einops==0.8.2 tqdm scipy pybind11==3.1.0 transformers==5.24.0 \
+	datasets==5.2.0 peft==0.21.2
+
+$(MSLLM_DIR)/venv/.stamp: $(VENV)/.stamp-deps
+	rm -rf $(MSLLM_DIR)/venv
+	$(PY) -m venv --without-pip $(MSLLM_DIR)/venv
+	$(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
+	  > "$$($(MSLLM_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_poseidon_main_venv.pth"
+	$(PIP) --python $(MSLLM_PY) install -q $(MSLLM_DEPS)
+	touch $@
+
+test: build $(if $(wildcard $(FRAMEWORKS)),$(MSLLM_DIR)/venv/.stamp)
+	POSEIDON_FRAMEWORKS=$(abspath $(FRAMEWORKS)) \
+	$(if $(wildcard $(FRAMEWORKS)),POSEIDON_MSLLM_PYTHON=$(abspath $(MSLLM_PY))) \
+	  $(PY) -m pytest -q tests
 
 test-core: build
 	$(PY) -m pytest -q tests -m "not integration"
@@ -101,4 +119,4 @@ validate: build
 	$(PY) -m poseidon_plugin.cli validate
 
 clean:
-	rm -rf build *.egg-info poseidon_plugin/*/*.so poseidon_plugin/*/*.c $(VENV)/.stamp-build $(MCORE_DIR)
+	rm -rf build *.egg-info poseidon_plugin/*/*.so poseidon_plugin/*/*.c $(VENV)/.stamp-build $(MCORE_DIR) $(MSLLM_DIR)

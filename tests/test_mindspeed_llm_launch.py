@@ -1,39 +1,92 @@
-"""The real launch flow (torchrun, CPU emulation, dry run) with the MindSpeed-LLM backend against
-the stand-ins of tests/standin: the adaptor is imported as MindSpeed-LLM's scripts do, and the
-interleaving rule follows the installed release."""
+"""MindSpeed-LLM's own ``pretrain_gpt.py`` (v26.1.0 and v2.3.0, real trees, Megatron-LM
+core_v0.12.1) launched with ``--poseidon-auto`` under torchrun: 4 CPU ranks of two emulated
+device types, NPU libraries from tests/npu_fakes, everything else the frameworks' own code. The
+dry run prints the plan and exits 0; the training run (planned from the dry run's profile cache)
+reaches ``lm loss`` on every iteration."""
 
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import time
 
 import pytest
 
-import mindspeed_standin
-from test_launch_e2e import EMULATE4, GPT_ARGS, ROOT, ok, torchrun
+import frameworks as fw
+from test_launch_e2e import EMULATE4, free_port, ok
 
 pytestmark = pytest.mark.integration
 
+# Megatron 0.12.1's mock data draws token ids up to 4095: the vocabulary must hold them
+ARGS = ("--num-layers 8 --hidden-size 128 --num-attention-heads 4 --seq-length 128 "
+        "--max-position-embeddings 128 --micro-batch-size 1 --global-batch-size 16 "
+        "--lr 2e-3 --lr-decay-style constant --mock-data --tokenizer-type NullTokenizer "
+        "--vocab-size 4096 --log-interval 1 --eval-iters 0 --eval-interval 1000 --bf16 "
+        "--num-workers 0 --seed 1234").split()
+TRAIN_ITERS = 3
 
-@pytest.mark.parametrize("release", ["2.3.0", "26.1.0"])
-def test_dry_run_with_mindspeed_llm(tmp_path, release):
-    site = mindspeed_standin.install(release, str(tmp_path / "site"))
-    args = [*GPT_ARGS, "--train-iters", "2", "--num-layers-per-virtual-pipeline-stage", "2",
+
+def launch(release: str, args: list[str], env: dict[str, str], timeout: float = 420):
+    cmd = [fw.msllm_python(), "-m", "torch.distributed.run", "--nproc-per-node", "4",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "-m", "poseidon_plugin.launch", fw.script(release), *args]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env=fw.mindspeed_llm_env(release, env), cwd=fw.ROOT)
+    return proc, proc.stdout + proc.stderr, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module", params=sorted(fw.MINDSPEED_LLM_RELEASES))
+def release(request, tmp_path_factory):
+    reason = fw.mindspeed_llm_skip_reason(request.param)
+    if reason:
+        pytest.skip(reason)
+    return request.param, tmp_path_factory.mktemp(f"msllm-{request.param}")
+
+
+def _env(tmp) -> dict[str, str]:
+    return {"POSEIDON_PROFILE_DIR": str(tmp / "profiles"),
+            "POSEIDON_HELPERS_CACHE": str(tmp.parent / "megatron-helpers")}
+
+
+def test_dry_run_prints_the_plan_and_exits_0(release):
+    name, tmp = release
+    args = [*ARGS, "--train-iters", "2", "--num-layers-per-virtual-pipeline-stage", "2",
             "--poseidon-auto", "--poseidon-dry-run", "--poseidon-emulate", EMULATE4,
             "--poseidon-backend", "mindspeed-llm", "--poseidon-max-virtual-stages", "2",
             "--poseidon-tp", "1"]
-    proc, out, _ = torchrun(4, args, {"PYTHONPATH": os.pathsep.join([site, ROOT]),
-                                      "POSEIDON_PROFILE_DIR": str(tmp_path / "profiles")})
+    proc, out, _ = launch(name, args, _env(tmp))
     assert proc.returncode == 0, ok(proc, out)
-    assert "adaptor mindspeed_llm.tasks.megatron_adaptor_v2 (" + site in out, out[-3000:]
+    llm_tree = fw.MINDSPEED_LLM_RELEASES[name][0]
+    assert f"adaptor mindspeed_llm.tasks.megatron_adaptor_v2 ({fw.tree(llm_tree)}" in out, out[-3000:]
+    assert "Poseidon plan (mindspeed-llm)" in out
+    assert "dry run: exiting before any model is built" in out
     flags = out.split("\nflags:\n", 1)[1].splitlines()[0]
     assert "--num-layers-per-virtual-pipeline-stage" not in flags
-    assert "the plan overrides your" in out and "--num-layers-per-virtual-pipeline-stage" in out
-    if release == "26.1.0":
+    assert "the plan overrides your" in out
+    if name in fw.LAYOUT_RELEASES:
         assert "--pipeline-model-parallel-layout registered" in out
-        assert "interleaved plans are not searched" not in out
         assert ("--num-layer-list" in flags) != ("--pipeline-model-parallel-layout" in flags) \
             or "--pipeline-model-parallel-size 1" in flags, flags
     else:
         assert "--pipeline-model-parallel-layout not registered" in out
         assert "interleaved plans are not searched (V = 1)" in out
         assert "--pipeline-model-parallel-layout" not in flags, flags
+    assert "lm loss" not in out
+
+
+def test_training_reaches_lm_loss(release):
+    name, tmp = release
+    args = [*ARGS, "--train-iters", str(TRAIN_ITERS), "--poseidon-auto",
+            "--poseidon-emulate", EMULATE4, "--poseidon-backend", "mindspeed-llm",
+            "--poseidon-tp", "1"]
+    proc, out, _ = launch(name, args, _env(tmp))
+    assert proc.returncode == 0, ok(proc, out)
+    losses = re.findall(r"iteration +(\d+)/ +\d+ \|.*?lm loss: ([0-9.E+-]+)", out)
+    assert [int(i) for i, _ in losses] == list(range(1, TRAIN_ITERS + 1)), out[-4000:]
+    assert all(0.0 < float(v) < 20.0 for _, v in losses), losses
+    flags = out.split("\nflags:\n", 1)[1].splitlines()[0]
+    pp = int(re.search(r"--pipeline-model-parallel-size (\d+)", flags).group(1))
+    if pp > 1:  # MindSpeed-LLM took the plan's split
+        assert re.search(r"--num-layer-list [0-9,]+|--pipeline-model-parallel-layout \S+", flags)

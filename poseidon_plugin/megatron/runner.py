@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 from ..errors import DistributedError, PoseidonError
 from . import argv as argvmod
-from . import bootstrap, discovery, emulation, group_profile, profile_gather, profiler, renumber
+from . import (bootstrap, discovery, emulation, framework_state, group_profile, profile_gather,
+               profiler, renumber)
 from . import judge
 from .compat import (CPU_EMULATION_FLAGS, CPU_INCOMPATIBLE_BOOL_FLAGS, missing_kernel_flags,
                      missing_kernels_text, patch_dataset_helpers)
@@ -309,6 +310,7 @@ def _all_ranks_read_model(ctx: LaunchContext) -> None:
     require_megatron("--poseidon-auto")   # one line naming what is missing, and the fix
     args = profiler.parse_megatron_args(ctx.script, ctx.argv)
     ctx.args = args
+    framework_state.hold(args)   # the framework's patched code reads them from here on
     ctx.model = model_from_megatron_args(args, name=os.path.basename(ctx.script))
     ctx.training = setup_from_megatron_args(args)
     gbs = args.global_batch_size
@@ -714,6 +716,7 @@ def _all_ranks_apply(ctx: LaunchContext) -> AutoResult:
              new_rank // max(1, renum.world_size // plan.pp), time.perf_counter() - ctx.t_start)
     _install_calibration(plan, ctx.model, ctx.cache_path, ctx.cluster.type_names,
                          getattr(ctx.args, "train_iters", None))
+    framework_state.release()   # pretrain sets Megatron's globals itself, as in a fresh process
     return AutoResult(ctx.new_argv, new_rank, renum.world_size, plan)
 
 

@@ -1,1 +1,0 @@
-"""Stand-in: MindSpeed-LLM pipeline-parallel features."""
