@@ -40,7 +40,8 @@ $(VENV)/.stamp-deps: setup.py
 	@if [ -z "$(PYTHON312)" ]; then echo "error: Python 3.12 not found (tried python3.12 and pyenv); install it or set PYTHON312=/path/to/python3.12" >&2; exit 2; fi
 	@[ -x $(PY) ] || $(PYTHON312) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
-	$(PIP) install -q "cython>=3.0" "numpy>=1.26" "pyyaml>=6" "pytest>=8" "hypothesis>=6.100" "matplotlib>=3.7"
+	$(PIP) install -q "cython>=3.0" "numpy>=1.26" "pyyaml>=6" "pytest>=8" "hypothesis>=6.100" "matplotlib>=3.7" \
+	  "pybind11>=2.10"
 	$(PIP) install -q torch "megatron-core==0.19.2"
 	touch $@
 

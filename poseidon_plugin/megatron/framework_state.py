@@ -88,6 +88,18 @@ def profiling(vargs: Any, data_parallel_size: int) -> Iterator[None]:
         _set_args(previous)
 
 
+@contextlib.contextmanager
+def args_during(args: Any) -> Iterator[None]:
+    """Megatron's global args are ``args`` within the block (e.g. a fresh parse being validated:
+    MindSpeed-LLM's validation reads ``get_args()``), the previous ones afterwards."""
+    previous = current_args()
+    _set_args(args)
+    try:
+        yield
+    finally:
+        _set_args(previous)
+
+
 def release() -> None:
     """Megatron as a fresh process has it: no global args, no micro-batch calculator, no
     model-parallel group leftovers. Safe to call when nothing was held."""

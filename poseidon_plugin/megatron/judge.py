@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..errors import PoseidonError
 from . import argv as argvmod
+from . import framework_state
 
 if TYPE_CHECKING:
     from ..plan import Plan
@@ -88,7 +89,8 @@ def framework_refusal(script: str, new_argv: Sequence[str], world_size: int,
                 return f"this Megatron's parse_args does not know {' '.join(unknown)}"
             args.world_size, args.rank = int(world_size), 0
             try:
-                margs.validate_args(args, {})
+                with framework_state.args_during(args):
+                    margs.validate_args(args, {})
             except REFUSALS as exc:
                 return f"{name}'s validate_args: {_first_line(exc)}"
             except Exception as exc:  # noqa: BLE001 - the check could not run: say so, go on
