@@ -55,9 +55,11 @@ def test_dry_run_prints_the_plan_and_exits_0(release):
     args = [*ARGS, "--train-iters", "2", "--num-layers-per-virtual-pipeline-stage", "2",
             "--poseidon-auto", "--poseidon-dry-run", "--poseidon-emulate", EMULATE4,
             "--poseidon-backend", "mindspeed-llm", "--poseidon-max-virtual-stages", "2",
-            "--poseidon-tp", "1"]
+            "--poseidon-tp", "1", "--use-fused-rmsnorm", "--use-ascend-mc2"]
     proc, out, _ = launch(name, args, _env(tmp))
     assert proc.returncode == 0, ok(proc, out)
+    assert ("emulation: MindSpeed's Ascend-only kernels are off (no NPU here): dropping "
+            "--use-fused-rmsnorm --use-ascend-mc2") in out
     llm_tree = fw.MINDSPEED_LLM_RELEASES[name][0]
     assert f"adaptor mindspeed_llm.tasks.megatron_adaptor_v2 ({fw.tree(llm_tree)}" in out, out[-3000:]
     assert "Poseidon plan (mindspeed-llm)" in out
@@ -74,6 +76,8 @@ def test_dry_run_prints_the_plan_and_exits_0(release):
         assert "interleaved plans are not searched (V = 1)" in out
         assert "--pipeline-model-parallel-layout" not in flags, flags
     assert "lm loss" not in out
+    script_line = out.split("\ncommand line the script runs with:\n", 1)[1].splitlines()[0]
+    assert "--use-fused-rmsnorm" not in script_line and "--use-ascend-mc2" not in script_line
 
 
 def test_training_reaches_lm_loss(release):

@@ -123,6 +123,19 @@ def _import_as(name: str, path: str) -> None:
     setattr(importlib.import_module(parent), child, module)
 
 
+# MindSpeed / MindSpeed-LLM switches (store_true) whose paths call Ascend-only kernels (CANN
+# fused ops, MC2 / CoC communication-compute fusion): under CPU emulation they are turned off,
+# with one line naming them, as the CUDA path turns off the fused kernels it lacks. The layer
+# profiled and trained is then the unfused one on every rank.
+MINDSPEED_NPU_KERNEL_FLAGS: tuple[str, ...] = (
+    "--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb",
+    "--use-fused-ring-attention-update", "--use-fused-moe-token-permute-and-unpermute",
+    "--use-fused-mlp", "--use-fused-mhc", "--use-fused-lightning-indexer",
+    "--use-fused-lightning-indexer-loss", "--use-fused-lightning-indexer-kl-loss",
+    "--use-fused-sparse-flash-attention", "--use-ascend-mc2", "--use-mc2", "--use-ascend-coc",
+)
+
+
 # Fused CUDA kernels Megatron's defaults ask for, the module each needs, and the flag that turns
 # the kernel off. megatron-core's wheel builds none of them: gradient-accumulation fusion and the
 # masked-softmax kernels and the persistent layer norm come with Apex (or an NGC container), RoPE

@@ -38,7 +38,8 @@ from . import argv as argvmod
 from . import (bootstrap, discovery, emulation, framework_state, group_profile, profile_gather,
                profiler, renumber)
 from . import judge
-from .compat import (CPU_EMULATION_FLAGS, CPU_INCOMPATIBLE_BOOL_FLAGS, missing_kernel_flags,
+from .compat import (CPU_EMULATION_FLAGS, CPU_INCOMPATIBLE_BOOL_FLAGS,
+                     MINDSPEED_NPU_KERNEL_FLAGS, missing_kernel_flags,
                      missing_kernels_text, patch_dataset_helpers)
 from .imports import explain as explain_import_error
 from .imports import require_megatron
@@ -263,6 +264,8 @@ def _setup_mindspeed_llm(ctx: LaunchContext) -> None:
     emulation when installed), and its interleaving rule: the layout flag where the installed
     MindSpeed-LLM registers it (v26.1.0 and later), otherwise no virtual stages (V = 1), since it
     refuses ``--num-layer-list`` with a virtual pipeline."""
+    if ctx.emu is not None:
+        _turn_off_npu_kernels(ctx)
     adaptor = None
     if ctx.emu is None or argvmod.mindspeed_llm_installed():
         adaptor = argvmod.import_mindspeed_llm(ctx.script, ctx.argv)
@@ -277,6 +280,18 @@ def _setup_mindspeed_llm(ctx: LaunchContext) -> None:
         if ctx.rank == 0:
             log.info("MindSpeed-LLM registers no --pipeline-model-parallel-layout (v26.1.0 and "
                      "later do): interleaved plans are not searched (V = 1)")
+
+
+def _turn_off_npu_kernels(ctx: LaunchContext) -> None:
+    """Under CPU emulation, MindSpeed's switches for Ascend-only kernels are dropped before its
+    adaptor parses the command line, with one line naming them."""
+    on = [f for f in MINDSPEED_NPU_KERNEL_FLAGS if argvmod.find_flag(ctx.argv, f)]
+    if not on:
+        return
+    if ctx.rank == 0:
+        log.warning("emulation: MindSpeed's Ascend-only kernels are off (no NPU here): dropping %s",
+                    " ".join(on))
+    ctx.argv = argvmod.strip_flags(ctx.argv, bool_flags=on)
 
 
 def _setup_emulated_device(ctx: LaunchContext) -> None:
