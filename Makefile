@@ -3,8 +3,9 @@
 #   make test   - create .venv, build, run the test suite
 #   make bench  - simulator and search benchmarks (tables for the README)
 #   make test-py310 - the torch-free core's tests on Python 3.10 (.venv310; CI runs it too)
-#   make test-mcore-versions - the profiler on Megatron-LM core 0.12.1 / 0.15.3 / 0.19.0 trees
-#                              (../shared/frameworks; skipped where that folder is absent)
+#   make test-mcore-versions - the profiler on Megatron-LM core 0.12.1 / 0.15.3 / 0.19.0 trees,
+#                              and core_v0.19.0's own pretrain_gpt.py planned and trained (launcher
+#                              and one-line patch) (../shared/frameworks; skipped where absent)
 
 SHELL := /bin/bash
 VENV  := .venv
@@ -100,7 +101,7 @@ $(MCORE_DIR)/venv/.stamp: $(VENV)/.stamp-deps
 test-mcore-versions: build $(if $(wildcard $(FRAMEWORKS)),$(MCORE_DIR)/venv/.stamp)
 	POSEIDON_FRAMEWORKS=$(abspath $(FRAMEWORKS)) POSEIDON_MCORE_VERSIONS="$(MCORE_VERSIONS)" \
 	POSEIDON_MCORE_PYTHON=$(abspath $(MCORE_PY)) \
-	  $(PY) -m pytest -q -rs tests/test_mcore_versions.py
+	  $(PY) -m pytest -q -rs tests/test_mcore_versions.py tests/test_megatron_lm_tree_launch.py
 
 demo: build
 	$(PY) -m poseidon_plugin.cli plan --cluster examples/clusters/paper-setting1.yaml --model llama3-8b --global-batch-size 128 --seq-length 4096
