@@ -323,8 +323,8 @@ def _cmd_plan(ns) -> int:
     for line in plan.search.get("excluded", ()):
         sys.stderr.write(f"poseidon: note: {line}\n")
     plan = plan.with_baselines(_baselines(ns, cluster, model, budget, options, profiles, plan))
-    from .profiles import unprofiled_tp_note
-    note = unprofiled_tp_note(plan, profiles, model, options.seq_length, options.training)
+    from .profiles import scaled_estimate_note
+    note = scaled_estimate_note(plan, profiles, model, options.seq_length, options.training)
     if note:
         sys.stderr.write(f"poseidon: note: {note}\n")
     text = plan.to_json()

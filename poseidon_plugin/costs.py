@@ -4,10 +4,11 @@ Per stage s of a plan (type k, TP t, l layers, micro-batch b, sequence S, DP d):
 
 * forward F_s = l * f(k, t, b) (+ embedding forward on stage 0, + output layer forward on the
   last stage); backward likewise. f comes from ``profiles.lookup_profile`` (measured record of the
-  profile DB, else the analytic estimate). For interleaved-1f1b a device's l layers are split into
-  V chunks by ``chunk_layers`` (chunk c holds l // V + (1 if c < l % V else 0) layers, Megatron
-  layout order), the embedding on chunk 0 of stage 0 and the output layer on chunk V-1 of the
-  last stage.
+  profile DB; else the analytic estimate, at the rate of the type's closest measured records
+  where the DB measured the type at another configuration: ``scaled`` in the provenance). For
+  interleaved-1f1b a device's l layers are split into V chunks by ``chunk_layers`` (chunk c
+  holds l // V + (1 if c < l % V else 0) layers, Megatron layout order), the embedding on
+  chunk 0 of stage 0 and the output layer on chunk V-1 of the last stage.
 * activation send s -> s+1 (and the gradient back) = ``comm.send_ms`` of b * S * h * 2 bytes
   (bf16) over the placement's slowest replica link, plus the cluster's per-message latency.
 * DP all-reduce A_s = ``comm.allreduce_ms``, a ring over d ranks of the stage's gradient bytes:
@@ -47,7 +48,8 @@ Per stage s of a plan (type k, TP t, l layers, micro-batch b, sequence S, DP d):
   device type's runtime reserve, against the device type's capacity.
 * provenance: each stage carries the ``LayerProfile`` of every layer kind it runs (decoder,
   and embedding / output on the first / last stage): ``measured``, ``calibrated`` or
-  ``estimated``, with its key.
+  ``estimated``, with its key (a scaled decoder estimate: ``calibrated`` with the measured keys
+  it was scaled from, ``scaled`` in the plan).
 """
 
 from __future__ import annotations

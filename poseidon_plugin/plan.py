@@ -12,7 +12,8 @@ indent, floats rounded to 6 decimals, trailing newline, so equal plans give equa
                  "overhead_ms", "memory_bytes", "memory_capacity_bytes",
                  "devices": [[{"node", "local_device"}, ...tp], ...dp],
                  "chunk_layers", "chunk_forward_ms", "chunk_backward_ms" (V entries each),
-                 "provenance": {"decoder"|"embedding"|"output"|"optimizer": {"source", "record"}},
+                 "provenance": {"decoder"|"embedding"|"output"|"optimizer": {"source", "record"}}
+                 (source: measured / scaled / calibrated / estimated, optimizer also none),
                  "memory": {"params_bytes", "grads_bytes", "optimizer_bytes",
                             "activations_bytes", "reserve_bytes", "total_bytes",
                             "activations_source"}}],

@@ -32,7 +32,11 @@ estimated whatever the order; between two records of the same source the later o
 
 Provenance (``source``): ``measured`` -- a profiled layer; ``calibrated`` -- the estimator on a
 device type whose speed was set from measured layers; ``estimated`` -- the estimator on the
-cluster file's peak x efficiency. ``diagnose`` names, in one line, why records of a DB cannot
+cluster file's peak x efficiency (only for a type no record measured). A decoder estimate of a
+type with measured records is scaled from them (``scaled_profile``): source ``calibrated`` with
+``scaled_from``, and ``scaled`` in a plan's provenance (``provenance_entry``), naming the records
+and the rate, e.g. ``V100 decoder tp2 mbs4 seq4096 bf16/flash/none from measured tp1 mbs1,2
+(rate 41.3 TFLOP/s)``. ``diagnose`` names, in one line, why records of a DB cannot
 serve a plan (another sequence, model field, setup or device type).
 
 Limits (a hostile file is refused cheaply, naming the record and field): at most
@@ -53,6 +57,14 @@ Analytic estimator (``estimate_profile``), per TP rank, for one micro-batch:
 * all-reduce cost: ``comm.allreduce_ms``, a ring over t ranks, 2(t-1)/t x bytes / bandwidth +
   2(t-1) x latency. The link is the device type's intra-node link when t ranks fit in one node,
   else its inter-node link.
+* scaled (``lookup_profile``: a decoder no record measured, of a device type the DB measured
+  at another TP / micro-batch / sequence under the same model and setup): the same terms at the
+  compute rate the type's closest measured records reached (``scaling_basis``: the key's
+  sequence, else the closest; its TP, else the closest; the micro-batch sizes bracketing the
+  key's, the rate interpolated on a log scale between them, else the nearest one's), forward
+  and backward each at its own measured rate, the measured TP all-reduces' modelled time taken
+  out of the measurement first (unless they would explain more than ``COMM_FIT`` of it). The
+  cluster file's ``peak_tflops`` plays no part: it serves MFU and the types nothing measured.
 * the key's setup: ``full`` recompute adds one forward's compute to the backward, ``selective``
   the core attention's; activation bytes are ``memory.layer_activation_bytes`` for the setup
   (``memory.layer_input_bytes`` under full recompute), embedding and output terms from
@@ -131,6 +143,11 @@ class LayerProfile:
     source: Source = "estimated"
     env: tuple[tuple[str, str], ...] = ()   # what measured it (device, versions), sorted
     optimizer_ms: float = 0.0   # optimizer step of this layer's parameters on one device (0: none)
+    # an estimate scaled from measured records of its device type (``scaled_profile``): their
+    # keys and the compute rate (TFLOP/s) the scaling used; () / 0.0 otherwise. Not written to
+    # a DB file (an estimate is re-derived at every lookup).
+    scaled_from: tuple["ProfileKey", ...] = ()
+    rate_tflops: float = 0.0
 
 
 # --------------------------------------------------------------------------- JSON records
@@ -223,6 +240,13 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _family(key: ProfileKey) -> tuple:
+    """What a key shares with the records an estimate of it may be scaled from: everything but
+    TP, micro-batch and sequence."""
+    return (key.device_type, key.layer_kind, key.model_signature, key.dtype, key.attention,
+            key.recompute)
+
+
 def _wins(new: LayerProfile, old: LayerProfile | None) -> bool:
     """Merge rule: measured > calibrated > estimated; same source -> the newer one."""
     return old is None or _RANK[new.source] >= _RANK[old.source]
@@ -241,6 +265,7 @@ class ProfileDB:
         self.path = path
         self._records: dict[ProfileKey, LayerProfile] = {}
         self._overheads: dict[OverheadKey, IterationOverhead] = {}
+        self._measured_index: dict[tuple, tuple[LayerProfile, ...]] | None = None
         if path is not None and os.path.exists(path):
             loaded = ProfileDB.load(path)
             self._records, self._overheads = loaded._records, loaded._overheads
@@ -265,8 +290,20 @@ class ProfileDB:
         """Insert by the merge rule; returns whether ``profile`` was stored."""
         if _wins(profile, self._records.get(profile.key)):
             self._records[profile.key] = profile
+            self._measured_index = None
             return True
         return False
+
+    def measured_of(self, key: ProfileKey) -> tuple[LayerProfile, ...]:
+        """The measured records of ``key``'s device type, layer kind, model signature and setup
+        (any TP, micro-batch, sequence), sorted by key; indexed once per change of the DB."""
+        if self._measured_index is None:
+            index: dict[tuple, list[LayerProfile]] = {}
+            for p in self.profiles():
+                if p.source == "measured":
+                    index.setdefault(_family(p.key), []).append(p)
+            self._measured_index = {k: tuple(v) for k, v in index.items()}
+        return self._measured_index.get(_family(key), ())
 
     def merge(self, other: "ProfileDB") -> None:
         """Put every record of ``other`` (in its sorted order) by the merge rule."""
@@ -398,14 +435,17 @@ def _compute_ms(flops: float, tflops: float) -> float:
     return flops / (tflops * 1e12) * 1e3
 
 
-def estimate_profile(cluster, model, key: ProfileKey) -> LayerProfile:
+def estimate_profile(cluster, model, key: ProfileKey, tflops: float | None = None
+                     ) -> LayerProfile:
     """Analytic estimate: FLOPs / (peak x efficiency) plus TP all-reduce cost on the intra-node link;
-    source ``calibrated`` when the device type's speed came from measured layers."""
+    source ``calibrated`` when the device type's speed came from measured layers. ``tflops``:
+    this compute rate instead of the type's peak x efficiency."""
     if key.layer_kind not in LAYER_KINDS:
         raise ProfileDBError(f"unknown layer kind {key.layer_kind!r}")
     gbps = tp_link_gbps(cluster, key.device_type, key.tp)
     dtype = cluster.device_types[key.device_type]
-    tflops = dtype.effective_tflops
+    if tflops is None:
+        tflops = dtype.effective_tflops
     latency = cluster.links.latency_ms
     setup = key.setup
     b, s, t, h = key.micro_batch_size, key.seq_length, key.tp, model.hidden_size
@@ -454,13 +494,116 @@ def _recompute_ms(model, key: ProfileKey, tflops: float, forward_compute_ms: flo
     return 0.0
 
 
+SCALED_KINDS: tuple[str, ...] = ("decoder",)   # layer kinds the profiler measures
+COMM_FIT = 0.5   # the modelled TP all-reduces may explain at most this share of a measured time
+
+
+def _decoder_terms(cluster, model, key: ProfileKey) -> tuple[float, float, float]:
+    """The decoder estimate's terms (``estimate_profile``): (forward compute, backward compute
+    with the setup's recompute, both in ms at 1 TFLOP/s; the TP all-reduces of one direction,
+    ms). At a rate r the estimate is forward = fwd / r + comm, backward = bwd / r + comm."""
+    gbps = tp_link_gbps(cluster, key.device_type, key.tp)
+    setup = key.setup
+    b, s, t, h = key.micro_batch_size, key.seq_length, key.tp, model.hidden_size
+    hidden_ar = allreduce_ms(setup.weight_bytes * b * s * h, t, gbps, cluster.links.latency_ms)
+    fwd = _compute_ms(model.layer_forward_flops(b, s) / t, 1.0)
+    bwd = 2 * fwd + _recompute_ms(model, key, 1.0, fwd)
+    return fwd, bwd, 2 * hidden_ar
+
+
+def _measured_rates(cluster, model, p: LayerProfile) -> tuple[float, float]:
+    """(forward, backward) compute rate in TFLOP/s a measured record reached: its modelled
+    compute over its time less the modelled TP all-reduces (the whole time where those would
+    explain more than ``COMM_FIT`` of it: the link model does not describe that machine)."""
+    fwd, bwd, comm = _decoder_terms(cluster, model, p.key)
+
+    def rate(work: float, ms: float) -> float:
+        net = ms - comm
+        return work / (net if net >= (1 - COMM_FIT) * ms else ms)
+
+    return rate(fwd, p.forward_ms), rate(bwd, p.backward_ms)
+
+
+def _closest(values, want: int) -> int:
+    """The value nearest ``want`` on a log scale (ties: the smaller)."""
+    return min(values, key=lambda v: (abs(math.log(v / want)), v))
+
+
+def scaling_basis(measured, key: ProfileKey) -> tuple[LayerProfile, ...]:
+    """The measured records (same device type, kind, model and setup) an estimate of ``key`` is
+    scaled from: at the key's sequence length (else the closest measured one), at its TP degree
+    (else the closest measured one, ties to the smaller), the micro-batch sizes bracketing the
+    key's (both when measured on either side, else the nearest)."""
+    seq = _closest({p.key.seq_length for p in measured}, key.seq_length)
+    at_seq = [p for p in measured if p.key.seq_length == seq]
+    tp = _closest({p.key.tp for p in at_seq}, key.tp)
+    group = sorted((p for p in at_seq if p.key.tp == tp), key=lambda p: p.key.micro_batch_size)
+    b = key.micro_batch_size
+    below = [p for p in group if p.key.micro_batch_size <= b]
+    above = [p for p in group if p.key.micro_batch_size >= b]
+    if below and above:
+        return (below[-1],) if below[-1] is above[0] else (below[-1], above[0])
+    return (below[-1],) if below else (above[0],)
+
+
+def scaled_profile(cluster, model, key: ProfileKey, measured) -> LayerProfile:
+    """The estimate of ``key`` at the compute rate its device type's measured records reach
+    (``scaling_basis``; between two bracketing micro-batch sizes the rate is interpolated on a
+    log scale): forward = the key's forward FLOPs / that rate + its TP all-reduces, backward
+    likewise at the measured backward rate. The peak in the cluster file plays no part (it
+    serves MFU and the types nothing measured). Memory: the analytic figures. Source
+    ``calibrated``, with ``scaled_from`` and ``rate_tflops`` saying what it rests on."""
+    basis = scaling_basis(measured, key)
+    rates = [_measured_rates(cluster, model, p) for p in basis]
+    if len(basis) == 2:
+        lo, hi = (math.log(p.key.micro_batch_size) for p in basis)
+        w = (math.log(key.micro_batch_size) - lo) / (hi - lo)
+        (f0, b0), (f1, b1) = rates
+        rf, rb = f0 ** (1 - w) * f1 ** w, b0 ** (1 - w) * b1 ** w
+    else:
+        ((rf, rb),) = rates
+    fwd, bwd, comm = _decoder_terms(cluster, model, key)
+    shape = estimate_profile(cluster, model, key, tflops=1.0)   # bytes only
+    return replace(shape, forward_ms=fwd / rf + comm, backward_ms=bwd / rb + comm,
+                   source="calibrated", scaled_from=tuple(p.key for p in basis),
+                   rate_tflops=(fwd + bwd) / (fwd / rf + bwd / rb))
+
+
 def lookup_profile(db: ProfileDB | None, cluster, model, key: ProfileKey) -> LayerProfile:
-    """Measured record from the DB if present, else the estimate (``estimated``/``calibrated``)."""
+    """Measured record from the DB if present; else, for a layer kind the profiler measures,
+    the estimate scaled from the measured records of the same device type (``scaled_profile``)
+    when the DB has any; else the estimate on the type's speed (``estimated``/``calibrated``)."""
     if db is not None:
         found = db.get(key)
         if found is not None and found.source == "measured":
             return found
+        if key.layer_kind in SCALED_KINDS and hasattr(db, "measured_of"):
+            measured = db.measured_of(key)
+            if measured:
+                return scaled_profile(cluster, model, key, measured)
     return estimate_profile(cluster, model, key)
+
+
+def scaled_text(profile: LayerProfile) -> str:
+    """What a scaled estimate rests on, e.g. ``from measured tp1 mbs1,2 (rate 41.3 TFLOP/s)``
+    (the sequence named where it differs from the estimate's); "" for any other record."""
+    if not profile.scaled_from:
+        return ""
+    first = profile.scaled_from[0]
+    seq = f" seq{first.seq_length}" if first.seq_length != profile.key.seq_length else ""
+    mbs = ",".join(str(k.micro_batch_size) for k in profile.scaled_from)
+    return (f"from measured tp{first.tp} mbs{mbs}{seq} (rate {profile.rate_tflops:.1f} "
+            "TFLOP/s)")
+
+
+def provenance_entry(profile: LayerProfile) -> tuple[str, str, str]:
+    """A plan's provenance entry of one layer kind: (kind, source, record). A scaled estimate
+    reads ``scaled`` with what it was scaled from after the key, so a plan resting on an
+    estimate where its device type has measurements says so."""
+    if profile.scaled_from:
+        return (profile.key.layer_kind, "scaled",
+                f"{profile.key.describe()} {scaled_text(profile)}")
+    return profile.key.layer_kind, profile.source, profile.key.describe()
 
 
 def lookup_overhead(db: ProfileDB | None, cluster, model, seq_length: int,
@@ -586,59 +729,98 @@ def measured_decoders(db: ProfileDB | None, signature: str, setup: TrainingSetup
             and all(getattr(p.key, f) == v for f, v in fields.items())]
 
 
-def unprofiled_tp_note(plan, db: ProfileDB | None, model, seq_length: int,
-                       setup: TrainingSetup | None = None) -> str | None:
-    """One line when the plan runs a device type at a TP degree its decoder was not measured at
-    while the DB measured that type at another degree: the choice then compares a scaled
-    estimate with measurements (None otherwise)."""
-    measured: dict[str, set[int]] = {}
-    for p in measured_decoders(db, model.signature(), setup, seq_length):
-        measured.setdefault(p.key.device_type, set()).add(p.key.tp)
+def scaled_estimate_note(plan, db: ProfileDB | None, model, seq_length: int,
+                         setup: TrainingSetup | None = None) -> str | None:
+    """One line when the plan runs a device type at a configuration (TP degree, micro-batch
+    size, sequence) its decoder was not measured at while the DB measured that type at another:
+    the choice then rests on an estimate scaled from those measurements (provenance
+    ``scaled``) compared with measurements. None otherwise."""
+    measured: dict[str, list[ProfileKey]] = {}
+    for p in measured_decoders(db, model.signature(), setup):
+        measured.setdefault(p.key.device_type, []).append(p.key)
+    mbs = getattr(plan, "micro_batch_size", None)
     hits: dict[tuple[str, int], list[int]] = {}
     for st in plan.stages:
         src = {kind: source for kind, source, _ in st.provenance}.get("decoder")
-        tps = measured.get(st.device_type, set())
-        if src != "measured" and tps and st.tp not in tps:
+        if src not in ("measured", None) and st.device_type in measured:
             hits.setdefault((st.device_type, st.tp), []).append(st.index)
     if not hits:
         return None
-    parts = [f"stage(s) {','.join(map(str, idx))} run {name} at TP {tp}, measured only at TP "
-             f"{'/'.join(map(str, sorted(measured[name])))} (TP {tp} scaled from that rate)"
-             for (name, tp), idx in hits.items()]
-    every = sorted({tp for _, tp in hits} | {t for n, _ in hits for t in measured[n]})
-    return ("; ".join(parts) + f": profile `--tp {' '.join(map(str, every))}` to compare "
-            "measured with measured, or plan with --tp limited to the measured degrees")
+    parts, tps, sizes = [], set(), set()
+    for (name, tp), idx in hits.items():
+        keys = measured[name]
+        at_seq = [k for k in keys if k.seq_length == seq_length]
+        at_tp = [k for k in at_seq if k.tp == tp]
+        where = f"stage(s) {','.join(map(str, idx))} run {name} at TP {tp}"
+        if not at_seq:
+            seqs = "/".join(map(str, sorted({k.seq_length for k in keys})))
+            why = f", measured only at seq {seqs} (planning seq {seq_length})"
+        elif not at_tp:
+            why = f", measured only at TP {'/'.join(map(str, sorted({k.tp for k in at_seq})))}"
+            have = sorted({k.micro_batch_size for k in at_seq})
+            if mbs and mbs not in have:
+                where += f" micro-batch {mbs}"
+                why += f" and micro-batch {'/'.join(map(str, have))}"
+                sizes |= set(have) | {mbs}
+        else:
+            have = sorted({k.micro_batch_size for k in at_tp})
+            where += f" micro-batch {mbs}"
+            why = f", measured only at micro-batch {'/'.join(map(str, have))} there"
+            sizes |= set(have) | ({mbs} if mbs else set())
+        tps |= {tp} | {k.tp for k in at_seq}
+        parts.append(where + why)
+    flags = []
+    if len(tps) > 1:
+        flags.append(f"--tp {' '.join(map(str, sorted(tps)))}")
+    if sizes:
+        flags.append(f"--micro-batch-sizes {' '.join(map(str, sorted(sizes)))}")
+    text = ("; ".join(parts) + ": its decoder is scaled from that type's measured rate "
+            "(`costs from:` names the records): ")
+    if not flags:
+        return text + f"profile at seq {seq_length} to compare measured with measured"
+    limit = " / ".join(f.split()[0] for f in flags)
+    return text + (f"profile `{' '.join(flags)}` to compare measured with measured, or plan "
+                   f"with {limit} limited to the measured ones")
+
+
+unprofiled_tp_note = scaled_estimate_note   # the former name (TP only)
 
 
 # --------------------------------------------------------------------------- calibration
 
 def calibrate_cluster(cluster, db: ProfileDB | None, model, seq_length: int,
                       setup: TrainingSetup | None = None):
-    """``cluster`` with each device type that has no ``peak_tflops`` given the rate its measured
-    decoder records reach (the median over its records), so the layers no record measured
-    (embedding, output, other TP degrees) are estimated on the same scale: a device known by
-    name (:func:`~poseidon_plugin.cluster.nominal_peak_tflops`) keeps its peak with
-    ``efficiency`` = rate / peak; another gets ``peak_tflops`` = the rate, ``efficiency`` 1 and
-    ``measured_peak`` (no MFU). SpecError naming the field when such a type has no measured
-    record either."""
-    decoders = measured_decoders(db, model.signature(), setup, seq_length)
+    """``cluster`` with each device type that has measured decoder records given the rate they
+    reach (the median over its records), so the layers no record measured (embedding, output)
+    are estimated on the same scale as the measured ones (the decoder at a configuration no
+    record measured is scaled from the closest records: ``scaled_profile``). A type with
+    ``peak_tflops`` keeps it (MFU is measured against it) with ``efficiency`` = rate / peak:
+    where a type has measurements they set its speed, not the file. A type without one: a
+    device known by name (:func:`~poseidon_plugin.cluster.nominal_peak_tflops`) keeps its peak
+    with ``efficiency`` = rate / peak; another gets ``peak_tflops`` = the rate, ``efficiency``
+    1 and ``measured_peak`` (no MFU). SpecError naming the field when a type has neither a peak
+    nor a measured record. Records at ``seq_length`` are used; a type measured only at other
+    sequence lengths is rated from those."""
+    every = measured_decoders(db, model.signature(), setup)
     types = dict(cluster.device_types)
     for name in cluster.type_names:
         dt = types[name]
-        if dt.peak_tflops is not None:
-            continue
-        rates = [model.layer_forward_flops(p.key.micro_batch_size, seq_length) / p.key.tp
-                 / (p.forward_ms * 1e-3) / 1e12
-                 for p in decoders if p.key.device_type == name and p.forward_ms > 0]
+        mine = [p for p in every if p.key.device_type == name]
+        near = [p for p in mine if p.key.seq_length == seq_length] or mine
+        rates = [model.layer_forward_flops(p.key.micro_batch_size, p.key.seq_length) / p.key.tp
+                 / (p.forward_ms * 1e-3) / 1e12 for p in near if p.forward_ms > 0]
         if not rates:
-            raise SpecError(cluster.source, f"device_types.{name}.peak_tflops",
-                            "a peak (no usable measured decoder record of this type to "
-                            "calibrate from)", "missing")
+            if dt.peak_tflops is None:
+                raise SpecError(cluster.source, f"device_types.{name}.peak_tflops",
+                                "a peak (no usable measured decoder record of this type to "
+                                "calibrate from)", "missing")
+            continue
         rate = statistics.median(rates)
-        nominal = nominal_peak_tflops(name)
-        if nominal is not None and rate <= nominal:   # a known device: its peak, the efficiency
-            types[name] = replace(dt, peak_tflops=nominal,
-                                  efficiency=float(f"{max(1e-9, rate / nominal):.9g}"),
+        peak = dt.peak_tflops if dt.peak_tflops is not None else nominal_peak_tflops(name)
+        if peak is not None and (dt.peak_tflops is not None or rate <= peak):
+            # the file's (or a known device's) peak for MFU; the measured rate for the estimates
+            types[name] = replace(dt, peak_tflops=peak,
+                                  efficiency=float(f"{max(1e-9, rate / peak):.9g}"),
                                   calibrated=True)
         else:                                          # the rate stands in for the peak
             types[name] = replace(dt, peak_tflops=round(rate, 6), efficiency=1.0,
@@ -649,5 +831,6 @@ def calibrate_cluster(cluster, db: ProfileDB | None, model, seq_length: int,
 __all__ = [
     "LayerKind", "Source", "ProfileKey", "LayerProfile", "ProfileDB", "estimate_profile",
     "lookup_profile", "lookup_overhead", "profile_key", "tp_link_gbps", "diagnose", "signature_diff",
-    "calibrate_cluster", "measured_decoders", "unprofiled_tp_note",
+    "calibrate_cluster", "measured_decoders", "unprofiled_tp_note", "scaled_estimate_note",
+    "scaled_profile", "scaling_basis", "provenance_entry", "scaled_text",
 ]

@@ -273,6 +273,156 @@ def test_lookup_profile():
     assert lookup_profile(db, c, TINY, k) == measured
 
 
+# --------------------------------------------------------------------------- scaled estimates
+# A DB measuring some configurations of a device type: the others take the type's measured rate,
+# not the cluster file's peak (a Metis comparison planned V100 mbs 2-4 on the peak x efficiency
+# estimate, 2.6x too fast, with mbs 1 measured at a third of it).
+
+METIS = {
+    "name": "metis",
+    "device_types": {
+        "V100": {"memory_gib": 32, "peak_tflops": 125, "efficiency": 0.5, "intra_node_gbps": 800},
+        "A100": {"memory_gib": 40, "peak_tflops": 312, "efficiency": 0.5, "intra_node_gbps": 2400},
+    },
+    "nodes": [{"device_type": "V100", "devices_per_node": 4},
+              {"device_type": "A100", "devices_per_node": 4}],
+    "links": {"inter_node_gbps": 100, "cross_type_gbps": 50, "latency_ms": 0.01},
+}
+V100_RATE = 125 * 0.5 / 3   # what the measured layer reached: a third of peak x efficiency
+
+
+def v100_measured(mbs=1, tp=1, rate=V100_RATE, seq=128, bwd_ratio=2.5) -> LayerProfile:
+    """A measured V100 decoder record at ``rate`` TFLOP/s (forward; backward ``bwd_ratio`` x)."""
+    fwd = TINY.layer_forward_flops(mbs, seq) / tp / (rate * 1e12) * 1e3
+    k = key(tp=tp, mbs=mbs, seq=seq, device="V100")
+    est = estimate_profile(cluster_from_dict(METIS), TINY, k)
+    return dataclasses.replace(est, forward_ms=fwd, backward_ms=bwd_ratio * fwd, source="measured")
+
+
+def test_an_unmeasured_micro_batch_takes_the_measured_rate_not_the_peak():
+    c = cluster_from_dict(METIS)
+    db = ProfileDB()
+    m1 = v100_measured(mbs=1)
+    db.put(m1)
+    p2 = lookup_profile(db, c, TINY, key(mbs=2, device="V100"))
+    flops_ratio = TINY.layer_forward_flops(2, 128) / TINY.layer_forward_flops(1, 128)
+    # tp 1 (no all-reduce): the measured times scaled by the FLOPs, forward and backward
+    assert p2.forward_ms == pytest.approx(m1.forward_ms * flops_ratio, rel=1e-9)
+    assert p2.backward_ms == pytest.approx(m1.backward_ms * flops_ratio, rel=1e-9)
+    assert p2.source == "calibrated" and p2.scaled_from == (m1.key,)
+    # the compute rate of the whole layer: 3 forwards' FLOPs over forward + backward time
+    assert p2.rate_tflops == pytest.approx(V100_RATE * 3 / (1 + 2.5), rel=1e-9)
+    # the peak x efficiency estimate would be 3x faster
+    peak = estimate_profile(c, TINY, key(mbs=2, device="V100"))
+    assert peak.forward_ms == pytest.approx(p2.forward_ms / 3, rel=1e-9)
+    # memory stays the analytic model's
+    assert (p2.activation_bytes, p2.param_bytes) == (peak.activation_bytes, peak.param_bytes)
+
+
+def test_a_type_without_measurements_still_uses_its_peak():
+    c = cluster_from_dict(METIS)
+    db = ProfileDB()
+    db.put(v100_measured(mbs=1))
+    k = key(mbs=2, device="A100")
+    a100 = lookup_profile(db, c, TINY, k)
+    assert a100 == estimate_profile(c, TINY, k)
+    assert a100.source == "estimated" and not a100.scaled_from
+    assert a100.forward_ms == pytest.approx(
+        TINY.layer_forward_flops(2, 128) / (312 * 0.5 * 1e12) * 1e3)
+    # the embedding and output layers are no decoder: estimated, never scaled from one
+    assert not lookup_profile(db, c, TINY, key("output", mbs=2, device="V100")).scaled_from
+
+
+def test_a_measured_key_scales_back_to_its_measurement():
+    """The scaling is the estimator's own terms at the measured rate: a measured record, TP
+    all-reduces included, comes back as itself."""
+    c = cluster_from_dict(METIS)
+    from poseidon_plugin.profiles import scaled_profile
+    for tp in (1, 2, 4):
+        m = v100_measured(mbs=2, tp=tp, rate=0.2)   # compute-bound: the all-reduces fit
+        back = scaled_profile(c, TINY, m.key, [m])
+        assert back.forward_ms == pytest.approx(m.forward_ms, rel=1e-9)
+        assert back.backward_ms == pytest.approx(m.backward_ms, rel=1e-9)
+
+
+def test_a_measurement_the_link_model_cannot_explain_is_rated_whole():
+    """Where the modelled TP all-reduces would take over COMM_FIT of a measured time (the link
+    model does not describe that machine), the rate is the modelled compute over the whole
+    time: never a negative or near-zero compute time."""
+    from poseidon_plugin.profiles import COMM_FIT, _decoder_terms, scaled_profile
+    c = cluster_from_dict(METIS)
+    m = v100_measured(mbs=2, tp=4)               # 20 TFLOP/s on a tiny layer: latency-bound
+    fwd, bwd, comm = _decoder_terms(c, TINY, m.key)
+    assert comm > COMM_FIT * m.forward_ms
+    back = scaled_profile(c, TINY, m.key, [m])
+    assert back.rate_tflops == pytest.approx((fwd + bwd) / (m.forward_ms + m.backward_ms))
+    assert back.forward_ms == pytest.approx(m.forward_ms + comm, rel=1e-9)
+
+
+def test_scaled_across_tp_keeps_the_compute_rate_and_models_the_all_reduces():
+    c = cluster_from_dict(METIS)
+    db = ProfileDB()
+    m = v100_measured(mbs=1, tp=1)
+    db.put(m)
+    p = lookup_profile(db, c, TINY, key(tp=2, mbs=1, device="V100"))
+    comm = 2 * allreduce_ms(2 * 1 * 128 * TINY.hidden_size, 2, 800, 0.01)
+    assert p.forward_ms == pytest.approx(m.forward_ms / 2 + comm, rel=1e-9)
+    assert p.backward_ms == pytest.approx(m.backward_ms / 2 + comm, rel=1e-9)
+
+
+def test_the_closest_measured_configurations_are_the_basis():
+    from poseidon_plugin.profiles import scaling_basis
+    c = cluster_from_dict(METIS)
+    db = ProfileDB()
+    lo, hi = v100_measured(mbs=1, rate=10.0), v100_measured(mbs=4, rate=40.0)
+    other_tp = v100_measured(mbs=2, tp=4, rate=5.0)
+    other_seq = v100_measured(mbs=2, seq=256, rate=1.0)
+    for r in (lo, hi, other_tp, other_seq):
+        db.put(r)
+    measured = db.measured_of(key(device="V100"))
+    assert len(measured) == 4
+    # same seq and TP first; bracketing micro-batches: the rate in between on a log scale
+    assert scaling_basis(measured, key(mbs=2, device="V100")) == (lo, hi)
+    p2 = lookup_profile(db, c, TINY, key(mbs=2, device="V100"))
+    assert p2.forward_ms == pytest.approx(
+        TINY.layer_forward_flops(2, 128) / 20e12 * 1e3, rel=1e-9)   # sqrt(10 x 40)
+    # beyond the measured sizes: the nearest one's rate (no extrapolation)
+    assert scaling_basis(measured, key(mbs=8, device="V100")) == (hi,)
+    # an unmeasured TP: the closest measured degree at the key's sequence (2 -> 1 before 4)
+    assert scaling_basis(measured, key(tp=2, mbs=2, device="V100")) == (lo, hi)
+    assert scaling_basis(measured, key(tp=8, mbs=2, device="V100")) == (other_tp,)
+    # an unmeasured sequence: the closest measured one
+    assert scaling_basis(measured, key(mbs=2, seq=512, device="V100")) == (other_seq,)
+
+
+def test_the_scaled_provenance_line():
+    from poseidon_plugin.profiles import provenance_entry
+    c = cluster_from_dict(METIS)
+    db = ProfileDB()
+    db.put(v100_measured(mbs=1))
+    db.put(v100_measured(mbs=4))
+    kind, src, rec = provenance_entry(lookup_profile(db, c, TINY, key(tp=2, mbs=2,
+                                                                      device="V100")))
+    assert (kind, src) == ("decoder", "scaled")
+    rate = lookup_profile(db, c, TINY, key(tp=2, mbs=2, device="V100")).rate_tflops
+    assert rec == ("V100 decoder tp2 mbs2 seq128 bf16/flash/none from measured tp1 mbs1,4 "
+                   f"(rate {rate:.1f} TFLOP/s)")
+    assert provenance_entry(db.get(key(mbs=1, device="V100"))) == (
+        "decoder", "measured", "V100 decoder tp1 mbs1 seq128 bf16/flash/none")
+
+
+def test_the_measured_index_follows_the_db():
+    db = ProfileDB()
+    k = key(device="V100")
+    assert db.measured_of(k) == ()
+    db.put(dataclasses.replace(v100_measured(), source="estimated"))
+    assert db.measured_of(k) == ()
+    m = v100_measured()
+    db.put(m)
+    assert db.measured_of(k) == (m,)
+    assert db.measured_of(key(device="V100", model=PRESETS["llama3-8b"])) == ()
+
+
 GOOD = {"device_type": "fast", "layer_kind": "decoder", "tp": 1, "micro_batch_size": 1,
         "seq_length": 128, "model_signature": "sig", "forward_ms": 1.0, "backward_ms": 2.0,
         "activation_bytes": 10, "param_bytes": 20, "source": "measured"}

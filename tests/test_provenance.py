@@ -60,13 +60,14 @@ def test_stage_provenance_in_json_and_table(capsys, tmp_path):
         assert dec["source"] == "measured"
         assert dec["record"] == f"{st['device_type']} decoder tp1 mbs1 seq128 bf16/flash/none"
         assert st["memory"]["activations_source"] == "measured"
-    assert plan["stages"][0]["provenance"]["embedding"]["source"] == "estimated"
-    assert plan["stages"][-1]["provenance"]["output"]["source"] == "estimated"
+    # peak_tflops in the file, but both types measured: their rate sets the estimates' speed
+    assert plan["stages"][0]["provenance"]["embedding"]["source"] == "calibrated"
+    assert plan["stages"][-1]["provenance"]["output"]["source"] == "calibrated"
     assert "output" not in plan["stages"][0]["provenance"] or plan["pp"] == 1
     assert plan["training"]["attention"] == "flash"
     rc, table, _ = run(capsys, PLAN + ["--profiles", db])
     assert "costs from:" in table
-    assert "decoder   measured" in table and "embedding estimated" in table
+    assert "decoder   measured" in table and "embedding calibrated" in table
     assert "activation memory: measured on stage(s) 0-" in table
 
 
@@ -368,3 +369,109 @@ def test_a_plan_on_an_unprofiled_tp_degree_says_so(capsys):
     assert "`--tp 1 2`" in note
     rc, out, err = run(capsys, argv + ["--tp", "1"])
     assert rc == 0 and "tp=1" in out.splitlines()[0] and "poseidon: note" not in err
+
+
+# --------------------------------------------------------------------------- scaled estimates
+
+def _v100_cluster(tmp_path) -> str:
+    """V100 nodes with peak_tflops in the file (the Metis comparison's setting)."""
+    path = tmp_path / "v100.yaml"
+    path.write_text(json.dumps({
+        "device_types": {"V100": {"memory_gib": 32, "peak_tflops": 125, "efficiency": 0.5,
+                                  "intra_node_gbps": 800}},
+        "nodes": [{"device_type": "V100", "devices_per_node": 4}],
+        "links": {"inter_node_gbps": 100, "cross_type_gbps": 50, "latency_ms": 0.01}}))
+    return str(path)
+
+
+def test_a_micro_batch_the_db_did_not_measure_is_planned_at_the_measured_rate(capsys, tmp_path):
+    """V100 measured at micro-batch 1 only, at a tenth of the file's peak x efficiency; a plan
+    at micro-batch 2 rests on the mbs-1 rate scaled by FLOPs (not the peak), its `costs from:`
+    line says so, and one note line says what to profile."""
+    rate = 125 * 0.5 / 10
+    fwd = MODEL.layer_forward_flops(1, 128) / (rate * 1e12) * 1e3
+    db = write_db(tmp_path, measured("V100", fwd=fwd))
+    argv = ["plan", "--cluster", _v100_cluster(tmp_path), "--model", TINY,
+            "--global-batch-size", "16", "--seq-length", "128", "--workers", "1",
+            "--no-baselines", "--tp", "1", "--micro-batch-sizes", "2", "--profiles", db]
+    rc, out, err = run(capsys, argv + ["--json"])
+    assert rc == 0, err
+    plan = json.loads(out)
+    assert plan["micro_batch_size"] == 2
+    flops_ratio = MODEL.layer_forward_flops(2, 128) / MODEL.layer_forward_flops(1, 128)
+    want = 3 * MODEL.layer_forward_flops(2, 128) / (3 * fwd * flops_ratio * 1e-3) / 1e12
+    for st in plan["stages"]:
+        dec = st["provenance"]["decoder"]
+        assert dec["source"] == "scaled"
+        assert dec["record"] == ("V100 decoder tp1 mbs2 seq128 bf16/flash/none from measured "
+                                 f"tp1 mbs1 (rate {want:.1f} TFLOP/s)")
+        # the stage's forward: its layers at the measured rate (the peak x efficiency estimate
+        # is 10x faster), plus the embedding / output layers on the first / last stage
+        decoders = st["layers"] * fwd * flops_ratio
+        assert decoders <= st["forward_ms"] < 1.2 * decoders
+    assert plan["stages"][0]["provenance"]["embedding"]["source"] == "calibrated"
+    assert plan["mfu"] > 0.0    # the file's peak still serves MFU
+
+    rc, table, err = run(capsys, argv)
+    assert rc == 0
+    (line,) = [l for l in table.splitlines() if l.startswith("  decoder ")]
+    assert line.split()[:2] == ["decoder", "scaled"]
+    assert line.endswith(f"V100 decoder tp1 mbs2 seq128 bf16/flash/none from measured tp1 mbs1 "
+                         f"(rate {want:.1f} TFLOP/s)")
+    (note,) = [l for l in err.splitlines() if l.startswith("poseidon: note:")]
+    assert "run V100 at TP 1 micro-batch 2, measured only at micro-batch 1 there" in note
+    assert "`--micro-batch-sizes 1 2`" in note
+
+    # at the measured micro-batch: measured, no note
+    rc, table, err = run(capsys, argv[:-4] + ["--micro-batch-sizes", "1", "--profiles", db])
+    assert rc == 0 and "decoder   measured" in table and "poseidon: note" not in err
+
+
+def test_a_type_with_a_peak_and_measurements_is_rated_by_them(tmp_path):
+    """peak_tflops in the file and a measured decoder: the estimates of the type's other layers
+    (embedding, output) take the measured rate (efficiency = rate / peak); the peak stays for
+    MFU. A type with a peak and no measurement keeps the file's speed."""
+    cluster = load_cluster(SMALL)                   # fast: 200 x 0.5, slow: 100 x 0.5
+    db = ProfileDB(None)
+    db.put(measured("fast", fwd=0.5))
+    cal = calibrate_cluster(cluster, db, MODEL, 128)
+    fast, slow = cal.device_types["fast"], cal.device_types["slow"]
+    rate = MODEL.layer_forward_flops(1, 128) / 0.5e-3 / 1e12
+    assert fast.peak_tflops == 200 and fast.calibrated and not fast.measured_peak
+    assert fast.effective_tflops == pytest.approx(rate, rel=1e-6)
+    assert slow == cluster.device_types["slow"]
+    emb = CostModel(cal, MODEL, db, seq_length=128).layer_costs(0, 1, 1).profiles[2]
+    assert emb.source == "calibrated"
+
+
+def test_the_scaled_estimate_note_names_what_is_not_measured():
+    from types import SimpleNamespace
+
+    from poseidon_plugin.profiles import scaled_estimate_note
+
+    db = ProfileDB(None)
+    db.put(measured("V100", fwd=0.1))                                       # tp 1, mbs 1
+    db.put(LayerProfile(profile_key(MODEL, "V100", "decoder", 1, 2, seq_length=128), 0.2, 0.4,
+                        1, 1, source="measured"))                             # tp 1, mbs 2
+
+    def note(tp, mbs, src="scaled", seq=128, device="V100"):
+        st = SimpleNamespace(index=1, device_type=device, tp=tp,
+                             provenance=(("decoder", src, "..."),))
+        return scaled_estimate_note(SimpleNamespace(stages=[st], micro_batch_size=mbs), db,
+                                    MODEL, seq)
+
+    assert note(1, 1, src="measured") is None
+    assert note(2, 4, device="A100") is None            # a type nothing measured: estimated
+    assert note(2, 1).startswith("stage(s) 1 run V100 at TP 2, measured only at TP 1: its "
+                                 "decoder is scaled from that type's measured rate")
+    assert note(2, 1).endswith("profile `--tp 1 2` to compare measured with measured, or plan "
+                               "with --tp limited to the measured ones")
+    assert note(2, 4).startswith("stage(s) 1 run V100 at TP 2 micro-batch 4, measured only at "
+                                 "TP 1 and micro-batch 1/2:")
+    assert "profile `--tp 1 2 --micro-batch-sizes 1 2 4`" in note(2, 4)
+    assert "plan with --tp / --micro-batch-sizes limited" in note(2, 4)
+    assert note(1, 4).startswith("stage(s) 1 run V100 at TP 1 micro-batch 4, measured only at "
+                                 "micro-batch 1/2 there:")
+    assert "profile `--micro-batch-sizes 1 2 4`" in note(1, 4)
+    assert "measured only at seq 128 (planning seq 256)" in note(1, 1, seq=256)
+    assert note(1, 1, seq=256).endswith("profile at seq 256 to compare measured with measured")

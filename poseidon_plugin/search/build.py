@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..costs import CostModel, chunk_layers
 from ..plan import DeviceSlot, Plan, StagePlan
+from ..profiles import provenance_entry
 from .configs import OuterConfig
 from .instance import time_assignment
 
@@ -29,8 +30,7 @@ def _stage_plans(cm: CostModel, cfg: OuterConfig, opts, layers, stages, placemen
                   chunk_layers=chunk_layers(int(layers[s]), cfg.virtual_stages),
                   chunk_forward_ms=tuple(st.chunk_forward_ms),
                   chunk_backward_ms=tuple(st.chunk_backward_ms),
-                  provenance=tuple((p.key.layer_kind, p.source, p.key.describe())
-                                   for p in st.provenance)
+                  provenance=tuple(provenance_entry(p) for p in st.provenance)
                   + (("optimizer",) + tuple(st.optimizer_source),),
                   memory_parts=_memory_parts(st))
         for s, st in enumerate(stages))
