@@ -310,6 +310,9 @@ def _cmd_plan(ns) -> int:
     budget = _Budget(ns.time_budget, share=1.0 if ns.no_baselines else SEARCH_SHARE)
     cluster = load_cluster(ns.cluster)
     model = get_model(ns.model)
+    model_note = model.planning_note()   # mixed layer kinds, MTP: what is not yet costed
+    if model_note:
+        sys.stderr.write(f"poseidon: warning: {model_note}\n")
     options = options.replace(rules=framework_rules(ns.megatron_args, model.num_layers))
     profiles = None
     if ns.profiles:

@@ -19,7 +19,9 @@ generalised to GQA, SwiGLU and MoE), with b = micro-batch, s = sequence, t = TP:
         attention and MLP inputs 2x2h, two dropout masks 2x1h;
     TP-sharded part, divided by t: ``s*b*(4*a*d + 4*g*d + 2*f*(3 if SwiGLU else 2))`` — Q, K, V and
         the output-projection input in bf16, and the MLP's fc1 output(s) and fc2 input;
-        MoE: the MLP term x top-k plus the k dispatched copies of the input (2*k*h);
+        MoE: the MLP term x top-k plus the k dispatched copies of the input (2*k*h), plus the
+        shared experts' MLP term; a model of dense and MoE layers: the larger kind's, for every
+        layer (an upper bound until per-stage layer costs land);
     attention scores: NOT counted. We assume flash attention / selective recompute of the core
         attention, which is what megatron-core's own estimate assumes (its ``_without_sp`` formula
         ``s*b*h*(10 + 24/t)`` is exactly ours for MHA, GeLU, f = 4h; with SP its ``s*b*h*(18+4f/h)/t``
@@ -153,18 +155,35 @@ def _flash_layer_bytes(model, *, micro_batch_size: int, seq_length: int, tp: int
                        sequence_parallel: bool = False) -> float:
     sb = float(seq_length * micro_batch_size)
     h, a, g, d = model.hidden_size, model.num_attention_heads, model.num_query_groups, model.head_dim
-    gemms = 3 if model.swiglu else 2
     replicated = 10.0 * h
     attention = 4.0 * a * d + 4.0 * g * d
-    if model.is_moe:
-        k = model.moe_top_k
-        mlp = k * 2.0 * model.expert_ffn_hidden_size * gemms + 2.0 * k * h
+    kinds = getattr(model, "layer_kinds", None)
+    if kinds:   # per layer kind; a mixed model (dense and MoE): the largest, an upper bound
+        mlp = max(_mlp_units(kind.mlp, h) for kind in kinds)
     else:
-        mlp = 2.0 * model.ffn_hidden_size * gemms
+        gemms = 3 if model.swiglu else 2
+        if model.is_moe:
+            k = model.moe_top_k
+            mlp = k * 2.0 * model.expert_ffn_hidden_size * gemms + 2.0 * k * h
+        else:
+            mlp = 2.0 * model.ffn_hidden_size * gemms
     sharded = attention + mlp
     if sequence_parallel:
         return sb * (replicated + sharded) / tp
     return sb * (replicated + sharded / tp)
+
+
+def _mlp_units(mlp, h: int) -> float:
+    """Per token, the bytes one layer's MLP keeps (``layers.MLPSpec``): fc1 output(s) and fc2
+    input; MoE: x top-k plus the k dispatched copies of the input, and the shared experts."""
+    gemms = 3 if mlp.swiglu else 2
+    if not mlp.is_moe:
+        return 2.0 * mlp.ffn_hidden_size * gemms
+    k = mlp.top_k
+    units = k * 2.0 * mlp.ffn_hidden_size * gemms + 2.0 * k * h
+    if mlp.shared_ffn_hidden_size:
+        units += 2.0 * mlp.shared_ffn_hidden_size * gemms
+    return units
 
 
 def layer_input_bytes(model, *, micro_batch_size: int, seq_length: int, tp: int,

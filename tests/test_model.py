@@ -35,7 +35,7 @@ def test_mixtral_active_params():
 
 def test_preset_names_and_registry():
     assert set(PRESETS) == {"llama3-8b", "llama2-13b", "llama-30b", "mixtral-8x7b", "llama3-70b",
-                            "llama3-405b"}
+                            "llama3-405b", "deepseek-v3", "qwen3-235b-a22b", "qwen3-30b-a3b"}
     for name, spec in PRESETS.items():
         assert spec.name == name
         assert get_model(name) is spec

@@ -92,17 +92,30 @@ def strip_flags(argv: Sequence[str], value_flags: Iterable[str] = (),
     return out
 
 
+# Parallel dimensions the search does not plan yet: (flag, what it is, what the plan assumes).
+UNPLANNED_PARALLELISM: tuple[tuple[str, str, str], ...] = (
+    ("--context-parallel-size", "context parallelism",
+     "every device of a stage holds the whole sequence (CP = 1)"),
+    ("--expert-model-parallel-size", "expert parallelism",
+     "every device of a stage holds all of its layers' experts (EP = 1)"),
+    ("--expert-tensor-parallel-size", "expert tensor parallelism",
+     "experts are split over the stage's TP degree, Megatron's default (expert TP = TP)"),
+)
+
+
 def check_refused(argv: Sequence[str]) -> None:
-    """PoseidonError for a launch Poseidon cannot plan (checkpoint args, in-process restart, YAML, CP/EP)."""
+    """PoseidonError for a launch Poseidon cannot plan (checkpoint args, in-process restart, YAML,
+    context / expert / expert-tensor parallelism, which the search does not plan yet)."""
     for flag, why in REFUSED_FLAGS.items():
         if find_flag(argv, flag):
             raise PoseidonError(f"--poseidon-auto cannot be combined with {flag}: {why}")
-    for flag, what in (("--context-parallel-size", "context parallelism"),
-                       ("--expert-model-parallel-size", "expert parallelism")):
+    for flag, what, assumed in UNPLANNED_PARALLELISM:
         raw = flag_value(argv, flag)
-        if raw is not None and raw != "1":
-            raise PoseidonError(f"--poseidon-auto plans dense TP/PP/DP only; {what} ({flag} {raw}) "
-                                "is not supported yet; remove it or launch without --poseidon-auto")
+        if raw is None or (raw == "1" and flag != "--expert-tensor-parallel-size"):
+            continue
+        raise PoseidonError(
+            f"--poseidon-auto does not plan {what} yet ({flag} {raw}): its plans assume {assumed}; "
+            f"remove {flag} or launch without --poseidon-auto")
 
 
 # ----------------------------------------------------------------------------------------------

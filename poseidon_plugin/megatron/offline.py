@@ -78,10 +78,26 @@ def model_flags(model, seq_length: int, micro_batch_size: int) -> list[str]:
     if model.untie_embeddings:
         flags.append("--untie-embeddings-and-output-weights")
     if model.is_moe:
+        # one layer at Megatron's default --moe-layer-freq 1: the MoE kind of a mixed model
         flags += ["--num-experts", str(model.num_experts), "--moe-router-topk",
                   str(model.moe_top_k)]
         if model.moe_ffn_hidden_size:
             flags += ["--moe-ffn-hidden-size", str(model.moe_ffn_hidden_size)]
+        if model.moe_shared_expert_intermediate_size:
+            flags += ["--moe-shared-expert-intermediate-size",
+                      str(model.moe_shared_expert_intermediate_size)]
+            if model.moe_shared_expert_gate:
+                flags.append("--moe-shared-expert-gate")
+    if model.qk_layernorm:
+        flags.append("--qk-layernorm")
+    if model.multi_latent_attention:
+        i = flags.index("--kv-channels")
+        del flags[i:i + 2]   # MLA's heads are its own head dims
+        flags.append("--multi-latent-attention")
+        for field in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                      "v_head_dim"):
+            if getattr(model, field) is not None:
+                flags += ["--" + field.replace("_", "-"), str(getattr(model, field))]
     return flags
 
 

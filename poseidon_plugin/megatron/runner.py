@@ -327,6 +327,9 @@ def _all_ranks_read_model(ctx: LaunchContext) -> None:
     ctx.args = args
     framework_state.hold(args)   # the framework's patched code reads them from here on
     ctx.model = model_from_megatron_args(args, name=os.path.basename(ctx.script))
+    note = ctx.model.planning_note()   # mixed layer kinds, MTP: what is not yet costed
+    if note and ctx.rank == 0:
+        log.warning(note)
     ctx.training = setup_from_megatron_args(args)
     gbs = args.global_batch_size
     if gbs is None:
