@@ -85,7 +85,7 @@ def seen(monkeypatch, backends):
     calls: list[dict] = []
 
     def profile_rank(args, tps, micro_batch_sizes, *, world_size, rank, device, iters,
-                     seed=1234, checkpoint=None, turns=None, contention=None):
+                     seed=1234, checkpoint=None, turns=None, contention=None, kinds=None):
         out = []
         for tp in tps:
             if checkpoint is not None:

@@ -161,10 +161,12 @@ def emulated_speed_checks(aggs, speeds: Mapping[str, float], shares: Mapping[str
                           ) -> list[SpeedCheck]:
     """A :class:`SpeedCheck` per emulated type but the fastest, from the profiled aggregates
     (``profiler.Aggregate``: one per type, TP and micro-batch) at TP 1 and the smallest
-    micro-batch they share; none without TP 1 or a second type."""
+    micro-batch they share; none without TP 1 or a second type. Of a model of several layer
+    kinds, the first kind's (by name) aggregates: every kind runs at the same emulated speed."""
     tp1 = {}
+    kind = min((getattr(a, "kind", "") for a in aggs), default="")
     for a in aggs:
-        if a.tp == 1 and a.device_type in speeds:
+        if a.tp == 1 and a.device_type in speeds and getattr(a, "kind", "") == kind:
             tp1.setdefault(a.device_type, {})[a.micro_batch_size] = a
     common = set.intersection(*(set(v) for v in tp1.values())) if len(tp1) > 1 else set()
     if not common:

@@ -27,7 +27,8 @@ def profile_and_gather(boot: bootstrap.Bootstrap, args: Any, tps: Sequence[int],
                        micro_batch_sizes: Sequence[int], *, device: Any, iters: int,
                        backend: str, seed: int = 1234,
                        turns: profiler.Turns | None = None,
-                       contention: Any = None
+                       contention: Any = None,
+                       kinds: Sequence[profiler.ProfiledKind] | None = None
                        ) -> list[list[profiler.LayerTiming]]:
     """Every rank's ``LayerTiming`` list, indexed by launch rank (on every rank).
 
@@ -36,7 +37,9 @@ def profile_and_gather(boot: bootstrap.Bootstrap, args: Any, tps: Sequence[int],
     of the device; no default: gloo with a GPU's tensors is the mistake this avoids): other than
     gloo, the default group is switched to it for the timing.
     ``turns``: ranks sharing a host's CPU cores measure one TP group at a time.
-    ``contention``: under emulation, the host-contention probe (``profiler.profile_rank``)."""
+    ``contention``: under emulation, the host-contention probe (``profiler.profile_rank``).
+    ``kinds``: the layer kinds each rank profiles (``profiler.ProfiledKind``; default: the
+    first layer's), each rank's list holding every kind's timings (``LayerTiming.kind``)."""
     env = boot.env
 
     def measure() -> list[profiler.LayerTiming]:
@@ -44,7 +47,7 @@ def profile_and_gather(boot: bootstrap.Bootstrap, args: Any, tps: Sequence[int],
             return profiler.profile_rank(
                 args, tps, micro_batch_sizes, world_size=env.world_size, rank=env.rank,
                 device=device, iters=iters, seed=seed, checkpoint=boot.barrier, turns=turns,
-                contention=contention)
+                contention=contention, kinds=kinds)
 
     timings = bootstrap.run_guarded(boot, "profiling", measure)
     return bootstrap.run_guarded(boot, "profiling-gather",

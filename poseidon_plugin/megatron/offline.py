@@ -4,6 +4,10 @@ One device type per run: the model's decoder layer, built by megatron-core from 
 made from the model spec and the training setup, is timed (:func:`.profiler.profile_rank`) on
 this machine's devices for each TP degree and micro-batch size, and written as measured records
 into a profile DB (merged into the file when it exists), which ``poseidon plan --profiles`` reads.
+A model of several layer kinds (dense layers, then MoE ones) has each kind profiled, from the
+flags of a one-layer model of that kind (:func:`layer_kinds`), and recorded under that kind's
+signature (``ModelSpec.kind_model(i).signature()``), as the launch records them; a MoE layer's
+tokens are routed evenly where megatron-core can (:mod:`.profiler`).
 
 * Device: ``auto`` takes CUDA, then an Ascend NPU, else the CPU. On the CPU megatron-core runs
   under the emulation's CUDA shims (``emulation.install_cpu_shims``) with the local
@@ -208,9 +212,8 @@ def profile_layers(req: ProfileRequest, procs: Processes | None = None) -> list 
     device, name = _setup_device(kind, req, procs)
     require_megatron("poseidon profile")   # after the CPU shims: one line if it is missing
     patch_dataset_helpers()
-    argv = (model_flags(req.model, req.seq_length, req.micro_batch_sizes[0])
-            + megatron_flags(req.setup) + flags + ["--seed", str(req.seed)])
-    args = profiler.parse_megatron_args("poseidon-profile", argv)
+    kinds = layer_kinds(req, flags)
+    args = kinds[0].args
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # megatron-core's "Apex / TE not installed" notes
         if procs.world_size == 1:
@@ -219,24 +222,42 @@ def profile_layers(req: ProfileRequest, procs: Processes | None = None) -> list 
                 try:
                     gathered = [profiler.profile_rank(
                         args, tps, req.micro_batch_sizes, world_size=1, rank=0, device=device,
-                        iters=req.iters, seed=req.seed)]
+                        iters=req.iters, seed=req.seed, kinds=kinds)]
                 finally:
                     dist.destroy_process_group()
         else:
-            gathered = _profile_group(req, tps, args, kind, device, procs)
+            gathered = _profile_group(req, tps, args, kind, device, procs, kinds)
     if procs.rank != 0:
         return None
     aggs, stragglers = profiler.aggregate(dict(enumerate(gathered)),
                                           {r: req.device_type for r in range(len(gathered))})
     for line in stragglers:
         log.warning("straggler: %s", line)
-    return profile_gather.measured_records(aggs, req.seq_length, req.model.signature(),
-                                           req.setup,
+    return profile_gather.measured_records(aggs, req.seq_length,
+                                           profile_gather.kind_signatures(req.model), req.setup,
                                            profile_gather.measurement_env(name, kind))
 
 
+def layer_kinds(req: ProfileRequest, backend: Sequence[str]) -> tuple:
+    """The ``profiler.ProfiledKind`` of each distinct layer kind of ``req.model``, each with the
+    parsed Megatron arguments of a one-layer model of that kind (``ModelSpec.kind_model``:
+    dense flags for the dense kind, MoE flags at ``--moe-layer-freq 1`` for the MoE kind);
+    ``backend``: the device's layer-implementation flags."""
+    from . import profiler
+
+    model = req.model
+    out = []
+    for i, kind in enumerate(model.layer_kinds):
+        one = model.kind_model(i) if model.is_mixed else model
+        argv = (model_flags(one, req.seq_length, req.micro_batch_sizes[0])
+                + megatron_flags(req.setup) + list(backend) + ["--seed", str(req.seed)])
+        out.append(profiler.ProfiledKind(kind.name if model.is_mixed else "", 0, kind.is_moe,
+                                         profiler.parse_megatron_args("poseidon-profile", argv)))
+    return tuple(out)
+
+
 def _profile_group(req: ProfileRequest, tps: Sequence[int], args: Any, kind: str, device: Any,
-                   procs: Processes) -> list:
+                   procs: Processes, kinds: Sequence = ()) -> list:
     """Every rank's timings (the launch's bootstrap and TP-group profiling, see the module
     docstring), gathered on every rank."""
     import torch.distributed as dist
@@ -251,7 +272,7 @@ def _profile_group(req: ProfileRequest, tps: Sequence[int], args: Any, kind: str
         return group_profile.profile_and_gather(boot, args, tps, req.micro_batch_sizes,
                                                 device=device, iters=req.iters, seed=req.seed,
                                                 backend=bootstrap.device_backend(kind),
-                                                turns=turns)
+                                                turns=turns, kinds=kinds or None)
     finally:
         boot.finish_probe()
         if dist.is_initialized():

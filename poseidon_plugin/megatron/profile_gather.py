@@ -152,13 +152,24 @@ def load_cache(path: str, reprofile: bool) -> ProfileDB:
         return ProfileDB(None)
 
 
+def kind_signatures(model: ModelSpec) -> dict[str, str]:
+    """The profile-record signature of each layer kind the profiler measures, by the kind's
+    name as ``profiler.ProfiledKind.of_model`` names it: a uniform model's one kind is "" and
+    keyed by the model's own signature; a mixed model's kinds by their uniform models'
+    (``ModelSpec.kind_model(i).signature()``: the key costs look a kind's records up by)."""
+    if not model.is_mixed:
+        return {"": model.signature()}
+    return {k.name: model.kind_model(i).signature() for i, k in enumerate(model.layer_kinds)}
+
+
 def needed_keys(cluster: Cluster, model: ModelSpec, tps: Sequence[int],
                 micro_batch_sizes: Sequence[int], seq_length: int,
                 setup: TrainingSetup | None = None) -> list[ProfileKey]:
-    """One decoder-layer record per (device type, TP degree, micro-batch size) of the launch."""
-    sig = model.signature()
+    """One decoder-layer record per (layer kind, device type, TP degree, micro-batch size) of
+    the launch (:func:`kind_signatures`)."""
     fields = (setup or TrainingSetup()).profile_fields
     return [ProfileKey(t, "decoder", tp, mbs, seq_length, sig, **fields)
+            for sig in kind_signatures(model).values()
             for t in cluster.type_names for tp in tps for mbs in micro_batch_sizes]
 
 
@@ -186,15 +197,27 @@ def quantize_ms(value: float, resolution: float = TIME_RESOLUTION) -> float:
     return float(f"{math.exp(round(math.log(value) / step) * step):.6g}")
 
 
-def measured_records(aggs: Sequence[Aggregate], seq_length: int, model_signature: str,
+def measured_records(aggs: Sequence[Aggregate], seq_length: int,
+                     model_signature: str | Mapping[str, str],
                      setup: TrainingSetup | None = None,
                      env: Sequence[tuple[str, str]] = (),
                      devices: Mapping[str, str] | None = None) -> list[LayerProfile]:
     """The per-type medians of :func:`.profiler.aggregate` as measured decoder-layer records
     (keyed by the training setup they ran under; ``env`` says what measured them, its
     ``device`` replaced by ``devices[type]``, the device of the ranks that measured that type;
-    times on the :data:`TIME_RESOLUTION` grid)."""
+    times on the :data:`TIME_RESOLUTION` grid). ``model_signature``: one signature for every
+    record, or per layer kind (``Aggregate.kind`` -> signature, :func:`kind_signatures`): an
+    aggregate of a kind it does not name is an error (a record under the wrong key would be
+    planned from as another kind's)."""
     fields = (setup or TrainingSetup()).profile_fields
+    if isinstance(model_signature, str):
+        sig_of = {a.kind: model_signature for a in aggs}
+    else:
+        sig_of = dict(model_signature)
+        unknown = sorted({a.kind for a in aggs} - set(sig_of))
+        if unknown:
+            raise ValueError(f"profiled layer kind(s) {unknown} not among the model's "
+                             f"{sorted(sig_of)}")
 
     def env_of(device_type: str) -> tuple[tuple[str, str], ...]:
         out = dict(env)
@@ -203,7 +226,7 @@ def measured_records(aggs: Sequence[Aggregate], seq_length: int, model_signature
         return tuple(sorted(out.items()))
 
     return [LayerProfile(ProfileKey(a.device_type, "decoder", a.tp, a.micro_batch_size, seq_length,
-                                    model_signature, **fields),
+                                    sig_of[a.kind], **fields),
                          quantize_ms(a.forward_ms), quantize_ms(a.backward_ms),
                          a.activation_bytes, a.param_bytes, source="measured",
                          env=env_of(a.device_type), optimizer_ms=quantize_ms(a.optimizer_ms))
@@ -258,23 +281,28 @@ def calibrate(cluster: Cluster, db: ProfileDB, model: ModelSpec, tps: Sequence[i
     Real devices keep their peak and get ``efficiency`` = measured / peak; types in
     ``estimated_peak`` (CPU, emulated) get ``peak_tflops`` = measured and ``efficiency`` 1.
     Types in ``fixed`` (the cluster file sets their speed) are left as they are.
+    A model of several layer kinds: the rate is the best over every kind's records, each
+    against its own kind's FLOPs (``kind_model``).
     """
-    sig = model.signature()
     fields = (setup or TrainingSetup()).profile_fields
+    kind_models = ([model] if not model.is_mixed
+                   else [model.kind_model(i) for i in range(len(model.layer_kinds))])
     types: dict[str, DeviceType] = dict(cluster.device_types)
     for name, dt in cluster.device_types.items():
         if name in fixed:
             continue
         rates = []
-        for tp in tps:
-            for mbs in micro_batch_sizes:
-                p = db.get(ProfileKey(name, "decoder", tp, mbs, seq_length, sig, **fields))
-                if p is not None and p.source == "measured" and p.forward_ms > 0:
-                    # forward + backward (3x the forward's FLOPs): the rate the whole layer
-                    # reaches, the one MFU is measured against (a forward-only rate makes a
-                    # backward faster than 2x forward read as MFU > 100%)
-                    flops = 3.0 * model.layer_forward_flops(mbs, seq_length) / tp
-                    rates.append(flops / ((p.forward_ms + p.backward_ms) * 1e-3) / 1e12)
+        for km in kind_models:
+            sig = km.signature()
+            for tp in tps:
+                for mbs in micro_batch_sizes:
+                    p = db.get(ProfileKey(name, "decoder", tp, mbs, seq_length, sig, **fields))
+                    if p is not None and p.source == "measured" and p.forward_ms > 0:
+                        # forward + backward (3x the forward's FLOPs): the rate the whole layer
+                        # reaches, the one MFU is measured against (a forward-only rate makes
+                        # a backward faster than 2x forward read as MFU > 100%)
+                        flops = 3.0 * km.layer_forward_flops(mbs, seq_length) / tp
+                        rates.append(flops / ((p.forward_ms + p.backward_ms) * 1e-3) / 1e12)
         if not rates:
             continue
         measured = max(rates)  # TFLOP/s actually reached (communication included for tp > 1)

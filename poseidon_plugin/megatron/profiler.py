@@ -35,6 +35,19 @@ own arguments, timed forward and backward for each candidate TP degree and micro
   unique storages, parameters excluded). Under full recompute Megatron's block checkpoints each
   layer: a layer keeps only its input, and its backward re-runs the forward (added to the time).
   Parameter bytes: the layer's parameters on this rank in their own dtype.
+* Layer kinds (:class:`ProfiledKind`): a model of several kinds (dense layers then MoE layers,
+  DeepSeek-V3's stack) has each distinct kind profiled: the layer spec of one layer of that kind
+  (the first of it) taken from Megatron's decoder block spec, built with its own layer number, so
+  a launch's records hold one entry per (kind, device type, TP, micro-batch size)
+  (``LayerTiming.kind``, ``Aggregate.kind``). A MoE layer is profiled as one expert-parallel rank
+  runs it; at EP = 1 (the only EP the launch runs today) that is every expert of the layer, fed
+  the tokens its router sends them. Routing: with megatron-core's
+  ``moe_router_force_load_balancing`` (0.14 and later) set on the profiled layer's config, the
+  router's logits are replaced by random ones, so the timed tokens are spread evenly over the
+  experts (top-k of random scores) -- the balanced load a real job approaches under its
+  auxiliary load-balancing loss, and not the skewed routing a freshly initialised router gives
+  random inputs; on an older megatron-core without it, the router as built routes the random
+  inputs (``ProfiledKind.routing`` and the run's log say which).
 """
 
 from __future__ import annotations
@@ -70,6 +83,45 @@ class LayerTiming:
     samples: int = 0            # timed forward/backward repetitions kept
     converged: bool = True      # the medians' 95% CIs reached the target width
     retries: int = 0            # re-measurements (backward < 0.8 x forward)
+    kind: str = ""              # the layer kind (``LayerKind.name``; "" where the model has one)
+
+
+@dataclass(frozen=True)
+class ProfiledKind:
+    """One layer kind a rank profiles: ``name`` (``LayerKind.name``, the records' kind),
+    ``layer_index`` (0-based: which layer of Megatron's decoder block spec is built, the first
+    of this kind), ``moe`` (whether that layer must be a MoE layer: checked against the spec, so
+    a model read differently from how Megatron builds it is an error, not a mislabelled record;
+    None: not checked) and ``args`` (the Megatron arguments to build it from; None: the run's)."""
+
+    name: str = ""
+    layer_index: int = 0
+    moe: bool | None = None
+    args: Any = None
+
+    @staticmethod
+    def of_model(model: Any) -> tuple["ProfiledKind", ...]:
+        """The kinds of ``model`` (``ModelSpec``), each at the first layer of it; a uniform
+        model's single kind is named "" (its records are keyed as before)."""
+        kinds = model.layer_kinds
+        if len(kinds) == 1:
+            return (ProfiledKind("", 0, kinds[0].is_moe),)
+        return tuple(ProfiledKind(k.name, model.layer_kind_of.index(i), k.is_moe)
+                     for i, k in enumerate(kinds))
+
+
+FORCE_BALANCE_ATTR = "moe_router_force_load_balancing"
+
+
+def balanced_routing(config: Any) -> bool:
+    """Set the router's forced load balancing on a MoE layer's config where this megatron-core
+    has it (see the module docstring); whether the timed tokens are routed evenly."""
+    if not getattr(config, "num_moe_experts", None):
+        return False
+    if not hasattr(config, FORCE_BALANCE_ATTR):
+        return False
+    setattr(config, FORCE_BALANCE_ATTR, True)
+    return True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,8 +188,11 @@ def profiling_args(args: Any, tp: int, micro_batch_size: int, world_size: int, r
     return a
 
 
-def layer_config_and_spec(vargs: Any) -> tuple[Any, Any]:
-    """(TransformerConfig, layer ModuleSpec) exactly as the training script would build them."""
+def layer_config_and_spec(vargs: Any, layer_index: int = 0,
+                          moe: bool | None = None) -> tuple[Any, Any]:
+    """(TransformerConfig, layer ModuleSpec) exactly as the training script would build them;
+    of a block spec (MoE models) the spec of layer ``layer_index`` (0-based), which must be a MoE
+    layer iff ``moe`` (when given)."""
     try:  # megatron-core >= 0.18: the config container path pretrain_gpt.py uses
         from megatron.training.argument_utils import gpt_config_from_args
         from megatron.training.models.gpt import default_layer_spec
@@ -154,9 +209,43 @@ def layer_config_and_spec(vargs: Any) -> tuple[Any, Any]:
         if not hasattr(spec, "module") else None
     if layer_specs is None and hasattr(spec, "layer_specs"):
         layer_specs = spec.layer_specs
-    if layer_specs:  # a block spec (MoE): profile its first layer
-        spec = layer_specs[0]
+    if layer_specs:  # a block spec (MoE): the layer asked for
+        if not 0 <= layer_index < len(layer_specs):
+            from ..errors import PoseidonError
+
+            raise PoseidonError(f"the decoder block spec has {len(layer_specs)} layer(s): no "
+                                f"layer {layer_index} to profile")
+        spec = layer_specs[layer_index]
+    if moe is not None and is_moe_spec(spec) != moe:
+        from ..errors import PoseidonError
+
+        raise PoseidonError(
+            f"layer {layer_index + 1} of the model as Megatron builds it is "
+            f"{'a MoE' if is_moe_spec(spec) else 'a dense'} layer, but the planner reads it as "
+            f"{'MoE' if moe else 'dense'} from the arguments (--moe-layer-freq / "
+            "--first-k-dense-replace): the profile would be mislabelled")
     return config, spec
+
+
+def is_moe_spec(spec: Any) -> bool:
+    """Whether a layer ``ModuleSpec``'s MLP is a MoE layer (Megatron's ``MoELayer`` or a
+    subclass of a class of that name): the MLP entry is a ``ModuleSpec`` (its ``module``), a
+    ``functools.partial`` of a class (core 0.19) or a bound class method (``MLP.as_mlp_submodule``)."""
+    import functools
+
+    obj = getattr(getattr(spec, "submodules", None), "mlp", None)
+    for _ in range(8):   # unwrap spec / partial / bound method layers
+        if isinstance(obj, functools.partial):
+            obj = obj.func
+        elif inspect.ismethod(obj):
+            obj = obj.__self__
+        elif not isinstance(obj, type) and hasattr(obj, "module"):
+            obj = obj.module
+        else:
+            break
+    if isinstance(obj, type):
+        return any("MoE" in c.__name__ for c in obj.__mro__)
+    return obj is not None and "MoE" in getattr(obj, "__qualname__", type(obj).__name__)
 
 
 def _layer_spec_le_017(vargs: Any, config: Any) -> Any:
@@ -691,8 +780,15 @@ def profile_rank(args: Any, tps: Sequence[int], micro_batch_sizes: Sequence[int]
                  rank: int, device: Any, iters: int, seed: int = 1234,
                  checkpoint: Any = None, turns: Turns | None = None,
                  contention: Callable[[Callable[[], tuple[float, float]], float], float]
-                 | None = None) -> list[LayerTiming]:
-    """Profile one decoder layer for every (tp, mbs) on this rank. Collective per TP degree.
+                 | None = None,
+                 kinds: Sequence[ProfiledKind] | None = None) -> list[LayerTiming]:
+    """Profile one decoder layer of each kind for every (tp, mbs) on this rank. Collective per
+    TP degree.
+
+    ``kinds``: the layer kinds to profile (:class:`ProfiledKind`; default: the block's first
+    layer, kind ""), each built from the block spec's layer of that kind, in this order for
+    every (tp, mbs); a MoE kind routes its tokens evenly where megatron-core can
+    (:func:`balanced_routing`).
 
     ``checkpoint(name)`` (a deadline barrier) is called before each collective step, so a rank that
     hangs is named by the others instead of surfacing as an anonymous collective timeout.
@@ -707,15 +803,21 @@ def profile_rank(args: Any, tps: Sequence[int], micro_batch_sizes: Sequence[int]
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.transformer.spec_utils import build_module
 
+    kinds = tuple(kinds) if kinds else (ProfiledKind(),)
+    routed: dict[str, bool] = {}
+
     @contextlib.contextmanager
-    def built(tp: int, mbs: int):
-        """The (layer, config, validated args) of (tp, mbs), with Megatron's global args and
-        micro-batch calculator set to that configuration while the block runs (the framework's
-        patched code reads them: :mod:`.framework_state`)."""
-        vargs = profiling_args(args, tp, mbs, world_size, rank)
+    def built(tp: int, mbs: int, kind: ProfiledKind = kinds[0]):
+        """The (layer, config, validated args) of (tp, mbs) and ``kind``, with Megatron's global
+        args and micro-batch calculator set to that configuration while the block runs (the
+        framework's patched code reads them: :mod:`.framework_state`)."""
+        vargs = profiling_args(kind.args if kind.args is not None else args, tp, mbs,
+                               world_size, rank)
         with framework_state.profiling(vargs, max(1, world_size // tp)):
-            config, spec = layer_config_and_spec(vargs)
-            layer = build_module(spec, config=config, layer_number=1)
+            config, spec = layer_config_and_spec(vargs, kind.layer_index, kind.moe)
+            if is_moe_spec(spec):
+                routed[kind.name] = balanced_routing(config)
+            layer = build_module(spec, config=config, layer_number=kind.layer_index + 1)
             layer = layer.to(device=device, dtype=config.params_dtype)
             layer.train()
             yield layer, config, vargs
@@ -732,18 +834,28 @@ def profile_rank(args: Any, tps: Sequence[int], micro_batch_sizes: Sequence[int]
         try:
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
             for mbs in micro_batch_sizes:
-                if checkpoint is not None and tp > 1:
-                    checkpoint(f"profiling-tp{tp}-mbs{mbs}")
-                with built(tp, mbs) as (layer, config, vargs):
-                    out.append(_in_turns(turns, tp, f"profiling-tp{tp}-mbs{mbs}", checkpoint,
-                                         lambda lay=layer, c=config, va=vargs: profile_config(
-                                             lay, c, va, device, iters, tp, mbs, share)))
-                    del layer
+                for kind in kinds:
+                    step = f"profiling-tp{tp}-mbs{mbs}" + (f"-{kind.name}" if kind.name else "")
+                    if checkpoint is not None and tp > 1:
+                        checkpoint(step)
+                    with built(tp, mbs, kind) as (layer, config, vargs):
+                        timing = _in_turns(turns, tp, step, checkpoint,
+                                           lambda lay=layer, c=config, va=vargs: profile_config(
+                                               lay, c, va, device, iters, tp, mbs, share))
+                        out.append(replace(timing, kind=kind.name))
+                        del layer
         finally:
             tensor_parallel.get_cuda_rng_tracker().reset()
             framework_state.clear_model_parallel_leftovers()
             if device.type == "cuda" and torch.cuda.is_available():
                 torch.cuda.empty_cache()
+    for name, balanced in sorted(routed.items()):
+        if rank == 0:
+            log.info("profiled MoE layer%s: every expert (EP 1), tokens routed %s",
+                     f" ({name})" if name else "",
+                     "evenly (the router's forced load balancing: random logits)" if balanced
+                     else "by the router as built on random inputs (this megatron-core has no "
+                     "forced load balancing)")
     return out
 
 
@@ -815,29 +927,34 @@ class Aggregate:
     ranks: int
     optimizer_ms: float = 0.0
     unconverged: int = 0   # ranks whose medians did not reach the target CI width
+    kind: str = ""         # the layer kind (``LayerTiming.kind``)
 
 
 def aggregate(per_rank: dict[int, list[LayerTiming]], type_of: dict[int, str],
               straggler_factor: float = 1.5) -> tuple[list[Aggregate], list[str]]:
-    """Median per device type; names ranks much slower than their type's median (stragglers)."""
-    groups: dict[tuple[str, int, int], list[tuple[int, LayerTiming]]] = {}
+    """Median per (device type, layer kind, TP, micro-batch size); names ranks much slower than
+    their type's median for that kind (stragglers)."""
+    groups: dict[tuple[str, str, int, int], list[tuple[int, LayerTiming]]] = {}
     for rank in sorted(per_rank):
         for t in per_rank[rank]:
-            groups.setdefault((type_of[rank], t.tp, t.micro_batch_size), []).append((rank, t))
+            groups.setdefault((type_of[rank], t.kind, t.tp, t.micro_batch_size),
+                              []).append((rank, t))
     aggs: list[Aggregate] = []
     stragglers: list[str] = []
-    for (dtype, tp, mbs), items in sorted(groups.items()):
+    for (dtype, kind, tp, mbs), items in sorted(groups.items()):
         fwd = statistics.median(t.forward_ms for _, t in items)
         bwd = statistics.median(t.backward_ms for _, t in items)
         aggs.append(Aggregate(dtype, tp, mbs, fwd, bwd, max(t.activation_bytes for _, t in items),
                               max(t.param_bytes for _, t in items), len(items),
                               statistics.median(t.optimizer_ms for _, t in items),
-                              sum(not t.converged for _, t in items)))
+                              sum(not t.converged for _, t in items), kind))
         if len(items) >= 2:
             for rank, t in items:
                 total, med = t.forward_ms + t.backward_ms, fwd + bwd
                 if total > straggler_factor * med:
-                    stragglers.append(f"rank {rank} ({dtype}, tp={tp}, mbs={mbs}): {total:.2f} ms "
+                    what = f"{kind} layer, " if kind else ""
+                    stragglers.append(f"rank {rank} ({dtype}, {what}tp={tp}, mbs={mbs}): "
+                                      f"{total:.2f} ms "
                                       f"per layer vs the type's median {med:.2f} ms "
                                       f"({total / med:.1f}x)")
     return aggs, stragglers

@@ -462,7 +462,9 @@ def _all_ranks_measure(ctx: LaunchContext) -> list[list[profiler.LayerTiming]]:
         iters=ctx.opts.profile_iters, backend=bootstrap.device_backend(ctx.device.kind),
         turns=(profiler.Turns(ctx.env.local_rank, ctx.env.local_world_size)
                if ctx.emu is not None else None),
-        contention=_contention_probe(ctx) if ctx.emu is not None else None)
+        contention=_contention_probe(ctx) if ctx.emu is not None else None,
+        kinds=(profiler.ProfiledKind.of_model(ctx.model) if getattr(ctx, "model", None)
+               is not None else None))
 
 
 def _contention_probe(ctx: LaunchContext
@@ -506,7 +508,8 @@ def _rank0_store_profiles(ctx: LaunchContext, gathered: list[list[profiler.Layer
     aggs, ctx.stragglers = profiler.aggregate(dict(enumerate(gathered)),
                                               {i.rank: i.device_type for i in ctx.topo.infos})
     env = profile_gather.measurement_env(ctx.device.name, ctx.device.kind, ctx.backend)
-    for record in profile_gather.measured_records(aggs, ctx.seq_length, ctx.model.signature(),
+    for record in profile_gather.measured_records(aggs, ctx.seq_length,
+                                                  profile_gather.kind_signatures(ctx.model),
                                                   ctx.training, env,
                                                   profile_gather.devices_by_type(ctx.topo.infos)):
         ctx.profiles.put(record)
@@ -514,11 +517,15 @@ def _rank0_store_profiles(ctx: LaunchContext, gathered: list[list[profiler.Layer
         ctx.profiles.save(ctx.cache_path)
     except PoseidonError as e:
         log.warning("could not write the profile cache: %s", e)
-    log.info("profiling: %d config(s) x %d rank(s) in %.2f s; cache %s",
-             len(ctx.tps) * len(ctx.micro_batch_sizes), ctx.world_size, took_s, ctx.cache_path)
+    kinds = len(profile_gather.kind_signatures(ctx.model))
+    log.info("profiling: %d config(s)%s x %d rank(s) in %.2f s; cache %s",
+             len(ctx.tps) * len(ctx.micro_batch_sizes),
+             f" x {kinds} layer kinds" if kinds > 1 else "", ctx.world_size, took_s,
+             ctx.cache_path)
     for a in aggs:
-        log.info("  %-12s tp=%d mbs=%d  fwd %8.2f ms  bwd %8.2f ms  optimizer %7.2f ms  "
-                 "act %6.1f MiB  (median of %d%s)", a.device_type, a.tp, a.micro_batch_size,
+        log.info("  %-12s %stp=%d mbs=%d  fwd %8.2f ms  bwd %8.2f ms  optimizer %7.2f ms  "
+                 "act %6.1f MiB  (median of %d%s)", a.device_type,
+                 f"{a.kind:<6s}" if a.kind else "", a.tp, a.micro_batch_size,
                  a.forward_ms, a.backward_ms, a.optimizer_ms, a.activation_bytes / 2**20, a.ranks,
                  f"; {a.unconverged} not within 2%" if a.unconverged else "")
     for s in ctx.stragglers:
