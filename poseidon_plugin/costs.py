@@ -9,6 +9,17 @@ Per stage s of a plan (type k, TP t, l layers, micro-batch b, sequence S, DP d):
   interleaved-1f1b a device's l layers are split into V chunks by ``chunk_layers`` (chunk c
   holds l // V + (1 if c < l % V else 0) layers, Megatron layout order), the embedding on
   chunk 0 of stage 0 and the output layer on chunk V-1 of the last stage.
+* a model of several layer kinds (dense and MoE, ``model.layer_kinds``), with
+  ``CostModel(layer_kinds="per-kind")``: the per-layer terms are summed over the layers each
+  chunk holds (``stage_layer_ranges``: Megatron's chunk-major layout order; the kinds' counts
+  from ``model.kind_counts_in``), each kind at its own ``LayerCosts`` (``kind_layer_costs``:
+  looked up with the kind's uniform model ``model.kind_model(i)``, so per-kind records and
+  estimates are found by its signature): forward / backward per chunk, gradient bytes, the
+  optimizer step (each kind at its own ms per gradient byte; the embedding / output layer at the
+  first kind's), memory (``memory.stage_memory(kind_counts=...)``). The embedding and output
+  layer are the first kind's model's (the same layers). ``layer_kinds="envelope"`` (the
+  default, what the search prices until it costs layer ranges): every layer at each part's
+  maximum over the kinds. A uniform model costs the same either way (bit for bit).
 * activation send s -> s+1 (and the gradient back) = ``comm.send_ms`` of b * S * h * 2 bytes
   (bf16) over the placement's slowest replica link, plus the cluster's per-message latency.
 * DP all-reduce A_s = ``comm.allreduce_ms``, a ring over d ranks of the stage's gradient bytes:
@@ -170,11 +181,45 @@ def optimizer_step_ms(grad_bytes: float, ms_per_grad_byte: float, dp: int,
     return grad_bytes * ms_per_grad_byte / dp if sharded else grad_bytes * ms_per_grad_byte
 
 
+LAYER_KIND_MODES = ("envelope", "per-kind")
+
+
+def _measured_override(dec) -> tuple[int | None, int | None]:
+    """(activation bytes, parameter bytes) of a measured decoder record, else (None, None): as
+    ``CostModel.stage_memory`` takes them (a time-only record, activation bytes 0: none)."""
+    if dec.source == "measured" and dec.activation_bytes > 0:
+        return dec.activation_bytes, dec.param_bytes or None
+    return None, None
+
+
+def stage_layer_ranges(layers, virtual_stages: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per stage, per model chunk, the decoder layers ``[start, stop)`` it holds: Megatron's
+    layout order (chunk-major: virtual stage c * N + s), each stage's layers split by
+    ``chunk_layers``."""
+    n, v = len(layers), virtual_stages
+    splits = [chunk_layers(l, v) for l in layers]
+    out = [[None] * v for _ in range(n)]
+    start = 0
+    for c in range(v):
+        for s in range(n):
+            out[s][c] = (start, start + splits[s][c])
+            start += splits[s][c]
+    return tuple(tuple(r) for r in out)
+
+
 class CostModel:
     """Costs of one (cluster, model, profile DB, sequence length); memoised lookups."""
 
     def __init__(self, cluster, model, profiles=None, *, seq_length: int,
-                 training: TrainingSetup | None = None) -> None:
+                 training: TrainingSetup | None = None, layer_kinds: str = "envelope") -> None:
+        if layer_kinds not in LAYER_KIND_MODES:
+            raise ValueError(f"layer_kinds must be one of {LAYER_KIND_MODES}, got {layer_kinds!r}")
+        # "per-kind": a mixed model's stage costs are the sums over the layers each stage holds
+        # (``stage_costs``, ``stage_memory(kind_counts=...)``); "envelope": every layer at each
+        # part's maximum over the kinds (what the search prices until it costs layer ranges)
+        self.layer_kinds = layer_kinds
+        self.per_kind = (layer_kinds == "per-kind"
+                         and len(getattr(model, "layer_kinds", ())) > 1)
         self.cluster = cluster
         self.model = model
         self.profiles = profiles
@@ -194,6 +239,7 @@ class CostModel:
                                 for n in self.type_names)
         self.inter_gbps = tuple(float(cluster.links.inter_node_gbps[n]) for n in self.type_names)
         self._layer_cache: dict[tuple[int, int, int], LayerCosts] = {}
+        self._kind_cache: dict[tuple[int, int, int], tuple[LayerCosts, ...]] = {}
         self._mem_cache: dict[tuple, tuple[int, int]] = {}
         self._sig = model.signature() if callable(getattr(model, "signature", None)) else model.name
         self.overhead = (lookup_overhead(profiles, cluster, model, seq_length, self.training)
@@ -202,31 +248,56 @@ class CostModel:
 
     # ------------------------------------------------------------------ profiles
     def layer_costs(self, type_index: int, tp: int, micro_batch_size: int) -> LayerCosts:
+        """One decoder layer of the model (a mixed model: its per-layer envelope) and the
+        embedding / output layer on (type, TP, micro-batch)."""
         key = (type_index, tp, micro_batch_size)
         hit = self._layer_cache.get(key)
         if hit is not None:
             return hit
+        lc = self._layer_costs_of(type_index, tp, micro_batch_size, self.model, self._sig)
+        self._layer_cache[key] = lc
+        return lc
+
+    def kind_layer_costs(self, type_index: int, tp: int, micro_batch_size: int
+                         ) -> tuple[LayerCosts, ...]:
+        """Per layer kind (``model.layer_kinds`` order) its ``LayerCosts``, looked up with the
+        kind's uniform model (``model.kind_model(i)``: measured per-kind records and estimates
+        are found by its signature). A uniform model: ``(layer_costs(...),)``. The embedding and
+        output figures of every entry are the first kind's model's (the same layers)."""
+        key = (type_index, tp, micro_batch_size)
+        hit = self._kind_cache.get(key)
+        if hit is not None:
+            return hit
+        if len(getattr(self.model, "layer_kinds", ())) <= 1:
+            out = (self.layer_costs(type_index, tp, micro_batch_size),)
+        else:
+            models = [self.model.kind_model(i) for i in range(len(self.model.layer_kinds))]
+            out = tuple(self._layer_costs_of(type_index, tp, micro_batch_size, m, m.signature())
+                        for m in models)
+        self._kind_cache[key] = out
+        return out
+
+    def _layer_costs_of(self, type_index: int, tp: int, micro_batch_size: int, model,
+                        sig: str) -> LayerCosts:
         name = self.type_names[type_index]
 
         def prof(kind: str):
-            return lookup_profile(self.profiles, self.cluster, self.model,
+            return lookup_profile(self.profiles, self.cluster, model,
                                   ProfileKey(name, kind, tp, micro_batch_size, self.seq_length,
-                                             self._sig, **self.training.profile_fields))
+                                             sig, **self.training.profile_fields))
 
         dec, emb, out = prof("decoder"), prof("embedding"), prof("output")
         # param_bytes are in the setup's dtype; the DP all-reduce moves grad_bytes per parameter
         g = self.training.grad_bytes / self.training.weight_bytes
         og, og_source = optimizer_costs(dec, self.cluster.device_types[name], self.training)
         if og_source[0] != "measured":
-            og, og_source = self._optimizer_from_another_record(name, g, (og, og_source))
-        lc = LayerCosts(dec.forward_ms, dec.backward_ms, dec.param_bytes * g,
-                        emb.forward_ms, emb.backward_ms, emb.param_bytes * g,
-                        out.forward_ms, out.backward_ms, out.param_bytes * g, (dec, emb, out),
-                        og, og_source)
-        self._layer_cache[key] = lc
-        return lc
+            og, og_source = self._optimizer_from_another_record(name, g, (og, og_source), sig)
+        return LayerCosts(dec.forward_ms, dec.backward_ms, dec.param_bytes * g,
+                          emb.forward_ms, emb.backward_ms, emb.param_bytes * g,
+                          out.forward_ms, out.backward_ms, out.param_bytes * g, (dec, emb, out),
+                          og, og_source)
 
-    def _optimizer_from_another_record(self, name: str, g: float, fallback):
+    def _optimizer_from_another_record(self, name: str, g: float, fallback, sig: str):
         """The optimizer step per gradient byte of another measured decoder record of this type
         and model (another TP degree, micro-batch size or sequence length: the step streams the
         parameters' state, so its time per gradient byte does not depend on them); ``fallback``
@@ -234,7 +305,7 @@ class CostModel:
         profiled one pays its measured step."""
         if self.profiles is None or not hasattr(self.profiles, "profiles"):
             return fallback
-        timed = [p for p in measured_decoders(self.profiles, self._sig, self.training)
+        timed = [p for p in measured_decoders(self.profiles, sig, self.training)
                  if p.key.device_type == name and (p.optimizer_ms or 0.0) > 0.0]
         if not timed:
             return fallback
@@ -250,12 +321,27 @@ class CostModel:
     # ------------------------------------------------------------------ memory
     def stage_memory(self, *, layers: int, stage: int, num_stages: int, tp: int, dp: int,
                      micro_batch_size: int, num_microbatches: int, schedule: str,
-                     virtual_stages: int, type_index: int | None = None
+                     virtual_stages: int, type_index: int | None = None,
+                     kind_counts: tuple[int, ...] | None = None
                      ) -> memory_mod.StageMemory:
         """The stage's memory under the training setup; with ``type_index``, the type's measured
-        decoder record (activation and parameter bytes) when there is one, and its reserve."""
+        decoder record (activation and parameter bytes) when there is one, and its reserve.
+        ``kind_counts`` (layers of each kind the device holds): with ``layer_kinds="per-kind"``
+        and a mixed model, each kind at its own figures (its measured record per kind)."""
         act = par = None
         reserve = 0
+        if self.per_kind and kind_counts is not None:
+            overrides = None
+            if type_index is not None:
+                overrides = tuple(_measured_override(lc.profiles[0]) for lc in
+                                  self.kind_layer_costs(type_index, tp, micro_batch_size))
+                reserve = self.reserve_bytes[type_index]
+            return memory_mod.stage_memory(
+                self.model, layers=layers, stage=stage, num_stages=num_stages, tp=tp, dp=dp,
+                micro_batch_size=micro_batch_size, seq_length=self.seq_length,
+                num_microbatches=num_microbatches, schedule=schedule,
+                virtual_stages=virtual_stages, setup=self.training, reserve_bytes=reserve,
+                kind_counts=tuple(kind_counts), kind_overrides=overrides)
         if type_index is not None:
             dec = self.layer_costs(type_index, tp, micro_batch_size).profiles[0]
             if dec.source == "measured" and dec.activation_bytes > 0:   # 0: time-only record
@@ -271,11 +357,13 @@ class CostModel:
 
     def stage_memory_bytes(self, *, layers: int, stage: int, num_stages: int, tp: int, dp: int,
                            micro_batch_size: int, num_microbatches: int, schedule: str,
-                           virtual_stages: int, type_index: int | None = None) -> int:
+                           virtual_stages: int, type_index: int | None = None,
+                           kind_counts: tuple[int, ...] | None = None) -> int:
         return self.stage_memory(
             layers=layers, stage=stage, num_stages=num_stages, tp=tp, dp=dp,
             micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
-            schedule=schedule, virtual_stages=virtual_stages, type_index=type_index).total_bytes
+            schedule=schedule, virtual_stages=virtual_stages, type_index=type_index,
+            kind_counts=kind_counts).total_bytes
 
     def max_layers(self, *, capacity_bytes: int, stage: int, num_stages: int, tp: int, dp: int,
                    micro_batch_size: int, num_microbatches: int, schedule: str,
@@ -319,6 +407,54 @@ class CostModel:
                     num_microbatches=num_microbatches, schedule=schedule,
                     virtual_stages=virtual_stages, limit=limit, type_index=type_index))
         return out
+
+    def max_layers_from(self, start: int, *, capacity_bytes: int, stage: int, num_stages: int,
+                        tp: int, dp: int, micro_batch_size: int, num_microbatches: int,
+                        schedule: str, limit: int, type_index: int | None = None) -> int:
+        """Largest l <= limit (and <= L - start) such that a stage holding decoder layers
+        ``[start, start + l)`` fits ``capacity_bytes`` (0 if none), one model chunk (V = 1: a
+        stage's layers are then one range, its start the layers of the stages before it).
+
+        With ``layer_kinds="per-kind"`` and a mixed model the memory counts each kind held
+        (a MoE layer is larger than a dense one); otherwise it is ``max_layers`` (the layers'
+        envelope, independent of ``start``). Memory grows with l (every kind adds bytes), so
+        the answer is a binary search; memoised per (stage position, tp, dp, micro-batch,
+        schedule, capacity, type, start)."""
+        L = self.model.num_layers
+        if not 0 <= start <= L:
+            raise ValueError(f"start {start} outside 0..{L}")
+        limit = min(limit, L - start)
+        kw = dict(stage=stage, num_stages=num_stages, tp=tp, dp=dp,
+                  micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
+                  schedule=schedule, virtual_stages=1, type_index=type_index)
+        if not self.per_kind:
+            return self.max_layers(capacity_bytes=capacity_bytes, limit=limit, **kw)
+        if limit < 1:
+            return 0
+        inflight = memory_mod.microbatches_in_flight(schedule, stage, num_stages,
+                                                     num_microbatches, 1)
+        key = ("range", capacity_bytes, stage == 0, stage == num_stages - 1, inflight, tp, dp,
+               micro_batch_size, schedule, type_index, start)
+        hit = self._mem_cache.get(key)
+        if hit is None:
+            def fits(l: int) -> bool:
+                return self.stage_memory_bytes(
+                    layers=l, kind_counts=self.model.kind_counts_in(start, start + l),
+                    **kw) <= capacity_bytes
+
+            lo, hi = 0, L - start             # fits(lo) (or lo = 0); the answer is in [lo, hi]
+            if not fits(1):
+                hi = 0
+            else:
+                lo = 1
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if fits(mid):
+                        lo = mid
+                    else:
+                        hi = mid - 1
+            hit = self._mem_cache[key] = lo
+        return min(hit, limit)
 
     def _max_layers_miss(self, key, *, capacity_bytes: int, stage: int, num_stages: int, tp: int,
                          dp: int, micro_batch_size: int, num_microbatches: int, schedule: str,
@@ -385,21 +521,53 @@ class CostModel:
             sends.append(send_ms(act, send_link_gbps(self.cluster, placements[n - 1],
                                                      placements[0]), self.latency_ms))
         out = []
+        ranges = stage_layer_ranges(layers, v) if self.per_kind else None
         for s in range(n):
             k, t, l = stage_types[s], stage_tps[s], layers[s]
             lc = self.layer_costs(k, t, micro_batch_size)
-            chunks = chunk_layers(l, v)
-            fc = [c * lc.forward_ms for c in chunks]
-            bc = [c * lc.backward_ms for c in chunks]
-            grad = l * lc.grad_bytes
+            counts = None
+            if ranges is None:
+                chunks = chunk_layers(l, v)
+                fc = [c * lc.forward_ms for c in chunks]
+                bc = [c * lc.backward_ms for c in chunks]
+                grad = l * lc.grad_bytes
+                opt = 0.0
+                opt_source = lc.optimizer_source
+            else:
+                # the layers each chunk holds, each kind at its own per-layer costs; the
+                # embedding / output layer and their optimizer rate: the first kind's model's
+                kcs = self.kind_layer_costs(k, t, micro_batch_size)
+                lc = kcs[0]
+                chunk_counts = [self.model.kind_counts_in(a, b) for a, b in ranges[s]]
+                counts = tuple(sum(cc[i] for cc in chunk_counts) for i in range(len(kcs)))
+                fc = [sum(c * kc.forward_ms for c, kc in zip(cc, kcs)) for cc in chunk_counts]
+                bc = [sum(c * kc.backward_ms for c, kc in zip(cc, kcs)) for cc in chunk_counts]
+                decoder_grads = [c * kc.grad_bytes for c, kc in zip(counts, kcs)]
+                grad = sum(decoder_grads)
+                opt = sum(optimizer_step_ms(gk, kc.optimizer_ms_per_grad_byte, dp,
+                                            self.sharded_optimizer)
+                          for gk, kc in zip(decoder_grads, kcs))
+                held = [kc for c, kc in zip(counts, kcs) if c]
+                opt_source = (held or kcs)[0].optimizer_source
+                extra = 0.0
             if s == 0:
                 fc[0] += lc.embedding_forward_ms
                 bc[0] += lc.embedding_backward_ms
                 grad += lc.embedding_grad_bytes
+                if ranges is not None:
+                    extra += lc.embedding_grad_bytes
             if s == n - 1:
                 fc[v - 1] += lc.output_forward_ms
                 bc[v - 1] += lc.output_backward_ms
                 grad += lc.output_grad_bytes
+                if ranges is not None:
+                    extra += lc.output_grad_bytes
+            if ranges is None:
+                opt = optimizer_step_ms(grad, lc.optimizer_ms_per_grad_byte, dp,
+                                        self.sharded_optimizer)
+            elif extra:
+                opt += optimizer_step_ms(extra, lc.optimizer_ms_per_grad_byte, dp,
+                                         self.sharded_optimizer)
             ar = 0.0
             if dp > 1:
                 # Megatron buckets only pipeline rank 0's first chunk: there the sync
@@ -421,8 +589,10 @@ class CostModel:
             mem = self.stage_memory(layers=l, stage=s, num_stages=n, tp=t, dp=dp,
                                     micro_batch_size=micro_batch_size,
                                     num_microbatches=num_microbatches, schedule=schedule,
-                                    virtual_stages=v, type_index=k)
-            kinds = (lc.profiles[0],) + ((lc.profiles[1],) if s == 0 else ()) \
+                                    virtual_stages=v, type_index=k, kind_counts=counts)
+            decoders = ((lc.profiles[0],) if counts is None else
+                        tuple(kc.profiles[0] for c, kc in zip(counts, kcs) if c))
+            kinds = decoders + ((lc.profiles[1],) if s == 0 else ()) \
                 + ((lc.profiles[2],) if s == n - 1 else ())
             out.append(StageCosts(
                 forward_ms=float(sum(fc)), backward_ms=float(sum(bc)),
@@ -431,10 +601,8 @@ class CostModel:
                 send_backward_ms=sends[s] if s < n - 1 else 0.0,
                 allreduce_ms=ar, memory_bytes=mem.total_bytes,
                 memory_capacity_bytes=self.capacity_bytes[k], memory=mem, provenance=kinds,
-                optimizer_ms=optimizer_step_ms(grad, lc.optimizer_ms_per_grad_byte, dp,
-                                               self.sharded_optimizer),
-                overhead_ms=self.iteration_overhead_ms,
-                optimizer_source=lc.optimizer_source))
+                optimizer_ms=opt, overhead_ms=self.iteration_overhead_ms,
+                optimizer_source=opt_source))
         return tuple(out), placements, unused
 
     def wrap_send_ms(self, placements, micro_batch_size: int) -> float:

@@ -54,6 +54,7 @@ last stage, the final norm counted on the last stage (megatron spreads it as fin
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -244,7 +245,10 @@ def stage_memory(model, *, layers: int, stage: int, num_stages: int, tp: int, dp
                  sequence_parallel: bool = False,
                  layer_activation_bytes_override: int | None = None,
                  layer_param_bytes_override: int | None = None,
-                 setup: TrainingSetup | None = None, reserve_bytes: int = 0) -> StageMemory:
+                 setup: TrainingSetup | None = None, reserve_bytes: int = 0,
+                 kind_counts: tuple[int, ...] | None = None,
+                 kind_overrides: tuple[tuple[int | None, int | None], ...] | None = None
+                 ) -> StageMemory:
     """Memory of one device of `stage` (embedding on stage 0, output layer + logits on the last).
 
     ``layers`` is the number of decoder layers the device holds (all its chunks for interleaving).
@@ -253,6 +257,14 @@ def stage_memory(model, *, layers: int, stage: int, num_stages: int, tp: int, dp
     ``layer_activation_bytes_override`` / ``layer_param_bytes_override``: a measured record's
     per-layer, per-micro-batch activation bytes (kept for backward under ``setup``'s recompute)
     and parameter bytes, used instead of the analytic ones. ``reserve_bytes`` is added.
+
+    ``kind_counts`` (a model of several layer kinds): the layers of each kind the device holds
+    (``model.kind_counts_in`` of its layer ranges; they sum to ``layers``): parameters and kept
+    activations are then the sum over the kinds it holds, each kind at its own figures
+    (``kind_overrides``: per kind a measured record's (activation bytes, parameter bytes) or
+    None), the full-recompute buffer the largest held kind's layer. Without ``kind_counts``, or
+    for a uniform model, every layer is at the model's per-layer figures (a mixed model: each
+    part's maximum over the kinds, an upper bound).
     """
     if layers < 0:
         raise PoseidonError(f"layers must be >= 0, got {layers}")
@@ -264,6 +276,14 @@ def stage_memory(model, *, layers: int, stage: int, num_stages: int, tp: int, dp
     in_flight = microbatches_in_flight(schedule, stage, num_stages, num_microbatches,
                                        virtual_stages)
     w_b, g_b, o_b = bytes_per_param(dp, setup.distributed_optimizer, setup)
+    if kind_counts is not None and len(getattr(model, "layer_kinds", ())) > 1:
+        if sum(kind_counts) != layers:
+            raise PoseidonError(f"kind_counts {kind_counts} do not sum to layers = {layers}")
+        return _stage_memory_by_kind(
+            model, kind_counts, kind_overrides, stage=stage, num_stages=num_stages, tp=tp,
+            micro_batch_size=micro_batch_size, seq_length=seq_length,
+            sequence_parallel=sequence_parallel, setup=setup, in_flight=in_flight,
+            per_param=(w_b, g_b, o_b), reserve_bytes=reserve_bytes)
     params = stage_params(model, layers=layers, stage=stage, num_stages=num_stages, tp=tp)
     if layer_param_bytes_override is not None:
         analytic = model.layer_param_split().per_device(tp)
@@ -300,3 +320,61 @@ def stage_memory(model, *, layers: int, stage: int, num_stages: int, tp: int, dp
                        total_bytes=weights + gradients + optimizer + activations_bytes + reserve,
                        reserve_bytes=reserve, activations_measured=measured,
                        params_measured=layer_param_bytes_override is not None)
+
+
+@functools.lru_cache(maxsize=64)
+def _kind_model(model, index: int):
+    """``model.kind_model(index)``, built once (a ``ModelSpec`` is frozen and hashable)."""
+    return model.kind_model(index)
+
+
+def _stage_memory_by_kind(model, kind_counts, kind_overrides, *, stage: int, num_stages: int,
+                          tp: int, micro_batch_size: int, seq_length: int,
+                          sequence_parallel: bool, setup: TrainingSetup, in_flight: float,
+                          per_param, reserve_bytes: int) -> StageMemory:
+    """``stage_memory`` of a device holding ``kind_counts[k]`` layers of each kind ``k``."""
+    w_b, g_b, o_b = per_param
+    kinds = model.layer_kinds
+    overrides = kind_overrides or ((None, None),) * len(kinds)
+    params = stage_params(model, layers=0, stage=stage, num_stages=num_stages, tp=tp)
+    shape = dict(micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
+                 sequence_parallel=sequence_parallel)
+    buffer = TrainingSetup(attention=setup.attention, params_dtype=setup.params_dtype)
+    per_microbatch = 0.0
+    recompute_buffer = 0.0
+    act_measured = par_measured = False
+    for k, count in enumerate(kind_counts):
+        if not count:
+            continue
+        act, par = overrides[k]
+        if par is not None:
+            params += count * (par / w_b)
+            par_measured = True
+        else:
+            params += count * kinds[k].param_split().per_device(tp)
+        one = _kind_model(model, k)
+        if act is not None:
+            act_measured = True
+        if setup.recompute == "full":
+            kept = float(act) if act is not None else layer_input_bytes(one, **shape)
+            recompute_buffer = max(recompute_buffer,
+                                   layer_activation_bytes(one, **shape, setup=buffer))
+        else:
+            kept = float(act) if act is not None else layer_activation_bytes(one, **shape,
+                                                                              setup=setup)
+        per_microbatch += count * kept
+    if stage == 0:
+        per_microbatch += embedding_activation_bytes(model, **shape)
+    if stage == num_stages - 1:
+        per_microbatch += output_activation_bytes(model, **shape)
+    activations = per_microbatch * in_flight + recompute_buffer
+    weights = math.ceil(params * w_b)
+    gradients = math.ceil(params * g_b)
+    optimizer = math.ceil(params * o_b)
+    activations_bytes = math.ceil(activations)
+    reserve = int(reserve_bytes)
+    return StageMemory(weights_bytes=weights, gradients_bytes=gradients,
+                       optimizer_bytes=optimizer, activations_bytes=activations_bytes,
+                       total_bytes=weights + gradients + optimizer + activations_bytes + reserve,
+                       reserve_bytes=reserve, activations_measured=act_measured,
+                       params_measured=par_measured)

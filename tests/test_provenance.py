@@ -4,6 +4,8 @@ peak_tflops optional where records are measured. Core: no torch."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 
@@ -128,7 +130,7 @@ def test_a_large_measured_activation_moves_the_plan(capsys, tmp_path):
 # --------------------------------------------------------------------------- mismatch warning
 
 def test_one_warning_line_names_the_differing_model_field(capsys, tmp_path):
-    biased = load_model(TINY).__class__(**{**MODEL.__dict__, "add_bias_linear": True})
+    biased = dataclasses.replace(load_model(TINY), add_bias_linear=True)
     db = write_db(tmp_path, *(measured(t, model=biased) for t in ("fast", "slow")))
     rc, _, err = run(capsys, PLAN + ["--profiles", db])
     assert rc == 2
