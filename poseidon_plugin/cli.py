@@ -500,8 +500,13 @@ def _cmd_profile(ns) -> int:
     if records is None:   # a torchrun rank other than 0: rank 0 writes
         return 0
     stored, total = offline.write_profiles(records, ns.out)
+    from .megatron.profile_gather import kind_signatures
+
+    kind_of = {sig: name for name, sig in kind_signatures(req.model).items() if name}
     for r in records:
-        sys.stdout.write(f"{r.key.describe()}: forward {r.forward_ms:.3f} ms, backward "
+        kind = f" ({kind_of[r.key.model_signature]} layers)" \
+            if r.key.model_signature in kind_of else ""
+        sys.stdout.write(f"{r.key.describe()}{kind}: forward {r.forward_ms:.3f} ms, backward "
                          f"{r.backward_ms:.3f} ms, activations {r.activation_bytes / 2**20:.2f} "
                          f"MiB, params {r.param_bytes / 2**20:.2f} MiB\n")
     sys.stderr.write(f"poseidon: wrote {stored} measured record(s) to {ns.out} ({total} "

@@ -287,12 +287,12 @@ class ModelSpec:
         if self.is_mixed:
             counts = ", ".join(f"{n} {k.name}" for k, n in zip(self.layer_kinds,
                                                                  self.kind_counts))
-            first = self.layer_kinds[self.layer_kind_of[0]].name
             parts.append(
                 f"its layers are of {len(self.layer_kinds)} kinds ({counts}); until per-stage "
                 "layer costs land, every layer is planned at each part's maximum over the kinds "
-                "(parameters, FLOPs, activations: upper bounds), and a measured decoder "
-                f"profile (the launch measures the first layer, {first}) stands for every layer")
+                "(parameters, FLOPs, activations: upper bounds), and its decoder time is "
+                "estimated (each kind is profiled and recorded under its own key, which the "
+                "per-stage costs read)")
         if self.mtp_num_layers:
             parts.append(f"its {self.mtp_num_layers} MTP layer(s) are not yet in the last "
                          "stage's time or memory")

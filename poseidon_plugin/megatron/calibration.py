@@ -376,9 +376,13 @@ class LiveCalibration:
                  warmup_iterations: int = 1, calibrate_iterations: int = 3,
                  measure_iterations: int = 3, stage: int | None = None,
                  device_types: Sequence[str] | None = None,
-                 emit: Callable[[str], None] | None = None) -> None:
+                 emit: Callable[[str], None] | None = None, layer_records: bool = True) -> None:
         self.plan = plan
         self.model_signature = model_signature
+        # a model of several layer kinds: a stage's time mixes the kinds, and its per-kind
+        # records (keyed by each kind's signature) are the launch's measurements; no per-layer
+        # write-back under the whole model's signature
+        self.layer_records = bool(layer_records)
         self.profile_db_path = profile_db_path
         self.warmup = int(warmup_iterations)
         self.calibrate = int(calibrate_iterations)
@@ -479,7 +483,8 @@ class LiveCalibration:
 
             db = ProfileDB(self.profile_db_path)
             comp = window_compute(timings, w, len(walls))
-            for prof in measured_profiles(self.plan, comp, self.model_signature, db):
+            for prof in (measured_profiles(self.plan, comp, self.model_signature, db)
+                         if self.layer_records else ()):
                 profiles_written += bool(db.put(prof))
             if written is not None:
                 overhead_written = db.put_overhead(overhead_record(
@@ -515,13 +520,14 @@ def install_calibration(plan: Plan, *, model_signature: str = "",
                         profile_db_path: str | None = None, warmup_iterations: int = 1,
                         calibrate_iterations: int = 3, measure_iterations: int = 3,
                         device_types: Sequence[str] | None = None, wrap_train_step: bool = True,
-                        emit: Callable[[str], None] | None = None) -> LiveCalibration:
+                        emit: Callable[[str], None] | None = None,
+                        layer_records: bool = True) -> LiveCalibration:
     """Create and install a :class:`LiveCalibration` (see the module docstring)."""
     return LiveCalibration(plan, model_signature=model_signature,
                            profile_db_path=profile_db_path, warmup_iterations=warmup_iterations,
                            calibrate_iterations=calibrate_iterations,
                            measure_iterations=measure_iterations, device_types=device_types,
-                           emit=emit).install(wrap_train_step)
+                           emit=emit, layer_records=layer_records).install(wrap_train_step)
 
 
 def _rank() -> int:

@@ -200,6 +200,10 @@ def profile_layers(req: ProfileRequest, procs: Processes | None = None) -> list 
     rank 0; None on the other ranks of a torchrun launch."""
     procs = procs or Processes.from_environ()
     tps = check_tps(req.tps, procs, req.model)
+    if any(t > 1 for t in tps) and any(k.is_moe for k in req.model.layer_kinds):
+        raise PoseidonError("a MoE layer at TP > 1 trains only with sequence parallelism "
+                            "(megatron-core refuses it without), which poseidon profile does "
+                            "not set up: profile the MoE model at --tp 1")
     import torch.distributed as dist
 
     from . import profile_gather, profiler

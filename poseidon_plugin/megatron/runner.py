@@ -382,6 +382,10 @@ def _all_ranks_profile(ctx: LaunchContext) -> None:
     else the user's layer timed on every rank at once and gathered to rank 0."""
     args = ctx.args
     ctx.tps = ctx.opts.tp_candidates or _profiled_tps(ctx.cluster, ctx.model, ctx.world_size)
+    if moe_needs_tp1(ctx.model, args) and any(t > 1 for t in ctx.tps):
+        if ctx.rank == 0:
+            log.warning(MOE_TP_NOTE, ", ".join(str(t) for t in ctx.tps if t > 1))
+        ctx.tps = (1,)
     emu_tag = ([f"emu:{n}={t.speed}" for n, t in sorted(ctx.emu.types.items())]
                if ctx.emu is not None else [])
     key = profile_gather.cache_key([f"impl:{getattr(args, 'transformer_impl', '')}",
@@ -407,6 +411,18 @@ def _all_ranks_profile(ctx: LaunchContext) -> None:
         gathered = _all_ranks_remeasure_off_speeds(ctx, gathered)
     if ctx.rank == 0:
         _rank0_store_profiles(ctx, gathered, time.perf_counter() - t0)
+
+
+MOE_TP_NOTE = ("MoE layers at TP > 1 train only with --sequence-parallel (megatron-core refuses "
+               "them in training without it; CPU emulation runs without it): TP %s not "
+               "profiled nor planned, TP 1 only")
+
+
+def moe_needs_tp1(model: ModelSpec, args: Any) -> bool:
+    """Whether the model has MoE layers and the run has no sequence parallelism: megatron-core's
+    MoE layer then refuses TP > 1 in training, so the launch profiles and plans TP 1 only."""
+    return any(k.is_moe for k in model.layer_kinds) and \
+        not bool(getattr(args, "sequence_parallel", False))
 
 
 def _all_ranks_remeasure_off_speeds(ctx: LaunchContext,
@@ -675,7 +691,8 @@ def _search_options(ctx: LaunchContext) -> SearchOptions:
     return SearchOptions(
         global_batch_size=ctx.global_batch_size, seq_length=ctx.seq_length,
         schedules=_launch_schedules(opts.schedules), pruning=opts.pruning,
-        tp_degrees=opts.tp_candidates or None, micro_batch_sizes=ctx.micro_batch_sizes,
+        tp_degrees=((1,) if moe_needs_tp1(ctx.model, ctx.args) else opts.tp_candidates or None),
+        micro_batch_sizes=ctx.micro_batch_sizes,
         max_virtual_stages=opts.max_virtual_stages, seed=opts.seed,
         time_budget_s=opts.time_budget_s, training=ctx.training,
         keep_tolerance=opts.keep_within,
@@ -758,7 +775,8 @@ def _install_calibration(plan: Plan, model: ModelSpec, cache_path: str,
         warm, cal, meas = calibration_windows(train_iters)
         install_calibration(plan, model_signature=model.signature(), profile_db_path=cache_path,
                             device_types=device_types, warmup_iterations=warm,
-                            calibrate_iterations=cal, measure_iterations=meas)
+                            calibrate_iterations=cal, measure_iterations=meas,
+                            layer_records=not model.is_mixed)
     except Exception as exc:  # calibration is an observer: report, never fail the launch
         log.warning("calibration not installed: %s", exc)
 
