@@ -48,10 +48,10 @@ def test_the_kinds_a_rank_profiles_are_the_first_layer_of_each_kind():
     assert [(k.name, k.layer_index, k.moe) for k in kinds] == [("dense", 0, False),
                                                                  ("moe", 2, True)]
     (one,) = P.ProfiledKind.of_model(load_model(TINY))
-    assert (one.name, one.layer_index, one.moe) == ("", 0, False)   # keyed as before
-    # a MoE-only model: one kind, the first layer, checked to be MoE
+    assert (one.name, one.layer_index, one.moe) == ("", 0, None)    # keyed as before
+    # a MoE-only model: one kind, the first layer, the script's one spec
     (moe,) = P.ProfiledKind.of_model(mixed.kind_model(1))
-    assert (moe.name, moe.layer_index, moe.moe) == ("", 0, True)
+    assert (moe.name, moe.layer_index, moe.moe) == ("", 0, None)
 
 
 def test_each_kind_is_keyed_by_its_uniform_model_and_every_kind_is_needed():

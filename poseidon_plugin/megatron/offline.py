@@ -255,7 +255,8 @@ def layer_kinds(req: ProfileRequest, backend: Sequence[str]) -> tuple:
         one = model.kind_model(i) if model.is_mixed else model
         argv = (model_flags(one, req.seq_length, req.micro_batch_sizes[0])
                 + megatron_flags(req.setup) + list(backend) + ["--seed", str(req.seed)])
-        out.append(profiler.ProfiledKind(kind.name if model.is_mixed else "", 0, kind.is_moe,
+        out.append(profiler.ProfiledKind(kind.name if model.is_mixed else "", 0,
+                                         kind.is_moe if model.is_mixed else None,
                                          profiler.parse_megatron_args("poseidon-profile", argv)))
     return tuple(out)
 

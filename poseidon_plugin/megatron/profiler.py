@@ -102,10 +102,11 @@ class ProfiledKind:
     @staticmethod
     def of_model(model: Any) -> tuple["ProfiledKind", ...]:
         """The kinds of ``model`` (``ModelSpec``), each at the first layer of it; a uniform
-        model's single kind is named "" (its records are keyed as before)."""
+        model's single kind is named "" (its records are keyed as before) and not checked (its
+        one layer spec is what the script builds, whatever its MLP's class is called)."""
         kinds = model.layer_kinds
         if len(kinds) == 1:
-            return (ProfiledKind("", 0, kinds[0].is_moe),)
+            return (ProfiledKind("", 0, None),)
         return tuple(ProfiledKind(k.name, model.layer_kind_of.index(i), k.is_moe)
                      for i, k in enumerate(kinds))
 
