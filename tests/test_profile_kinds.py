@@ -287,3 +287,53 @@ def test_moe_at_tp_above_1_without_sequence_parallelism_is_tp_1_only():
     req = offline.ProfileRequest(mixed, 128, "cpu", tps=(1, 2))
     with pytest.raises(PoseidonError, match="profile the MoE model at --tp 1"):
         offline.profile_layers(req, Processes(0, 2, 0, 2))
+
+
+_SPEC_CHECK = r"""
+import sys, tempfile, warnings
+warnings.simplefilter("ignore")
+from poseidon_plugin.megatron import emulation, offline, profiler
+emulation.install_cpu_shims(local_rank=0, device_count=1, device_name="cpu", memory_bytes=1 << 30)
+from poseidon_plugin.errors import PoseidonError
+from poseidon_plugin.model import load_model
+from poseidon_plugin.training import TrainingSetup, megatron_flags
+from megatron.core import parallel_state
+model = load_model(sys.argv[1])
+flags = offline.model_flags(model, 128, 1)
+flags[flags.index("--num-layers") + 1] = str(model.num_layers)
+flags += ["--moe-layer-freq", "[0]*2+[1]*6"]
+setup = TrainingSetup(attention="unfused")
+args = profiler.parse_megatron_args("check", flags + megatron_flags(setup)
+                                    + offline.backend_flags("cpu", setup))
+offline._init_alone("cpu", tempfile.mkdtemp())
+parallel_state.initialize_model_parallel(1)
+va = profiler.profiling_args(args, 1, 1, 1, 0)
+for index, moe in ((0, False), (1, False), (2, True), (7, True)):
+    _, spec = profiler.layer_config_and_spec(va, index, moe)
+    assert profiler.is_moe_spec(spec) == moe, (index, moe)
+for index, moe in ((0, True), (2, False), (8, None)):
+    try:
+        profiler.layer_config_and_spec(va, index, moe)
+    except PoseidonError as e:
+        print("refused", index, e)
+    else:
+        raise SystemExit(f"layer {index} as moe={moe} was not refused")
+print("ok")
+"""
+
+
+@pytest.mark.integration
+def test_the_layer_of_each_kind_comes_from_megatrons_block_spec_and_is_checked(tmp_path):
+    """megatron-core's block spec of tiny-moe: layers 1-2 dense, 3-8 MoE; a layer the planner
+    reads as the other kind (or one the block does not have) is refused, not mislabelled."""
+    pytest.importorskip("megatron.core")
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-c", _SPEC_CHECK, TINY_MOE], capture_output=True,
+                          text=True, cwd=tmp_path, env=env, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), \
+        proc.stdout[-2000:] + proc.stderr[-3000:]
+    refused = [line for line in proc.stdout.splitlines() if line.startswith("refused")]
+    assert len(refused) == 3
+    assert "layer 1 of the model as Megatron builds it is a dense layer" in refused[0]
+    assert "layer 3 of the model as Megatron builds it is a MoE layer" in refused[1]
+    assert "no layer 8 to profile" in refused[2]
