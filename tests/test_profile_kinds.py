@@ -108,6 +108,15 @@ def test_aggregate_and_records_keep_the_kinds_apart():
     assert by_sig[sigs["dense"]].forward_ms == pytest.approx(1.0, rel=0.02)
     assert by_sig[sigs["moe"]].forward_ms == pytest.approx(3.1, rel=0.02)
     assert by_sig[sigs["moe"]].param_bytes == 30
+    # the key per-stage costs look a kind up by (lookup_profile with kind_model(i)) finds it
+    from poseidon_plugin.profiles import profile_key
+
+    db = ProfileDB(None)
+    for r in recs:
+        db.put(r)
+    for i, kind in enumerate(mixed.layer_kinds):
+        found = db.get(profile_key(mixed.kind_model(i), "a", "decoder", 1, 1, 128))
+        assert found is not None and found.param_bytes == (30 if kind.is_moe else 10)
     # a kind the model does not have is an error, not a record under someone else's key
     with pytest.raises(ValueError, match="not among"):
         G.measured_records(aggs, 128, {"dense": sigs["dense"]})
@@ -271,6 +280,11 @@ def test_emulated_launch_profiles_both_kinds_and_the_dry_run_plans(tmp_path):
                                                            dense["backward_ms"])
     plan = json.loads(plan_file.read_text())
     assert sum(s["layers"] for s in plan["stages"]) == 8
+    # the plan's decoder costs rest on the kinds' measurements (measured per kind once the
+    # search costs stages per kind; the types' speed calibrated from them meanwhile), never
+    # on an uncalibrated estimate
+    for st in plan["stages"]:
+        assert st["provenance"]["decoder"]["source"] in ("measured", "calibrated", "scaled"), st
 
 
 def test_moe_at_tp_above_1_without_sequence_parallelism_is_tp_1_only():
