@@ -231,7 +231,8 @@ def layer_config_and_spec(vargs: Any, layer_index: int = 0,
 def is_moe_spec(spec: Any) -> bool:
     """Whether a layer ``ModuleSpec``'s MLP is a MoE layer (Megatron's ``MoELayer`` or a
     subclass of a class of that name): the MLP entry is a ``ModuleSpec`` (its ``module``), a
-    ``functools.partial`` of a class (core 0.19) or a bound class method (``MLP.as_mlp_submodule``)."""
+    ``functools.partial`` of a class (core 0.19) or a bound class method
+    (``MLP.as_mlp_submodule``)."""
     import functools
 
     obj = getattr(getattr(spec, "submodules", None), "mlp", None)
