@@ -17,9 +17,9 @@ Per stage s of a plan (type k, TP t, l layers, micro-batch b, sequence S, DP d):
   estimates are found by its signature): forward / backward per chunk, gradient bytes, the
   optimizer step (each kind at its own ms per gradient byte; the embedding / output layer at the
   first kind's), memory (``memory.stage_memory(kind_counts=...)``). The embedding and output
-  layer are the first kind's model's (the same layers). ``layer_kinds="envelope"`` (the
-  default, what the search prices until it costs layer ranges): every layer at each part's
-  maximum over the kinds. A uniform model costs the same either way (bit for bit).
+  layer are the first kind's model's (the same layers). ``"per-kind"`` is the default (the
+  search prices the same sums: docs/search.md); ``layer_kinds="envelope"``: every layer at each
+  part's maximum over the kinds. A uniform model costs the same either way (bit for bit).
 * activation send s -> s+1 (and the gradient back) = ``comm.send_ms`` of b * S * h * 2 bytes
   (bf16) over the placement's slowest replica link, plus the cluster's per-message latency.
 * DP all-reduce A_s = ``comm.allreduce_ms``, a ring over d ranks of the stage's gradient bytes:
@@ -211,12 +211,12 @@ class CostModel:
     """Costs of one (cluster, model, profile DB, sequence length); memoised lookups."""
 
     def __init__(self, cluster, model, profiles=None, *, seq_length: int,
-                 training: TrainingSetup | None = None, layer_kinds: str = "envelope") -> None:
+                 training: TrainingSetup | None = None, layer_kinds: str = "per-kind") -> None:
         if layer_kinds not in LAYER_KIND_MODES:
             raise ValueError(f"layer_kinds must be one of {LAYER_KIND_MODES}, got {layer_kinds!r}")
         # "per-kind": a mixed model's stage costs are the sums over the layers each stage holds
-        # (``stage_costs``, ``stage_memory(kind_counts=...)``); "envelope": every layer at each
-        # part's maximum over the kinds (what the search prices until it costs layer ranges)
+        # (``stage_costs``, ``stage_memory(kind_counts=...)``, what the search prices);
+        # "envelope": every layer at each part's maximum over the kinds (an upper bound)
         self.layer_kinds = layer_kinds
         self.per_kind = (layer_kinds == "per-kind"
                          and len(getattr(model, "layer_kinds", ())) > 1)
@@ -424,37 +424,68 @@ class CostModel:
         if not 0 <= start <= L:
             raise ValueError(f"start {start} outside 0..{L}")
         limit = min(limit, L - start)
+        if not self.per_kind:
+            return self.max_layers(capacity_bytes=capacity_bytes, stage=stage,
+                                   num_stages=num_stages, tp=tp, dp=dp,
+                                   micro_batch_size=micro_batch_size,
+                                   num_microbatches=num_microbatches, schedule=schedule,
+                                   virtual_stages=1, limit=limit, type_index=type_index)
+        if limit < 1:
+            return 0
+        row = self.max_layers_row(capacity_bytes=capacity_bytes, stage=stage,
+                                  num_stages=num_stages, tp=tp, dp=dp,
+                                  micro_batch_size=micro_batch_size,
+                                  num_microbatches=num_microbatches, schedule=schedule,
+                                  type_index=type_index)
+        return min(row[start], limit)
+
+    def max_layers_row(self, *, capacity_bytes: int, stage: int, num_stages: int, tp: int,
+                       dp: int, micro_batch_size: int, num_microbatches: int, schedule: str,
+                       type_index: int | None = None) -> tuple[int, ...]:
+        """``max_layers_from`` of every first layer a = 0..L (no limit but L - a), a model of
+        several layer kinds: memoised on what the memory depends on (stage position, tp, dp,
+        micro-batch, schedule, capacity, type); within it, whether a stage fits is memoised
+        on its kinds' counts (the memory depends on nothing else), so a row costs few memory
+        evaluations (DeepSeek-V3: at most 4 x 59 count pairs)."""
+        L = self.model.num_layers
+        inflight = memory_mod.microbatches_in_flight(schedule, stage, num_stages,
+                                                     num_microbatches, 1)
+        key = ("row", capacity_bytes, stage == 0, stage == num_stages - 1, num_stages == 1,
+               inflight, tp, dp, micro_batch_size, schedule, type_index)
+        hit = self._mem_cache.get(key)
+        if hit is not None:
+            return hit
         kw = dict(stage=stage, num_stages=num_stages, tp=tp, dp=dp,
                   micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
                   schedule=schedule, virtual_stages=1, type_index=type_index)
-        if not self.per_kind:
-            return self.max_layers(capacity_bytes=capacity_bytes, limit=limit, **kw)
-        if limit < 1:
-            return 0
-        inflight = memory_mod.microbatches_in_flight(schedule, stage, num_stages,
-                                                     num_microbatches, 1)
-        key = ("range", capacity_bytes, stage == 0, stage == num_stages - 1, inflight, tp, dp,
-               micro_batch_size, schedule, type_index, start)
-        hit = self._mem_cache.get(key)
-        if hit is None:
-            def fits(l: int) -> bool:
-                return self.stage_memory_bytes(
-                    layers=l, kind_counts=self.model.kind_counts_in(start, start + l),
-                    **kw) <= capacity_bytes
+        seen: dict[tuple[int, ...], bool] = {}
 
-            lo, hi = 0, L - start             # fits(lo) (or lo = 0); the answer is in [lo, hi]
-            if not fits(1):
-                hi = 0
-            else:
-                lo = 1
+        def fits(a: int, l: int) -> bool:
+            counts = self.model.kind_counts_in(a, a + l)
+            got = seen.get(counts)
+            if got is None:
+                got = seen[counts] = self.stage_memory_bytes(
+                    layers=l, kind_counts=counts, **kw) <= capacity_bytes
+            return got
+
+        row = []
+        prev = 0
+        for a in range(L + 1):
+            # [a, a + prev - 1) is inside [a - 1, a - 1 + prev), which fits: start there
+            lo = max(prev - 1, 0)           # fits(a, lo) (or lo = 0)
+            hi = L - a
+            if lo < hi and fits(a, lo + 1):
+                lo += 1
                 while lo < hi:
                     mid = (lo + hi + 1) // 2
-                    if fits(mid):
+                    if fits(a, mid):
                         lo = mid
                     else:
                         hi = mid - 1
-            hit = self._mem_cache[key] = lo
-        return min(hit, limit)
+            row.append(lo)
+            prev = lo
+        hit = self._mem_cache[key] = tuple(row)
+        return hit
 
     def _max_layers_miss(self, key, *, capacity_bytes: int, stage: int, num_stages: int, tp: int,
                          dp: int, micro_batch_size: int, num_microbatches: int, schedule: str,

@@ -20,8 +20,9 @@ generalised to GQA, SwiGLU and MoE), with b = micro-batch, s = sequence, t = TP:
     TP-sharded part, divided by t: ``s*b*(4*a*d + 4*g*d + 2*f*(3 if SwiGLU else 2))`` — Q, K, V and
         the output-projection input in bf16, and the MLP's fc1 output(s) and fc2 input;
         MoE: the MLP term x top-k plus the k dispatched copies of the input (2*k*h), plus the
-        shared experts' MLP term; a model of dense and MoE layers: the larger kind's, for every
-        layer (an upper bound until per-stage layer costs land);
+        shared experts' MLP term; a model of dense and MoE layers: with ``kind_counts`` (the
+        layers of each kind the stage holds) each kind's own, else the larger kind's for every
+        layer (an upper bound);
     attention scores: NOT counted. We assume flash attention / selective recompute of the core
         attention, which is what megatron-core's own estimate assumes (its ``_without_sp`` formula
         ``s*b*h*(10 + 24/t)`` is exactly ours for MHA, GeLU, f = 4h; with SP its ``s*b*h*(18+4f/h)/t``

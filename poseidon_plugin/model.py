@@ -33,10 +33,11 @@ distinct kinds in the order they first appear, ``layer_kind_of`` gives each laye
 The planner's *per-layer* figures (``layer_param_split``, ``layer_forward_flops``,
 ``attention_forward_flops``, ``mlp_forward_flops``, ``layer_params``) are exact for a uniform
 model. For a mixed model (DeepSeek-V3: 3 dense layers, then 58 MoE) they are each part's maximum
-over the kinds -- no layer of any kind is larger -- because the search still treats layers as
-interchangeable: a stage's memory and time are then upper bounds, never an average that
-under-counts the stage that holds only MoE layers. ``planning_note()`` is the one line that says
-so. Whole-model figures (``total_params``, ``active_params``, ``model_flops_per_iteration``) are
+over the kinds -- no layer of any kind is larger -- an upper bound for what is priced without a
+layer range (the memory of a stage size alone). The planner costs each stage by the layers it
+holds (``costs.CostModel`` with ``layer_kinds="per-kind"``, the default, and the search from the
+stage's first layer). ``planning_note()`` notes what is not yet costed (MTP). Whole-model
+figures (``total_params``, ``active_params``, ``model_flops_per_iteration``) are
 exact sums over the layers.
 
 YAML model file: the ``ModelSpec`` field names, e.g. ``examples/models/tiny-gpt.yaml`` or
@@ -282,21 +283,13 @@ class ModelSpec:
         return f"d{self.num_layers - moe}m{moe}x{digest}"
 
     def planning_note(self) -> str | None:
-        """One line for what the planner does not yet cost layer by layer (None: nothing)."""
-        parts = []
-        if self.is_mixed:
-            counts = ", ".join(f"{n} {k.name}" for k, n in zip(self.layer_kinds,
-                                                                 self.kind_counts))
-            parts.append(
-                f"its layers are of {len(self.layer_kinds)} kinds ({counts}); until per-stage "
-                "layer costs land, every layer is planned at each part's maximum over the kinds "
-                "(parameters, FLOPs, activations: upper bounds), and its decoder time is "
-                "estimated (each kind is profiled and recorded under its own key, which the "
-                "per-stage costs read)")
+        """One line for what the planner does not yet cost layer by layer (None: nothing). A
+        model of several layer kinds is planned exactly (each stage costs the layers it holds:
+        ``CostModel(layer_kinds="per-kind")``), so only MTP layers are noted."""
         if self.mtp_num_layers:
-            parts.append(f"its {self.mtp_num_layers} MTP layer(s) are not yet in the last "
-                         "stage's time or memory")
-        return f"model {self.name}: " + "; ".join(parts) if parts else None
+            return (f"model {self.name}: its {self.mtp_num_layers} MTP layer(s) are not yet in "
+                    "the last stage's time or memory")
+        return None
 
     # --- parameter counts (whole, unsharded) ---
     def layer_param_split(self) -> LayerParams:

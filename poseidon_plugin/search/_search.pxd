@@ -80,6 +80,19 @@ cdef struct ConfigData:
     const int* suffix_lmax         # N + 1: sum over j >= x of max_o lmax[o, j]
     const int* suf_omax            # O * (N + 1): max over j >= x of lmax[o, j]
     const int* firstpos            # O * (L + 2): first stage j with lmax[o, j] >= c (N: none)
+    # ---- layer kinds (a mixed model, V = 1): K > 1 and the per-kind arrays; K = 1: none (the
+    #      per-option figures above are then exact). With K > 1, of_ / ob_ are each option's
+    #      minimum over the kinds (the bounds' per-layer lower bounds), lmax its maximum over
+    #      the stage's first layer (an upper bound), and the stage costs and memory come from
+    #      the layers a stage holds: its first layer is the layers of the stages before it.
+    int K
+    const double* kf               # O * K: one layer of kind k on option o (forward ms)
+    const double* kb               # O * K: backward ms
+    const double* kgl              # O * K: gradient bytes
+    const double* kog              # O * K: optimizer ms per gradient byte
+    const int* kpre                # K * (L + 1): layers of kind k among layers [0, i)
+    const int* lmax_from           # O * N * (L + 1): most layers option o fits at stage x
+    #                                from first layer a (memory)
     # ---- per device type
     int ndev[MAXT]
     int type_off[MAXT]             # offset of the type's devices in node_of / local_of

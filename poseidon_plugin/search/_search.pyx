@@ -341,7 +341,7 @@ cdef class ConfigInstance:
                  lmax, ndev, type_off, intra, inter, node_of, local_of, og=None,
                  double overhead_ms=0.0, bint sharded=False, double wpg=0.5,
                  bint overlap_grad=False, bint overlap_param=False, double gpp=4.0,
-                 double bucket=0.0):
+                 double bucket=0.0, kinds=None, lmax_from=None):
         cdef ConfigData* I = &self.data
         cdef int N = structure.N, V = structure.V, O = len(opt_type), T = len(ndev), o, x, k
         if N > MAXN or V > MAXV or O > MAXO or T > MAXT:
@@ -405,6 +405,32 @@ cdef class ConfigInstance:
                 first[o, :max(int(lm2[o, x]), -1) + 1] = x
         arrays = (lm, suffix, _i32(somax), _i32(node_of), _i32(local_of), _i32(first))
         self._keep = arrays
+        I.K = 1
+        I.kf = I.kb = I.kgl = I.kog = NULL
+        I.kpre = I.lmax_from = NULL
+        if kinds is not None:
+            # kinds = (kf, kb, kgl, kog: O x K, kpre: K x (L + 1)); lmax_from: O x N x (L + 1)
+            kf, kb, kgl, kog, kpre = kinds
+            K = len(kpre)
+            if V != 1 or ridge_mode != RIDGE_OFF or lmax_from is None:
+                raise ValueError("ConfigInstance: layer kinds need V = 1, no ridge rule and "
+                                 "lmax_from")
+            karr = tuple(np.ascontiguousarray(a, dtype=np.float64).reshape(-1)
+                         for a in (kf, kb, kgl, kog))
+            if any(a.shape[0] != O * K for a in karr):
+                raise ValueError("ConfigInstance: per-kind costs must have O*K entries")
+            kp = _i32(kpre)
+            lf = _i32(lmax_from)
+            if kp.shape[0] != K * (num_layers + 1) or lf.shape[0] != O * N * (num_layers + 1):
+                raise ValueError("ConfigInstance: kpre / lmax_from of the wrong size")
+            self._keep = arrays + karr + (kp, lf)
+            I.K = K
+            I.kf = _dbl_ptr(karr[0])
+            I.kb = _dbl_ptr(karr[1])
+            I.kgl = _dbl_ptr(karr[2])
+            I.kog = _dbl_ptr(karr[3])
+            I.kpre = _int_ptr(kp)
+            I.lmax_from = _int_ptr(lf)
         I.lmax = _int_ptr(arrays[0])
         I.suffix_lmax = _int_ptr(arrays[1])
         I.suf_omax = _int_ptr(arrays[2])
@@ -441,6 +467,10 @@ cdef double _mid_last(const ConfigData* I, int o):
 
 cdef const int* _int_ptr(cnp.ndarray a):
     return <const int*> a.data
+
+
+cdef const double* _dbl_ptr(cnp.ndarray a):
+    return <const double*> a.data
 
 
 cdef class ConfigResult:
@@ -545,21 +575,41 @@ cdef void _set_stage(const ConfigData* I, SearchState* S, int x, int o, int l,
     """Chunk costs, forward total and post-pipeline time (DP all-reduce + optimizer step +
     per-iteration overhead) of stage x with option o and l layers
     (the embedding on chunk 0 of stage 0, the output layer on chunk V-1 of the last stage)."""
-    cdef int V = I.V, cc, nb
+    cdef int V = I.V, cc, nb, a, k, c, L1 = I.L + 1
     cdef bint overlap
-    cdef double G, F = 0.0, gw, pw, opt
-    for cc in range(V):
-        S.fc[x * V + cc] = _chunk_layers(l, V, cc) * I.of_[o]
-        S.bc[x * V + cc] = _chunk_layers(l, V, cc) * I.ob_[o]
-    G = l * I.ogl[o]
+    cdef double G, F = 0.0, gw, pw, opt, optk = 0.0, gk, gx = 0.0
+    if I.K > 1:
+        # the layers [a, a + l) the stage holds (V = 1), each kind at its own costs, as
+        # costs.stage_costs(layer_kinds="per-kind"): the embedding / output layer's optimizer
+        # step at oog (the first kind's rate)
+        a = 0
+        for cc in range(x):
+            a += S.st_l[cc]
+        S.fc[x] = 0.0
+        S.bc[x] = 0.0
+        G = 0.0
+        for k in range(I.K):
+            c = I.kpre[k * L1 + a + l] - I.kpre[k * L1 + a]
+            S.fc[x] += c * I.kf[o * I.K + k]
+            S.bc[x] += c * I.kb[o * I.K + k]
+            gk = c * I.kgl[o * I.K + k]
+            G += gk
+            optk += (gk * I.kog[o * I.K + k] / I.d) if I.sharded else gk * I.kog[o * I.K + k]
+    else:
+        for cc in range(V):
+            S.fc[x * V + cc] = _chunk_layers(l, V, cc) * I.of_[o]
+            S.bc[x * V + cc] = _chunk_layers(l, V, cc) * I.ob_[o]
+        G = l * I.ogl[o]
     if x == 0:
         S.fc[0] += I.oef[o]
         S.bc[0] += I.oeb[o]
         G += I.oge[o]
+        gx += I.oge[o]
     if x == I.N - 1:
         S.fc[x * V + V - 1] += I.oof[o]
         S.bc[x * V + V - 1] += I.oob[o]
         G += I.ogo[o]
+        gx += I.ogo[o]
     for cc in range(V):
         F += S.fc[x * V + cc]
     S.Fst[x] = F
@@ -574,7 +624,12 @@ cdef void _set_stage(const ConfigData* I, SearchState* S, int x, int o, int l,
             pw = S.fc[0]
         if gw != 0.0 or pw != 0.0:
             nb = _ddp_buckets(G / I.gpp, I.d, I.bucket)
-    opt = (G * I.oog[o] / I.d) if I.sharded else G * I.oog[o]
+    if I.K > 1:
+        opt = optk
+        if gx != 0.0:
+            opt += (gx * I.oog[o] / I.d) if I.sharded else gx * I.oog[o]
+    else:
+        opt = (G * I.oog[o] / I.d) if I.sharded else G * I.oog[o]
     S.R[x] = ((_dp_sync_ms(G, G * I.wpg, I.d, ring, I.latency_ms, I.sharded, nb, gw, pw)
                if I.d > 1 else 0.0)
               + opt
@@ -1217,7 +1272,10 @@ cdef class Searcher:
                 self.st.cut_devices += 1
                 continue
             # layers range: memory (lmax), later stages' minimum and maximum capacity
-            hi = I.lmax[o * N + x]
+            if I.K > 1:      # the stage's first layer is the layers assigned before it
+                hi = I.lmax_from[(o * N + x) * (I.L + 1) + I.L - Lrem]
+            else:
+                hi = I.lmax[o * N + x]
             if K == 0:
                 if Lrem > hi or Lrem < I.V:
                     self.st.cut_memory += 1
@@ -1593,7 +1651,8 @@ def replay_assignment(ConfigInstance inst, PipelineDAG dag, opts, layers):
         for x in range(N):
             o, l = opts[x], layers[x]
             start = _aligned_start(I, S, o)
-            if start < 0 or l < I.V or l > I.lmax[o * N + x]:
+            if start < 0 or l < I.V or l > (I.lmax_from[(o * N + x) * (I.L + 1) + I.L - Lrem]
+                                             if I.K > 1 else I.lmax[o * N + x]):
                 raise ValueError(f"replay_assignment: stage {x} (option {o}, {l} layers) does "
                                  f"not fit")
             ring = _place_stage(I, S, x, o, start)

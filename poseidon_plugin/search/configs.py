@@ -110,6 +110,14 @@ def enumerate_with_exclusions(cm: CostModel, options: SearchOptions
     out: list[OuterConfig] = []
     for sched in options.schedules:
         vs = range(2, options.max_virtual_stages + 1) if sched == "interleaved-1f1b" else (1,)
+        if sched == "interleaved-1f1b" and cm.per_kind:
+            # a stage's layer kinds then depend on every stage's layer count (chunk-major
+            # layout), not on the layers before it: the search prices one chunk per stage
+            line = ("interleaved-1f1b excluded: a model of several layer kinds is searched "
+                    "with one model chunk per stage")
+            if line not in lines:
+                lines.append(line)
+            continue
         for v in vs:
             for b in options.micro_batch_sizes:
                 for d in _divisors(G):
@@ -159,9 +167,29 @@ class OptionCosts:
     ge: tuple[float, ...]
     go: tuple[float, ...]
     og: tuple[float, ...] = ()   # optimizer ms per gradient byte (empty: none)
+    # a model of several layer kinds (``CostModel.per_kind``): per option, per kind, one
+    # layer's (forward, backward, gradient bytes, optimizer ms per gradient byte); f, b and gl
+    # are then each option's minimum over the kinds (per-layer lower bounds for the bounds),
+    # the embedding / output figures and og the first kind's (as ``CostModel.stage_costs``)
+    kinds: tuple[tuple[tuple[float, float, float, float], ...], ...] = ()
 
     @classmethod
     def of_config(cls, cm: CostModel, cfg: OuterConfig) -> "OptionCosts":
+        if cm.per_kind:
+            kcs = [cm.kind_layer_costs(k, t, cfg.micro_batch_size) for (k, t) in cfg.options]
+            lcs = [kc[0] for kc in kcs]
+            kinds = tuple(tuple((lc.forward_ms, lc.backward_ms, lc.grad_bytes,
+                                 lc.optimizer_ms_per_grad_byte) for lc in kc) for kc in kcs)
+            return cls(f=tuple(min(x[0] for x in kk) for kk in kinds),
+                       b=tuple(min(x[1] for x in kk) for kk in kinds),
+                       ef=tuple(lc.embedding_forward_ms for lc in lcs),
+                       eb=tuple(lc.embedding_backward_ms for lc in lcs),
+                       of=tuple(lc.output_forward_ms for lc in lcs),
+                       ob=tuple(lc.output_backward_ms for lc in lcs),
+                       gl=tuple(min(x[2] for x in kk) for kk in kinds),
+                       ge=tuple(lc.embedding_grad_bytes for lc in lcs),
+                       go=tuple(lc.output_grad_bytes for lc in lcs),
+                       og=tuple(lc.optimizer_ms_per_grad_byte for lc in lcs), kinds=kinds)
         lcs = [cm.layer_costs(k, t, cfg.micro_batch_size) for (k, t) in cfg.options]
         return cls(f=tuple(lc.forward_ms for lc in lcs), b=tuple(lc.backward_ms for lc in lcs),
                    ef=tuple(lc.embedding_forward_ms for lc in lcs),
@@ -183,10 +211,29 @@ class OptionCosts:
         return min(f + b for f, b in zip(self.of, self.ob))
 
 
-def layer_limits(cm: CostModel, cfg: OuterConfig) -> np.ndarray:
-    """lmax[o, x]: the most layers option o fits at stage x (memory; <= L - (N-1) V)."""
+def layer_limits_from(cm: CostModel, cfg: OuterConfig) -> np.ndarray:
+    """A model of several layer kinds (``cm.per_kind``, V = 1): lmax_from[o, x, a], the most
+    layers option o fits at stage x starting at layer a (memory; <= L - (N-1) and <= L - a)."""
     n, L = cfg.num_stages, cm.model.num_layers
     limit = L - (n - 1) * cfg.virtual_stages
+    out = np.zeros((len(cfg.options), n, L + 1), dtype=np.int32)
+    for o, (k, t) in enumerate(cfg.options):
+        for x in range(n):
+            out[o, x, :] = cm.max_layers_row(
+                capacity_bytes=cm.capacity_bytes[k], stage=x, num_stages=n, tp=t, dp=cfg.dp,
+                micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
+                schedule=cfg.schedule, type_index=k)
+    return np.minimum(out, max(limit, 0))
+
+
+def layer_limits(cm: CostModel, cfg: OuterConfig) -> np.ndarray:
+    """lmax[o, x]: the most layers option o fits at stage x (memory; <= L - (N-1) V). A model
+    of several layer kinds (``cm.per_kind``): the most over the stage's first layer (an upper
+    bound; ``layer_limits_from`` is exact)."""
+    n, L = cfg.num_stages, cm.model.num_layers
+    limit = L - (n - 1) * cfg.virtual_stages
+    if cm.per_kind:
+        return np.ascontiguousarray(layer_limits_from(cm, cfg).max(axis=2), dtype=np.int32)
     out = np.zeros((len(cfg.options), n), dtype=np.int32)
     for o, (k, t) in enumerate(cfg.options):
         out[o, :] = cm.max_layers_by_stage(

@@ -439,6 +439,8 @@ class SearchDriver:
                 if l > lmax[o][x]:
                     raise ValueError(f"stage {x}'s {l} layers no longer fit its memory "
                                      f"(at most {lmax[o][x]})")
+            if not self.ctx.fits(cfg, opts, layers):
+                raise ValueError("its stages' layers no longer fit their memory")
             if not self.in_space(cfg, opts):
                 break
             return cfg, opts, layers

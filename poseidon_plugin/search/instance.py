@@ -21,8 +21,8 @@ from ..plan import TIMING_MODEL
 from ..simulator._core import get_dag
 from ..simulator.pipeline import iteration_time_ms
 from . import _search
-from .configs import (OptionCosts, OuterConfig, bound_structure, layer_limits, min_send_ms,
-                      root_bound, stage_min_send_ms)
+from .configs import (OptionCosts, OuterConfig, bound_structure, layer_limits,
+                      layer_limits_from, min_send_ms, root_bound, stage_min_send_ms)
 
 ENGINE_TIMING = TIMING_MODEL == "engine"
 """Plans are timed as megatron-core runs them (``_core.EngineDAG``: blocking, bundled p2p
@@ -69,6 +69,7 @@ class SearchContext:
         self.cm = cm
         self._costs: dict[OuterConfig, OptionCosts] = {}
         self._lmax: dict[OuterConfig, np.ndarray] = {}
+        self._lmax_from: dict[OuterConfig, np.ndarray] = {}
         self._lmax_rows: dict[OuterConfig, list[list[int]]] = {}
         self._roots: dict[OuterConfig, float] = {}
         self._instances: dict[tuple, tuple[_search.ConfigInstance, bool]] = {}
@@ -87,6 +88,32 @@ class SearchContext:
             hit = self._lmax[cfg] = layer_limits(self.cm, cfg)
             hit.setflags(write=False)
         return hit
+
+    def lmax_from(self, cfg: OuterConfig) -> np.ndarray | None:
+        """A model of several layer kinds: lmax_from[o, x, a] (read-only), the most layers
+        option o fits at stage x from first layer a; None for a uniform model."""
+        if not self.cm.per_kind:
+            return None
+        hit = self._lmax_from.get(cfg)
+        if hit is None:
+            hit = self._lmax_from[cfg] = layer_limits_from(self.cm, cfg)
+            hit.setflags(write=False)
+        return hit
+
+    def fits(self, cfg: OuterConfig, opts, layers) -> bool:
+        """Every stage's layers fit its memory (and hold at least V layers): ``lmax``, or for
+        a model of several layer kinds the limit from the stage's first layer."""
+        v = cfg.virtual_stages
+        frm = self.lmax_from(cfg)
+        if frm is None:
+            lmax = self.lmax_rows(cfg)
+            return all(v <= l <= lmax[o][x] for x, (o, l) in enumerate(zip(opts, layers)))
+        a = 0
+        for x, (o, l) in enumerate(zip(opts, layers)):
+            if not v <= l <= frm[o, x, a]:
+                return False
+            a += l
+        return True
 
     def lmax_rows(self, cfg: OuterConfig) -> list[list[int]]:
         """``lmax`` as nested Python lists (read often from Python: no numpy scalars)."""
@@ -114,6 +141,9 @@ class SearchContext:
         over the options, sends <= (r-1)/2 min f, no memory limit below L - (N-1)); else off."""
         if pruning == "ridge":
             return RidgeRule(_search.RIDGE_MODES["cut"], 1)
+        if self.cm.per_kind:
+            # Theorem 2's premise (interchangeable layers) does not hold for several kinds
+            return RidgeRule(_search.RIDGE_MODES["off"])
         if pruning != "safe" or cfg.schedule != "eager-1f1b" or cfg.dp != 1:
             return RidgeRule(_search.RIDGE_MODES["off"])
         n, m = cfg.num_stages, cfg.num_microbatches
@@ -152,6 +182,16 @@ class SearchContext:
             local_of.extend(p.local_of)
         st = bound_structure(cfg.schedule, cfg.num_stages, cfg.num_microbatches,
                              cfg.virtual_stages)
+        kinds = lmax_from = None
+        if costs.kinds:
+            L = cm.model.num_layers
+            kk = np.array(costs.kinds, dtype=np.float64)            # O x K x 4
+            prefix = np.array(cm.model._kind_prefix, dtype=np.int32)  # K x (L + 1)
+            kinds = tuple(np.ascontiguousarray(kk[:, :, i]) for i in range(4)) + (prefix,)
+            lmax_from = self.lmax_from(cfg)
+            if lmax is not None:     # tighter per-stage limits (the tie rule's masks)
+                lmax_from = np.minimum(lmax_from, np.asarray(lmax)[:, :, None])
+            assert prefix.shape == (len(cm.model.layer_kinds), L + 1)
         return _search.ConfigInstance(
             st, dp=cfg.dp, num_layers=cm.model.num_layers,
             act_bytes=cm.activation_bytes(cfg.micro_batch_size), latency_ms=cm.latency_ms,
@@ -168,7 +208,8 @@ class SearchContext:
             gpp=float(cm.training.grad_bytes), bucket=float(cm.training.ddp_bucket_size),
             lmax=self.lmax(cfg) if lmax is None else lmax,
             ndev=[p.size for p in cm.pools], type_off=type_off, intra=list(cm.intra_gbps),
-            inter=list(cm.inter_gbps), node_of=node_of, local_of=local_of)
+            inter=list(cm.inter_gbps), node_of=node_of, local_of=local_of, kinds=kinds,
+            lmax_from=lmax_from)
 
     # ------------------------------------------------------------------ searching
     def run(self, cfg: OuterConfig, *, pruning: str, blocks: bool, threshold_ms: float,
@@ -241,6 +282,6 @@ class SearchContext:
                 return None
             layers.append(lo if x == n - 1 and lo == hi else rng.randint(lo, hi))
             rem -= layers[-1]
-        if rem != 0:
+        if rem != 0 or not self.fits(cfg, opts, layers):
             return None
         return opts, layers
