@@ -27,7 +27,7 @@ followed by its all-reduce R_k; and, for the undecided stage with the most layer
 from libc.math cimport ceil
 
 from poseidon_plugin.search._search cimport (MAXN, MAXT, ConfigData, SearchState, dmax,
-                                             dmin)
+                                             dmin, lay_b, lay_f, lay_fb)
 
 
 cdef inline int _topk_layers(const int* tcap, const int* tcnt, int nt, int K,
@@ -234,8 +234,8 @@ cdef void later_costs(const ConfigData* I, SearchState* S, int x) noexcept nogil
             continue
         if I.blocks and k != kx and S.used[k]:
             continue
-        if I.ofb[o] < fb:
-            fb = I.ofb[o]
+        if lay_fb(I, x, o) < fb:
+            fb = lay_fb(I, x, o)
         if I.oof[o] + I.oob[o] < out:
             out = I.oof[o] + I.oob[o]
         if I.midlast[o] < mid:
@@ -363,9 +363,9 @@ cdef inline void _type_caps(const ConfigData* I, SearchState* S, int x, int K, d
         if I.ndev[k] - S.cursor[k] <= 0:
             continue
         if amax < 0:
-            coef = I.M * I.ofb[o]
+            coef = I.M * lay_fb(I, x, o)
         else:
-            coef = (I.M - 1) * I.ob_[o] + (I.M - amax) * I.of_[o]
+            coef = (I.M - 1) * lay_b(I, x, o) + (I.M - amax) * lay_f(I, x, o)
         cap = _layers_within(budget, coef)
         if cap < 0:
             continue
@@ -389,8 +389,8 @@ cdef inline void _type_caps(const ConfigData* I, SearchState* S, int x, int K, d
             kbest[k] = cap
         if kdt[k] == 0 or I.d * I.opt_tp[o] < kdt[k]:
             kdt[k] = I.d * I.opt_tp[o]
-        if kfb[k] == 0.0 or I.ofb[o] < kfb[k]:
-            kfb[k] = I.ofb[o]
+        if kfb[k] == 0.0 or lay_fb(I, x, o) < kfb[k]:
+            kfb[k] = lay_fb(I, x, o)
         if <double> cap / (I.d * I.opt_tp[o]) > kratio[k]:
             kratio[k] = <double> cap / (I.d * I.opt_tp[o])
     for k in range(I.T):
@@ -585,7 +585,7 @@ cdef double _wpos(const ConfigData* I, SearchState* S, int x, int K, double R, i
             k = I.opt_type[o]
             if tav[k] <= 0:
                 continue
-            coef = (M - 1) * I.ob_[o] + (M - aj) * I.of_[o]
+            coef = (M - 1) * lay_b(I, x, o) + (M - aj) * lay_f(I, x, o)
             cap = _layers_within(R, coef)
             if cap < 0:
                 continue
@@ -766,10 +766,10 @@ cdef int _chain_cut(const ConfigData* I, int x, int K, double R, int need, const
         return 0
     for o in range(I.O):
         k = I.opt_type[o]
-        if I.ofb[o] < wmin[k]:
-            wmin[k] = I.ofb[o]
-        if I.ob_[o] < bmin[k]:
-            bmin[k] = I.ob_[o]
+        if lay_fb(I, x, o) < wmin[k]:
+            wmin[k] = lay_fb(I, x, o)
+        if lay_b(I, x, o) < bmin[k]:
+            bmin[k] = lay_b(I, x, o)
     ct.K = K
     for g in range(G):
         for r in range(gcnt[g]):
@@ -935,8 +935,8 @@ cdef int wcut(const ConfigData* I, SearchState* S, int x, double avail, int K, i
         return 1
     fbmin = 1e300
     for o in range(I.O):
-        if I.ofb[o] < fbmin:
-            fbmin = I.ofb[o]
+        if lay_fb(I, x, o) < fbmin:
+            fbmin = lay_fb(I, x, o)
     if whi < A:
         A2 = whi
     else:

@@ -93,6 +93,9 @@ cdef struct ConfigData:
     const int* kpre                # K * (L + 1): layers of kind k among layers [0, i)
     const int* lmax_from           # O * N * (L + 1): most layers option o fits at stage x
     #                                from first layer a (memory)
+    const double* xf               # N * O: after stage x (layers >= x + 1), one layer's
+    const double* xb               # forward / backward lower bound: the minimum over the kinds
+    #                                of layers [x + 1, L) (the bounds' per-layer costs)
     # ---- per device type
     int ndev[MAXT]
     int type_off[MAXT]             # offset of the type's devices in node_of / local_of
@@ -182,6 +185,20 @@ cdef struct SearchStats:
     long long cut_devices          # not enough devices left
     long long cut_capacity         # capacity / fill-drain / round-trip cuts
     long long cut_dominated        # subtrees a searched one of the same key dominates
+
+
+cdef inline double lay_f(const ConfigData* I, int x, int o) noexcept nogil:
+    """A lower bound on one layer's forward on option o among the layers after stage x (every
+    layer for a uniform model: of_)."""
+    return I.xf[x * I.O + o] if I.K > 1 else I.of_[o]
+
+
+cdef inline double lay_b(const ConfigData* I, int x, int o) noexcept nogil:
+    return I.xb[x * I.O + o] if I.K > 1 else I.ob_[o]
+
+
+cdef inline double lay_fb(const ConfigData* I, int x, int o) noexcept nogil:
+    return (I.xf[x * I.O + o] + I.xb[x * I.O + o]) if I.K > 1 else I.ofb[o]
 
 
 cdef inline double dmax(double a, double b) noexcept nogil:

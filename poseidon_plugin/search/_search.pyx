@@ -408,6 +408,7 @@ cdef class ConfigInstance:
         I.K = 1
         I.kf = I.kb = I.kgl = I.kog = NULL
         I.kpre = I.lmax_from = NULL
+        I.xf = I.xb = NULL
         if kinds is not None:
             # kinds = (kf, kb, kgl, kog: O x K, kpre: K x (L + 1)); lmax_from: O x N x (L + 1)
             kf, kb, kgl, kog, kpre = kinds
@@ -423,7 +424,24 @@ cdef class ConfigInstance:
             lf = _i32(lmax_from)
             if kp.shape[0] != K * (num_layers + 1) or lf.shape[0] != O * N * (num_layers + 1):
                 raise ValueError("ConfigInstance: kpre / lmax_from of the wrong size")
-            self._keep = arrays + karr + (kp, lf)
+            # after stage x (>= x + 1 layers assigned): the per-layer minimum over the kinds
+            # of layers [x + 1, L), per option (the bounds' costs of the later layers)
+            kp2 = kp.reshape(K, num_layers + 1)
+            kf2 = karr[0].reshape(O, K)
+            kb2 = karr[1].reshape(O, K)
+            xf = np.empty((N, O), dtype=np.float64)
+            xb = np.empty((N, O), dtype=np.float64)
+            for x in range(N):
+                first = min(x + 1, num_layers)
+                left = [k for k in range(K) if kp2[k, num_layers] - kp2[k, first] > 0]
+                for o in range(O):
+                    xf[x, o] = min(kf2[o, k] for k in left) if left else f[o]
+                    xb[x, o] = min(kb2[o, k] for k in left) if left else b[o]
+            xf = np.ascontiguousarray(xf).reshape(-1)
+            xb = np.ascontiguousarray(xb).reshape(-1)
+            self._keep = arrays + karr + (kp, lf, xf, xb)
+            I.xf = _dbl_ptr(xf)
+            I.xb = _dbl_ptr(xb)
             I.K = K
             I.kf = _dbl_ptr(karr[0])
             I.kb = _dbl_ptr(karr[1])

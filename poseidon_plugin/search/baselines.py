@@ -162,7 +162,7 @@ def _megatron_default(ctx: SearchContext, options) -> Plan | str:
                 mems = [cm.stage_memory_bytes(
                     layers=layers[x], stage=x, num_stages=n, tp=t, dp=d, micro_batch_size=b,
                     num_microbatches=m, schedule="1f1b", virtual_stages=1,
-                    type_index=types[x]) for x in range(n)]
+                    type_index=types[x], kind_counts=_held(cm, layers, x)) for x in range(n)]
                 if all(mems[x] <= cm.capacity_bytes[types[x]] for x in range(n)):
                     so = [opts.index((k, t)) for k in types]
                     cands.append((ctx.evaluate(cfg, so, layers), cfg.key, cfg, so, layers))
@@ -247,6 +247,15 @@ def _stage_type_match(allowed: list[list[int]], counts: list[int]) -> list[int] 
     return got
 
 
+def _held(cm: CostModel, layers, x: int) -> tuple[int, ...] | None:
+    """The layers of each kind stage x of a one-chunk plan holds (a model of several kinds,
+    ``cm.per_kind``; None otherwise: the memory is then the same without them)."""
+    if not cm.per_kind:
+        return None
+    a = sum(layers[:x])
+    return cm.model.kind_counts_in(a, a + layers[x])
+
+
 def _shortfalls(cm: CostModel, cfg: OuterConfig, counts: dict[int, int]
                 ) -> list[dict[int, tuple[int, int]]]:
     """short[x][k] = (memory - capacity, memory) of stage x (even layer split) on type k's
@@ -263,7 +272,9 @@ def _shortfalls(cm: CostModel, cfg: OuterConfig, counts: dict[int, int]
                                         micro_batch_size=cfg.micro_batch_size,
                                         num_microbatches=cfg.num_microbatches,
                                         schedule=cfg.schedule,
-                                        virtual_stages=cfg.virtual_stages, type_index=k)
+                                        virtual_stages=cfg.virtual_stages, type_index=k,
+                                        kind_counts=(_held(cm, base, x)
+                                                     if cfg.virtual_stages == 1 else None))
             cand = (mem - cm.capacity_bytes[k], mem)
             if k not in row or cand < row[k]:
                 row[k] = cand
