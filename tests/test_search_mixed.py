@@ -184,7 +184,8 @@ def test_mixed_bounds_below_every_completion_and_costs_match_python(inst, seed):
 
 def test_memory_limits_from_the_stages_first_layer():
     """The memory limit of a stage is its first layer's (``lmax_from``): one more layer from
-    there does not fit, and ``lmax`` (what the bounds read) is the maximum over the starts."""
+    there does not fit, and ``lmax`` (what the bounds read) is the maximum over the starts
+    stage x can have (x .. L - (N - x))."""
     inst = ([(100.0, 2, 2, 1.0), (150.0, 2, 1, 1.0)], [0, 0, 0, 1, 1, 1, 1, 1], 256, 1024, 4,
             ("1f1b",), "uniform")
     cluster, model = make_instance(*inst[:4])
@@ -194,7 +195,9 @@ def test_memory_limits_from_the_stages_first_layer():
     frm = ctx.lmax_from(cfg)
     assert frm is not None and frm.shape == (len(cfg.options), 2, model.num_layers + 1)
     # the limits never grow as the stage starts later on MoE layers only, and lmax is their max
-    assert (ctx.lmax(cfg) == frm.max(axis=2)).all()
+    L = model.num_layers
+    assert (ctx.lmax(cfg) == [[frm[o, x, x:L - (2 - x) + 1].max() for x in range(2)]
+                              for o in range(len(cfg.options))]).all()
     for o in range(len(cfg.options)):
         for x in range(2):
             row = frm[o, x]

@@ -228,12 +228,20 @@ def layer_limits_from(cm: CostModel, cfg: OuterConfig) -> np.ndarray:
 
 def layer_limits(cm: CostModel, cfg: OuterConfig) -> np.ndarray:
     """lmax[o, x]: the most layers option o fits at stage x (memory; <= L - (N-1) V). A model
-    of several layer kinds (``cm.per_kind``): the most over the stage's first layer (an upper
-    bound; ``layer_limits_from`` is exact)."""
+    of several layer kinds (``cm.per_kind``): the most over the first layers stage x can have
+    (an upper bound; ``layer_limits_from`` is exact)."""
     n, L = cfg.num_stages, cm.model.num_layers
     limit = L - (n - 1) * cfg.virtual_stages
     if cm.per_kind:
-        return np.ascontiguousarray(layer_limits_from(cm, cfg).max(axis=2), dtype=np.int32)
+        # stage x starts at a layer a in [x V, L - (N - x) V] (every stage holds >= V layers)
+        frm = layer_limits_from(cm, cfg)
+        v = cfg.virtual_stages
+        out = np.zeros((len(cfg.options), n), dtype=np.int32)
+        for x in range(n):
+            lo, hi = x * v, L - (n - x) * v
+            if lo <= hi:
+                out[:, x] = frm[:, x, lo:hi + 1].max(axis=1)
+        return out
     out = np.zeros((len(cfg.options), n), dtype=np.int32)
     for o, (k, t) in enumerate(cfg.options):
         out[o, :] = cm.max_layers_by_stage(
