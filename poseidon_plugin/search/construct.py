@@ -11,7 +11,11 @@ For one configuration (schedule, V, b, d, N, TP options) the construction picks
    hold the most micro-batches in flight;
 3. **the layers**: the smallest target time T (bisection) at which
    ``sum_x min(lmax[o_x, x], floor(T / (M (f + b)_x)))`` reaches the layer count, then the
-   surplus is taken off the most loaded stages; a stage gets at least V layers.
+   surplus is taken off the most loaded stages; a stage gets at least V layers. A model of
+   several layer kinds fills the stages in order by the exact limits and costs of each
+   stage's own layer range (``_fill_layers_from``: ``lmax_from``, per-kind layer costs, the
+   embedding and output layer), and also tries each order with one stage of the type with the
+   cheapest output layer moved to the end (``_orders``).
 
 Each candidate is placed with the search's own placement (TP groups inside a node) and timed by
 the simulator through ``SearchContext.replay`` (the exact time the search would give it), so a
@@ -24,6 +28,7 @@ the slots of smaller TP degrees). The construction is a heuristic: it is not the
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -177,22 +182,116 @@ def _most_layers(ctx: SearchContext, cfg: OuterConfig, choice: dict[int, int] | 
     return sum(rooms[:cfg.num_stages]) if len(rooms) >= cfg.num_stages else -1
 
 
-def _construct_with(ctx: SearchContext, cfg: OuterConfig, stages):
-    """The best (time, options, layers) over the block orders of ``stages``, or None."""
+def _layer_times(ctx: SearchContext, cfg: OuterConfig, o: int) -> list[float]:
+    """A model of several layer kinds: t[i] = M (f + b) of layers [0, i) on option o (each
+    layer at its own kind's costs), L + 1 entries."""
+    costs = ctx.option_costs(cfg)
+    m = cfg.num_microbatches
+    out = [0.0]
+    for kind in ctx.cm.model.layer_kind_of:
+        f, b, _gl, _og = costs.kinds[o][kind]
+        out.append(out[-1] + m * (f + b))
+    return out
+
+
+def _fill_layers_from(ctx: SearchContext, cfg: OuterConfig, opts: list[int]
+                      ) -> list[int] | None:
+    """A model of several layer kinds: the layers per stage of ``opts`` by the exact limits
+    and costs of each stage's own layer range (stages filled in order, so stage x starts at
+    the layers of the stages before it). For a target time T stage x takes the most layers
+    from its first layer a whose time M sum(f + b) is at most T, within its memory limit
+    from a (``lmax_from[o, x, a]``) and leaving V layers to every later stage; the last stage
+    takes the rest. The smallest T (bisection) at which the rest fits the last stage, in
+    memory and within T, gives the split; None when no T does."""
+    frm = ctx.lmax_from(cfg)
+    costs = ctx.option_costs(cfg)
+    n, v, m, L = cfg.num_stages, cfg.virtual_stages, cfg.num_microbatches, ctx.cm.model.num_layers
+    # the first stage also runs the embedding, the last the output layer (M (f + b) each)
+    first = m * (costs.ef[opts[0]] + costs.eb[opts[0]])
+    last = m * (costs.of[opts[-1]] + costs.ob[opts[-1]]) + (first if n == 1 else 0.0)
+    pre: dict[int, list[float]] = {}
+    for o in opts:
+        if o not in pre:
+            pre[o] = _layer_times(ctx, cfg, o)
+
+    def split(t: float) -> tuple[list[int] | None, bool]:
+        """(layers, the last stage within t) at target t; layers None where a stage cannot
+        hold its V layers."""
+        a, layers = 0, []
+        for x, o in enumerate(opts):
+            p = pre[o]
+            if x == n - 1:
+                rest = L - a
+                if not v <= rest <= frm[o, x, a]:
+                    return None, False
+                layers.append(rest)
+                return layers, last + p[L] - p[a] <= t
+            hi = min(int(frm[o, x, a]), L - a - (n - 1 - x) * v)
+            if hi < v:
+                return None, False
+            room = t - (first if x == 0 else 0.0)
+            take = bisect.bisect_right(p, p[a] + room, a, a + hi + 1) - 1 - a
+            layers.append(max(v, take))
+            a += layers[-1]
+        return None, False
+
+    lo, hi = 0.0, (first + last + max(p[L] for p in pre.values())) * (1.0 + 1e-9)
+    best = split(hi)[0]
+    if best is None:
+        return None
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        layers, ok = split(mid)
+        if layers is not None and ok:
+            hi, best = mid, layers
+        else:
+            lo = mid
+        if hi - lo <= 1e-9 * hi:
+            break
+    return best
+
+
+def _orders(ctx: SearchContext, cfg: OuterConfig, blocks: dict[int, list[int]], mixed: bool):
+    """(type order, stage options): every order of the type blocks; for a model of several
+    layer kinds also each order with one stage of the type of the cheapest output layer
+    (M (of + ob)) moved to the end, where the output layer runs (a memory-poor or slow type's
+    block that must come last under the exact limits would otherwise carry it)."""
+    costs = ctx.option_costs(cfg)
+    end = None
+    if mixed and len(blocks) > 1:
+        end = min(blocks, key=lambda k: (min(costs.of[o] + costs.ob[o] for o in blocks[k]), k))
+    for order in itertools.permutations(sorted(blocks)):
+        opts = [o for k in order for o in blocks[k]]
+        yield order, opts
+        if end is not None and order[-1] != end:
+            at = max(i for i, o in enumerate(opts) if cfg.options[o][0] == end)
+            yield order, opts[:at] + opts[at + 1:] + [opts[at]]
+
+
+def _construct_with(ctx: SearchContext, cfg: OuterConfig, stages, allowed=None):
+    """The best (time, options, layers) over the block orders of ``stages``, or None;
+    ``allowed(cfg, opts)``: whether stage options lie in the searched space (None: all do)."""
     lmax = ctx.lmax(cfg)
     costs = ctx.option_costs(cfg)
     n, v, m, L = cfg.num_stages, cfg.virtual_stages, cfg.num_microbatches, ctx.cm.model.num_layers
+    mixed = ctx.lmax_from(cfg) is not None
     blocks: dict[int, list[int]] = {}
     for k, o in stages:
         blocks.setdefault(k, []).append(o)
     best = None
-    for order in itertools.permutations(sorted(blocks)):
-        opts = [o for k in order for o in blocks[k]]
-        loads = [m * (costs.f[o] + costs.b[o]) for o in opts]
-        caps = [int(lmax[o, x]) for x, o in enumerate(opts)]
-        layers = _fill_layers(caps, loads, L, v)
-        if layers is None or any(layers[x] > lmax[o, x] for x, o in enumerate(opts)):
+    for _order, opts in _orders(ctx, cfg, blocks, mixed):
+        if allowed is not None and not allowed(cfg, opts):
             continue
+        if mixed:
+            layers = _fill_layers_from(ctx, cfg, opts)
+            if layers is None or not ctx.fits(cfg, opts, layers):
+                continue
+        else:
+            loads = [m * (costs.f[o] + costs.b[o]) for o in opts]
+            caps = [int(lmax[o, x]) for x, o in enumerate(opts)]
+            layers = _fill_layers(caps, loads, L, v)
+            if layers is None or any(layers[x] > lmax[o, x] for x, o in enumerate(opts)):
+                continue
         try:
             t = ctx.replay(cfg, opts, layers)[1]
         except ValueError:      # the placement (TP groups in a node) does not fit
@@ -203,23 +302,25 @@ def _construct_with(ctx: SearchContext, cfg: OuterConfig, stages):
     return best
 
 
-def construct_plan(ctx: SearchContext, cfg: OuterConfig):
+def construct_plan(ctx: SearchContext, cfg: OuterConfig, allowed=None):
     """(time ms, stage options, layers) of the best constructed plan of ``cfg``, or None when
     the construction finds no feasible one: per type one option (its fastest, or with
     per-stage TP the best estimated per-type TP choices, ``_tp_choices``), then
-    ``_construct_choice``."""
-    got = [c for c in (_construct_choice(ctx, cfg, ch) for ch in _tp_choices(ctx, cfg))
+    ``_construct_choice``. ``allowed(cfg, opts)``: whether stage options lie in the searched
+    space (the mixed-model orders with one stage moved to the end need not)."""
+    got = [c for c in (_construct_choice(ctx, cfg, ch, allowed) for ch in _tp_choices(ctx, cfg))
            if c is not None]
     return min(got) if got else None
 
 
-def _construct_choice(ctx: SearchContext, cfg: OuterConfig, choice: dict[int, int] | None):
+def _construct_choice(ctx: SearchContext, cfg: OuterConfig, choice: dict[int, int] | None,
+                      allowed=None):
     """The fastest slots first; when they cannot hold the model, the fewest memory swaps that
     can (1, 2, 4, ... then bisection), and twice that; then ``polish``."""
     first = _stage_types(ctx, cfg, choice=choice)
     if first is None or _most_layers(ctx, cfg, choice) < ctx.cm.model.num_layers:
         return None
-    got = _construct_with(ctx, cfg, first)
+    got = _construct_with(ctx, cfg, first, allowed)
     if got is not None:
         return _polish(ctx, cfg, *got)
     tried: dict[int, object] = {0: None}
@@ -227,7 +328,7 @@ def _construct_choice(ctx: SearchContext, cfg: OuterConfig, choice: dict[int, in
     def attempt(s: int):
         if s not in tried:
             st = _stage_types(ctx, cfg, s, choice)
-            tried[s] = None if st is None else _construct_with(ctx, cfg, st)
+            tried[s] = None if st is None else _construct_with(ctx, cfg, st, allowed)
         return tried[s]
 
     hi = 1

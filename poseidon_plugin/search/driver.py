@@ -487,7 +487,7 @@ class SearchDriver:
                 break   # (a tiny budget still constructs: one plan at least, if one is near)
             self._done_in_round = done + 1
             self.tick()
-            got = construct_plan(self.ctx, self.configs[i])
+            got = construct_plan(self.ctx, self.configs[i], self.in_space)
             if got is None:
                 continue
             t, opts, layers = got
