@@ -368,6 +368,7 @@ def _launch_ctx(tmp_path, argv, monkeypatch):
         opts=opts, argv=list(argv), script="pretrain_gpt.py", backend="megatron",
         mindspeed_layout=False, global_batch_size=8, seq_length=128, micro_batch_sizes=(1, 2),
         training=TrainingSetup(), env=SimpleNamespace(local_world_size=1), model=model,
+        args=SimpleNamespace(sequence_parallel=False),   # Megatron's parsed args (what is read)
         cluster=cluster, profiles=None, cache_path=str(tmp_path / "profiles.json"))
 
 

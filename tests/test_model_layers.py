@@ -305,6 +305,15 @@ PROBE_CASES = {
 }
 
 
+def _free_port() -> int:
+    """A port no one listens on now (a fixed one can be taken on a shared CI host)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("case", sorted(PROBE_CASES))
 def test_counts_match_the_model_megatron_core_builds(case):
@@ -314,8 +323,7 @@ def test_counts_match_the_model_megatron_core_builds(case):
     from poseidon_plugin.megatron.profiler import parse_megatron_args
 
     argv = (PROBE_CASES[case] + " " + _CPU_FLAGS).split()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PROBE_PORT=str(29600 + sorted(PROBE_CASES)
-                                                                   .index(case)))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PROBE_PORT=str(_free_port()))
     out = subprocess.run([sys.executable, str(ROOT / "tests" / "mcore_param_probe.py"), *argv],
                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("PROBE ")]
