@@ -305,12 +305,27 @@ def stage_memory(model, *, layers: int, stage: int, num_stages: int, tp: int, dp
                       else layer_activation_bytes(model, **shape, setup=setup))
         per_microbatch = layers * full_layer
         recompute_buffer = 0.0
+    return _assembled(model, shape, stage=stage, num_stages=num_stages,
+                      per_microbatch=per_microbatch, in_flight=in_flight,
+                      recompute_buffer=recompute_buffer, params=params,
+                      per_param=(w_b, g_b, o_b), reserve_bytes=reserve_bytes,
+                      activations_measured=measured,
+                      params_measured=layer_param_bytes_override is not None)
+
+
+def _assembled(model, shape: dict, *, stage: int, num_stages: int, per_microbatch: float,
+               in_flight: float, recompute_buffer: float, params: float, per_param,
+               reserve_bytes: int, activations_measured: bool,
+               params_measured: bool) -> StageMemory:
+    """The ``StageMemory`` of a stage from its decoder layers' activations per micro-batch (the
+    embedding's on the first stage and the output layer's on the last are added here) and its
+    parameters on one device."""
+    w_b, g_b, o_b = per_param
     if stage == 0:
         per_microbatch += embedding_activation_bytes(model, **shape)
     if stage == num_stages - 1:
         per_microbatch += output_activation_bytes(model, **shape)
     activations = per_microbatch * in_flight + recompute_buffer
-
     weights = math.ceil(params * w_b)
     gradients = math.ceil(params * g_b)
     optimizer = math.ceil(params * o_b)
@@ -319,8 +334,8 @@ def stage_memory(model, *, layers: int, stage: int, num_stages: int, tp: int, dp
     return StageMemory(weights_bytes=weights, gradients_bytes=gradients,
                        optimizer_bytes=optimizer, activations_bytes=activations_bytes,
                        total_bytes=weights + gradients + optimizer + activations_bytes + reserve,
-                       reserve_bytes=reserve, activations_measured=measured,
-                       params_measured=layer_param_bytes_override is not None)
+                       reserve_bytes=reserve, activations_measured=activations_measured,
+                       params_measured=params_measured)
 
 
 @functools.lru_cache(maxsize=64)
@@ -364,18 +379,8 @@ def _stage_memory_by_kind(model, kind_counts, kind_overrides, *, stage: int, num
             kept = float(act) if act is not None else layer_activation_bytes(one, **shape,
                                                                               setup=setup)
         per_microbatch += count * kept
-    if stage == 0:
-        per_microbatch += embedding_activation_bytes(model, **shape)
-    if stage == num_stages - 1:
-        per_microbatch += output_activation_bytes(model, **shape)
-    activations = per_microbatch * in_flight + recompute_buffer
-    weights = math.ceil(params * w_b)
-    gradients = math.ceil(params * g_b)
-    optimizer = math.ceil(params * o_b)
-    activations_bytes = math.ceil(activations)
-    reserve = int(reserve_bytes)
-    return StageMemory(weights_bytes=weights, gradients_bytes=gradients,
-                       optimizer_bytes=optimizer, activations_bytes=activations_bytes,
-                       total_bytes=weights + gradients + optimizer + activations_bytes + reserve,
-                       reserve_bytes=reserve, activations_measured=act_measured,
-                       params_measured=par_measured)
+    return _assembled(model, shape, stage=stage, num_stages=num_stages,
+                      per_microbatch=per_microbatch, in_flight=in_flight,
+                      recompute_buffer=recompute_buffer, params=params, per_param=per_param,
+                      reserve_bytes=reserve_bytes, activations_measured=act_measured,
+                      params_measured=par_measured)

@@ -25,6 +25,7 @@ from poseidon_plugin.model import (
     PRESETS, ModelSpec, get_model, load_model, model_from_dict, model_from_megatron_args,
     model_to_dict,
 )
+from test_launch_e2e import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "models"
@@ -305,15 +306,6 @@ PROBE_CASES = {
 }
 
 
-def _free_port() -> int:
-    """A port no one listens on now (a fixed one can be taken on a shared CI host)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.integration
 @pytest.mark.parametrize("case", sorted(PROBE_CASES))
 def test_counts_match_the_model_megatron_core_builds(case):
@@ -323,7 +315,7 @@ def test_counts_match_the_model_megatron_core_builds(case):
     from poseidon_plugin.megatron.profiler import parse_megatron_args
 
     argv = (PROBE_CASES[case] + " " + _CPU_FLAGS).split()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PROBE_PORT=str(_free_port()))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PROBE_PORT=str(free_port()))
     out = subprocess.run([sys.executable, str(ROOT / "tests" / "mcore_param_probe.py"), *argv],
                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("PROBE ")]

@@ -24,18 +24,21 @@ from poseidon_plugin.simulator import iteration_time_ms
 SCHEDS = ("1f1b", "eager-1f1b", "interleaved-1f1b")
 
 
-def make_instance(draw_types, layers, mem_gib):
-    types = {}
-    nodes = []
-    inter = {}
+def make_cluster(draw_types):
+    """A random cluster: one (peak TFLOP/s, devices per node, nodes, memory GiB) per type."""
+    types, nodes, inter = {}, [], {}
     for i, (tflops, dpn, count, mem) in enumerate(draw_types):
         name = f"T{i}"
         types[name] = {"memory_gib": mem, "peak_tflops": tflops, "intra_node_gbps": 400}
         nodes.append({"device_type": name, "devices_per_node": dpn, "count": count})
         inter[name] = 100
-    cluster = cluster_from_dict({"name": "rand", "device_types": types, "nodes": nodes,
-                                 "links": {"inter_node_gbps": inter, "cross_type_gbps": 50,
-                                           "latency_ms": 0.01}})
+    return cluster_from_dict({"name": "rand", "device_types": types, "nodes": nodes,
+                              "links": {"inter_node_gbps": inter, "cross_type_gbps": 50,
+                                        "latency_ms": 0.01}})
+
+
+def make_instance(draw_types, layers, mem_gib):
+    cluster = make_cluster(draw_types)
     model = model_from_dict({"name": "tiny", "num_layers": layers, "hidden_size": 256,
                              "ffn_hidden_size": 1024, "num_attention_heads": 8,
                              "vocab_size": 1024, "seq_length": 128})

@@ -11,25 +11,17 @@ import math
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from poseidon_plugin.cluster import cluster_from_dict
 from poseidon_plugin.costs import CostModel
 from poseidon_plugin.errors import InfeasibleError, PoseidonError
 from poseidon_plugin.model import model_from_dict
 from poseidon_plugin.search import SearchContext, SearchOptions, enumerate_configs, search_plan
+from test_search import make_cluster
 
 SCHEDS = ("1f1b", "eager-1f1b", "gpipe")
 
 
 def make_instance(draw_types, pattern, dense_ffn, moe_ffn):
-    types, nodes, inter = {}, [], {}
-    for i, (tflops, dpn, count, mem) in enumerate(draw_types):
-        name = f"T{i}"
-        types[name] = {"memory_gib": mem, "peak_tflops": tflops, "intra_node_gbps": 400}
-        nodes.append({"device_type": name, "devices_per_node": dpn, "count": count})
-        inter[name] = 100
-    cluster = cluster_from_dict({"name": "rand", "device_types": types, "nodes": nodes,
-                                 "links": {"inter_node_gbps": inter, "cross_type_gbps": 50,
-                                           "latency_ms": 0.01}})
+    cluster = make_cluster(draw_types)
     model = model_from_dict({
         "name": "tiny-mixed", "num_layers": len(pattern), "hidden_size": 256,
         "ffn_hidden_size": dense_ffn, "num_attention_heads": 8, "vocab_size": 1024,
