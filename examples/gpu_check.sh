@@ -13,6 +13,9 @@
 # driver, torch and megatron-core versions, the profiled records, the plan's predicted
 # iteration time and per-stage memory, and the calibration line (predicted vs measured
 # iteration time, predicted vs measured peak memory). Send summary.txt and the profile DBs.
+# GPU_CHECK_MODEL=moe checks a mixed MoE model instead (examples/models/gpu-moe.yaml on the GPU: one
+# dense layer, then three MoE layers of 8 experts, top-2, EP 1; on CPU examples/models/tiny-moe.yaml):
+# each layer kind profiled, the plan's per-stage memory parts, into build/gpu-check/<device>-moe/.
 # Extra Megatron flags: GPU_CHECK_ARGS="--seq-length 4096 ..." (appended, so they win).
 # GPU_CHECK_COPY_TO=DIR also copies those files to DIR; GPU_CHECK_PROFILE_TIMEOUT and
 # GPU_CHECK_TRAIN_TIMEOUT (seconds; 900 and 1800) bound the two steps; GPU_CHECK_SKIP_PROFILE=1
@@ -31,6 +34,8 @@ cd "$(dirname "$0")/.."
 
 MODE=gpu
 [ "${1:-}" = "--cpu" ] && MODE=cpu
+KIND="${GPU_CHECK_MODEL:-dense}"    # dense (llama3-8b layers) or moe (a dense layer, then MoE layers)
+case "$KIND" in dense|moe) ;; *) echo "GPU_CHECK_MODEL: expected dense or moe, got '$KIND'" >&2; exit 2;; esac
 if [ -x .venv/bin/torchrun ]; then BIN=.venv/bin/; else BIN=""; fi
 if [ -n "$BIN" ]; then PY="${BIN}python"; else PY="$(command -v python3 || command -v python)"; fi
 if [ -n "$BIN" ]; then TORCHRUN=("${BIN}torchrun"); else TORCHRUN=("$PY" -m torch.distributed.run); fi
@@ -74,16 +79,36 @@ if [ "$MODE" = gpu ]; then
               --disable-bias-linear --seq-length 2048 --max-position-embeddings 2048
               --vocab-size 32000 --transformer-impl "$IMPL")
   TRAIN_ARGS=(--micro-batch-size 1 --global-batch-size 8 --train-iters 20)
+  if [ "$KIND" = moe ]; then
+    # examples/models/gpu-moe.yaml: one dense layer, then three MoE layers of 8 experts (top-2),
+    # GQA 16/4, SwiGLU, RMSNorm, RoPE, 32k vocabulary: ~1.1 B parameters, ~0.6 B active
+    MODEL_ARGS=(--num-layers 4 --hidden-size 2048 --ffn-hidden-size 8192 --num-attention-heads 16
+                --group-query-attention --num-query-groups 4 --swiglu --normalization RMSNorm
+                --position-embedding-type rope --untie-embeddings-and-output-weights
+                --disable-bias-linear --seq-length 2048 --max-position-embeddings 2048
+                --vocab-size 32000 --transformer-impl "$IMPL"
+                --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 2048
+                --moe-layer-freq "[0]*1+[1]*3" --moe-token-dispatcher-type alltoall)
+  fi
   EMU=()
 else
   DEVICE=cpu-emulated
   MODEL_ARGS=(--num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128
               --max-position-embeddings 128 --vocab-size 512)
   TRAIN_ARGS=(--micro-batch-size 1 --global-batch-size 4 --train-iters 10)
+  if [ "$KIND" = moe ]; then   # examples/models/tiny-moe.yaml (2 dense + 6 MoE layers, 8 experts)
+    MODEL_ARGS=(--num-layers 8 --hidden-size 256 --num-attention-heads 8 --ffn-hidden-size 1024
+                --seq-length 128 --max-position-embeddings 128 --vocab-size 1024
+                --disable-bias-linear --untie-embeddings-and-output-weights
+                --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 256
+                --moe-layer-freq "[0]*2+[1]*6" --moe-shared-expert-intermediate-size 256
+                --moe-token-dispatcher-type alltoall)
+  fi
   export OMP_NUM_THREADS=1
 fi
 
 DEST="build/gpu-check/$DEVICE"
+[ "$KIND" = moe ] && DEST="build/gpu-check/$DEVICE-moe"
 mkdir -p "$DEST"
 if [ "$MODE" = cpu ]; then
   printf 'device_types:\n  emu-one: {speed: 1.0, memory_gib: 16}\nranks: [emu-one]\n' > "$DEST/emulate-1rank.yaml"
@@ -99,8 +124,15 @@ if [ "$MODE" = gpu ]; then
   ATTN=unfused; [ "$IMPL" = transformer_engine ] && ATTN=flash   # as the training's layer spec
   PROF=(--model llama3-8b --seq-length 4096 --device cuda --attention "$ATTN")
   DB="$DEST/llama3-8b-$DEVICE.json"
+  if [ "$KIND" = moe ]; then   # each layer kind of the training's model (dense, MoE) at its sequence
+    PROF=(--model examples/models/gpu-moe.yaml --seq-length 2048 --device cuda --attention "$ATTN")
+    DB="$DEST/gpu-moe-$DEVICE.json"
+  fi
 else
   PROF=(--model examples/models/tiny-gpt.yaml --seq-length 128 --device cpu); DB="$DEST/tiny-gpt-$DEVICE.json"
+  if [ "$KIND" = moe ]; then
+    PROF=(--model examples/models/tiny-moe.yaml --seq-length 128 --device cpu); DB="$DEST/tiny-moe-$DEVICE.json"
+  fi
 fi
 PROF_RC=skipped
 if [ -z "${GPU_CHECK_SKIP_PROFILE:-}" ]; then   # GPU_CHECK_SKIP_PROFILE=1: the training alone
@@ -172,7 +204,16 @@ if os.path.exists(plan_path):
         lines.append(f"  stage {s['index']}: {s['layers']} layers, fwd {s['forward_ms']:.2f} ms, "
                      f"bwd {s['backward_ms']:.2f} ms, optimizer {s.get('optimizer_ms', 0):.2f} ms, "
                      f"predicted memory {s['memory_bytes'] / 2**30:.2f} GiB")
-lines += [l.strip() for l in log.splitlines() if re.search(r"\] +\S+ +tp=\d+ mbs=\d+ ", l)]
+        parts = s.get("memory") or {}
+        if isinstance(parts, list):
+            parts = dict(parts)
+        if parts:
+            lines.append("    memory parts: " + ", ".join(
+                f"{k} {v / 2**30:.2f} GiB" for k, v in parts.items()
+                if k.endswith("_bytes") and k != "total_bytes" and isinstance(v, (int, float)) and v))
+# the launch's own profile of each layer kind (a mixed model: "dense" / "moe" after the type)
+lines += [l.strip() for l in log.splitlines()
+          if re.search(r"\] +\S+ +(\S+ +)?tp=\d+ mbs=\d+ ", l) or "profiled MoE layer" in l]
 cal = list(dict.fromkeys(l.strip() for l in log.splitlines() if "calibration: iteration" in l))
 lines += cal or ["no calibration line (the training failed or ran fewer than 4 iterations; see "
                  "run.log)"]
