@@ -313,7 +313,8 @@ def _cmd_plan(ns) -> int:
     model_note = model.planning_note()   # mixed layer kinds, MTP: what is not yet costed
     if model_note:
         sys.stderr.write(f"poseidon: warning: {model_note}\n")
-    options = options.replace(rules=framework_rules(ns.megatron_args, model.num_layers))
+    options = options.replace(rules=framework_rules(ns.megatron_args, model.num_layers,
+                                                    moe=model.is_moe))
     profiles = None
     if ns.profiles:
         profiles = _load_profiles(ns, cluster, model, options)
@@ -348,8 +349,10 @@ def _cmd_plan(ns) -> int:
     return 0
 
 
-def framework_rules(text: str, num_layers: int):
-    """``--megatron-args "..."``: the framework's rules (``search/rules.py``) its flags imply."""
+def framework_rules(text: str, num_layers: int, moe: bool = False):
+    """``--megatron-args "..."``: the framework's rules (``search/rules.py``) its flags imply.
+    ``moe``: the model has MoE layers; with flags given and no ``--sequence-parallel`` among
+    them the plan keeps MoE at TP 1, as the launch does (no flags: nothing is assumed)."""
     import shlex
 
     from .search.rules import FrameworkRules
@@ -358,7 +361,7 @@ def framework_rules(text: str, num_layers: int):
         tokens = shlex.split(text or "")
     except ValueError as exc:
         raise PoseidonError(f"--megatron-args: cannot split {text!r} ({exc})") from None
-    return FrameworkRules.from_argv(tokens, num_layers=num_layers)
+    return FrameworkRules.from_argv(tokens, num_layers=num_layers, moe=moe and bool(tokens))
 
 
 def _read_previous_plan(path: str):

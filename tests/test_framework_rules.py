@@ -369,7 +369,8 @@ def _launch_ctx(tmp_path, argv, monkeypatch):
         mindspeed_layout=False, global_batch_size=8, seq_length=128, micro_batch_sizes=(1, 2),
         training=TrainingSetup(), env=SimpleNamespace(local_world_size=1), model=model,
         args=SimpleNamespace(sequence_parallel=False),   # Megatron's parsed args (what is read)
-        cluster=cluster, profiles=None, cache_path=str(tmp_path / "profiles.json"))
+        cluster=cluster, profiles=None, cache_path=str(tmp_path / "profiles.json"),
+        expert_parallel=(1,))
 
 
 def test_the_launch_searches_with_the_scripts_flags(tmp_path, monkeypatch):

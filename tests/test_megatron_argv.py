@@ -70,12 +70,15 @@ def test_refused_flags(flag):
         A.check_refused(["--num-layers", "8", flag])
 
 
-def test_refuses_context_and_expert_parallelism_but_not_size_one():
+def test_refuses_context_parallelism_but_not_size_one_and_plans_expert_parallelism():
     A.check_refused(["--context-parallel-size", "1"])
     with pytest.raises(PoseidonError, match="context parallelism"):
         A.check_refused(["--context-parallel-size", "2"])
-    with pytest.raises(PoseidonError, match="expert parallelism"):
-        A.check_refused(["--expert-model-parallel-size=4"])
+    A.check_refused(["--expert-model-parallel-size=4"])   # planned, not refused
+    for bad in ("0", "x", "-2"):
+        with pytest.raises(PoseidonError, match=f"--expert-model-parallel-size: expected an "
+                                                f"integer >= 1, got '{bad}'"):
+            A.check_refused(["--expert-model-parallel-size", bad])
 
 
 # ------------------------------------------------------------------------------------ rewrite
@@ -226,3 +229,68 @@ def test_spec_keywords_follow_the_installed_signature():
     with pytest.raises(PoseidonError, match="takes no multi_latent_attention"):
         _call_with_known(old_spec, multi_latent_attention=True)
     assert _call_with_known(wrapped, multi_latent_attention=True) == {"multi_latent_attention": True}
+
+
+# ------------------------------------------------------------------------ expert parallelism
+
+
+class _WithEP:
+    """``plan`` with an EP degree (``Plan.ep``): the plan itself where ``Plan`` has the field,
+    else a view of it that adds one (what the rewrite reads of a plan is the same)."""
+
+    def __new__(cls, plan: Plan, ep: int | None):
+        import dataclasses
+
+        if ep is not None and "ep" in {f.name for f in dataclasses.fields(Plan)}:
+            return dataclasses.replace(plan, ep=ep)
+        return super().__new__(cls)
+
+    def __init__(self, plan: Plan, ep: int | None) -> None:
+        self._plan, self._ep = plan, ep
+
+    def __getattr__(self, name):
+        if name == "ep":
+            if self._ep is None:
+                raise AttributeError(name)
+            return self._ep
+        return getattr(self._plan, name)
+
+
+def test_rewrite_carries_the_plans_expert_parallelism():
+    argv = ["--num-experts", "8", "--expert-model-parallel-size", "4", "--bf16"]
+    out = A.rewrite_argv(argv, _WithEP(make_plan(dp=2), 2), "megatron")
+    assert out.count("--expert-model-parallel-size") == 1
+    assert A.flag_value(out, "--expert-model-parallel-size") == "2"
+    assert out[:3] == ["--num-experts", "8", "--bf16"]
+    assert "--expert-model-parallel-size 4 -> 2" in A.overridden_flags(argv, out)
+    # a plan at EP 1 takes the user's EP away: Megatron's default, said as such
+    one = A.rewrite_argv(argv, _WithEP(make_plan(dp=2), 1), "megatron")
+    assert A.flag_value(one, "--expert-model-parallel-size", "1") == "1"
+    assert "--expert-model-parallel-size 4 -> 1" in A.overridden_flags(argv, one)
+    # MindSpeed-LLM: the same flag, and repatch restates it (1 where the rewrite left it out)
+    ms = A.rewrite_argv(argv, _WithEP(make_plan(dp=2), 2), "mindspeed-llm")
+    assert A.flag_value(ms, "--expert-model-parallel-size") == "2"
+    assert A.mindspeed_repatch_args(ms)["expert_model_parallel_size"] == 2
+    assert A.mindspeed_repatch_args(
+        A.rewrite_argv(argv, _WithEP(make_plan(dp=2), 1), "mindspeed-llm")
+    )["expert_model_parallel_size"] == 1
+
+
+def test_a_plan_without_an_ep_degree_leaves_the_users_flag():
+    argv = ["--expert-model-parallel-size", "2", "--lr", "1"]
+    out = A.rewrite_argv(argv, _WithEP(make_plan(), None), "megatron")
+    assert A.flag_value(out, "--expert-model-parallel-size") == "2"
+    assert not any("expert" in line for line in A.overridden_flags(argv, out))
+
+
+def test_the_users_ep_is_kept_unless_the_search_may_change_it():
+    assert A.expert_parallel_choice(["--expert-model-parallel-size=4"], search_ep=False) == (4,)
+    assert A.expert_parallel_choice([], search_ep=False) == (1,)
+    assert A.expert_parallel_choice(["--expert-model-parallel-size", "4"], search_ep=True) is None
+    with pytest.raises(PoseidonError, match="expected an integer >= 1, got 'two'"):
+        A.expert_parallel_choice(["--expert-model-parallel-size", "two"], search_ep=True)
+    opts, rest = extract_options(["--poseidon-auto", "--poseidon-search-ep", "--lr", "1"])
+    assert opts.search_ep and rest == ["--lr", "1"]
+    assert not extract_options(["--poseidon-auto"])[0].search_ep
+    with pytest.raises(PoseidonError, match="takes no value"):
+        extract_options(["--poseidon-search-ep=4"])

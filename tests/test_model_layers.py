@@ -581,7 +581,6 @@ def test_bad_pattern_from_megatron_args_names_the_field():
 # --------------------------------------------------------------------------- launch refusals
 
 @pytest.mark.parametrize("argv, what, assumed", [
-    (["--expert-model-parallel-size", "8"], "expert parallelism", "EP = 1"),
     (["--context-parallel-size=2"], "context parallelism", "CP = 1"),
     (["--expert-tensor-parallel-size", "1"], "expert tensor parallelism", "expert TP = TP"),
 ])

@@ -294,12 +294,21 @@ def test_moe_at_tp_above_1_without_sequence_parallelism_is_tp_1_only():
     from poseidon_plugin.errors import PoseidonError
     from poseidon_plugin.megatron import offline
     from poseidon_plugin.megatron.profile_tps import Processes
-    from poseidon_plugin.megatron.runner import moe_needs_tp1
+    from poseidon_plugin.megatron import runner
+    from poseidon_plugin.search.rules import FrameworkRules
 
     mixed = load_model(TINY_MOE)
-    assert moe_needs_tp1(mixed, SimpleNamespace(sequence_parallel=False))
-    assert not moe_needs_tp1(mixed, SimpleNamespace(sequence_parallel=True))
-    assert not moe_needs_tp1(mixed.kind_model(0), SimpleNamespace(sequence_parallel=False))
+
+    def launch_tp_ok(model, argv):   # what the launch profiles and plans (runner.launch_rules)
+        return runner.launch_rules(SimpleNamespace(argv=argv, model=model)).tp_allowed(2)
+
+    assert not launch_tp_ok(mixed, [])
+    assert launch_tp_ok(mixed, ["--sequence-parallel"])
+    assert launch_tp_ok(mixed.kind_model(0), [])
+    # poseidon plan --megatron-args: the same rule from the flags (or --num-experts)
+    assert not FrameworkRules.from_argv(["--bf16"], moe=True).tp_allowed(2)
+    assert not FrameworkRules.from_argv(["--num-experts", "8"]).tp_allowed(2)
+    assert FrameworkRules.from_argv(["--num-experts", "8", "--sequence-parallel"]).tp_allowed(2)
     # poseidon profile: one error line before anything is built
     req = offline.ProfileRequest(mixed, 128, "cpu", tps=(1, 2))
     with pytest.raises(PoseidonError, match="profile the MoE model at --tp 1"):

@@ -28,6 +28,7 @@ PLAN_VALUE_FLAGS: tuple[str, ...] = (
     "--virtual-pipeline-model-parallel-size",
     "--micro-batch-size",
     "--global-batch-size",
+    "--expert-model-parallel-size",   # the plan's EP (Plan.ep); the user's value is kept or searched
     # MindSpeed-LLM / MindSpeed layer-split mechanisms
     "--num-layer-list",
     "--pipeline-num-transformer-layers",
@@ -96,16 +97,18 @@ def strip_flags(argv: Sequence[str], value_flags: Iterable[str] = (),
 UNPLANNED_PARALLELISM: tuple[tuple[str, str, str], ...] = (
     ("--context-parallel-size", "context parallelism",
      "every device of a stage holds the whole sequence (CP = 1)"),
-    ("--expert-model-parallel-size", "expert parallelism",
-     "every device of a stage holds all of its layers' experts (EP = 1)"),
     ("--expert-tensor-parallel-size", "expert tensor parallelism",
      "experts are split over the stage's TP degree, Megatron's default (expert TP = TP)"),
 )
 
 
+EP_FLAG = "--expert-model-parallel-size"
+
+
 def check_refused(argv: Sequence[str]) -> None:
     """PoseidonError for a launch Poseidon cannot plan (checkpoint args, in-process restart, YAML,
-    context / expert / expert-tensor parallelism, which the search does not plan yet)."""
+    context / expert-tensor parallelism, which the search does not plan yet; a malformed
+    ``--expert-model-parallel-size``)."""
     for flag, why in REFUSED_FLAGS.items():
         if find_flag(argv, flag):
             raise PoseidonError(f"--poseidon-auto cannot be combined with {flag}: {why}")
@@ -116,6 +119,31 @@ def check_refused(argv: Sequence[str]) -> None:
         raise PoseidonError(
             f"--poseidon-auto does not plan {what} yet ({flag} {raw}): its plans assume {assumed}; "
             f"remove {flag} or launch without --poseidon-auto")
+    user_expert_parallel(argv)
+
+
+def user_expert_parallel(argv: Sequence[str]) -> int | None:
+    """The user's ``--expert-model-parallel-size`` (None: not given), or a one-line
+    PoseidonError for a value that is not an integer >= 1."""
+    raw = flag_value(argv, EP_FLAG)
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise PoseidonError(f"{EP_FLAG}: expected an integer >= 1, got {raw!r}")
+    return value
+
+
+def expert_parallel_choice(argv: Sequence[str], search_ep: bool) -> tuple[int, ...] | None:
+    """The EP degrees the search may use (``SearchOptions.expert_parallel``): the user's
+    ``--expert-model-parallel-size N`` (1 when absent, Megatron's default) kept as ``(N,)``;
+    with ``--poseidon-search-ep`` (``search_ep``) None, every valid degree (N is then only
+    where the user started)."""
+    user = user_expert_parallel(argv)
+    return None if search_ep else (user or 1,)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,8 +153,19 @@ def check_refused(argv: Sequence[str]) -> None:
 
 def backend_flags(plan: Plan, backend: str) -> list[str]:
     """The flags that set ``plan`` on ``backend``: the plan's own ``mindspeed_llm_args()`` for
-    'mindspeed-llm', ``megatron_args()`` otherwise."""
-    return plan.mindspeed_llm_args() if backend == "mindspeed-llm" else plan.megatron_args()
+    'mindspeed-llm', ``megatron_args()`` otherwise; its EP degree (``Plan.ep``) where it is
+    above 1 and the plan's own flags do not say it already."""
+    flags = list(plan.mindspeed_llm_args() if backend == "mindspeed-llm" else plan.megatron_args())
+    ep = plan_ep(plan)
+    if ep is not None and ep > 1 and EP_FLAG not in flags:
+        flags += [EP_FLAG, str(ep)]
+    return flags
+
+
+def plan_ep(plan: Plan) -> int | None:
+    """The plan's EP degree (``Plan.ep``), None for a plan that does not carry one."""
+    ep = getattr(plan, "ep", None)
+    return None if ep is None else int(ep)
 
 
 def rewrite_argv(argv: Sequence[str], plan: Plan, backend: str,
@@ -143,7 +182,8 @@ def rewrite_argv(argv: Sequence[str], plan: Plan, backend: str,
     bool_flags = list(PLAN_BOOL_FLAGS)
     if plan.tp == 1:
         bool_flags.append("--sequence-parallel")  # Megatron rejects SP without TP
-    out = strip_flags(argv, PLAN_VALUE_FLAGS, bool_flags)
+    value_flags = [f for f in PLAN_VALUE_FLAGS if f != EP_FLAG or plan_ep(plan) is not None]
+    out = strip_flags(argv, value_flags, bool_flags)   # a plan without EP leaves the user's EP
     return out + backend_flags(plan, backend)
 
 
@@ -179,6 +219,8 @@ def overridden_flags(argv: Sequence[str], new_argv: Sequence[str]) -> list[str]:
         if old is None:
             continue
         new = flag_value(new_argv, flag)
+        if new is None and flag in _DEFAULTS:
+            new = str(_DEFAULTS[flag])
         if new is None:
             out.append(f"{flag} dropped")
         elif new != old:
@@ -215,7 +257,9 @@ def detect_backend(requested: str, script: str | None) -> str:
 _INT_FLAGS = {"--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--micro-batch-size",
               "--global-batch-size", "--decoder-first-pipeline-num-layers",
               "--decoder-last-pipeline-num-layers", "--num-layers-per-virtual-pipeline-stage",
-              "--num-virtual-stages-per-pipeline-rank", "--virtual-pipeline-model-parallel-size"}
+              "--num-virtual-stages-per-pipeline-rank", "--virtual-pipeline-model-parallel-size",
+              EP_FLAG}
+_DEFAULTS = {EP_FLAG: 1}   # a plan-owned flag the rewrite left out: Megatron's default
 
 
 def mindspeed_repatch_args(new_argv: Sequence[str]) -> dict[str, Any]:
@@ -231,7 +275,7 @@ def mindspeed_repatch_args(new_argv: Sequence[str]) -> dict[str, Any]:
     for flag in PLAN_VALUE_FLAGS:
         raw = flag_value(new_argv, flag)
         key = flag[2:].replace("-", "_")
-        out[key] = None if raw is None else (int(raw) if flag in _INT_FLAGS else raw)
+        out[key] = _DEFAULTS.get(flag) if raw is None else (int(raw) if flag in _INT_FLAGS else raw)
     for flag in PLAN_BOOL_FLAGS:
         if not find_flag(new_argv, flag):
             out[flag[2:].replace("-", "_")] = False

@@ -187,6 +187,9 @@ def _make_mode():
         identity.add(torch.Tensor.npu)
     tensor_to = torch.Tensor.to
     tensor_type = torch.Tensor.type
+    import torch.distributed as dist
+
+    all_to_all_single = getattr(dist, "all_to_all_single", None)
 
     class CpuRedirectMode(TorchFunctionMode):
         """Send every accelerator placement to the CPU."""
@@ -205,6 +208,15 @@ def _make_mode():
                 return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
             if func is tensor_to:
                 args = tuple(cpu if (i > 0 and _is_accel(a)) else a for i, a in enumerate(args))
+            if func is all_to_all_single:
+                # megatron-core's alltoall MoE dispatcher moves its split sizes to the host only
+                # from a CUDA tensor (moe_utils.maybe_move_tensor_to_cpu): on the CPU they stay
+                # tensors, which gloo's binding does not take; lists are what it would pass
+                args = tuple(a.tolist() if i in (2, 3) and torch.is_tensor(a) else a
+                             for i, a in enumerate(args))
+                for k in ("output_split_sizes", "input_split_sizes"):
+                    if torch.is_tensor(kwargs.get(k)):
+                        kwargs[k] = kwargs[k].tolist()
             dev = kwargs.get("device")
             if dev is not None and _is_accel(dev):
                 kwargs["device"] = cpu

@@ -41,6 +41,8 @@ class PoseidonOptions:
     seed: int = 0                         # --poseidon-seed N (search warm-up sampling)
     search_workers: int | None = None     # --poseidon-search-workers N: search threads (default:
                                           # this host's cores / ranks on it; rank 0 searches)
+    search_ep: bool = False               # --poseidon-search-ep: the search may change the
+                                          # script's --expert-model-parallel-size (else kept)
     present: tuple[str, ...] = field(default=(), compare=False)  # option names seen on argv
 
     @property
@@ -118,6 +120,7 @@ _SPEC: dict[str, tuple[str, str]] = {
     "--poseidon-profile-iters": ("profile_iters", "iters"),
     "--poseidon-seed": ("seed", "int0"),
     "--poseidon-search-workers": ("search_workers", "int"),
+    "--poseidon-search-ep": ("search_ep", "flag"),
 }
 
 

@@ -8,6 +8,7 @@ The per-rank measurement itself is :mod:`.profiler`; this module only turns what
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import math
 import os
@@ -162,14 +163,43 @@ def kind_signatures(model: ModelSpec) -> dict[str, str]:
     return {k.name: model.kind_model(i).signature() for i, k in enumerate(model.layer_kinds)}
 
 
+def keys_carry_ep() -> bool:
+    """Whether ``ProfileKey`` has an EP degree (``ProfileKey.ep``): records of a MoE layer
+    profiled at EP > 1 are keyed by it."""
+    import dataclasses
+
+    return "ep" in {f.name for f in dataclasses.fields(ProfileKey)}
+
+
+def ep_fields(ep: int) -> dict[str, int]:
+    """The ``ProfileKey`` keyword of EP ``ep`` (none at EP 1: the key's default)."""
+    if ep <= 1:
+        return {}
+    if not keys_carry_ep():
+        raise ProfileDBError(f"profile records cannot be keyed by EP {ep} here (ProfileKey "
+                             "has no EP degree)")
+    return {"ep": int(ep)}
+
+
+def kind_eps(model: ModelSpec, eps: Sequence[int] = (1,)) -> dict[str, tuple[int, ...]]:
+    """The EP degrees each kind (:func:`kind_signatures`' names) is profiled at: ``eps`` for
+    a MoE kind, 1 for a dense one (``profiler.ProfiledKind.of_model``)."""
+    eps = tuple(sorted(set(eps))) or (1,)
+    if not model.is_mixed:
+        return {"": eps if model.is_moe else (1,)}
+    return {k.name: (eps if k.is_moe else (1,)) for k in model.layer_kinds}
+
+
 def needed_keys(cluster: Cluster, model: ModelSpec, tps: Sequence[int],
                 micro_batch_sizes: Sequence[int], seq_length: int,
-                setup: TrainingSetup | None = None) -> list[ProfileKey]:
-    """One decoder-layer record per (layer kind, device type, TP degree, micro-batch size) of
-    the launch (:func:`kind_signatures`)."""
+                setup: TrainingSetup | None = None,
+                eps: Sequence[int] = (1,)) -> list[ProfileKey]:
+    """One decoder-layer record per (layer kind, EP for a MoE kind, device type, TP degree,
+    micro-batch size) of the launch (:func:`kind_signatures`, :func:`kind_eps`)."""
     fields = (setup or TrainingSetup()).profile_fields
-    return [ProfileKey(t, "decoder", tp, mbs, seq_length, sig, **fields)
-            for sig in kind_signatures(model).values()
+    per_kind = kind_eps(model, eps)
+    return [ProfileKey(t, "decoder", tp, mbs, seq_length, sig, **fields, **ep_fields(e))
+            for name, sig in kind_signatures(model).items() for e in per_kind[name]
             for t in cluster.type_names for tp in tps for mbs in micro_batch_sizes]
 
 
@@ -226,7 +256,7 @@ def measured_records(aggs: Sequence[Aggregate], seq_length: int,
         return tuple(sorted(out.items()))
 
     return [LayerProfile(ProfileKey(a.device_type, "decoder", a.tp, a.micro_batch_size, seq_length,
-                                    sig_of[a.kind], **fields),
+                                    sig_of[a.kind], **fields, **ep_fields(a.ep)),
                          quantize_ms(a.forward_ms), quantize_ms(a.backward_ms),
                          a.activation_bytes, a.param_bytes, source="measured",
                          env=env_of(a.device_type), optimizer_ms=quantize_ms(a.optimizer_ms))
@@ -273,7 +303,7 @@ def measurement_env(device_name: str, kind: str,
 def calibrate(cluster: Cluster, db: ProfileDB, model: ModelSpec, tps: Sequence[int],
               micro_batch_sizes: Sequence[int], seq_length: int, *,
               fixed: Collection[str] = (), estimated_peak: Collection[str] = (),
-              setup: TrainingSetup | None = None) -> Cluster:
+              setup: TrainingSetup | None = None, eps: Sequence[int] = (1,)) -> Cluster:
     """``cluster`` with each type's compute speed set from its measured decoder layer, so that
     what the search still estimates (embedding, output layer, unprofiled TP degrees) is on the
     same scale.
@@ -287,22 +317,25 @@ def calibrate(cluster: Cluster, db: ProfileDB, model: ModelSpec, tps: Sequence[i
     fields = (setup or TrainingSetup()).profile_fields
     kind_models = ([model] if not model.is_mixed
                    else [model.kind_model(i) for i in range(len(model.layer_kinds))])
+    # a MoE kind's records at each profiled EP (one EP rank's share of balanced routing does
+    # the FLOPs of its own tokens' top-k: the kind's FLOPs, at any EP)
+    ep_of = [tuple(sorted(set(eps))) if km.is_moe else (1,) for km in kind_models]
     types: dict[str, DeviceType] = dict(cluster.device_types)
     for name, dt in cluster.device_types.items():
         if name in fixed:
             continue
         rates = []
-        for km in kind_models:
+        for km, kind_eps_ in zip(kind_models, ep_of):
             sig = km.signature()
-            for tp in tps:
-                for mbs in micro_batch_sizes:
-                    p = db.get(ProfileKey(name, "decoder", tp, mbs, seq_length, sig, **fields))
-                    if p is not None and p.source == "measured" and p.forward_ms > 0:
-                        # forward + backward (3x the forward's FLOPs): the rate the whole layer
-                        # reaches, the one MFU is measured against (a forward-only rate makes
-                        # a backward faster than 2x forward read as MFU > 100%)
-                        flops = 3.0 * km.layer_forward_flops(mbs, seq_length) / tp
-                        rates.append(flops / ((p.forward_ms + p.backward_ms) * 1e-3) / 1e12)
+            for tp, mbs, ep in itertools.product(tps, micro_batch_sizes, kind_eps_):
+                p = db.get(ProfileKey(name, "decoder", tp, mbs, seq_length, sig, **fields,
+                                      **ep_fields(ep)))
+                if p is not None and p.source == "measured" and p.forward_ms > 0:
+                    # forward + backward (3x the forward's FLOPs): the rate the whole layer
+                    # reaches, the one MFU is measured against (a forward-only rate makes
+                    # a backward faster than 2x forward read as MFU > 100%)
+                    flops = 3.0 * km.layer_forward_flops(mbs, seq_length) / tp
+                    rates.append(flops / ((p.forward_ms + p.backward_ms) * 1e-3) / 1e12)
         if not rates:
             continue
         measured = max(rates)  # TFLOP/s actually reached (communication included for tp > 1)

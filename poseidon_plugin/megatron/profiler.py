@@ -40,8 +40,15 @@ own arguments, timed forward and backward for each candidate TP degree and micro
   (the first of it) taken from Megatron's decoder block spec, built with its own layer number, so
   a launch's records hold one entry per (kind, device type, TP, micro-batch size)
   (``LayerTiming.kind``, ``Aggregate.kind``). A MoE layer is profiled as one expert-parallel rank
-  runs it; at EP = 1 (the only EP the launch runs today) that is every expert of the layer, fed
-  the tokens its router sends them. Routing: with megatron-core's
+  runs it (``ProfiledKind.ep``; records carry the EP they were measured at, ``LayerTiming.ep``):
+  at EP e its ``E / e`` local experts, fed the tokens balanced routing sends them -- the EP group's
+  e x T tokens, top-k each, spread evenly over E experts, are T x k token-expert pairs per rank,
+  exactly what this rank's own T tokens make routed top-k over its E / e local experts (built as
+  a layer of E / e experts with no EP group, so a 256-expert layer is measurable on one device;
+  where k > E / e, k local experts, since a router cannot pick more experts than it has: the same
+  T x k pairs, the layer's parameter bytes then those of k experts). The all-to-all dispatch and
+  combine are not in this time (the search prices them from the links); group-limited routing
+  (``--moe-router-num-groups``) is off in the profiled layer at EP > 1. Routing: with megatron-core's
   ``moe_router_force_load_balancing`` (0.14 and later) set on the profiled layer's config, the
   router's logits are replaced by random ones, so the timed tokens are spread evenly over the
   experts (top-k of random scores) -- the balanced load a real job approaches under its
@@ -84,6 +91,7 @@ class LayerTiming:
     converged: bool = True      # the medians' 95% CIs reached the target width
     retries: int = 0            # re-measurements (backward < 0.8 x forward)
     kind: str = ""              # the layer kind (``LayerKind.name``; "" where the model has one)
+    ep: int = 1                 # the expert-parallel degree a MoE layer was profiled at
 
 
 @dataclass(frozen=True)
@@ -98,17 +106,48 @@ class ProfiledKind:
     layer_index: int = 0
     moe: bool | None = None
     args: Any = None
+    ep: int = 1     # a MoE kind: profiled as one rank of this EP degree runs it
 
     @staticmethod
-    def of_model(model: Any) -> tuple["ProfiledKind", ...]:
-        """The kinds of ``model`` (``ModelSpec``), each at the first layer of it; a uniform
-        model's single kind is named "" (its records are keyed as before) and not checked (its
-        one layer spec is what the script builds, whatever its MLP's class is called)."""
+    def of_model(model: Any, eps: Sequence[int] = (1,)) -> tuple["ProfiledKind", ...]:
+        """The kinds of ``model`` (``ModelSpec``), each at the first layer of it, a MoE kind
+        once per EP degree of ``eps``; a uniform model's single kind is named "" (its records
+        are keyed as before) and not checked (its one layer spec is what the script builds,
+        whatever its MLP's class is called)."""
         kinds = model.layer_kinds
+        eps = tuple(sorted(set(eps))) or (1,)
         if len(kinds) == 1:
-            return (ProfiledKind("", 0, None),)
-        return tuple(ProfiledKind(k.name, model.layer_kind_of.index(i), k.is_moe)
-                     for i, k in enumerate(kinds))
+            return tuple(ProfiledKind("", 0, None, ep=e)
+                         for e in (eps if kinds[0].is_moe else (1,)))
+        return tuple(ProfiledKind(k.name, model.layer_kind_of.index(i), k.is_moe, ep=e)
+                     for i, k in enumerate(kinds) for e in (eps if k.is_moe else (1,)))
+
+
+def local_experts(num_experts: int, top_k: int, ep: int) -> int:
+    """The experts a layer profiled as one rank of EP ``ep`` is built with: ``num_experts /
+    ep``, at least ``top_k`` (see the module docstring)."""
+    return max(num_experts // max(1, ep), top_k)
+
+
+def expert_rank_args(args: Any, ep: int) -> Any:
+    """A copy of Megatron's ``args`` whose MoE layer is one rank of EP ``ep`` (its local
+    experts, no EP group: ``expert_model_parallel_size`` 1); ``args`` itself at EP 1 without an
+    EP flag to drop."""
+    experts = int(getattr(args, "num_experts", None) or 0)
+    if ep <= 1 and int(getattr(args, "expert_model_parallel_size", 1) or 1) == 1:
+        return args
+    a = copy.copy(args)
+    a.expert_model_parallel_size = 1
+    if experts and ep > 1:
+        from ..errors import PoseidonError
+
+        if experts % ep:
+            raise PoseidonError(f"EP {ep} does not divide the model's {experts} experts")
+        a.num_experts = local_experts(experts, int(getattr(args, "moe_router_topk", 1) or 1), ep)
+        for attr in ("moe_router_num_groups", "moe_router_group_topk"):
+            if getattr(a, attr, None):
+                setattr(a, attr, None)
+    return a
 
 
 FORCE_BALANCE_ATTR = "moe_router_force_load_balancing"
@@ -813,12 +852,14 @@ def profile_rank(args: Any, tps: Sequence[int], micro_batch_sizes: Sequence[int]
         """The (layer, config, validated args) of (tp, mbs) and ``kind``, with Megatron's global
         args and micro-batch calculator set to that configuration while the block runs (the
         framework's patched code reads them: :mod:`.framework_state`)."""
-        vargs = profiling_args(kind.args if kind.args is not None else args, tp, mbs,
-                               world_size, rank)
+        vargs = profiling_args(expert_rank_args(kind.args if kind.args is not None else args,
+                                                kind.ep), tp, mbs, world_size, rank)
         with framework_state.profiling(vargs, max(1, world_size // tp)):
             config, spec = layer_config_and_spec(vargs, kind.layer_index, kind.moe)
             if is_moe_spec(spec):
-                routed[kind.name] = balanced_routing(config)
+                routed[(kind.name, kind.ep, int(config.num_moe_experts),
+                        int(getattr(args, "num_experts", 0) or config.num_moe_experts))] = \
+                    balanced_routing(config)
             layer = build_module(spec, config=config, layer_number=kind.layer_index + 1)
             layer = layer.to(device=device, dtype=config.params_dtype)
             layer.train()
@@ -837,24 +878,29 @@ def profile_rank(args: Any, tps: Sequence[int], micro_batch_sizes: Sequence[int]
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
             for mbs in micro_batch_sizes:
                 for kind in kinds:
-                    step = f"profiling-tp{tp}-mbs{mbs}" + (f"-{kind.name}" if kind.name else "")
+                    step = (f"profiling-tp{tp}-mbs{mbs}" + (f"-{kind.name}" if kind.name else "")
+                            + (f"-ep{kind.ep}" if kind.ep > 1 else ""))
                     if checkpoint is not None and tp > 1:
                         checkpoint(step)
                     with built(tp, mbs, kind) as (layer, config, vargs):
                         timing = _in_turns(turns, tp, step, checkpoint,
                                            lambda lay=layer, c=config, va=vargs: profile_config(
                                                lay, c, va, device, iters, tp, mbs, share))
-                        out.append(replace(timing, kind=kind.name))
+                        out.append(replace(timing, kind=kind.name, ep=kind.ep))
                         del layer
         finally:
             tensor_parallel.get_cuda_rng_tracker().reset()
             framework_state.clear_model_parallel_leftovers()
             if device.type == "cuda" and torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    for name, balanced in sorted(routed.items()):
+    for (name, ep, local, experts), balanced in sorted(routed.items()):
         if rank == 0:
-            log.info("profiled MoE layer%s: every expert (EP 1), tokens routed %s",
-                     f" ({name})" if name else "",
+            rank_of = ("every expert (EP 1)" if ep <= 1 else
+                       f"as one rank of EP {ep} runs it: {local} local expert(s) of {experts}, "
+                       f"top-{getattr(args, 'moe_router_topk', '?')} of this rank's tokens "
+                       "over them (balanced routing's share; all-to-all not timed)")
+            log.info("profiled MoE layer%s: %s, tokens routed %s",
+                     f" ({name})" if name else "", rank_of,
                      "evenly (the router's forced load balancing: random logits)" if balanced
                      else "by the router as built on random inputs (this megatron-core has no "
                      "forced load balancing)")
@@ -930,31 +976,32 @@ class Aggregate:
     optimizer_ms: float = 0.0
     unconverged: int = 0   # ranks whose medians did not reach the target CI width
     kind: str = ""         # the layer kind (``LayerTiming.kind``)
+    ep: int = 1            # the EP degree it was profiled at (``LayerTiming.ep``)
 
 
 def aggregate(per_rank: dict[int, list[LayerTiming]], type_of: dict[int, str],
               straggler_factor: float = 1.5) -> tuple[list[Aggregate], list[str]]:
-    """Median per (device type, layer kind, TP, micro-batch size); names ranks much slower than
-    their type's median for that kind (stragglers)."""
-    groups: dict[tuple[str, str, int, int], list[tuple[int, LayerTiming]]] = {}
+    """Median per (device type, layer kind, EP, TP, micro-batch size); names ranks much slower
+    than their type's median for that kind (stragglers)."""
+    groups: dict[tuple[str, str, int, int, int], list[tuple[int, LayerTiming]]] = {}
     for rank in sorted(per_rank):
         for t in per_rank[rank]:
-            groups.setdefault((type_of[rank], t.kind, t.tp, t.micro_batch_size),
+            groups.setdefault((type_of[rank], t.kind, t.ep, t.tp, t.micro_batch_size),
                               []).append((rank, t))
     aggs: list[Aggregate] = []
     stragglers: list[str] = []
-    for (dtype, kind, tp, mbs), items in sorted(groups.items()):
+    for (dtype, kind, ep, tp, mbs), items in sorted(groups.items()):
         fwd = statistics.median(t.forward_ms for _, t in items)
         bwd = statistics.median(t.backward_ms for _, t in items)
         aggs.append(Aggregate(dtype, tp, mbs, fwd, bwd, max(t.activation_bytes for _, t in items),
                               max(t.param_bytes for _, t in items), len(items),
                               statistics.median(t.optimizer_ms for _, t in items),
-                              sum(not t.converged for _, t in items), kind))
+                              sum(not t.converged for _, t in items), kind, ep))
         if len(items) >= 2:
             for rank, t in items:
                 total, med = t.forward_ms + t.backward_ms, fwd + bwd
                 if total > straggler_factor * med:
-                    what = f"{kind} layer, " if kind else ""
+                    what = (f"{kind} layer, " if kind else "") + (f"ep={ep}, " if ep > 1 else "")
                     stragglers.append(f"rank {rank} ({dtype}, {what}tp={tp}, mbs={mbs}): "
                                       f"{total:.2f} ms "
                                       f"per layer vs the type's median {med:.2f} ms "

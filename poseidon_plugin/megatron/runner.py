@@ -153,6 +153,7 @@ class LaunchContext:
     training: TrainingSetup = field(init=False)   # recompute, optimizer, dtypes, attention
     global_batch_size: int = field(init=False)
     micro_batch_sizes: tuple[int, ...] = field(init=False)
+    expert_parallel: tuple[int, ...] | None = field(init=False, default=(1,))  # EP kept / None
     # _all_ranks_bootstrap: the rendezvous store, barriers and the probe gloo group
     overrides: dict[str, Any] = field(init=False)
     boot: bootstrap.Bootstrap = field(init=False)
@@ -161,6 +162,7 @@ class LaunchContext:
     cluster: Cluster = field(init=False)
     # _all_ranks_profile
     tps: tuple[int, ...] = field(init=False)
+    eps: tuple[int, ...] = field(init=False, default=(1,))   # EP degrees MoE layers are profiled at
     cache_path: str = field(init=False)
     profiles: ProfileDB | None = field(init=False, default=None)   # rank 0 only
     stragglers: list[str] = field(init=False, default_factory=list)  # rank 0 only
@@ -342,6 +344,47 @@ def _all_ranks_read_model(ctx: LaunchContext) -> None:
                             "change the global batch or --poseidon-micro-batch-sizes")
     ctx.global_batch_size = int(gbs)
     ctx.micro_batch_sizes = tuple(mbs_list)
+    ctx.expert_parallel = _expert_parallel(ctx)
+
+
+def launch_rules(ctx: LaunchContext) -> Any:
+    """What the framework refuses with the script's flags (``search/rules.py``), for the model
+    (MoE layers at TP > 1 need ``--sequence-parallel``)."""
+    from ..search.rules import FrameworkRules
+
+    return FrameworkRules.from_argv(ctx.argv, num_layers=ctx.model.num_layers,
+                                    moe=any(k.is_moe for k in ctx.model.layer_kinds))
+
+
+def _expert_parallel(ctx: LaunchContext) -> tuple[int, ...] | None:
+    """The EP degrees the search may use: the script's ``--expert-model-parallel-size`` kept
+    (1 when absent), every valid one with ``--poseidon-search-ep``; a kept EP > 1 on a model
+    without MoE layers, or one not dividing its experts, is a one-line error."""
+    choice = argvmod.expert_parallel_choice(ctx.argv, ctx.opts.search_ep)
+    experts = int(ctx.model.num_experts or 0)
+    if choice is not None and choice[0] > 1:
+        ep = choice[0]
+        if not experts:
+            raise PoseidonError(f"--expert-model-parallel-size {ep} on a model without MoE "
+                                "layers (no --num-experts): remove it")
+        if experts % ep:
+            raise PoseidonError(f"--expert-model-parallel-size {ep} does not divide the "
+                                f"model's {experts} experts (--num-experts)")
+        if ep > ctx.world_size:
+            raise PoseidonError(f"--expert-model-parallel-size {ep} is more than the launch's "
+                                f"{ctx.world_size} ranks")
+    return choice
+
+
+def profiled_eps(expert_parallel: tuple[int, ...] | None, num_experts: int,
+                 world_size: int) -> tuple[int, ...]:
+    """The EP degrees a launch profiles its MoE layers at: the kept one, or (searched) every
+    degree dividing the experts and at most the ranks; (1,) for a dense model."""
+    if not num_experts:
+        return (1,)
+    if expert_parallel is not None:
+        return tuple(sorted(set(expert_parallel)))
+    return tuple(e for e in range(1, min(num_experts, world_size) + 1) if num_experts % e == 0)
 
 
 def _all_ranks_bootstrap(ctx: LaunchContext) -> None:
@@ -382,10 +425,15 @@ def _all_ranks_profile(ctx: LaunchContext) -> None:
     else the user's layer timed on every rank at once and gathered to rank 0."""
     args = ctx.args
     ctx.tps = ctx.opts.tp_candidates or _profiled_tps(ctx.cluster, ctx.model, ctx.world_size)
-    if moe_needs_tp1(ctx.model, args) and any(t > 1 for t in ctx.tps):
+    rules = launch_rules(ctx)
+    refused = [t for t in ctx.tps if not rules.tp_allowed(t)]
+    if refused:   # e.g. MoE layers without --sequence-parallel (CPU emulation runs without it)
         if ctx.rank == 0:
-            log.warning(MOE_TP_NOTE, ", ".join(str(t) for t in ctx.tps if t > 1))
-        ctx.tps = (1,)
+            log.warning("not profiled nor planned: %s", "; ".join(rules.tp_lines(refused)))
+        ctx.tps = tuple(t for t in ctx.tps if t not in refused) or (1,)
+    ctx.eps = profiled_eps(ctx.expert_parallel, int(ctx.model.num_experts or 0), ctx.world_size)
+    if ctx.eps != (1,) and not profile_gather.keys_carry_ep():
+        ctx.eps = (1,)   # records cannot say their EP here: the search prices EP 1 only
     emu_tag = ([f"emu:{n}={t.speed}" for n, t in sorted(ctx.emu.types.items())]
                if ctx.emu is not None else [])
     key = profile_gather.cache_key([f"impl:{getattr(args, 'transformer_impl', '')}",
@@ -393,7 +441,7 @@ def _all_ranks_profile(ctx: LaunchContext) -> None:
                                     *emu_tag], backend=ctx.backend)
     ctx.cache_path = profile_gather.cache_path(ctx.opts.profile_dir, key.tag)
     needed = profile_gather.needed_keys(ctx.cluster, ctx.model, ctx.tps, ctx.micro_batch_sizes,
-                                        ctx.seq_length, ctx.training)
+                                        ctx.seq_length, ctx.training, eps=ctx.eps)
     cached = False
     if ctx.rank == 0:
         ctx.profiles = profile_gather.load_cache(ctx.cache_path, ctx.opts.reprofile)
@@ -411,18 +459,6 @@ def _all_ranks_profile(ctx: LaunchContext) -> None:
         gathered = _all_ranks_remeasure_off_speeds(ctx, gathered)
     if ctx.rank == 0:
         _rank0_store_profiles(ctx, gathered, time.perf_counter() - t0)
-
-
-MOE_TP_NOTE = ("MoE layers at TP > 1 train only with --sequence-parallel (megatron-core refuses "
-               "them in training without it; CPU emulation runs without it): TP %s not "
-               "profiled nor planned, TP 1 only")
-
-
-def moe_needs_tp1(model: ModelSpec, args: Any) -> bool:
-    """Whether the model has MoE layers and the run has no sequence parallelism: megatron-core's
-    MoE layer then refuses TP > 1 in training, so the launch profiles and plans TP 1 only."""
-    return any(k.is_moe for k in model.layer_kinds) and \
-        not bool(getattr(args, "sequence_parallel", False))
 
 
 def _all_ranks_remeasure_off_speeds(ctx: LaunchContext,
@@ -479,7 +515,7 @@ def _all_ranks_measure(ctx: LaunchContext) -> list[list[profiler.LayerTiming]]:
         turns=(profiler.Turns(ctx.env.local_rank, ctx.env.local_world_size)
                if ctx.emu is not None else None),
         contention=_contention_probe(ctx) if ctx.emu is not None else None,
-        kinds=(profiler.ProfiledKind.of_model(ctx.model) if getattr(ctx, "model", None)
+        kinds=(profiler.ProfiledKind.of_model(ctx.model, ctx.eps) if getattr(ctx, "model", None)
                is not None else None))
 
 
@@ -539,9 +575,10 @@ def _rank0_store_profiles(ctx: LaunchContext, gathered: list[list[profiler.Layer
              f" x {kinds} layer kinds" if kinds > 1 else "", ctx.world_size, took_s,
              ctx.cache_path)
     for a in aggs:
-        log.info("  %-12s %stp=%d mbs=%d  fwd %8.2f ms  bwd %8.2f ms  optimizer %7.2f ms  "
+        log.info("  %-12s %s%stp=%d mbs=%d  fwd %8.2f ms  bwd %8.2f ms  optimizer %7.2f ms  "
                  "act %6.1f MiB  (median of %d%s)", a.device_type,
-                 f"{a.kind:<6s}" if a.kind else "", a.tp, a.micro_batch_size,
+                 f"{a.kind:<6s}" if a.kind else "", f"ep={a.ep} " if a.ep > 1 else "",
+                 a.tp, a.micro_batch_size,
                  a.forward_ms, a.backward_ms, a.optimizer_ms, a.activation_bytes / 2**20, a.ranks,
                  f"; {a.unconverged} not within 2%" if a.unconverged else "")
     for s in ctx.stragglers:
@@ -574,7 +611,7 @@ def _rank0_calibrate_cluster(ctx: LaunchContext) -> None:
         ctx.cluster, ctx.profiles, ctx.model, ctx.tps, ctx.micro_batch_sizes, ctx.seq_length,
         fixed=discovery.speed_given(ctx.overrides),
         estimated_peak=[i.device_type for i in ctx.topo.infos if i.kind not in ("cuda", "npu")],
-        setup=ctx.training)
+        setup=ctx.training, eps=ctx.eps)
 
 
 def _all_ranks_share_plan(ctx: LaunchContext) -> None:
@@ -651,6 +688,9 @@ def previous_plan_path(cache_path: str, cluster: Cluster, model: ModelSpec,
                 o.tp_mode, o.tp_degrees, o.micro_batch_sizes, o.max_virtual_stages, o.type_order,
                 [(t, cluster.devices_of_type(t)) for t in cluster.type_names],
                 [(n.device_type, n.num_devices) for n in cluster.nodes]))
+    ep = getattr(o, "expert_parallel", (1,))
+    if ep != (1,):   # EP kept at 1 (the default): the key dense launches always had
+        key += f"|ep={ep}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return os.path.join(os.path.dirname(cache_path), f"plan-{digest}.json")
 
@@ -685,20 +725,31 @@ def _search_options(ctx: LaunchContext) -> SearchOptions:
     search options, schedules Megatron can run, threads = this host's cores / its ranks, what
     the framework refuses with the script's flags (``search/rules.py``)."""
     from ..search import SearchOptions
-    from ..search.rules import FrameworkRules
 
     opts = ctx.opts
     return SearchOptions(
         global_batch_size=ctx.global_batch_size, seq_length=ctx.seq_length,
         schedules=_launch_schedules(opts.schedules), pruning=opts.pruning,
-        tp_degrees=((1,) if moe_needs_tp1(ctx.model, ctx.args) else opts.tp_candidates or None),
+        tp_degrees=opts.tp_candidates or None,
         micro_batch_sizes=ctx.micro_batch_sizes,
         max_virtual_stages=opts.max_virtual_stages, seed=opts.seed,
         time_budget_s=opts.time_budget_s, training=ctx.training,
         keep_tolerance=opts.keep_within,
-        rules=FrameworkRules.from_argv(ctx.argv, num_layers=ctx.model.num_layers),
+        rules=launch_rules(ctx),
         workers=opts.search_workers or max(1, (os.cpu_count() or 1)
-                                           // max(1, ctx.env.local_world_size)))
+                                           // max(1, ctx.env.local_world_size)),
+        **_ep_option(ctx.expert_parallel))
+
+
+def _ep_option(expert_parallel: tuple[int, ...] | None) -> dict[str, Any]:
+    """``SearchOptions.expert_parallel`` where the search has it (it plans EP)."""
+    import dataclasses
+
+    from ..search import SearchOptions
+
+    if "expert_parallel" not in {f.name for f in dataclasses.fields(SearchOptions)}:
+        return {}
+    return {"expert_parallel": expert_parallel}
 
 
 def _rank0_report(ctx: LaunchContext) -> None:
@@ -776,7 +827,7 @@ def _install_calibration(plan: Plan, model: ModelSpec, cache_path: str,
         install_calibration(plan, model_signature=model.signature(), profile_db_path=cache_path,
                             device_types=device_types, warmup_iterations=warm,
                             calibrate_iterations=cal, measure_iterations=meas,
-                            layer_records=not model.is_mixed)
+                            layer_records=not model.is_mixed and int(getattr(plan, "ep", 1)) <= 1)
     except Exception as exc:  # calibration is an observer: report, never fail the launch
         log.warning("calibration not installed: %s", exc)
 

@@ -38,6 +38,9 @@ flag                                     excluded
 ``--optimize-send-recv-comm``            interleaved (MindSpeed's layout feature)
 ``--first-k-dense-replace K``            pp with num_layers // pp <= K (MindSpeed-LLM: no pp
                                          stage of dense layers only)
+MoE layers without                       tp > 1 (megatron-core's MoE layer at TP > 1 needs
+``--sequence-parallel``                  sequence parallelism in training; ``moe``: the
+                                         model has MoE layers, or ``--num-experts`` > 0)
 ======================================== ===================================================
 
 Pure Python (no torch): ``poseidon plan --megatron-args "..."`` applies the same rules offline.
@@ -51,6 +54,9 @@ from typing import Any, NamedTuple, Sequence
 from ..errors import PoseidonError
 
 INTERLEAVED = "interleaved-1f1b"
+
+MOE_TP_REASON = ("megatron-core trains MoE layers at TP > 1 only with --sequence-parallel "
+                 "(add it to plan TP > 1)")
 
 # what a rule bounds (``Rule.kind``)
 KINDS = ("interleaved_min_pp", "interleaved_only", "no_interleaving", "min_pp", "max_pp",
@@ -169,9 +175,11 @@ class FrameworkRules:
 
     # ------------------------------------------------------------------ from the command line
     @classmethod
-    def from_argv(cls, argv: Sequence[str], num_layers: int | None = None) -> "FrameworkRules":
+    def from_argv(cls, argv: Sequence[str], num_layers: int | None = None,
+                  moe: bool = False) -> "FrameworkRules":
         """The rules the user's Megatron-LM / MindSpeed-LLM flags imply (the table of the module
-        docstring). ``num_layers``: the model's decoder layers (default: ``--num-layers``)."""
+        docstring). ``num_layers``: the model's decoder layers (default: ``--num-layers``);
+        ``moe``: the model has MoE layers (also read from ``--num-experts``)."""
         from ..megatron.argv import find_flag, flag_value
 
         argv = list(argv)
@@ -232,6 +240,11 @@ class FrameworkRules:
                 add("max_pp", layers // (k + 1), f"MindSpeed-LLM refuses a pp stage of dense "
                     f"layers only (--first-k-dense-replace {k}: num_layers // pp must exceed "
                     f"{k})")
+        experts = flag_value(argv, "--num-experts")
+        if experts is not None and _int_flag("--num-experts", experts) > 0:
+            moe = True
+        if moe and not find_flag(argv, "--sequence-parallel"):
+            add("max_tp", 1, MOE_TP_REASON)
         return cls(tuple(out))
 
     # ------------------------------------------------------------------ refusals at launch
