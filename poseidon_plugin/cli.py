@@ -163,6 +163,13 @@ def _build_parser() -> argparse.ArgumentParser:
                     f"{_words(DEFAULT_MICRO_BATCH_SIZES)})")
     pl.add_argument("--tp", dest="tp_degrees", type=int, nargs="+", default=None,
                     metavar="T", help="TP degrees allowed (default: every valid one)")
+    cpg = pl.add_mutually_exclusive_group()
+    cpg.add_argument("--cp", dest="cp", type=int, nargs="+", default=None, metavar="C",
+                     help="context-parallel degrees allowed (default: 1; each divides the "
+                     "sequence into 2 x C chunks)")
+    cpg.add_argument("--search-cp", action="store_true",
+                     help="search context parallelism: 1 and every power of two up to 64 "
+                     "that divides the sequence into 2 x CP chunks")
     pl.add_argument("--max-virtual-stages", type=int, default=2, metavar="V",
                     help="most model chunks per device for interleaved-1f1b (default: "
                     "%(default)s)")
@@ -292,7 +299,9 @@ def search_options(ns) -> SearchOptions:
         warmup_samples=ns.warmup_samples, seed=ns.seed, time_budget_s=ns.time_budget,
         workers=ns.workers, progress=sys.stderr.isatty() or bool(ns.verbose),
         tie_tolerance=ns.tie_tolerance, keep_tolerance=ns.keep_within,
-        runner_up=not ns.no_runner_up, training=training_setup(ns))
+        runner_up=not ns.no_runner_up, training=training_setup(ns),
+        context_parallel=(SearchOptions.search_cp_degrees(ns.seq_length) if ns.search_cp
+                          else ns.cp))
 
 
 def _cmd_plan(ns) -> int:

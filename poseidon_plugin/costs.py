@@ -65,12 +65,14 @@ Per stage s of a plan (type k, TP t, l layers, micro-batch b, sequence S, DP d):
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import memory as memory_mod
 from .comm import ddp_buckets, dp_sync_ms, send_ms
+from .errors import PoseidonError
 from .placement import Pool, StagePlacement, place_stages, ring_gbps, send_link_gbps, type_pools
 from .profiles import (LayerProfile, ProfileKey, lookup_overhead, lookup_profile,
                        measured_decoders)
@@ -207,6 +209,61 @@ def stage_layer_ranges(layers, virtual_stages: int) -> tuple[tuple[tuple[int, in
     return tuple(tuple(r) for r in out)
 
 
+def check_cp_sequence(seq_length: int, cp: int) -> None:
+    """Megatron splits each sequence into 2 x CP chunks (rank r holds chunks r and 2CP-1-r,
+    balancing the causal attention): the sequence length must divide by 2 x CP."""
+    if cp > 1 and seq_length % (2 * cp):
+        raise PoseidonError(f"context parallelism {cp}: the sequence length {seq_length} must "
+                            f"be divisible by 2 x CP = {2 * cp}")
+
+
+def kv_width(model) -> int:
+    """Values per token of one layer's K and V together (all heads, before TP): GQA / MHA
+    2 x query groups x head dim; MLA the up-projected K (heads x (qk + rope dims)) and V
+    (heads x v dim), which is what Megatron's CP ring exchanges for MLA."""
+    if getattr(model, "multi_latent_attention", False):
+        return model.num_attention_heads * (model.qk_head_dim + model.qk_pos_emb_head_dim
+                                            + model.v_head_dim)
+    return 2 * model.num_query_groups * model.head_dim
+
+
+def cp_attention_factor(model, *, micro_batch_size: int, seq_per_rank: int, cp: int) -> float:
+    """Forward FLOPs of one layer on a CP rank over its FLOPs at seq / cp alone: the linear
+    parts see seq / cp tokens either way; the causal attention core of the rank's queries over
+    the whole sequence is cp times the core at seq / cp (the balanced chunks give every rank
+    1 / cp of the s^2 / 2 pairs; alone it has (s / cp)^2 / 2)."""
+    f = model.layer_forward_flops(micro_batch_size, seq_per_rank)
+    core = model.attention.core_forward_flops(micro_batch_size, seq_per_rank)
+    return (f + (cp - 1) * core) / f if f > 0 else 1.0
+
+
+def cp_layer_times(model, forward_ms: float, backward_ms: float, *, micro_batch_size: int,
+                   seq_per_rank: int, cp: int, tp: int, link_gbps: float, latency_ms: float
+                   ) -> tuple[float, float]:
+    """(forward, backward) ms of one decoder layer on a CP rank from its record at seq / cp.
+
+    Compute: the record's times x ``cp_attention_factor`` (forward and backward alike).
+    Ring exchange (Megatron's ring attention, ``cp_comm_type`` p2p): cp - 1 steps per forward,
+    each sending the rank's K and V chunk (2 bytes x b x seq / cp x ``kv_width`` / tp) to the
+    next CP rank while the attention of the block received before runs; the backward's steps
+    send K/V and dK/dV (twice the bytes). A step's attention is 1 / cp of the rank's attention
+    core, i.e. the core's share of the record (q = core / layer FLOPs at seq / cp) x the
+    record's time, so each step exposes max(0, send - q x time):
+    forward += (cp - 1) max(0, send - q F), backward += (cp - 1) max(0, 2 send - q B)."""
+    if cp <= 1:
+        return forward_ms, backward_ms
+    factor = cp_attention_factor(model, micro_batch_size=micro_batch_size,
+                                 seq_per_rank=seq_per_rank, cp=cp)
+    f = model.layer_forward_flops(micro_batch_size, seq_per_rank)
+    q = model.attention.core_forward_flops(micro_batch_size, seq_per_rank) / f if f > 0 else 0.0
+    kv = float(BYTES_PER_ACTIVATION * micro_batch_size * seq_per_rank * kv_width(model)) / tp
+    step_f = send_ms(kv, link_gbps, latency_ms)
+    step_b = send_ms(2.0 * kv, link_gbps, latency_ms)
+    exposed_f = (cp - 1) * max(0.0, step_f - q * forward_ms)
+    exposed_b = (cp - 1) * max(0.0, step_b - q * backward_ms)
+    return forward_ms * factor + exposed_f, backward_ms * factor + exposed_b
+
+
 class CostModel:
     """Costs of one (cluster, model, profile DB, sequence length); memoised lookups."""
 
@@ -224,6 +281,12 @@ class CostModel:
         self.model = model
         self.profiles = profiles
         self.seq_length = seq_length
+        # context parallelism (``at_cp``): 1 here; a CP-scoped copy holds seq_length / cp
+        # tokens per rank and keeps the training's sequence length here
+        self.cp = 1
+        self.full_seq_length = seq_length
+        self._base = self
+        self._cp_models: dict[int, "CostModel"] = {}
         self.training = training or TrainingSetup()
         # the distributed optimizer: DP sync = gradients' reduce-scatter + parameters'
         # all-gather (param bytes = gradient bytes x this), optimizer step on a 1/d shard
@@ -245,6 +308,40 @@ class CostModel:
         self.overhead = (lookup_overhead(profiles, cluster, model, seq_length, self.training)
                          if callable(getattr(model, "signature", None)) else None)
         self.iteration_overhead_ms = self.overhead.overhead_ms if self.overhead else 0.0
+
+    # ------------------------------------------------------------------ context parallelism
+    def at_cp(self, cp: int) -> "CostModel":
+        """The cost model of this one under context parallelism ``cp`` (``self`` for cp = 1 and
+        for a model already at ``cp``): each CP rank holds seq / cp tokens, so profiles are
+        looked up, activations and sends sized at seq / cp; a decoder layer's time is the
+        record's at seq / cp scaled for the attention of the rank's queries over the whole
+        sequence, plus the ring exchange of K/V the attention does not hide
+        (``cp_layer_times``). The caller passes the stage's DP x CP group as ``dp`` (gradient
+        reduce, distributed-optimizer shard and placement are over DP x CP in Megatron).
+        Memoised on the unscoped model; the per-iteration overhead is the unscoped model's."""
+        base = self._base
+        if cp == self.cp:
+            return self
+        if cp == 1:
+            return base
+        hit = base._cp_models.get(cp)
+        if hit is None:
+            check_cp_sequence(base.seq_length, cp)
+            hit = copy.copy(base)
+            hit.cp = cp
+            hit.seq_length = base.seq_length // cp
+            hit._layer_cache, hit._kind_cache, hit._mem_cache = {}, {}, {}
+            hit._cp_models = {}
+            base._cp_models[cp] = hit
+        return hit
+
+    def cp_link_gbps(self, type_index: int, tp: int) -> float:
+        """The CP ring's link on this type: intra-node when a TP x CP group fits every node of
+        the type (the search offers only such options), else the type's inter-node link."""
+        nodes = self.cluster.nodes_of_type(self.type_names[type_index])
+        if all(n.num_devices % (tp * self.cp) == 0 for n in nodes):
+            return self.intra_gbps[type_index]
+        return self.inter_gbps[type_index]
 
     # ------------------------------------------------------------------ profiles
     def layer_costs(self, type_index: int, tp: int, micro_batch_size: int) -> LayerCosts:
@@ -292,7 +389,13 @@ class CostModel:
         og, og_source = optimizer_costs(dec, self.cluster.device_types[name], self.training)
         if og_source[0] != "measured":
             og, og_source = self._optimizer_from_another_record(name, g, (og, og_source), sig)
-        return LayerCosts(dec.forward_ms, dec.backward_ms, dec.param_bytes * g,
+        fwd, bwd = dec.forward_ms, dec.backward_ms
+        if self.cp > 1:
+            fwd, bwd = cp_layer_times(model, fwd, bwd, micro_batch_size=micro_batch_size,
+                                      seq_per_rank=self.seq_length, cp=self.cp, tp=tp,
+                                      link_gbps=self.cp_link_gbps(type_index, tp),
+                                      latency_ms=self.latency_ms)
+        return LayerCosts(fwd, bwd, dec.param_bytes * g,
                           emb.forward_ms, emb.backward_ms, emb.param_bytes * g,
                           out.forward_ms, out.backward_ms, out.param_bytes * g, (dec, emb, out),
                           og, og_source)

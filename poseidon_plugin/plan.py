@@ -65,8 +65,14 @@ parameters' all-gather; ``optimizer_ms`` is then the step on the rank's 1/dp sha
 ``overlap_grad_reduce`` / ``overlap_param_gather`` stage 0's figure (non-interleaved plans) is
 the part its last backward / first forward does not hide (``comm.dp_sync_ms``).
 
-Rank order: Megatron's default order tp-cp-ep-dp-pp (cp = ep = 1):
-``rank = stage * (tp * dp) + dp_rank * tp + tp_rank`` (uniform TP).
+Rank order: Megatron's default order tp-cp-ep-dp-pp (ep = 1):
+``rank = stage * (tp * cp * dp) + (dp_rank * cp + cp_rank) * tp + tp_rank`` (uniform TP).
+
+Context parallelism (``cp`` > 1; the key is written only then, a plan without it has CP 1):
+every stage holds dp x cp TP groups, ``devices[dp_rank * cp + cp_rank][tp_rank]``; the stage
+figures are per CP rank (seq / cp tokens: forward / backward with the ring attention,
+activations, sends); ``allreduce_ms`` and ``optimizer_ms`` are over DP x CP, as Megatron
+reduces the gradients and shards the distributed optimizer.
 """
 
 from __future__ import annotations
@@ -105,7 +111,7 @@ class StagePlan:
     allreduce_ms: float
     memory_bytes: int
     memory_capacity_bytes: int
-    # devices[dp_rank][tp_rank] -> slot; Megatron rank order tp-cp-ep-dp-pp
+    # devices[dp_rank * cp + cp_rank][tp_rank] -> slot; Megatron rank order tp-cp-ep-dp-pp
     devices: tuple[tuple[DeviceSlot, ...], ...] = ()
     # per model chunk (V of them, chunk order; one when V = 1): layers and per-micro-batch times
     chunk_layers: tuple[int, ...] = ()
@@ -117,6 +123,7 @@ class StagePlan:
     memory_parts: tuple[tuple[str, Any], ...] = ()
     optimizer_ms: float = 0.0   # optimizer step after the DP all-reduce (measured; 0: none)
     overhead_ms: float = 0.0    # the per-iteration overhead (calibrated; 0: none)
+    cp: int = 1                 # context parallelism (the plan's)
 
     @property
     def post_pipeline_ms(self) -> float:
@@ -251,6 +258,7 @@ class Plan:
     training: dict[str, Any] = field(default_factory=dict)   # TrainingSetup.to_dict()
     # where the stages' overhead_ms came from: {"ms", "source", "record"}; {} = none
     iteration_overhead: dict[str, Any] = field(default_factory=dict)
+    cp: int = 1     # context parallelism: every stage's TP groups are dp x cp
 
     # ------------------------------------------------------------------ shape
     @property
@@ -303,6 +311,8 @@ class Plan:
         self._check_executable()
         args = ["--tensor-model-parallel-size", str(self.tp),
                 "--pipeline-model-parallel-size", str(self.pp)]
+        if self.cp > 1:
+            args += ["--context-parallel-size", str(self.cp)]
         if self.pp > 1 or self.virtual_stages > 1:
             args += ["--pipeline-model-parallel-layout", self.pipeline_layout()]
         args += ["--micro-batch-size", str(self.micro_batch_size),
@@ -321,6 +331,9 @@ class Plan:
         self._check_executable()
         args = ["--tensor-model-parallel-size", str(self.tp),
                 "--pipeline-model-parallel-size", str(self.pp)]
+        if self.cp > 1:   # MindSpeed's ring attention (its other algorithms time differently)
+            args += ["--context-parallel-size", str(self.cp),
+                     "--context-parallel-algo", "megatron_cp_algo"]
         if self.virtual_stages > 1:
             args += ["--pipeline-model-parallel-layout", self.pipeline_layout()]
         elif self.pp > 1:
@@ -348,14 +361,14 @@ class Plan:
         tp = self.tp
         out: list[DeviceSlot] = []
         for st in self.stages:
-            for dp_rank in range(self.dp):
+            for group in range(self.dp * self.cp):
                 for tp_rank in range(tp):
-                    out.append(st.devices[dp_rank][tp_rank])
+                    out.append(st.devices[group][tp_rank])
         return out
 
     @property
     def world_size(self) -> int:
-        return sum(s.tp * s.dp for s in self.stages)
+        return sum(s.tp * s.dp * self.cp for s in self.stages)
 
     # ------------------------------------------------------------------ timing
     def links(self) -> list[dict[str, Any]]:
@@ -442,6 +455,8 @@ class Plan:
         }
         if self.baselines:
             out["baselines"] = _jsonable(list(self.baselines))
+        if self.cp > 1:
+            out["cp"] = self.cp
         return out
 
     def to_json(self) -> str:
@@ -465,7 +480,8 @@ class Plan:
                 chunk_backward_ms=tuple(s.get("chunk_backward_ms", ())),
                 provenance=tuple((k, v["source"], v["record"])
                                  for k, v in s.get("provenance", {}).items()),
-                memory_parts=tuple(s.get("memory", {}).items())) for s in d["stages"])
+                memory_parts=tuple(s.get("memory", {}).items()), cp=d.get("cp", 1))
+                for s in d["stages"])
             return cls(
                 schedule=d["schedule"], virtual_stages=d["virtual_stages"], dp=d["dp"],
                 micro_batch_size=d["micro_batch_size"], num_microbatches=d["num_microbatches"],
@@ -482,7 +498,8 @@ class Plan:
                 wrap_send_ms=d.get("wrap_send_ms", 0.0),
                 baselines=tuple(dict(e) for e in d.get("baselines", ())),
                 training=d.get("training", {}),
-                iteration_overhead=dict(d.get("iteration_overhead") or {}))
+                iteration_overhead=dict(d.get("iteration_overhead") or {}),
+                cp=d.get("cp", 1))
         except (ValueError, KeyError, TypeError) as exc:
             raise PoseidonError(f"plan JSON: malformed ({type(exc).__name__}: {exc})") from None
 
@@ -493,7 +510,9 @@ class Plan:
         head = (f"Plan for {self.model_name or 'model'} on {self.cluster_name or 'cluster'}: "
                 f"{self.schedule}" + (f" (V={self.virtual_stages})" if self.virtual_stages > 1
                                       else "")
-                + f", pp={self.pp}, dp={self.dp}, tp={tp}, micro-batch {self.micro_batch_size}"
+                + f", pp={self.pp}, dp={self.dp}, tp={tp}"
+                + (f", cp={self.cp}" if self.cp > 1 else "")
+                + f", micro-batch {self.micro_batch_size}"
                 f" x {self.num_microbatches} (global {self.global_batch_size}, seq "
                 f"{self.seq_length})")
         lines = [head,
@@ -506,7 +525,10 @@ class Plan:
                  "per stage: fwd, bwd and send ms per micro-batch; allred ms per iteration "
                  + ("(DP gradient reduce-scatter + parameter all-gather: distributed optimizer)"
                     if (self.training or {}).get("distributed_optimizer")
-                    else "(DP gradient all-reduce)"),
+                    else "(DP gradient all-reduce)").replace(
+                        "DP", "DP x CP" if self.cp > 1 else "DP", 1)
+                 + (f"; per CP rank: seq {self.seq_length // self.cp} tokens"
+                    if self.cp > 1 else ""),
                  f"{'stage':>5} {'type':<10} {'tp':>3} {'dp':>3} {'layers':>6} {'fwd ms':>9} "
                  f"{'bwd ms':>9} {'send ms':>8} {'allred ms':>9} {'optim ms':>8} {'memory GiB':>15}  nodes"]
         for s in self.stages:

@@ -581,7 +581,6 @@ def test_bad_pattern_from_megatron_args_names_the_field():
 # --------------------------------------------------------------------------- launch refusals
 
 @pytest.mark.parametrize("argv, what, assumed", [
-    (["--context-parallel-size=2"], "context parallelism", "CP = 1"),
     (["--expert-tensor-parallel-size", "1"], "expert tensor parallelism", "expert TP = TP"),
 ])
 def test_unplanned_parallelism_is_refused_precisely(argv, what, assumed):
@@ -596,6 +595,17 @@ def test_unplanned_parallelism_is_refused_precisely(argv, what, assumed):
 
 def test_size_one_parallelism_is_accepted():
     A.check_refused(["--expert-model-parallel-size", "1", "--context-parallel-size", "1"])
+
+
+def test_context_parallelism_is_planned_but_not_other_cp_algorithms():
+    A.check_refused(["--context-parallel-size=4", "--cp-comm-type", "p2p"])
+    for argv, flag in ((["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
+                        "--cp-comm-type a2a"),
+                       (["--hierarchical-context-parallel-sizes", "2", "2"],
+                        "--hierarchical-context-parallel-sizes")):
+        with pytest.raises(PoseidonError) as info:
+            A.check_refused(argv)
+        assert flag in str(info.value) and "\n" not in str(info.value)
 
 
 # --------------------------------------------------------------------------- offline profile flags

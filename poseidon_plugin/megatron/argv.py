@@ -29,6 +29,8 @@ PLAN_VALUE_FLAGS: tuple[str, ...] = (
     "--micro-batch-size",
     "--global-batch-size",
     "--expert-model-parallel-size",   # the plan's EP (Plan.ep); the user's value is kept or searched
+    "--context-parallel-size",      # the plan's CP (kept, or searched with --poseidon-search-cp)
+    "--context-parallel-algo",      # MindSpeed: the plan's ring attention (megatron_cp_algo)
     # MindSpeed-LLM / MindSpeed layer-split mechanisms
     "--num-layer-list",
     "--pipeline-num-transformer-layers",
@@ -95,8 +97,6 @@ def strip_flags(argv: Sequence[str], value_flags: Iterable[str] = (),
 
 # Parallel dimensions the search does not plan yet: (flag, what it is, what the plan assumes).
 UNPLANNED_PARALLELISM: tuple[tuple[str, str, str], ...] = (
-    ("--context-parallel-size", "context parallelism",
-     "every device of a stage holds the whole sequence (CP = 1)"),
     ("--expert-tensor-parallel-size", "expert tensor parallelism",
      "experts are split over the stage's TP degree, Megatron's default (expert TP = TP)"),
 )
@@ -107,11 +107,22 @@ EP_FLAG = "--expert-model-parallel-size"
 
 def check_refused(argv: Sequence[str]) -> None:
     """PoseidonError for a launch Poseidon cannot plan (checkpoint args, in-process restart, YAML,
-    context / expert-tensor parallelism, which the search does not plan yet; a malformed
-    ``--expert-model-parallel-size``)."""
+    expert-tensor parallelism, which the search does not plan yet; a malformed
+    ``--expert-model-parallel-size``; CP algorithms other than the ring)."""
     for flag, why in REFUSED_FLAGS.items():
         if find_flag(argv, flag):
             raise PoseidonError(f"--poseidon-auto cannot be combined with {flag}: {why}")
+    comm = flag_value(argv, "--cp-comm-type")
+    if comm is not None and comm != "p2p":
+        raise PoseidonError(
+            f"--poseidon-auto plans context parallelism as Megatron's ring attention "
+            f"(--cp-comm-type p2p, the default), not --cp-comm-type {comm}; remove it or launch "
+            f"without --poseidon-auto")
+    if find_flag(argv, "--hierarchical-context-parallel-sizes"):
+        raise PoseidonError(
+            "--poseidon-auto does not plan hierarchical context parallelism "
+            "(--hierarchical-context-parallel-sizes); remove it or launch without "
+            "--poseidon-auto")
     for flag, what, assumed in UNPLANNED_PARALLELISM:
         raw = flag_value(argv, flag)
         if raw is None or (raw == "1" and flag != "--expert-tensor-parallel-size"):

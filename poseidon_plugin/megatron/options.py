@@ -43,6 +43,7 @@ class PoseidonOptions:
                                           # this host's cores / ranks on it; rank 0 searches)
     search_ep: bool = False               # --poseidon-search-ep: the search may change the
                                           # script's --expert-model-parallel-size (else kept)
+    search_cp: bool = False               # --poseidon-search-cp: the script's CP may change
     present: tuple[str, ...] = field(default=(), compare=False)  # option names seen on argv
 
     @property
@@ -121,6 +122,7 @@ _SPEC: dict[str, tuple[str, str]] = {
     "--poseidon-seed": ("seed", "int0"),
     "--poseidon-search-workers": ("search_workers", "int"),
     "--poseidon-search-ep": ("search_ep", "flag"),
+    "--poseidon-search-cp": ("search_cp", "flag"),
 }
 
 

@@ -691,6 +691,8 @@ def previous_plan_path(cache_path: str, cluster: Cluster, model: ModelSpec,
     ep = getattr(o, "expert_parallel", (1,))
     if ep != (1,):   # EP kept at 1 (the default): the key dense launches always had
         key += f"|ep={ep}"
+    if o.context_parallel not in (None, (1,)):   # likewise CP
+        key += f"|cp={o.context_parallel}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return os.path.join(os.path.dirname(cache_path), f"plan-{digest}.json")
 
@@ -720,6 +722,25 @@ def _save_previous(path: str, text: str) -> None:
         log.warning("could not keep the plan for the next launch in %s: %s", path, e)
 
 
+def launch_cp_degrees(argv, seq_length: int, search: bool) -> tuple[int, ...]:
+    """The CP degrees a launch plans: the script's ``--context-parallel-size`` (1 without it),
+    kept; with ``--poseidon-search-cp`` every power of two dividing the sequence into 2 x CP
+    chunks (``SearchOptions.search_cp_degrees``, the script's among them where valid)."""
+    from ..search import SearchOptions
+
+    raw = argvmod.flag_value(argv, "--context-parallel-size", "1")
+    try:
+        cp = int(raw)
+    except (TypeError, ValueError):
+        raise PoseidonError(f"--context-parallel-size: expected an integer, got {raw!r}") \
+            from None
+    if cp < 1:
+        raise PoseidonError(f"--context-parallel-size: expected an integer >= 1, got {cp}")
+    if search:
+        return SearchOptions.search_cp_degrees(seq_length, start=cp)
+    return (cp,)
+
+
 def _search_options(ctx: LaunchContext) -> SearchOptions:
     """The launch's one ``SearchOptions``: the script's batch and sequence, the ``--poseidon-*``
     search options, schedules Megatron can run, threads = this host's cores / its ranks, what
@@ -735,6 +756,7 @@ def _search_options(ctx: LaunchContext) -> SearchOptions:
         max_virtual_stages=opts.max_virtual_stages, seed=opts.seed,
         time_budget_s=opts.time_budget_s, training=ctx.training,
         keep_tolerance=opts.keep_within,
+        context_parallel=launch_cp_degrees(ctx.argv, ctx.seq_length, opts.search_cp),
         rules=launch_rules(ctx),
         workers=opts.search_workers or max(1, (os.cpu_count() or 1)
                                            // max(1, ctx.env.local_world_size)),

@@ -19,7 +19,7 @@ def _stage_plans(cm: CostModel, cfg: OuterConfig, opts, layers, stages, placemen
                  ) -> tuple[StagePlan, ...]:
     return tuple(
         StagePlan(index=s, device_type=cm.type_names[cfg.options[opts[s]][0]],
-                  tp=cfg.options[opts[s]][1], dp=cfg.dp, layers=int(layers[s]),
+                  tp=cfg.options[opts[s]][1], dp=cfg.dp, cp=cfg.cp, layers=int(layers[s]),
                   forward_ms=st.forward_ms, backward_ms=st.backward_ms,
                   send_forward_ms=st.send_forward_ms, send_backward_ms=st.send_backward_ms,
                   allreduce_ms=st.allreduce_ms, memory_bytes=int(st.memory_bytes),
@@ -48,15 +48,15 @@ def _throughput(cm: CostModel, cfg: OuterConfig, opts, global_batch_size: int, t
     """(model TFLOP/s per device, MFU) of a plan taking ``t_ms`` per iteration."""
     types = [cfg.options[o][0] for o in opts]
     tps = [cfg.options[o][1] for o in opts]
-    used = sum(cfg.dp * tp for tp in tps)
-    flops = cm.model.model_flops_per_iteration(global_batch_size, cm.seq_length)
+    used = sum(cfg.dp_cp * tp for tp in tps)
+    flops = cm.model.model_flops_per_iteration(global_batch_size, cm.full_seq_length)
     tflops_dev = flops / (t_ms / 1e3) / used / 1e12
     dts = [cm.cluster.device_types[cm.type_names[k]] for k in types]
     peaks = [dt.peak_tflops for dt in dts]
     if any(p is None for p in peaks) or any(dt.measured_peak for dt in dts):
         # a type known only from measured layers: no peak to measure MFU against
         return tflops_dev, 0.0
-    peak = sum(p * cfg.dp * tp for p, tp in zip(peaks, tps))
+    peak = sum(p * cfg.dp_cp * tp for p, tp in zip(peaks, tps))
     return tflops_dev, flops / (t_ms / 1e3) / (peak * 1e12)
 
 
@@ -66,6 +66,7 @@ def build_plan(cm: CostModel, cfg: OuterConfig, opts, layers, *, global_batch_si
     """The ``Plan`` of one assignment; AssertionError when the Python cost path disagrees with
     ``predicted_ms`` (``check``) or a stage exceeds its memory (both are bugs, not user
     errors)."""
+    cm = cm.at_cp(cfg.cp)
     stages, placements, unused, t = time_assignment(cm, cfg, opts, layers)
     if check and abs(t - predicted_ms) > 1e-6 * max(1.0, abs(t)):
         raise AssertionError(f"search and simulator disagree: {predicted_ms} vs {t}")
@@ -75,14 +76,14 @@ def build_plan(cm: CostModel, cfg: OuterConfig, opts, layers, *, global_batch_si
     tflops_dev, mfu = _throughput(cm, cfg, opts, global_batch_size, t)
     lb = t if lower_bound_ms is None else min(lower_bound_ms, t)
     return Plan(
-        schedule=cfg.schedule, virtual_stages=cfg.virtual_stages, dp=cfg.dp,
+        schedule=cfg.schedule, virtual_stages=cfg.virtual_stages, dp=cfg.dp, cp=cfg.cp,
         micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
-        global_batch_size=global_batch_size, seq_length=cm.seq_length,
+        global_batch_size=global_batch_size, seq_length=cm.full_seq_length,
         stages=_stage_plans(cm, cfg, opts, layers, stages, placements),
         predicted_iteration_time_ms=t, model_name=cm.model.name, cluster_name=cm.cluster.name,
         unused_devices=tuple(DeviceSlot(n, d) for (n, d) in unused),
         search=dict(search_stats or {}),
-        predicted_tokens_per_s=global_batch_size * cm.seq_length / (t / 1e3),
+        predicted_tokens_per_s=global_batch_size * cm.full_seq_length / (t / 1e3),
         model_tflops_per_device=tflops_dev, mfu=mfu, lower_bound_ms=lb,
         gap=(t - lb) / t if t > 0 else 0.0, num_layers=cm.model.num_layers,
         wrap_send_ms=(cm.wrap_send_ms(placements, cfg.micro_batch_size)

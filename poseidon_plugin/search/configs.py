@@ -36,12 +36,20 @@ class OuterConfig:
     num_stages: int
     tp: int                       # 0 = per-stage TP
     options: tuple[tuple[int, int], ...]   # (type index, tp) a stage may use
+    cp: int = 1                   # context parallelism: each rank holds seq / cp tokens
 
     @property
     def key(self) -> tuple:
         """Deterministic order between configurations (the tie-break of equal plans)."""
         return (SCHEDULES.index(self.schedule), self.virtual_stages,
-                self.micro_batch_size, self.dp, self.tp, self.num_stages)
+                self.micro_batch_size, self.dp, self.tp, self.num_stages) \
+            + ((self.cp,) if self.cp > 1 else ())
+
+    @property
+    def dp_cp(self) -> int:
+        """TP groups per stage, DP x CP: the devices a stage takes are dp_cp x its TP, and
+        Megatron reduces gradients (and shards the distributed optimizer) over DP x CP."""
+        return self.dp * self.cp
 
     @property
     def usable_types(self) -> int:
@@ -71,6 +79,29 @@ def tp_candidates(cluster, model, type_name: str, allowed=None) -> tuple[int, ..
             out.append(t)
         t *= 2
     return tuple(out)
+
+
+def cp_candidates(cluster, seq_length: int, allowed=None) -> tuple[int, ...]:
+    """CP degrees a search tries: ``allowed`` (None: 1 only), those dividing the sequence into
+    2 x CP chunks and no larger than the largest node (a TP x CP group stays in one node)."""
+    if allowed is None:
+        return (1,)
+    most = max(n.num_devices for n in cluster.nodes)
+    return tuple(c for c in sorted(set(allowed))
+                 if c == 1 or (seq_length % (2 * c) == 0 and c <= most))
+
+
+def _cp_option_groups(cluster, cm_types, groups, cp: int):
+    """``_option_groups`` at context parallelism ``cp`` > 1: uniform-TP groups only, each
+    option (k, t) kept where t x cp divides every node of type k (the CP ring stays inside a
+    node, and Megatron's consecutive TP groups of a CP group never straddle two)."""
+    sizes = [[n.num_devices for n in cluster.nodes_of_type(name)] for name in cm_types]
+    out = []
+    for t, opts in groups:
+        keep = tuple((k, tt) for k, tt in opts if all(s % (tt * cp) == 0 for s in sizes[k]))
+        if keep:
+            out.append((t, keep))
+    return out
 
 
 def _divisors(x: int) -> list[int]:
@@ -108,6 +139,8 @@ def enumerate_with_exclusions(cm: CostModel, options: SearchOptions
     ndev = [p.size for p in cm.pools]
     G = options.global_batch_size
     out: list[OuterConfig] = []
+    cps = cp_candidates(cluster, options.seq_length, options.context_parallel)
+    uniform_groups = _option_groups(tps, "uniform")
     for sched in options.schedules:
         vs = range(2, options.max_virtual_stages + 1) if sched == "interleaved-1f1b" else (1,)
         if sched == "interleaved-1f1b" and cm.per_kind:
@@ -124,21 +157,27 @@ def enumerate_with_exclusions(cm: CostModel, options: SearchOptions
                     if G % (d * b):
                         continue
                     m = G // (d * b)
-                    for t, opts in _option_groups(tps, options.tp_mode):
+                    groups = []
+                    for c in cps:
+                        groups += ([(1, t, opts) for t, opts in
+                                    _option_groups(tps, options.tp_mode)] if c == 1 else
+                                   [(c, t, opts) for t, opts in _cp_option_groups(
+                                       cluster, cm.type_names, uniform_groups, c)])
+                    for c, t, opts in groups:
                         if not opts:
                             continue
                         cap = 0
                         for k in range(len(tps)):
                             tk = [tt for (kk, tt) in opts if kk == k]
                             if tk:
-                                cap += ndev[k] // (d * min(tk))
+                                cap += ndev[k] // (d * c * min(tk))
                         for n in range(1, min(cap, L // v) + 1):
                             if v > 1:
                                 try:
                                     validate_schedule(sched, n, m, v)
                                 except PoseidonError:
                                     continue
-                            cfg = OuterConfig(sched, v, b, d, m, n, t, opts)
+                            cfg = OuterConfig(sched, v, b, d, m, n, t, opts, c)
                             if rules:
                                 hit = rules.violation(Shape.of_config(cfg))
                                 if hit is not None:
@@ -175,6 +214,7 @@ class OptionCosts:
 
     @classmethod
     def of_config(cls, cm: CostModel, cfg: OuterConfig) -> "OptionCosts":
+        cm = cm.at_cp(cfg.cp)
         if cm.per_kind:
             kcs = [cm.kind_layer_costs(k, t, cfg.micro_batch_size) for (k, t) in cfg.options]
             lcs = [kc[0] for kc in kcs]
@@ -214,13 +254,14 @@ class OptionCosts:
 def layer_limits_from(cm: CostModel, cfg: OuterConfig) -> np.ndarray:
     """A model of several layer kinds (``cm.per_kind``, V = 1): lmax_from[o, x, a], the most
     layers option o fits at stage x starting at layer a (memory; <= L - (N-1) and <= L - a)."""
+    cm = cm.at_cp(cfg.cp)
     n, L = cfg.num_stages, cm.model.num_layers
     limit = L - (n - 1) * cfg.virtual_stages
     out = np.zeros((len(cfg.options), n, L + 1), dtype=np.int32)
     for o, (k, t) in enumerate(cfg.options):
         for x in range(n):
             out[o, x, :] = cm.max_layers_row(
-                capacity_bytes=cm.capacity_bytes[k], stage=x, num_stages=n, tp=t, dp=cfg.dp,
+                capacity_bytes=cm.capacity_bytes[k], stage=x, num_stages=n, tp=t, dp=cfg.dp_cp,
                 micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
                 schedule=cfg.schedule, type_index=k)
     return np.minimum(out, max(limit, 0))
@@ -230,6 +271,7 @@ def layer_limits(cm: CostModel, cfg: OuterConfig) -> np.ndarray:
     """lmax[o, x]: the most layers option o fits at stage x (memory; <= L - (N-1) V). A model
     of several layer kinds (``cm.per_kind``): the most over the first layers stage x can have
     (an upper bound; ``layer_limits_from`` is exact)."""
+    cm = cm.at_cp(cfg.cp)
     n, L = cfg.num_stages, cm.model.num_layers
     limit = L - (n - 1) * cfg.virtual_stages
     if cm.per_kind:
@@ -245,7 +287,8 @@ def layer_limits(cm: CostModel, cfg: OuterConfig) -> np.ndarray:
     out = np.zeros((len(cfg.options), n), dtype=np.int32)
     for o, (k, t) in enumerate(cfg.options):
         out[o, :] = cm.max_layers_by_stage(
-            capacity_bytes=cm.capacity_bytes[k], stages=range(n), num_stages=n, tp=t, dp=cfg.dp,
+            capacity_bytes=cm.capacity_bytes[k], stages=range(n), num_stages=n, tp=t,
+            dp=cfg.dp_cp,
             micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
             schedule=cfg.schedule, virtual_stages=cfg.virtual_stages, limit=limit,
             type_index=k)
@@ -266,7 +309,7 @@ class _TypeCapacity(NamedTuple):
 
 def _capacity_types(cm: CostModel, cfg: OuterConfig, costs: OptionCosts
                     ) -> list[_TypeCapacity]:
-    m, d = cfg.num_microbatches, cfg.dp
+    m, d = cfg.num_microbatches, cfg.dp_cp
     per_type: dict[int, list[tuple[float, int]]] = {}
     for o, (k, t) in enumerate(cfg.options):
         per_type.setdefault(k, []).append((m * (costs.f[o] + costs.b[o]), d * t))
@@ -341,11 +384,12 @@ def stage_min_send_ms(cm: CostModel, cfg: OuterConfig) -> float:
     clusters (TP x DP spanning whole nodes) this is the inter-node send instead of NVLink's:
     on LLaMA-3 405B over 512 devices (TP 8 on 8-GPU nodes) 2.69 ms instead of 0.30 ms per link
     in every path bound."""
+    cm = cm.at_cp(cfg.cp)
     types = sorted({k for k, _ in cfg.options})
     best = cm.cross_gbps if len(types) >= 2 else 0.0
     for k in types:
         span = cm.pools[k].node_span
-        if all(cfg.dp * t >= span for kk, t in cfg.options if kk == k):
+        if all(cfg.dp_cp * t >= span for kk, t in cfg.options if kk == k):
             g = cm.inter_gbps[k]
         else:
             g = max(cm.intra_gbps[k], cm.inter_gbps[k])
@@ -416,6 +460,7 @@ def root_bound(cm: CostModel, cfg: OuterConfig, costs: OptionCosts | None = None
     exhaustive optimum).
     The arithmetic runs in C (``_roots.root_core``); ``_root_bound_py`` is the same bound in
     Python, the reference the tests compare it with."""
+    cm = cm.at_cp(cfg.cp)
     costs = OptionCosts.of_config(cm, cfg) if costs is None else costs
     base, types = _root_inputs(cm, cfg, costs)
     n = cfg.num_stages
@@ -440,6 +485,7 @@ def _fill_extra(costs: OptionCosts) -> float:
 
 def _root_bound_py(cm: CostModel, cfg: OuterConfig, costs: OptionCosts | None = None) -> float:
     """``root_bound`` in Python (the reference of ``_roots.root_core``)."""
+    cm = cm.at_cp(cfg.cp)
     costs = OptionCosts.of_config(cm, cfg) if costs is None else costs
     L, n, v = cm.model.num_layers, cfg.num_stages, cfg.virtual_stages
     base, types = _root_inputs(cm, cfg, costs)

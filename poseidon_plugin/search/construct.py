@@ -55,7 +55,7 @@ def _type_slots(ctx: SearchContext, cfg: OuterConfig, choice: dict[int, int] | N
         if k not in best or costs.f[o] + costs.b[o] < costs.f[best[k]] + costs.b[best[k]]:
             best[k] = o
     return sorted((costs.f[o] + costs.b[o], k, o,
-                   min(ctx.cm.pools[k].size // (cfg.dp * cfg.options[o][1]), cfg.num_stages))
+                   min(ctx.cm.pools[k].size // (cfg.dp_cp * cfg.options[o][1]), cfg.num_stages))
                   for k, o in best.items())
 
 
@@ -78,7 +78,7 @@ def _tp_choices(ctx: SearchContext, cfg: OuterConfig) -> list[dict[int, int] | N
     scored = []
     for combo in itertools.product(*per_type.values()):
         groups = sorted((m * (costs.f[o] + costs.b[o]), int(lmax[o].max()),
-                         ctx.cm.pools[cfg.options[o][0]].size // (cfg.dp * cfg.options[o][1]))
+                         ctx.cm.pools[cfg.options[o][0]].size // (cfg.dp_cp * cfg.options[o][1]))
                         for o in combo)
         chosen, left = [], n
         for load, cap, cnt in groups:

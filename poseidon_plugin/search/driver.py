@@ -420,8 +420,9 @@ class SearchDriver:
         want_tp = tps.pop() if len(tps) == 1 and self.options.tp_mode == "uniform" else 0
         for cfg in self.configs:
             if (cfg.schedule, cfg.virtual_stages, cfg.micro_batch_size, cfg.dp,
-                    cfg.num_stages, cfg.tp) != (prev.schedule, prev.virtual_stages,
-                                                prev.micro_batch_size, prev.dp, n, want_tp):
+                    cfg.num_stages, cfg.tp, cfg.cp) != (prev.schedule, prev.virtual_stages,
+                                                        prev.micro_batch_size, prev.dp, n,
+                                                        want_tp, prev.cp):
                 continue
             index = {(names[k], t): o for o, (k, t) in enumerate(cfg.options)}
             opts = [index.get((s.device_type, s.tp)) for s in prev.stages]

@@ -40,10 +40,12 @@ def cached_dag(schedule: str, n: int, m: int, v: int, slot: int = 0):
 def time_assignment(cm: CostModel, cfg: OuterConfig, stage_opts, layers):
     """(stage costs, placements, unused devices, iteration time ms) of one assignment of
     ``cfg`` (an option index and a layer count per stage) through ``CostModel.stage_costs``
-    and the simulator: the Python path every plan is checked and reported with."""
+    and the simulator: the Python path every plan is checked and reported with (under context
+    parallelism the CP-scoped cost model, the stage's DP x CP group as its ``dp``)."""
+    cm = cm.at_cp(cfg.cp)
     stages, placements, unused = cm.stage_costs(
         stage_types=[cfg.options[o][0] for o in stage_opts],
-        stage_tps=[cfg.options[o][1] for o in stage_opts], layers=list(layers), dp=cfg.dp,
+        stage_tps=[cfg.options[o][1] for o in stage_opts], layers=list(layers), dp=cfg.dp_cp,
         micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
         schedule=cfg.schedule, virtual_stages=cfg.virtual_stages)
     wrap = cm.wrap_send_ms(placements, cfg.micro_batch_size) if cfg.virtual_stages > 1 else 0.0
@@ -144,7 +146,7 @@ class SearchContext:
         if self.cm.per_kind:
             # Theorem 2's premise (interchangeable layers) does not hold for several kinds
             return RidgeRule(_search.RIDGE_MODES["off"])
-        if pruning != "safe" or cfg.schedule != "eager-1f1b" or cfg.dp != 1:
+        if pruning != "safe" or cfg.schedule != "eager-1f1b" or cfg.dp_cp != 1:
             return RidgeRule(_search.RIDGE_MODES["off"])
         n, m = cfg.num_stages, cfg.num_microbatches
         if m < 2 * n or n < 3:
@@ -173,7 +175,7 @@ class SearchContext:
 
     def _build_instance(self, cfg: OuterConfig, pruning: str, blocks: bool,
                         lmax: np.ndarray | None = None) -> _search.ConfigInstance:
-        cm, costs = self.cm, self.option_costs(cfg)
+        cm, costs = self.cm.at_cp(cfg.cp), self.option_costs(cfg)
         rule = self.ridge_rule(cfg, pruning)
         node_of, local_of, type_off = [], [], []
         for p in cm.pools:
@@ -193,7 +195,7 @@ class SearchContext:
                 lmax_from = np.minimum(lmax_from, np.asarray(lmax)[:, :, None])
             assert prefix.shape == (len(cm.model.layer_kinds), L + 1)
         return _search.ConfigInstance(
-            st, dp=cfg.dp, num_layers=cm.model.num_layers,
+            st, dp=cfg.dp_cp, num_layers=cm.model.num_layers,
             act_bytes=cm.activation_bytes(cfg.micro_batch_size), latency_ms=cm.latency_ms,
             cross_gbps=cm.cross_gbps, minsend=stage_min_send_ms(cm, cfg),
             minfb=costs.min_layer_fb, outmin=costs.min_output_fb, alpha=rule.alpha,
@@ -248,7 +250,7 @@ class SearchContext:
         """A random (stage options, layers) of ``cfg`` that fits the devices and memory, or
         None (the warm-up samples and the tests' random plans)."""
         cm, lmax = self.cm, self.lmax_rows(cfg)
-        n, v, d = cfg.num_stages, cfg.virtual_stages, cfg.dp
+        n, v, d = cfg.num_stages, cfg.virtual_stages, cfg.dp_cp
         cursors = [0] * len(cm.pools)
         opts = []
         for x in range(n):

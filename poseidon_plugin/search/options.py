@@ -89,7 +89,10 @@ class SearchOptions:
     ``runner_up``: after the search, find the fastest plan of another configuration and the
     margin to it (``search/runnerup.py``: how sure the choice is); ``rules``: what the training
     framework refuses, excluded before the search (``search/rules.py``: from the user's
-    Megatron flags, and configurations its validation refused at launch).
+    Megatron flags, and configurations its validation refused at launch);
+    ``context_parallel``: the CP degrees searched (None: CP 1 only; ``poseidon plan --cp N``
+    fixes one, ``--search-cp`` gives every power of two dividing the sequence into 2 x CP
+    chunks, ``search_cp_degrees``).
     """
 
     global_batch_size: int
@@ -111,6 +114,7 @@ class SearchOptions:
     keep_tolerance: float = 0.0
     runner_up: bool = True
     rules: FrameworkRules = FrameworkRules()
+    context_parallel: tuple[int, ...] | None = None
     progress: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -148,6 +152,14 @@ class SearchOptions:
         if self.tp_degrees is not None:
             set_(self, "tp_degrees", _int_tuple("TP degrees (--tp / tp_degrees)",
                                                 self.tp_degrees))
+        if self.context_parallel is not None:
+            cps = _int_tuple("CP degrees (--cp / context_parallel)", self.context_parallel)
+            for c in cps:
+                if c > 1 and self.seq_length % (2 * c):
+                    raise PoseidonError(
+                        f"CP degrees (--cp / context_parallel): CP {c} needs the sequence "
+                        f"length ({self.seq_length}) divisible by 2 x CP = {2 * c}")
+            set_(self, "context_parallel", tuple(sorted(set(cps))))
         if (isinstance(self.warmup_samples, bool) or not isinstance(self.warmup_samples, int)
                 or not 0 <= self.warmup_samples <= MAX_WARMUP_SAMPLES):
             raise PoseidonError(f"warm-up samples (--warmup-samples / warmup_samples): "
@@ -179,6 +191,20 @@ class SearchOptions:
             raise PoseidonError(f"rules: expected FrameworkRules, got {self.rules!r}")
 
     # ------------------------------------------------------------------ derived values
+    @staticmethod
+    def search_cp_degrees(seq_length: int, start: int = 1, limit: int = 64) -> tuple[int, ...]:
+        """``--search-cp``: 1, 2, 4, ... up to ``limit`` dividing ``seq_length`` into 2 x CP
+        chunks (``start`` included: a launch's CP is one of them where valid)."""
+        out = {1}
+        c = 2
+        while c <= limit:
+            if seq_length % (2 * c) == 0:
+                out.add(c)
+            c *= 2
+        if start > 1 and seq_length % (2 * start) == 0:
+            out.add(start)
+        return tuple(sorted(out))
+
     @property
     def num_workers(self) -> int:
         """Search threads: ``workers``, or one per core."""

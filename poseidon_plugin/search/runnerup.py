@@ -205,13 +205,13 @@ def identity(cfg, tp_mode: str) -> tuple:
     """What makes two plans' configurations the same: the launch's schedule, model chunks,
     micro-batch, DP and PP, and (uniform TP) the TP degree."""
     return (cfg.schedule, cfg.virtual_stages, cfg.micro_batch_size, cfg.dp, cfg.num_stages,
-            cfg.tp if tp_mode == "uniform" else 0)
+            cfg.tp if tp_mode == "uniform" else 0, cfg.cp)
 
 
 def describe(cfg, names, opts, layers, tp_mode: str) -> dict:
     """The JSON form of a runner-up plan (``search.runner_up``)."""
     return {"schedule": cfg.schedule, "virtual_stages": cfg.virtual_stages,
-            "pp": cfg.num_stages, "dp": cfg.dp,
+            "pp": cfg.num_stages, "dp": cfg.dp, **({"cp": cfg.cp} if cfg.cp > 1 else {}),
             "tp": cfg.tp if tp_mode == "uniform" else None,
             "micro_batch_size": cfg.micro_batch_size,
             "stage_types": [names[cfg.options[o][0]] for o in opts],

@@ -45,7 +45,7 @@ EPS = 1e-9
 def preference(cfg: OuterConfig) -> tuple:
     """A configuration's place in the tie rule's order (smaller first)."""
     return (cfg.num_stages, cfg.virtual_stages, SCHEDULES.index(cfg.schedule), cfg.tp,
-            -cfg.micro_batch_size, cfg.dp)
+            -cfg.micro_batch_size, cfg.dp, cfg.cp)
 
 
 @dataclass
