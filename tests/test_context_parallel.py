@@ -242,3 +242,29 @@ def test_bad_cp_is_one_clear_error():
     assert SearchOptions.search_cp_degrees(128) == (1, 2, 4, 8, 16, 32, 64)
     assert SearchOptions.search_cp_degrees(24) == (1, 2, 4)
     assert SearchOptions.search_cp_degrees(24, start=3) == (1, 2, 3, 4)
+
+
+# --------------------------------------------------------------------------- launch (dry run)
+
+@pytest.mark.integration
+def test_launch_keeps_the_scripts_context_parallelism_in_a_dry_run(tmp_path):
+    """4 emulated ranks, ``--context-parallel-size 2``: the launch profiles the layer at CP 1
+    (megatron-core's local attention refuses CP, and the profiled layer has no CP group),
+    plans CP 2 and hands it to the script. Only a dry run: training with CP on the CPU stops
+    in megatron-core ("Context parallelism is only supported by TEDotProductAttention!")."""
+    import json
+
+    from test_launch_e2e import EMULATE4, GPT_ARGS, ok, torchrun
+
+    out_plan = tmp_path / "plan.json"
+    proc, out, _ = torchrun(4, [*GPT_ARGS, "--train-iters", "2", "--poseidon-dry-run",
+                                "--poseidon-emulate", EMULATE4, "--context-parallel-size", "2",
+                                "--poseidon-save-plan", str(out_plan)],
+                            {"POSEIDON_PROFILE_DIR": str(tmp_path / "profiles")})
+    assert proc.returncode == 0, ok(proc, out)
+    plan = Plan.from_json(out_plan.read_text())
+    assert plan.cp == 2 and plan.world_size == 4 and plan.seq_length == 128
+    assert "--context-parallel-size 2" in out and "cp=2" in out
+    # the scaled layer records: looked up at seq 64 from the measured seq-128 ones
+    assert json.loads(out_plan.read_text())["stages"][0]["provenance"]["decoder"]["record"] \
+        .split(" from ")[0].endswith("seq64 bf16/unfused/none")

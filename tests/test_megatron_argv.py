@@ -70,10 +70,10 @@ def test_refused_flags(flag):
         A.check_refused(["--num-layers", "8", flag])
 
 
-def test_refuses_context_parallelism_but_not_size_one_and_plans_expert_parallelism():
+def test_plans_context_and_expert_parallelism_but_refuses_a_malformed_ep():
     A.check_refused(["--context-parallel-size", "1"])
-    with pytest.raises(PoseidonError, match="context parallelism"):
-        A.check_refused(["--context-parallel-size", "2"])
+    A.check_refused(["--context-parallel-size", "2"])     # planned (the plan's flag replaces it)
+    assert "--context-parallel-size" in A.PLAN_VALUE_FLAGS
     A.check_refused(["--expert-model-parallel-size=4"])   # planned, not refused
     for bad in ("0", "x", "-2"):
         with pytest.raises(PoseidonError, match=f"--expert-model-parallel-size: expected an "
@@ -294,3 +294,28 @@ def test_the_users_ep_is_kept_unless_the_search_may_change_it():
     assert not extract_options(["--poseidon-auto"])[0].search_ep
     with pytest.raises(PoseidonError, match="takes no value"):
         extract_options(["--poseidon-search-ep=4"])
+
+
+def test_rewrite_sets_the_plans_context_parallelism():
+    from dataclasses import replace
+
+    from poseidon_plugin.megatron.runner import launch_cp_degrees
+
+    user = ["--num-layers", "8", "--context-parallel-size", "4", "--context-parallel-algo",
+            "ulysses_cp_algo"]
+    cp1 = make_plan()
+    got = A.rewrite_argv(user, cp1, "megatron")
+    assert "--context-parallel-size" not in got and "ulysses_cp_algo" not in got  # CP 1
+    cp2 = replace(cp1, cp=2)
+    got = A.rewrite_argv(user, cp2, "megatron")
+    assert got[got.index("--context-parallel-size") + 1] == "2" and got.count("4") == 0
+    got = A.rewrite_argv(user, cp2, "mindspeed-llm")
+    assert got[got.index("--context-parallel-algo") + 1] == "megatron_cp_algo"
+    # the launch keeps the script's CP; --poseidon-search-cp lets it change
+    assert launch_cp_degrees(user, 4096, False) == (4,)
+    assert launch_cp_degrees(["--num-layers", "8"], 4096, False) == (1,)
+    assert launch_cp_degrees(user, 96, True) == (1, 2, 4, 8, 16)
+    with pytest.raises(PoseidonError, match="--context-parallel-size: expected an integer"):
+        launch_cp_degrees(["--context-parallel-size", "two"], 4096, False)
+    opts, _ = extract_options(["--poseidon-auto", "--poseidon-search-cp"])
+    assert opts.search_cp

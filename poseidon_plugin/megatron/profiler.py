@@ -222,6 +222,11 @@ def profiling_args(args: Any, tp: int, micro_batch_size: int, world_size: int, r
     a.world_size = world_size
     a.rank = rank
     a.sequence_parallel = bool(getattr(a, "sequence_parallel", False)) and tp > 1
+    # the layer is timed on one device without a CP group: a CP plan prices its layers from
+    # records at seq / CP (estimated from these where not measured; ``costs.cp_layer_times``)
+    a.context_parallel_size = 1
+    if hasattr(a, "hierarchical_context_parallel_sizes"):
+        a.hierarchical_context_parallel_sizes = None
     a.yaml_cfg = None
     with contextlib.redirect_stdout(io.StringIO()):
         _unwrapped_validate_args()(a, {})
