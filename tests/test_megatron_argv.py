@@ -311,6 +311,9 @@ def test_rewrite_sets_the_plans_context_parallelism():
     assert got[got.index("--context-parallel-size") + 1] == "2" and got.count("4") == 0
     got = A.rewrite_argv(user, cp2, "mindspeed-llm")
     assert got[got.index("--context-parallel-algo") + 1] == "megatron_cp_algo"
+    assert A.mindspeed_repatch_args(got)["context_parallel_size"] == 2
+    assert A.mindspeed_repatch_args(A.rewrite_argv(user, cp1, "mindspeed-llm"))[
+        "context_parallel_size"] == 1
     # the launch keeps the script's CP; --poseidon-search-cp lets it change
     assert launch_cp_degrees(user, 4096, False) == (4,)
     assert launch_cp_degrees(["--num-layers", "8"], 4096, False) == (1,)

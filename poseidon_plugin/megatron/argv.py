@@ -269,8 +269,10 @@ _INT_FLAGS = {"--tensor-model-parallel-size", "--pipeline-model-parallel-size", 
               "--global-batch-size", "--decoder-first-pipeline-num-layers",
               "--decoder-last-pipeline-num-layers", "--num-layers-per-virtual-pipeline-stage",
               "--num-virtual-stages-per-pipeline-rank", "--virtual-pipeline-model-parallel-size",
-              EP_FLAG}
-_DEFAULTS = {EP_FLAG: 1}   # a plan-owned flag the rewrite left out: Megatron's default
+              EP_FLAG, "--context-parallel-size"}
+# a plan-owned flag the rewrite left out: Megatron's default (MindSpeed's for the CP algorithm)
+_DEFAULTS = {EP_FLAG: 1, "--context-parallel-size": 1,
+             "--context-parallel-algo": "megatron_cp_algo"}
 
 
 def mindspeed_repatch_args(new_argv: Sequence[str]) -> dict[str, Any]:
