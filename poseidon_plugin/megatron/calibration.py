@@ -326,13 +326,15 @@ def measured_profiles(plan: Plan, stage_compute: dict[int, tuple[float, float]],
 
     setup = TrainingSetup.from_dict(getattr(plan, "training", None)).profile_fields
     n = len(plan.stages)
+    # a CP plan's records are a CP rank's: seq / CP (the launch profiles them so)
+    seq = int(plan.seq_length) // int(getattr(plan, "cp", 1) or 1)
     groups: dict[tuple[str, int], list[tuple[bool, float, float]]] = {}
     for i, st in enumerate(plan.stages):
         if i not in stage_compute or st.layers <= 0:
             continue
         f_meas, b_meas = stage_compute[i]
         key = ProfileKey(st.device_type, "decoder", int(st.tp), int(plan.micro_batch_size),
-                         int(plan.seq_length), model_signature, **setup)
+                         seq, model_signature, **setup)
         old = existing.get(key) if existing is not None else None
         f_plan, b_plan = getattr(st, "forward_ms", 0.0), getattr(st, "backward_ms", 0.0)
         if old is not None and f_plan > 0 and b_plan > 0:
@@ -343,7 +345,7 @@ def measured_profiles(plan: Plan, stage_compute: dict[int, tuple[float, float]],
     out = []
     for (dtype, tp), rows in sorted(groups.items()):
         pick = [r for r in rows if r[0]] or rows
-        key = ProfileKey(dtype, "decoder", tp, int(plan.micro_batch_size), int(plan.seq_length),
+        key = ProfileKey(dtype, "decoder", tp, int(plan.micro_batch_size), seq,
                          model_signature, **setup)
         old = existing.get(key) if existing is not None else None
         out.append(LayerProfile(

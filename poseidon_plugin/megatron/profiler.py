@@ -222,8 +222,13 @@ def profiling_args(args: Any, tp: int, micro_batch_size: int, world_size: int, r
     a.world_size = world_size
     a.rank = rank
     a.sequence_parallel = bool(getattr(a, "sequence_parallel", False)) and tp > 1
-    # the layer is timed on one device without a CP group: a CP plan prices its layers from
-    # records at seq / CP (estimated from these where not measured; ``costs.cp_layer_times``)
+    # the layer is timed on one device without a CP group, at a CP rank's seq / CP tokens (the
+    # script's CP): a CP plan prices its layers from records at seq / CP (scaled from these
+    # for another CP; ``costs.cp_layer_times`` adds the attention over the whole sequence and
+    # the ring exchange)
+    cp = int(getattr(a, "context_parallel_size", 1) or 1)
+    if cp > 1 and int(a.seq_length) % cp == 0:
+        a.seq_length = int(a.seq_length) // cp
     a.context_parallel_size = 1
     if hasattr(a, "hierarchical_context_parallel_sizes"):
         a.hierarchical_context_parallel_sizes = None

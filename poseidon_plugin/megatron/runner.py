@@ -185,6 +185,13 @@ class LaunchContext:
     def seq_length(self) -> int:
         return int(self.args.seq_length)
 
+    @property
+    def profile_seq_length(self) -> int:
+        """The sequence the layers are profiled (and their records keyed) at: a CP rank's
+        seq / CP under the script's ``--context-parallel-size`` (``profiler.profiling_args``
+        builds the layer so), the whole sequence without CP."""
+        return profile_seq_length(self.seq_length, getattr(self.args, "context_parallel_size", 1))
+
     def guarded(self, phase: str, fn: Callable[[], T]) -> T:
         """``fn`` run as ``phase``: an error is posted to the other ranks, which name this one
         (``POSEIDON_FAULT_INJECT`` can make this rank misbehave here)."""
@@ -441,7 +448,7 @@ def _all_ranks_profile(ctx: LaunchContext) -> None:
                                     *emu_tag], backend=ctx.backend)
     ctx.cache_path = profile_gather.cache_path(ctx.opts.profile_dir, key.tag)
     needed = profile_gather.needed_keys(ctx.cluster, ctx.model, ctx.tps, ctx.micro_batch_sizes,
-                                        ctx.seq_length, ctx.training, eps=ctx.eps)
+                                        ctx.profile_seq_length, ctx.training, eps=ctx.eps)
     cached = False
     if ctx.rank == 0:
         ctx.profiles = profile_gather.load_cache(ctx.cache_path, ctx.opts.reprofile)
@@ -560,7 +567,7 @@ def _rank0_store_profiles(ctx: LaunchContext, gathered: list[list[profiler.Layer
     aggs, ctx.stragglers = profiler.aggregate(dict(enumerate(gathered)),
                                               {i.rank: i.device_type for i in ctx.topo.infos})
     env = profile_gather.measurement_env(ctx.device.name, ctx.device.kind, ctx.backend)
-    for record in profile_gather.measured_records(aggs, ctx.seq_length,
+    for record in profile_gather.measured_records(aggs, ctx.profile_seq_length,
                                                   profile_gather.kind_signatures(ctx.model),
                                                   ctx.training, env,
                                                   profile_gather.devices_by_type(ctx.topo.infos)):
@@ -608,8 +615,8 @@ def _rank0_calibrate_cluster(ctx: LaunchContext) -> None:
     """The cluster's compute speed set from the measured layers (rank 0 is the one that searches)."""
     assert ctx.profiles is not None
     ctx.cluster = profile_gather.calibrate(
-        ctx.cluster, ctx.profiles, ctx.model, ctx.tps, ctx.micro_batch_sizes, ctx.seq_length,
-        fixed=discovery.speed_given(ctx.overrides),
+        ctx.cluster, ctx.profiles, ctx.model, ctx.tps, ctx.micro_batch_sizes,
+        ctx.profile_seq_length, fixed=discovery.speed_given(ctx.overrides),
         estimated_peak=[i.device_type for i in ctx.topo.infos if i.kind not in ("cuda", "npu")],
         setup=ctx.training, eps=ctx.eps)
 
@@ -720,6 +727,12 @@ def _save_previous(path: str, text: str) -> None:
         os.replace(tmp, path)
     except OSError as e:
         log.warning("could not keep the plan for the next launch in %s: %s", path, e)
+
+
+def profile_seq_length(seq_length: int, context_parallel_size) -> int:
+    """seq / CP for the script's CP (``LaunchContext.profile_seq_length``)."""
+    cp = int(context_parallel_size or 1)
+    return seq_length // cp if cp > 1 and seq_length % cp == 0 else seq_length
 
 
 def launch_cp_degrees(argv, seq_length: int, search: bool) -> tuple[int, ...]:
