@@ -248,6 +248,10 @@ def _add_profile_parser(sub) -> None:
     pr.add_argument("--tp", type=int, nargs="+", default=[1], metavar="T",
                     help="TP degrees (default 1); each must divide the processes per node "
                     "(torchrun --nproc-per-node) and the model's attention heads")
+    pr.add_argument("--ep", type=int, nargs="+", default=[1], metavar="E",
+                    help="a MoE layer is profiled as one rank of each EP degree runs it (its "
+                    "experts / E local experts, the tokens balanced routing sends them; one "
+                    "device suffices); default 1")
     pr.add_argument("--device", choices=["auto", "cpu", "cuda", "npu"], default="auto",
                     help="auto: CUDA, then NPU, else CPU (megatron-core under CPU shims)")
     pr.add_argument("--iters", type=int, default=5, help="timed repetitions per config")
@@ -490,7 +494,8 @@ def _cmd_profile(ns) -> int:
     if missing:
         raise PoseidonError(f"poseidon profile needs {', '.join(missing)} (or --merge DB...)")
     for name, values in (("--micro-batch-sizes", ns.micro_batch_sizes),
-                         ("--seq-length", [ns.seq_length]), ("--iters", [ns.iters])):
+                         ("--seq-length", [ns.seq_length]), ("--iters", [ns.iters]),
+                         ("--ep", ns.ep)):
         if any(v < 1 for v in values):
             raise PoseidonError(f"{name}: expected integers >= 1, got {values}")
     from .model import get_model
@@ -507,7 +512,8 @@ def _cmd_profile(ns) -> int:
                                  device_type=ns.device_type,
                                  micro_batch_sizes=tuple(ns.micro_batch_sizes),
                                  tps=tuple(ns.tp), setup=setup, device=ns.device,
-                                 iters=ns.iters, timeout_s=ns.timeout)
+                                 iters=ns.iters, timeout_s=ns.timeout,
+                                 eps=tuple(sorted(set(ns.ep))))
     records = offline.profile_layers(req, procs)
     if records is None:   # a torchrun rank other than 0: rank 0 writes
         return 0
@@ -518,6 +524,8 @@ def _cmd_profile(ns) -> int:
     for r in records:
         kind = f" ({kind_of[r.key.model_signature]} layers)" \
             if r.key.model_signature in kind_of else ""
+        if getattr(r.key, "ep", 1) > 1:
+            kind += f" (one rank of EP {r.key.ep})"
         sys.stdout.write(f"{r.key.describe()}{kind}: forward {r.forward_ms:.3f} ms, backward "
                          f"{r.backward_ms:.3f} ms, activations {r.activation_bytes / 2**20:.2f} "
                          f"MiB, params {r.param_bytes / 2**20:.2f} MiB\n")

@@ -154,6 +154,24 @@ def test_records_of_an_ep_profile_are_keyed_by_it():
     assert {r.key for r in recs} == set(keys)
 
 
+def test_poseidon_profile_ep_is_checked_before_anything_is_built():
+    from poseidon_plugin.megatron import offline
+    from poseidon_plugin.megatron.profile_gather import keys_carry_ep
+
+    mixed = load_model(TINY_MOE)
+    offline.check_eps(offline.ProfileRequest(mixed, 128, "cpu"))           # EP 1: nothing
+    for model, eps, message in ((mixed.kind_model(0), (2,), "the model has no MoE layers"),
+                                (mixed, (1, 3), "--ep 3 does not divide the model's 8 experts")):
+        with pytest.raises(PoseidonError, match=message):
+            offline.check_eps(offline.ProfileRequest(model, 128, "cpu", eps=eps))
+    req = offline.ProfileRequest(mixed, 128, "cpu", eps=(2, 4))
+    if keys_carry_ep():
+        offline.check_eps(req)
+    else:
+        with pytest.raises(PoseidonError, match="cannot say their EP"):
+            offline.check_eps(req)
+
+
 _EP_LAYER = r"""
 import sys, tempfile, warnings
 warnings.simplefilter("ignore")
@@ -179,7 +197,10 @@ for ep in (1, 2, 4, 8):
     layer = build_module(spec, config=config, layer_number=3)
     experts = len(list(layer.mlp.experts.local_experts)) if hasattr(layer.mlp.experts,
         "local_experts") else layer.mlp.num_local_experts
-    print("ep", ep, experts, sum(p.numel() for p in layer.parameters()))
+    size = sum(p.numel() * p.element_size() for p in layer.parameters())
+    expert = sum(p.numel() * p.element_size() for p in layer.mlp.experts.parameters()) // experts
+    kept = profiler._ep_rank_param_bytes(layer, size, args, profiler.ProfiledKind(ep=ep))
+    print("ep", ep, experts, size, kept, expert)
 """
 
 
@@ -192,9 +213,13 @@ def test_megatron_builds_one_ep_ranks_local_experts(tmp_path):
     proc = subprocess.run([sys.executable, "-c", _EP_LAYER, TINY_MOE], capture_output=True,
                           text=True, cwd=tmp_path, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    rows = {int(ep): (int(n), int(p)) for _, ep, n, p in
+    rows = {int(ep): tuple(map(int, rest)) for _, ep, *rest in
             (line.split() for line in proc.stdout.splitlines() if line.startswith("ep "))}
-    assert {ep: n for ep, (n, _) in rows.items()} == {1: 8, 2: 4, 4: 2, 8: 2}
-    one_expert = (rows[2][1] - rows[4][1]) / 2
-    assert one_expert > 0 and rows[1][1] - rows[2][1] == 4 * one_expert
-    assert rows[8][1] == rows[4][1]   # top-2: two experts at least
+    assert {ep: r[0] for ep, r in rows.items()} == {1: 8, 2: 4, 4: 2, 8: 2}
+    size = {ep: r[1] for ep, r in rows.items()}
+    (expert,) = {r[3] for r in rows.values()}
+    assert expert > 0 and size[1] - size[2] == 2 * (size[2] - size[4]) > 4 * expert
+    assert size[8] == size[4]   # top-2: two experts built at least ...
+    # ... and the record keeps what one rank of EP 8 holds: E / EP = 1 expert
+    assert rows[8][2] == size[8] - expert
+    assert all(rows[ep][2] == size[ep] for ep in (1, 2, 4))

@@ -7,7 +7,9 @@ into a profile DB (merged into the file when it exists), which ``poseidon plan -
 A model of several layer kinds (dense layers, then MoE ones) has each kind profiled, from the
 flags of a one-layer model of that kind (:func:`layer_kinds`), and recorded under that kind's
 signature (``ModelSpec.kind_model(i).signature()``), as the launch records them; a MoE layer's
-tokens are routed evenly where megatron-core can (:mod:`.profiler`).
+tokens are routed evenly where megatron-core can (:mod:`.profiler`). ``--ep E``: a MoE layer is
+profiled as one rank of EP E runs it (E / EP local experts; :mod:`.profiler`), recorded at that
+EP, so a 256-expert layer is measurable on one device.
 
 * Device: ``auto`` takes CUDA, then an Ascend NPU, else the CPU. On the CPU megatron-core runs
   under the emulation's CUDA shims (``emulation.install_cpu_shims``) with the local
@@ -56,6 +58,7 @@ class ProfileRequest:
     iters: int = 5
     seed: int = 1234
     timeout_s: float = 300.0         # every barrier / collective under torchrun
+    eps: tuple[int, ...] = (1,)      # EP degrees a MoE layer is profiled at (one EP rank's share)
 
 
 def model_flags(model, seq_length: int, micro_batch_size: int) -> list[str]:
@@ -200,6 +203,7 @@ def profile_layers(req: ProfileRequest, procs: Processes | None = None) -> list 
     rank 0; None on the other ranks of a torchrun launch."""
     procs = procs or Processes.from_environ()
     tps = check_tps(req.tps, procs, req.model)
+    check_eps(req)
     if any(t > 1 for t in tps) and any(k.is_moe for k in req.model.layer_kinds):
         raise PoseidonError("a MoE layer at TP > 1 trains only with sequence parallelism "
                             "(megatron-core refuses it without), which poseidon profile does "
@@ -242,6 +246,25 @@ def profile_layers(req: ProfileRequest, procs: Processes | None = None) -> list 
                                            profile_gather.measurement_env(name, kind))
 
 
+def check_eps(req: ProfileRequest) -> None:
+    """A one-line PoseidonError for an EP degree ``poseidon profile`` cannot measure: one that
+    does not divide the model's experts, EP > 1 on a model without MoE layers, or where profile
+    records cannot carry an EP degree."""
+    from .profile_gather import keys_carry_ep
+
+    eps = [e for e in req.eps if e > 1]
+    if not eps:
+        return
+    experts = int(req.model.num_experts or 0)
+    if not experts:
+        raise PoseidonError(f"--ep {' '.join(map(str, eps))}: the model has no MoE layers")
+    odd = [e for e in eps if experts % e]
+    if odd:
+        raise PoseidonError(f"--ep {odd[0]} does not divide the model's {experts} experts")
+    if not keys_carry_ep():
+        raise PoseidonError("--ep > 1: this version's profile records cannot say their EP")
+
+
 def layer_kinds(req: ProfileRequest, backend: Sequence[str]) -> tuple:
     """The ``profiler.ProfiledKind`` of each distinct layer kind of ``req.model``, each with the
     parsed Megatron arguments of a one-layer model of that kind (``ModelSpec.kind_model``:
@@ -255,9 +278,11 @@ def layer_kinds(req: ProfileRequest, backend: Sequence[str]) -> tuple:
         one = model.kind_model(i) if model.is_mixed else model
         argv = (model_flags(one, req.seq_length, req.micro_batch_sizes[0])
                 + megatron_flags(req.setup) + list(backend) + ["--seed", str(req.seed)])
-        out.append(profiler.ProfiledKind(kind.name if model.is_mixed else "", 0,
-                                         kind.is_moe if model.is_mixed else None,
-                                         profiler.parse_megatron_args("poseidon-profile", argv)))
+        parsed = profiler.parse_megatron_args("poseidon-profile", argv)
+        for ep in (tuple(sorted(set(req.eps))) or (1,)) if kind.is_moe else (1,):
+            out.append(profiler.ProfiledKind(kind.name if model.is_mixed else "", 0,
+                                             kind.is_moe if model.is_mixed else None,
+                                             parsed, ep=ep))
     return tuple(out)
 
 

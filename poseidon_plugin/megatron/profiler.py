@@ -46,7 +46,8 @@ own arguments, timed forward and backward for each candidate TP degree and micro
   exactly what this rank's own T tokens make routed top-k over its E / e local experts (built as
   a layer of E / e experts with no EP group, so a 256-expert layer is measurable on one device;
   where k > E / e, k local experts, since a router cannot pick more experts than it has: the same
-  T x k pairs, the layer's parameter bytes then those of k experts). The all-to-all dispatch and
+  T x k pairs; the record's parameter bytes are then those of E / e experts, the extra ones'
+  taken off). The all-to-all dispatch and
   combine are not in this time (the search prices them from the links); group-limited routing
   (``--moe-router-num-groups``) is off in the profiled layer at EP > 1. Routing: with megatron-core's
   ``moe_router_force_load_balancing`` (0.14 and later) set on the profiled layer's config, the
@@ -867,9 +868,10 @@ def profile_rank(args: Any, tps: Sequence[int], micro_batch_sizes: Sequence[int]
         with framework_state.profiling(vargs, max(1, world_size // tp)):
             config, spec = layer_config_and_spec(vargs, kind.layer_index, kind.moe)
             if is_moe_spec(spec):
+                source = kind.args if kind.args is not None else args
                 routed[(kind.name, kind.ep, int(config.num_moe_experts),
-                        int(getattr(args, "num_experts", 0) or config.num_moe_experts))] = \
-                    balanced_routing(config)
+                        int(getattr(source, "num_experts", 0) or config.num_moe_experts),
+                        int(config.moe_router_topk))] = balanced_routing(config)
             layer = build_module(spec, config=config, layer_number=kind.layer_index + 1)
             layer = layer.to(device=device, dtype=config.params_dtype)
             layer.train()
@@ -896,25 +898,46 @@ def profile_rank(args: Any, tps: Sequence[int], micro_batch_sizes: Sequence[int]
                         timing = _in_turns(turns, tp, step, checkpoint,
                                            lambda lay=layer, c=config, va=vargs: profile_config(
                                                lay, c, va, device, iters, tp, mbs, share))
-                        out.append(replace(timing, kind=kind.name, ep=kind.ep))
+                        timing = replace(timing, kind=kind.name, ep=kind.ep,
+                                         param_bytes=_ep_rank_param_bytes(
+                                             layer, timing.param_bytes, args, kind))
+                        out.append(timing)
                         del layer
         finally:
             tensor_parallel.get_cuda_rng_tracker().reset()
             framework_state.clear_model_parallel_leftovers()
             if device.type == "cuda" and torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    for (name, ep, local, experts), balanced in sorted(routed.items()):
+    for (name, ep, local, experts, top_k), balanced in sorted(routed.items()):
         if rank == 0:
             rank_of = ("every expert (EP 1)" if ep <= 1 else
                        f"as one rank of EP {ep} runs it: {local} local expert(s) of {experts}, "
-                       f"top-{getattr(args, 'moe_router_topk', '?')} of this rank's tokens "
-                       "over them (balanced routing's share; all-to-all not timed)")
+                       f"top-{top_k} of this rank's tokens over them (balanced routing's "
+                       "share; all-to-all not timed)")
             log.info("profiled MoE layer%s: %s, tokens routed %s",
                      f" ({name})" if name else "", rank_of,
                      "evenly (the router's forced load balancing: random logits)" if balanced
                      else "by the router as built on random inputs (this megatron-core has no "
                      "forced load balancing)")
     return out
+
+
+def _ep_rank_param_bytes(layer: Any, param_bytes: int, args: Any, kind: ProfiledKind) -> int:
+    """The parameter bytes of one EP rank's MoE layer: those of the built layer, less the
+    experts built beyond E / EP (where top-k exceeds E / EP, :func:`local_experts` builds k),
+    so the record holds what a rank of that EP keeps (E / EP experts)."""
+    if kind.ep <= 1:
+        return param_bytes
+    source = kind.args if kind.args is not None else args
+    experts = int(getattr(source, "num_experts", 0) or 0)
+    mlp = getattr(layer, "mlp", None)
+    module = getattr(mlp, "experts", None)
+    built = int(getattr(mlp, "num_local_experts", 0) or 0)
+    want = experts // kind.ep
+    if module is None or not built or built <= want:
+        return param_bytes
+    expert_bytes = sum(p.numel() * p.element_size() for p in module.parameters()) / built
+    return int(round(param_bytes - (built - want) * expert_bytes))
 
 
 def _host_contention(built: Callable[[int, int], Any],
