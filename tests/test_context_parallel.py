@@ -4,6 +4,7 @@ independent brute force, the placement of tp x cp x dp devices, the plan's flags
 from __future__ import annotations
 
 import itertools
+import re
 import math
 
 import pytest
@@ -269,3 +270,33 @@ def test_launch_keeps_the_scripts_context_parallelism_in_a_dry_run(tmp_path):
     for stage in json.loads(out_plan.read_text())["stages"]:
         dec = stage["provenance"]["decoder"]
         assert dec["source"] == "measured" and "seq64 " in dec["record"], dec
+
+
+# --------------------------------------------------------------------------- poseidon plan
+
+def test_poseidon_plan_cp_flags(capsys):
+    import os
+
+    from poseidon_plugin import cli
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base = ["plan", "--cluster", os.path.join(root, "examples/clusters/paper-setting1.yaml"),
+            "--model", "llama3-8b", "--global-batch-size", "16", "--seq-length", "8192",
+            "--workers", "1", "--no-baselines", "--no-runner-up"]
+    assert cli.main(base + ["--cp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "cp=2" in out and "--context-parallel-size 2" in out
+    assert "DP x CP gradient all-reduce" in out and "per CP rank: seq 4096 tokens" in out
+    assert cli.main(base + ["--cp", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "CP 3 needs the sequence length (8192) divisible by 2 x CP = 6" \
+        in err[0]
+    # a memory-bound case: 8B at seq 32768, TP 1, fits no CP-1 plan on these 16 devices of
+    # 64 GiB; CP divides the activations and fits
+    long = [*base[:-6], "--seq-length", "32768", "--tp", "1", "--workers", "1",
+            "--no-baselines", "--no-runner-up"]
+    assert cli.main(long) == 2
+    assert "no plan fits" in capsys.readouterr().err
+    assert cli.main(long + ["--search-cp"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"cp=(2|4|8|16)\b", out), out

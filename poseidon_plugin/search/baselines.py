@@ -260,6 +260,7 @@ def _shortfalls(cm: CostModel, cfg: OuterConfig, counts: dict[int, int]
                 ) -> list[dict[int, tuple[int, int]]]:
     """short[x][k] = (memory - capacity, memory) of stage x (even layer split) on type k's
     best option."""
+    cm = cm.at_cp(cfg.cp)
     n = cfg.num_stages
     base = chunk_layers(cm.model.num_layers, n)
     short: list[dict[int, tuple[int, int]]] = []
@@ -268,7 +269,8 @@ def _shortfalls(cm: CostModel, cfg: OuterConfig, counts: dict[int, int]
         for k, t in cfg.options:
             if counts[k] <= 0:
                 continue
-            mem = cm.stage_memory_bytes(layers=base[x], stage=x, num_stages=n, tp=t, dp=cfg.dp,
+            mem = cm.stage_memory_bytes(layers=base[x], stage=x, num_stages=n, tp=t,
+                                        dp=cfg.dp_cp,
                                         micro_batch_size=cfg.micro_batch_size,
                                         num_microbatches=cfg.num_microbatches,
                                         schedule=cfg.schedule,
@@ -288,7 +290,7 @@ def _closest_assignment(cm: CostModel, cfg: OuterConfig):
     checked by a matching); None when the devices cannot host the stages at all."""
     counts: dict[int, int] = {}
     for k, t in cfg.options:
-        counts[k] = max(counts.get(k, 0), cm.pools[k].size // (cfg.dp * t))
+        counts[k] = max(counts.get(k, 0), cm.pools[k].size // (cfg.dp_cp * t))
     short = _shortfalls(cm, cfg, counts)
     ks = sorted(counts)
     cnt = [counts[k] for k in ks]
@@ -337,7 +339,8 @@ def explain_infeasible(cm: CostModel, configs: list[OuterConfig]) -> str:
     if best is None:
         return "no plan fits: no configuration could be placed on the cluster"
     cfg, (tau, x, k, mem) = best
-    what = (f"(pp={cfg.num_stages}, tp={cfg.tp or 'per-stage'}, dp={cfg.dp}, micro-batch "
+    what = (f"(pp={cfg.num_stages}, tp={cfg.tp or 'per-stage'}, dp={cfg.dp}, "
+            + (f"cp={cfg.cp}, " if cfg.cp > 1 else "") + "micro-batch "
             f"{cfg.micro_batch_size}, {cfg.schedule})")
     if tau <= 0:
         return (f"no plan fits: the closest {what} fits memory with an even layer split but "
