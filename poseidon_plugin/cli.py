@@ -149,8 +149,10 @@ def _build_parser() -> argparse.ArgumentParser:
                     "without launch flags)")
     pl.add_argument("--pruning", choices=list(PRUNING_MODES), default="safe",
                     help="safe (default: exact; the ridge rule only where its theorem's "
-                    "assumptions hold), ridge (the paper's ridge rule everywhere: faster, may "
-                    "miss the optimum), none (no ridge rule: the exhaustive check)")
+                    "assumptions hold), ridge (the paper's ridge rule everywhere: may miss the "
+                    "optimum, proves no bound, and turns the dominance memo off, so it is often "
+                    "SLOWER than safe: 7x on a 16-device case), none (no ridge rule: the "
+                    "exhaustive check)")
     g = pl.add_mutually_exclusive_group()
     g.add_argument("--uniform-tp", dest="tp_mode", action="store_const", const="uniform",
                    help="one TP degree for every stage (default; what stock Megatron-LM and "
@@ -320,7 +322,8 @@ def _cmd_plan(ns) -> int:
     if ns.gantt:
         _check_gantt_path(ns.gantt)
     previous = _read_previous_plan(ns.keep) if ns.keep else None
-    budget = _Budget(ns.time_budget, share=1.0 if ns.no_baselines else SEARCH_SHARE)
+    budget = _Budget(ns.time_budget, share=0.0 if ns.no_baselines else BASELINE_SHARE,
+                     reserve=GANTT_RESERVE_S if ns.gantt else 0.0)
     cluster = load_cluster(ns.cluster)
     model = get_model(ns.model)
     model_note = model.planning_note()   # mixed layer kinds, MTP: what is not yet costed
@@ -335,11 +338,16 @@ def _cmd_plan(ns) -> int:
         check_profiles(profiles, cluster, model)
     from .profiles import calibrate_cluster
     cluster = calibrate_cluster(cluster, profiles, model, options.seq_length, options.training)
+    # the baselines first: they seed the search's incumbent (the plan is never slower than one
+    # that lies in the searched space)
+    results = None if ns.no_baselines else _baseline_results(cluster, model, budget, options,
+                                                             profiles)
+    seeds = [(name, p) for name, p in (results or {}).items() if not isinstance(p, str)]
     plan = search_plan(cluster, model, budget.search_options(options), profiles,
-                       previous=previous)
+                       previous=previous, seeds=seeds)
     for line in plan.search.get("excluded", ()):
         sys.stderr.write(f"poseidon: note: {line}\n")
-    plan = plan.with_baselines(_baselines(ns, cluster, model, budget, options, profiles, plan))
+    plan = plan.with_baselines(_baselines(results, plan))
     from .profiles import scaled_estimate_note
     note = scaled_estimate_note(plan, profiles, model, options.seq_length, options.training)
     if note:
@@ -357,6 +365,9 @@ def _cmd_plan(ns) -> int:
         sys.stdout.write(text)
         return 0
     sys.stdout.write(plan.table())
+    origin = _origin_line(plan.search)
+    if origin:
+        sys.stdout.write(origin + "\n")
     if not ns.no_baselines:
         sys.stdout.write("".join(_baseline_line(e) + "\n" for e in plan.baselines))
     return 0
@@ -394,48 +405,87 @@ def _read_previous_plan(path: str):
         raise PoseidonError(f"--keep {path}: {exc}") from None
 
 
-def _baselines(ns, cluster, model, budget, options, profiles, plan) -> tuple[dict, ...]:
-    """The JSON entries of the two baselines (marked skipped under --no-baselines)."""
-    from .search import baseline_entries, baseline_results, skipped_baseline_entries
+def _baseline_results(cluster, model, budget, options, profiles) -> dict:
+    """The two baselines (``search.baseline_results``: a Plan or why none), within their share
+    of the budget."""
+    from .search import baseline_results
 
-    if ns.no_baselines:
+    opts, end = budget.baseline_options(options)
+    return baseline_results(cluster, model, opts, profiles, deadline=end)
+
+
+def _baselines(results, plan) -> tuple[dict, ...]:
+    """The JSON entries of the two baselines (marked skipped under --no-baselines); one that
+    lies outside the searched space says so (the search could not offer it as a plan)."""
+    from .search import baseline_entries, skipped_baseline_entries
+
+    if results is None:
         return skipped_baseline_entries()
-    results = baseline_results(cluster, model, budget.rest_options(options), profiles,
-                               deadline=budget.end)
-    return baseline_entries(results, plan.predicted_iteration_time_ms)
+    entries = baseline_entries(results, plan.predicted_iteration_time_ms)
+    seeds = plan.search.get("seeds", {})
+    return tuple(dict(e, note=seeds[e["name"]]) if isinstance(seeds.get(e["name"]), str)
+                 else e for e in entries)
 
 
 def _baseline_line(e: dict) -> str:
     if e["status"] != "ok":
-        return f"baseline {e['name']}: no feasible plan: {e['reason']}"
+        what = ("none found in its share of the time budget"
+                if "ran out before any plan was found" in (e["reason"] or "")
+                else "no feasible plan")
+        return f"baseline {e['name']}: {what}: {e['reason']}"
     speedup = "n/a" if e["speedup"] is None else f"{e['speedup']:.2f}"
     return (f"baseline {e['name']}: {e['predicted_iteration_time_ms']:.2f} ms (pp={e['pp']}, "
-            f"dp={e['dp']}, tp={e['tp'] or 'per-stage'}) -> speed-up x{speedup}")
+            f"dp={e['dp']}, tp={e['tp'] or 'per-stage'}) -> speed-up x{speedup}"
+            + (f" ({e['note']})" if e.get("note") else ""))
 
 
-SEARCH_SHARE = 0.85   # of a --time-budget left after loading: the search; the rest: baselines
-MIN_BUDGET_S = 0.05   # a phase whose share ran out still gets this (it returns its best so far)
+ORIGINS = {"construction": "the best constructed plan", "polish": "the best plan of the "
+           "local search from the constructed plans", "warm-up": "the best random plan of the "
+           "warm-up", "uniform-TP seed": "the uniform-TP search's plan"}
+
+
+def _origin_line(s: dict) -> str:
+    """Where the search's time ran out before its tree found the plan: what the plan is (the
+    best constructed plan, a baseline, ...), one line; "" otherwise."""
+    origin = s.get("plan_origin", "")
+    if not s.get("timed_out") or origin in ("", "search", "tie rule", "previous plan"):
+        return ""
+    what = ORIGINS.get(origin, f"{origin}'s plan (no faster plan found)"
+                       if origin.startswith("baseline ") else origin)
+    return (f"plan found by: {what}: the time budget ran out before the search found a faster "
+            f"one")
+
+
+BASELINE_SHARE = 0.15  # of a --time-budget left after loading: the baselines; the rest: search
+MIN_BUDGET_S = 0.05    # a phase whose share ran out still gets this (it returns its best so far)
+GANTT_RESERVE_S = 2.0  # of a --time-budget kept for drawing --gantt after the search (405B
+                       # pp=33 M=512 on 2 cores: 1.7 s, matplotlib loaded)
 
 
 class _Budget:
-    """``--time-budget`` covers everything after parsing: loading, the search (``share`` of
-    what is left when it starts) and the baselines (the rest, up to ``end``)."""
+    """``--time-budget`` covers everything after parsing: loading, the baselines (``share`` of
+    what is left when they start), the search (the rest, less ``reserve`` for the Gantt chart
+    drawn after it)."""
 
-    def __init__(self, seconds: float | None, share: float) -> None:
-        self.share = share
+    def __init__(self, seconds: float | None, share: float, reserve: float = 0.0) -> None:
+        self.share, self.reserve = share, reserve
         self.end = None if seconds is None else time.monotonic() + seconds
 
     def _left(self) -> float:
-        return max(MIN_BUDGET_S, self.end - time.monotonic())
+        return max(MIN_BUDGET_S, self.end - self.reserve - time.monotonic())
 
     def search_options(self, options: SearchOptions) -> SearchOptions:
         if self.end is None:
             return options
-        return options.replace(time_budget_s=max(MIN_BUDGET_S, self.share * self._left()))
+        return options.replace(time_budget_s=self._left())
 
-    def rest_options(self, options: SearchOptions) -> SearchOptions:
+    def baseline_options(self, options: SearchOptions) -> tuple[SearchOptions, float | None]:
+        """The baselines' options and deadline (``time.monotonic()``)."""
         options = options.replace(progress=False)
-        return options if self.end is None else options.replace(time_budget_s=self._left())
+        if self.end is None:
+            return options, None
+        s = max(MIN_BUDGET_S, self.share * self._left())
+        return options.replace(time_budget_s=s), time.monotonic() + s
 
 
 def _load_profiles(ns, cluster, model, options):

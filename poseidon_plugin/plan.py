@@ -5,7 +5,9 @@ indent, floats rounded to 6 decimals, trailing newline, so equal plans give equa
 
     {"format_version": 1, "model_name", "cluster_name", "predicted_iteration_time_ms",
      "predicted_tokens_per_s", "model_tflops_per_device", "mfu", "lower_bound_ms", "gap",
-     "schedule", "virtual_stages", "dp", "tp" (null when per-stage), "pp", "micro_batch_size",
+     "schedule", "virtual_stages", "microbatch_group_size" (interleaved: megatron-core's
+     micro-batch group size per virtual stage the plan was timed and sized with, = pp, its
+     default; null otherwise), "dp", "tp" (null when per-stage), "pp", "micro_batch_size",
      "num_microbatches", "global_batch_size", "seq_length", "num_layers",
      "stages": [{"index", "device_type", "tp", "dp", "layers", "forward_ms", "backward_ms",
                  "send_forward_ms", "send_backward_ms", "allreduce_ms", "optimizer_ms",
@@ -262,6 +264,13 @@ class Plan:
 
     # ------------------------------------------------------------------ shape
     @property
+    def microbatch_group_size(self) -> int | None:
+        """Interleaved: megatron-core's ``microbatch_group_size_per_vp_stage`` the plan's
+        time and memory assume: its default, pp (the search and the simulator time that one
+        only; a launch passes no flag for it); None otherwise."""
+        return self.pp if self.virtual_stages > 1 else None
+
+    @property
     def uniform_tp(self) -> bool:
         return len({s.tp for s in self.stages}) == 1
 
@@ -433,7 +442,8 @@ class Plan:
             "predicted_tokens_per_s": _r(self.predicted_tokens_per_s),
             "model_tflops_per_device": _r(self.model_tflops_per_device),
             "mfu": _r(self.mfu), "lower_bound_ms": _r(self.lower_bound_ms), "gap": _r(self.gap),
-            "schedule": self.schedule, "virtual_stages": self.virtual_stages, "dp": self.dp,
+            "schedule": self.schedule, "virtual_stages": self.virtual_stages,
+            "microbatch_group_size": self.microbatch_group_size, "dp": self.dp,
             "tp": self.tp if uniform else None, "pp": self.pp,
             "micro_batch_size": self.micro_batch_size,
             "num_microbatches": self.num_microbatches,
@@ -482,6 +492,13 @@ class Plan:
                                  for k, v in s.get("provenance", {}).items()),
                 memory_parts=tuple(s.get("memory", {}).items()), cp=d.get("cp", 1))
                 for s in d["stages"])
+            group = d.get("microbatch_group_size")
+            want = len(stages) if d["virtual_stages"] > 1 else None
+            if group is not None and group != want:
+                raise PoseidonError(
+                    f"plan JSON: microbatch_group_size {group!r} is not the one its time was "
+                    f"derived with ({want if want is not None else 'null: not interleaved'}; "
+                    f"an interleaved plan is timed with megatron-core's default, pp)")
             return cls(
                 schedule=d["schedule"], virtual_stages=d["virtual_stages"], dp=d["dp"],
                 micro_batch_size=d["micro_batch_size"], num_microbatches=d["num_microbatches"],

@@ -11,6 +11,7 @@ import pytest
 
 from poseidon_plugin.cluster import load_cluster
 from poseidon_plugin.costs import chunk_layers
+from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.model import get_model
 from poseidon_plugin.plan import Plan
 from poseidon_plugin.search import SearchOptions, search_plan
@@ -78,3 +79,26 @@ def test_non_interleaved_time_rederived(case):
     assert q.links() == p.links() and all(x.get("wrap_around") is None for x in q.links())
     assert q.rederived_iteration_time_ms() == pytest.approx(p.predicted_iteration_time_ms,
                                                             rel=1e-6, abs=1e-4)
+
+
+def test_json_records_the_interleaved_micro_batch_group_size(interleaved):
+    """The interleaved plan's micro-batch group size (megatron-core's default, pp, which its time
+    and memory assume) is in the JSON and read back; another value is refused, not re-timed
+    as if it were pp."""
+    d = json.loads(interleaved.to_json())
+    assert d["microbatch_group_size"] == d["pp"] == interleaved.microbatch_group_size
+    back = Plan.from_json(interleaved.to_json())
+    assert back.microbatch_group_size == d["pp"]
+    d["microbatch_group_size"] = d["pp"] + 1
+    with pytest.raises(PoseidonError, match="microbatch_group_size"):
+        Plan.from_json(json.dumps(d))
+
+
+def test_non_interleaved_json_has_no_group_size():
+    p = _search(*CASES[0], ("1f1b",))
+    d = json.loads(p.to_json())
+    assert d["microbatch_group_size"] is None
+    assert Plan.from_json(p.to_json()).microbatch_group_size is None
+    d["microbatch_group_size"] = d["pp"]
+    with pytest.raises(PoseidonError, match="not interleaved"):
+        Plan.from_json(json.dumps(d))

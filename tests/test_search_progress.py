@@ -124,8 +124,8 @@ def test_cli_verbose_logs_progress_lines_when_not_a_terminal():
 
 
 def test_time_budget_covers_the_baselines(monkeypatch):
-    """Every search the command starts (the plan's, then one per device type for the
-    best-single-type baseline) must end by the --time-budget's end."""
+    """Every search the command starts (one per device type for the best-single-type
+    baseline, then the plan's, seeded by the baselines) must end by the --time-budget's end."""
     import poseidon_plugin.search as search_pkg
     import poseidon_plugin.search.driver as driver_mod
 
@@ -145,6 +145,7 @@ def test_time_budget_covers_the_baselines(monkeypatch):
                    "--workers", "1", "--time-budget", str(budget)])
     assert rc == 0
     assert len(calls) >= 3     # the plan's search and one per type of the 2+ types
-    assert calls[0][1] <= cli.SEARCH_SHARE * budget + 1e-9
+    assert all(b <= cli.BASELINE_SHARE * budget + 1e-9 for _, b in calls[:-1])
+    assert calls[-1][1] > cli.BASELINE_SHARE * budget     # the plan's search: the rest
     for start, b in calls:
         assert b is not None and start + b <= t0 + budget + cli.MIN_BUDGET_S + 1e-3

@@ -193,7 +193,7 @@ def _best_single_type(cluster, model, options, profiles=None, deadline: float | 
     best, why = None, []
     names = list(cluster.type_names)
     for at, name in enumerate(names):
-        opts = options.replace(runner_up=False, tie_tolerance=0.0)
+        opts = options.replace(runner_up=False, tie_tolerance=0.0, first_plan_overrun=False)
         if deadline is not None:
             left = max(0.05, (deadline - time.monotonic()) / (len(names) - at))
             opts = opts.replace(time_budget_s=left)

@@ -182,6 +182,54 @@ def _most_layers(ctx: SearchContext, cfg: OuterConfig, choice: dict[int, int] | 
     return sum(rooms[:cfg.num_stages]) if len(rooms) >= cfg.num_stages else -1
 
 
+ROOM_GRID = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
+# memory_room's cheap bound reads the limits of the stages N - g, g in this grid (for 1F1B the
+# micro-batches in flight are min(g, M) there: the memo's entries serve every depth N)
+
+
+def memory_room(ctx: SearchContext, cfg: OuterConfig) -> int:
+    """Most layers any plan of ``cfg`` can place under memory, from above: the sum over the
+    stages of the roomiest option's limit there (``sum_x max_o lmax[o, x]``; the types' slot
+    counts ignored). Below the layer count no plan of ``cfg`` fits: the construction skips
+    it (on a memory-tight cluster most configurations: 405B on 2,048 devices with a 24 and a
+    32 GiB type, 75 of the first 3,200 by root bound pass).
+
+    First a cheaper bound, ``lmax`` (every stage) only where it passes: a uniform model's
+    stages 1 .. N-2 differ only in the micro-batches they hold, which do not rise with the
+    stage, so their limits do not fall with it; stage 0 holds as many or more and the
+    embedding besides. So each run of stages up to a sampled one (N - g, g in ROOM_GRID) is
+    counted at the sampled stage's limit, the last stage at its own."""
+    L = ctx.cm.model.num_layers
+    if cfg not in ctx._lmax:
+        bound = room_bound(ctx, cfg)
+        if bound is not None and bound < L:
+            return bound
+    return int(ctx.lmax(cfg).max(axis=0).sum())
+
+
+def room_bound(ctx: SearchContext, cfg: OuterConfig) -> int | None:
+    """``memory_room``'s cheap bound (>= ``sum_x max_o lmax[o, x]``) from the stages N - g,
+    g in ROOM_GRID, and the last; None where it does not apply (a model of several layer kinds,
+    whose limits depend on each stage's first layer; N <= 8: ``lmax`` costs as little)."""
+    n = cfg.num_stages
+    if ctx.cm.per_kind or n <= 8:
+        return None
+    cm, v, L = ctx.cm, cfg.virtual_stages, ctx.cm.model.num_layers
+    marks = sorted(n - g for g in ROOM_GRID if g <= n - 1)   # ascending, the last N - 2
+    stages = marks + [n - 1]
+    best = [0] * len(stages)
+    for k, t in cfg.options:
+        row = cm.max_layers_by_stage(
+            capacity_bytes=cm.capacity_bytes[k], stages=stages, num_stages=n, tp=t,
+            dp=cfg.dp, micro_batch_size=cfg.micro_batch_size,
+            num_microbatches=cfg.num_microbatches, schedule=cfg.schedule,
+            virtual_stages=v, limit=L - (n - 1) * v, type_index=k)
+        best = [max(a, b) for a, b in zip(best, row)]
+    # stages 0 .. marks[0] at marks[0]'s limit, (marks[j-1], marks[j]] at marks[j]'s
+    return (marks[0] + 1) * best[0] + best[-1] + sum(
+        (marks[j] - marks[j - 1]) * best[j] for j in range(1, len(marks)))
+
+
 def _layer_times(ctx: SearchContext, cfg: OuterConfig, o: int) -> list[float]:
     """A model of several layer kinds: t[i] = M (f + b) of layers [0, i) on option o (each
     layer at its own kind's costs), L + 1 entries."""
@@ -308,6 +356,8 @@ def construct_plan(ctx: SearchContext, cfg: OuterConfig, allowed=None):
     per-stage TP the best estimated per-type TP choices, ``_tp_choices``), then
     ``_construct_choice``. ``allowed(cfg, opts)``: whether stage options lie in the searched
     space (the mixed-model orders with one stage moved to the end need not)."""
+    if memory_room(ctx, cfg) < ctx.cm.model.num_layers:
+        return None
     got = [c for c in (_construct_choice(ctx, cfg, ch, allowed) for ch in _tp_choices(ctx, cfg))
            if c is not None]
     return min(got) if got else None

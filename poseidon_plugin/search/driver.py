@@ -131,6 +131,11 @@ class SearchStats:
     layout: dict | None = None         # and the plan (runnerup.describe)
     excluded: list = field(default_factory=list)   # the framework's rules (rules.py) and its
                                                    # refusals: one line per class excluded
+    plan_origin: str = ""              # what found the returned plan: search / construction /
+                                       # polish / warm-up / uniform-TP seed / baseline <name> /
+                                       # previous plan
+    seeds: dict = field(default_factory=dict)   # plans offered from outside (the CLI's
+                                                # baselines): name -> its time here, or why unusable
     _seeded: bool = field(default=False, repr=False)
 
     def add_counters(self, counters: dict) -> None:
@@ -153,13 +158,15 @@ class Incumbent:
     opts: tuple[int, ...]
     layers: tuple[int, ...]
     cfg: OuterConfig = field(compare=False)
+    origin: str = field(default="search", compare=False)   # what found it (SearchStats.plan_origin)
 
 
 class SearchDriver:
     """One plan search over the space ``options`` describes (see the module docstring)."""
 
     def __init__(self, cluster, model, options, profiles=None,
-                 context: SearchContext | None = None, previous: Plan | None = None) -> None:
+                 context: SearchContext | None = None, previous: Plan | None = None,
+                 seeds=()) -> None:
         self.t0 = time.perf_counter()
         options.check_against(cluster, model)
         self.cluster, self.model, self.options, self.profiles = cluster, model, options, profiles
@@ -179,6 +186,7 @@ class SearchDriver:
         self.chosen: Incumbent | None = None   # the plan returned when not the fastest (best):
                                                # the tie rule's, or the previous plan kept
         self.previous = previous
+        self.seeds = tuple(seeds)           # (name, Plan): offered as incumbents (offer_seeds)
         self.threshold = math.inf
         self.roots: list[float] = []
         self.order: list[int] = []
@@ -238,12 +246,13 @@ class SearchDriver:
         starts = [k for i, k in enumerate(seq) if i == 0 or k != seq[i - 1]]
         return len(starts) == len(set(starts))
 
-    def consider(self, t: float, cfg: OuterConfig, opts, layers) -> bool:
-        """Offer a feasible plan as the incumbent (and threshold); False if outside the space."""
+    def consider(self, t: float, cfg: OuterConfig, opts, layers, origin: str = "search") -> bool:
+        """Offer a feasible plan as the incumbent (and threshold); False if outside the space.
+        ``origin``: what found it (the returned plan's is ``stats.plan_origin``)."""
         if not self.in_space(cfg, opts):
             return False
         self.threshold = min(self.threshold, t)
-        cand = Incumbent(t, cfg.key, tuple(opts), tuple(layers), cfg)
+        cand = Incumbent(t, cfg.key, tuple(opts), tuple(layers), cfg, origin)
         if cfg not in self.found or cand < self.found[cfg]:
             self.found[cfg] = cand
         if self.best is None:
@@ -284,6 +293,7 @@ class SearchDriver:
             raise InfeasibleError(self._no_config_message())
         try:
             self.order_configs()
+            self.offer_seeds()
             if not self.exact:
                 self.set_phase("construct")
                 self.construct()
@@ -322,7 +332,29 @@ class SearchDriver:
                 why += f" (the training framework's rules also excluded: " \
                        f"{'; '.join(self.stats.excluded)})"
             raise InfeasibleError(why)
+        self.stats.plan_origin = (self.chosen or self.best).origin
         self.stats.seconds = round(time.perf_counter() - self.t0, 3)
+
+    def offer_seeds(self) -> None:
+        """The plans computed elsewhere (the CLI's baselines) as incumbents: each one that lies
+        in this search's space (its configuration, device types, memory, the framework's
+        rules) is timed under these costs and offered, so the returned plan is never slower
+        than it; one that does not is recorded with why (``stats.seeds``)."""
+        from .rules import Shape, excluded_line
+
+        for name, plan in self.seeds:
+            hit = self.options.rules.violation(Shape.of_plan(plan))
+            if hit is not None:
+                self.stats.seeds[name] = f"outside the searched space: {excluded_line(*hit)}"
+                continue
+            try:
+                cfg, opts, layers = self._locate(plan)
+                t = self.ctx.evaluate(cfg, opts, layers)
+            except (PoseidonError, ValueError) as e:
+                self.stats.seeds[name] = f"outside the searched space: {e}"
+                continue
+            self.stats.seeds[name] = round(t, 6)
+            self.consider(t, cfg, opts, layers, origin=f"baseline {name}")
 
     def tie_break(self) -> None:
         """The tie rule (``tiebreak.py``): the preferred plan within the tolerance becomes the
@@ -338,7 +370,8 @@ class SearchDriver:
         st.tie_tolerance, st.fastest_ms = self.options.tie_tolerance, self.best.time_ms
         st.tie_queries, st.tie_rule = res.queries, res.status
         if res.status == "preferred":
-            cand = Incumbent(res.time_ms, res.cfg.key, res.opts, res.layers, res.cfg)
+            cand = Incumbent(res.time_ms, res.cfg.key, res.opts, res.layers, res.cfg,
+                             "tie rule")
             if cand.time_ms > self.best.time_ms * (1 + self.options.tie_tolerance) * (1 + 1e-9):
                 raise AssertionError(f"tie rule: {cand} outside the window")
             if (cand.key, cand.opts, cand.layers) == (self.best.key, self.best.opts,
@@ -405,7 +438,7 @@ class SearchDriver:
         st.fastest_ms = self.best.time_ms
         if t <= self.best.time_ms * (1 + tol) * (1 + 1e-9):
             st.previous_plan = "kept"
-            self.chosen = Incumbent(t, cfg.key, tuple(opts), tuple(layers), cfg)
+            self.chosen = Incumbent(t, cfg.key, tuple(opts), tuple(layers), cfg, "previous plan")
         else:
             st.previous_plan = "replaced"
         log.debug("previous plan %s: %.2f ms, fastest %.2f ms (window %.1f %%)",
@@ -484,8 +517,12 @@ class SearchDriver:
                      and self.stats.constructed_plans >= CONSTRUCT_PLANS)
                         or (now - t0 > slice_s and now - first_at > after_s)):
                     break
-            if self._past_deadline() and (self.best is not None or done >= CONSTRUCT_CONFIGS):
-                break   # (a tiny budget still constructs: one plan at least, if one is near)
+            if self._past_deadline() and (self.best is not None or (
+                    not self.options.first_plan_overrun and done >= CONSTRUCT_CONFIGS)):
+                break   # (a budget shorter than the first plan is overrun until a plan is
+                        # constructed, unless a seed (offer_seeds) is a plan already: the
+                        # configurations that cannot hold the model are skipped cheaply,
+                        # construct.memory_room)
             self._done_in_round = done + 1
             self.tick()
             got = construct_plan(self.ctx, self.configs[i], self.in_space)
@@ -493,9 +530,9 @@ class SearchDriver:
                 continue
             t, opts, layers = got
             self.stats.constructed_plans += 1
-            self.consider(t, self.configs[i], opts, layers)
-        if self.best is not None:
-            self.stats.constructed_best_ms = self.best.time_ms
+            if self.stats.constructed_best_ms is None or t < self.stats.constructed_best_ms:
+                self.stats.constructed_best_ms = t
+            self.consider(t, self.configs[i], opts, layers, origin="construction")
         log.debug("construction: %d plans, best %.3f ms (at %.2f s)",
                   self.stats.constructed_plans, self.threshold, time.perf_counter() - self.t0)
 
@@ -517,7 +554,8 @@ class SearchDriver:
         self.stats.add_counters(asdict(sub.stats))
         self.stats.warmup_plans += sub.stats.warmup_plans
         self.stats.uniform_tp_seed_ms = round(sub.best.time_ms, 3)
-        self.consider(sub.best.time_ms, sub.best.cfg, sub.best.opts, sub.best.layers)
+        self.consider(sub.best.time_ms, sub.best.cfg, sub.best.opts, sub.best.layers,
+                      origin="uniform-TP seed")
 
     def polish_found(self) -> None:
         """Local search from the best plan so far of each of the POLISH_CONFIGS configurations
@@ -555,7 +593,7 @@ class SearchDriver:
         self.stats.polished_plans += 1
         self.stats.polish_evals += res.evals
         if res.time_ms < cand.time_ms:
-            self.consider(res.time_ms, res.cfg, res.opts, res.layers)
+            self.consider(res.time_ms, res.cfg, res.opts, res.layers, origin="polish")
 
     def warm_up(self) -> None:
         """Random feasible plans seed the threshold. They come from the first WARMUP_CONFIGS
@@ -605,7 +643,7 @@ class SearchDriver:
             return False
         t = self.ctx.replay(cfg, *a)[1]
         self.stats.warmup_plans += 1
-        self.consider(t, cfg, *a)
+        self.consider(t, cfg, *a, origin="warm-up")
         return True
 
     def passes(self) -> list[tuple[list[int], str]]:
@@ -923,11 +961,14 @@ class SearchDriver:
                 f"that interleaving has M a multiple of pp)")
 
 
-def search_plan(cluster, model, options, profiles=None, previous: Plan | None = None) -> Plan:
+def search_plan(cluster, model, options, profiles=None, previous: Plan | None = None,
+                seeds=()) -> Plan:
     """The fastest plan of the space ``options`` (a ``SearchOptions``) describes on
     ``cluster`` for ``model``, with costs from ``profiles`` (measured records) or the analytic
     estimator; InfeasibleError when nothing fits (the closest candidate explained).
-    ``previous``: a plan kept while within ``options.keep_tolerance`` of the fastest."""
-    driver = SearchDriver(cluster, model, options, profiles, previous=previous)
+    ``previous``: a plan kept while within ``options.keep_tolerance`` of the fastest.
+    ``seeds``: (name, Plan) pairs offered as incumbents (the CLI's baselines): the returned
+    plan is never slower than one that lies in the searched space."""
+    driver = SearchDriver(cluster, model, options, profiles, previous=previous, seeds=seeds)
     driver.search()
     return driver.plan()

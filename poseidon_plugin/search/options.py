@@ -116,6 +116,9 @@ class SearchOptions:
     rules: FrameworkRules = FrameworkRules()
     context_parallel: tuple[int, ...] | None = None
     progress: bool = field(default=False, compare=False)
+    # a time budget shorter than the first constructed plan is overrun until it (True), or the
+    # construction stops at the budget after 64 configurations (False: the baselines' searches)
+    first_plan_overrun: bool = field(default=True, compare=False)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
