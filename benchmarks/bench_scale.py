@@ -5,7 +5,8 @@ Run: ``.venv/bin/python benchmarks/bench_scale.py [--cases 405b-512 ...] [--budg
 
 Cases: LLaMA-3 405B (``llama3-405b``, global batch 1024, sequence 4096) on the 512 / 1024 /
 2048 / 4096-device clusters of four GPU generations in ``examples/clusters/scale-*.yaml``, and
-LLaMA-3 70B on the 4096-device one. Each case runs in its own process (so ``max RSS`` is the
+LLaMA-3 70B on the 4096-device one, and 405B on the memory-tight 2048-device cluster
+``benchmarks/clusters/memtight-2048.yaml`` (``405b-memtight-2048``). Each case runs in its own process (so ``max RSS`` is the
 case's own) with ``--budget`` seconds (default 120). Columns: ``first plan s`` = when the first
 feasible plan was known (the constructive plans come first); ``plan ms`` = the returned plan's
 predicted iteration time; ``bound ms`` / ``gap`` = the proven lower bound over the whole space
@@ -30,6 +31,8 @@ if ROOT not in sys.path:
 CASES = {f"405b-{n}": (f"scale-{n}", "llama3-405b", 1024) for n in (512, 1024, 2048, 4096)}
 CASES["70b-4096"] = ("scale-4096", "llama3-70b", 1024)
 CASES["70b-10240"] = ("scale-10240", "llama3-70b", 1024)
+# memory-tight: 405B on 2,048 devices of 80 / 40 / 32 / 24 GiB (most configurations cannot hold it)
+CASES["405b-memtight-2048"] = ("benchmarks/clusters/memtight-2048", "llama3-405b", 1024)
 COLUMNS = ("case", "devices", "configs", "first plan s", "search s", "plan ms", "bound ms", "gap",
            "exhaustive", "plan", "max RSS MB")
 
@@ -41,7 +44,8 @@ def run_one(case: str, budget: float, workers: int | None) -> dict:
     from poseidon_plugin.search import SearchOptions, search_plan
 
     cfile, mname, gbs = CASES[case]
-    cluster = load_cluster(os.path.join(ROOT, "examples", "clusters", cfile + ".yaml"))
+    cluster = load_cluster(os.path.join(ROOT, *(() if "/" in cfile else ("examples", "clusters")),
+                                        cfile + ".yaml"))
     t0 = time.perf_counter()
     try:
         p = search_plan(cluster, get_model(mname), SearchOptions(
