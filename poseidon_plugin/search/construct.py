@@ -214,14 +214,14 @@ def room_bound(ctx: SearchContext, cfg: OuterConfig) -> int | None:
     n = cfg.num_stages
     if ctx.cm.per_kind or n <= 8:
         return None
-    cm, v, L = ctx.cm, cfg.virtual_stages, ctx.cm.model.num_layers
+    cm, v, L = ctx.cm.at_cp(cfg.cp), cfg.virtual_stages, ctx.cm.model.num_layers
     marks = sorted(n - g for g in ROOM_GRID if g <= n - 1)   # ascending, the last N - 2
     stages = marks + [n - 1]
     best = [0] * len(stages)
     for k, t in cfg.options:
         row = cm.max_layers_by_stage(
             capacity_bytes=cm.capacity_bytes[k], stages=stages, num_stages=n, tp=t,
-            dp=cfg.dp, micro_batch_size=cfg.micro_batch_size,
+            dp=cfg.dp_cp, micro_batch_size=cfg.micro_batch_size,
             num_microbatches=cfg.num_microbatches, schedule=cfg.schedule,
             virtual_stages=v, limit=L - (n - 1) * v, type_index=k)
         best = [max(a, b) for a, b in zip(best, row)]
