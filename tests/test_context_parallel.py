@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from poseidon_plugin import memory as memory_mod
 from poseidon_plugin.cluster import cluster_from_dict
-from poseidon_plugin.costs import CostModel, cp_attention_factor, cp_layer_times, kv_width
+from poseidon_plugin.costs import (CostModel, cp_attention_factor, cp_layer_times, kv_width,
+                                   simulator_arrays)
 from poseidon_plugin.errors import InfeasibleError, PoseidonError
 from poseidon_plugin.model import model_from_dict
 from poseidon_plugin.plan import Plan
@@ -112,9 +113,9 @@ def test_cp_scoped_costs_and_memory():
 
 # --------------------------------------------------------------------------- search
 
-def _brute_force(cluster, model, gbs, cps):
-    """Every (CP, micro-batch, DP, N, uniform TP, type sequence, layer split): CP c takes
-    options whose TP x c divides every node of the type, each stage d x c x t devices (the
+def _brute_force(cluster, model, gbs, cps, schedules=("1f1b",)):
+    """Every (schedule, V, CP, micro-batch, DP, N, uniform TP, type sequence, layer split): CP c
+    takes options whose TP x c divides every node of the type, each stage d x c x t devices (the
     placement raising where they do not fit), timed with the CP-scoped costs at DP x CP."""
     base = CostModel(cluster, model, None, seq_length=SEQ)
     L = model.num_layers
@@ -122,40 +123,41 @@ def _brute_force(cluster, model, gbs, cps):
     names = cluster.type_names
     sizes = {k: [n.num_devices for n in cluster.nodes_of_type(name)]
              for k, name in enumerate(names)}
-    for c in cps:
+    for sched, c, b, t in itertools.product(schedules, cps, (1, 2), (1, 2, 4)):
+        v = 2 if sched == "interleaved-1f1b" else 1
         cm = base.at_cp(c)
-        for b in (1, 2):
-            for d in range(1, gbs + 1):
-                if gbs % (d * b):
-                    continue
-                m = gbs // (d * b)
-                for t in (1, 2, 4):
-                    if model.num_attention_heads % t:
+        if model.num_attention_heads % t:
+            continue
+        ks = [k for k in range(len(names)) if all(s % (t * c) == 0 for s in sizes[k])]
+        for d in range(1, gbs + 1):
+            if gbs % (d * b):
+                continue
+            m = gbs // (d * b)
+            for n in range(1, L // v + 1):
+                if v > 1:
+                    try:
+                        validate_schedule(sched, n, m, v)
+                    except PoseidonError:
                         continue
-                    ks = [k for k in range(len(names)) if all(s % (t * c) == 0 and s >= t
-                                                              for s in sizes[k])]
-                    if c == 1:
-                        ks = [k for k in range(len(names)) if all(s % t == 0 for s in sizes[k])]
-                    for n in range(1, L + 1):
-                        for types in itertools.product(ks, repeat=n):
-                            for cuts in itertools.combinations(range(1, L), n - 1):
-                                bounds = (0,) + cuts + (L,)
-                                layers = [bounds[i + 1] - bounds[i] for i in range(n)]
-                                try:
-                                    stages, _, _ = cm.stage_costs(
-                                        stage_types=list(types), stage_tps=[t] * n,
-                                        layers=layers, dp=d * c, micro_batch_size=b,
-                                        num_microbatches=m, schedule="1f1b", virtual_stages=1)
-                                except PoseidonError:
-                                    continue
-                                if any(s.memory_bytes > s.memory_capacity_bytes for s in stages):
-                                    continue
-                                F = [s.forward_ms for s in stages]
-                                B = [s.backward_ms for s in stages]
-                                P = [s.send_forward_ms for s in stages[:-1]]
-                                R = [s.post_pipeline_ms for s in stages]
-                                best = min(best, iteration_time_ms(F, B, P, P, R, m, "1f1b",
-                                                                   1, engine=True))
+                for types in itertools.product(ks, repeat=n):
+                    for cuts in itertools.combinations(range(1, L), n - 1):
+                        bounds = (0,) + cuts + (L,)
+                        layers = [bounds[i + 1] - bounds[i] for i in range(n)]
+                        if min(layers) < v:
+                            continue
+                        try:
+                            stages, places, _ = cm.stage_costs(
+                                stage_types=list(types), stage_tps=[t] * n, layers=layers,
+                                dp=d * c, micro_batch_size=b, num_microbatches=m,
+                                schedule=sched, virtual_stages=v)
+                        except PoseidonError:
+                            continue
+                        if any(s.memory_bytes > s.memory_capacity_bytes for s in stages):
+                            continue
+                        wrap = cm.wrap_send_ms(places, b) if v > 1 else 0.0
+                        F, B, Pf, Pb, R = simulator_arrays(stages, v, wrap)
+                        best = min(best, iteration_time_ms(F, B, Pf, Pb, R, m, sched, v,
+                                                           engine=True))
     return best
 
 
@@ -164,16 +166,17 @@ type_st = st.tuples(st.sampled_from([50.0, 100.0, 150.0]), st.sampled_from([1, 2
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
-@given(st.lists(type_st, min_size=1, max_size=2), st.integers(2, 3), st.sampled_from([2, 4]),
-       st.sampled_from([(1, 2), (2,)]), st.sampled_from(["none", "safe"]))
-def test_search_with_cp_matches_brute_force(types, layers, gbs, cps, pruning):
+@given(st.lists(type_st, min_size=1, max_size=2), st.integers(2, 4), st.sampled_from([2, 4]),
+       st.sampled_from([(1, 2), (2,)]), st.sampled_from(["none", "safe"]),
+       st.sampled_from([("1f1b",), ("1f1b", "interleaved-1f1b")]))
+def test_search_with_cp_matches_brute_force(types, layers, gbs, cps, pruning, scheds):
     cluster, model = cluster_of(types), tiny_model(layers)
-    expected = _brute_force(cluster, model, gbs, cps)
+    expected = _brute_force(cluster, model, gbs, cps, scheds)
     try:
         got = search_plan(cluster, model, SearchOptions(
-            global_batch_size=gbs, seq_length=SEQ, schedules=("1f1b",), pruning=pruning,
+            global_batch_size=gbs, seq_length=SEQ, schedules=scheds, pruning=pruning,
             micro_batch_sizes=(1, 2), warmup_samples=10, workers=1, context_parallel=cps,
-            runner_up=False))
+            max_virtual_stages=2, runner_up=False))
     except InfeasibleError:
         assert math.isinf(expected)
         return
