@@ -200,6 +200,11 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="the window of --keep in percent of the fastest plan (default: 2)")
     pl.add_argument("--workers", type=int, default=None, metavar="K",
                     help="search threads (default: every core); the plan does not depend on it")
+    pl.add_argument("--distributed", action="store_true",
+                    help="share the search among the processes of a torchrun launch "
+                    "(torchrun --nproc-per-node K [--nnodes ...] -m poseidon_plugin plan "
+                    "--distributed ...): the same plan and bound, rank 0 prints it; "
+                    "default --workers: a host's cores / its processes")
     pl.add_argument("--seed", type=int, default=0, metavar="N",
                     help="seed of the warm-up sampling (default: %(default)s); the exact plan "
                     "does not depend on it")
@@ -311,9 +316,22 @@ def search_options(ns) -> SearchOptions:
 
 
 def _cmd_plan(ns) -> int:
+    from .search import search_plan
+
+    if not ns.distributed:
+        return _plan(ns, search_plan)
+    from .megatron.search_transport import searchers_from_environ
+
+    with searchers_from_environ(workers=ns.workers) as group:
+        if not group.coordinator:
+            group.serve()      # this process's share of every search rank 0 starts
+            return 0
+        return _plan(ns, group.search)
+
+
+def _plan(ns, search_plan) -> int:
     from .cluster import load_cluster
     from .model import get_model
-    from .search import search_plan
 
     options = search_options(ns)
     for flag, path in (("--out", ns.out), ("--gantt", ns.gantt)):

@@ -109,6 +109,7 @@ class SearchStats:
     tp_mode: str = ""
     type_order: str = ""
     workers: int = 1
+    processes: int = 1                 # searchers that shared the configurations (distributed.py)
     statistics_depend_on_timing: bool = False   # a configuration was split over threads
     tie_tolerance: float = 0.0         # the tie rule (tiebreak.py): the window over the fastest,
     tie_rule: str = "off"              # off / preferred / fastest / timed out,
@@ -210,6 +211,8 @@ class SearchDriver:
         self._round_times: list[tuple[float, float]] = []   # (cap, s): the pass's rounds
         self._last_round_nodes = 0
         self._pool: ThreadPoolExecutor | None = None     # the rounds' worker threads
+        self.share = None     # distributed.JobShare: this process searches a share of the
+                              # configurations, exchanging the incumbent with the others
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -279,6 +282,8 @@ class SearchDriver:
                         self.stats.nodes)
 
     def tick(self, improved: bool = False) -> None:
+        if self.share is not None:     # the best time found by any searcher prunes here too
+            self.threshold = min(self.threshold, self.share.exchange(self.threshold))
         self.progress.tick(self.snapshot, improved=improved)
 
     def set_phase(self, phase: str) -> None:
@@ -307,6 +312,8 @@ class SearchDriver:
                 self.set_phase("polish")
                 self.polish_found()
             self.run_passes()
+            if self.share is not None and not self.share.finish():
+                return    # a share searched for a distributed search's coordinator
             if self.options.tie_tolerance > 0 and self.best is not None:
                 self.set_phase("tie rule")
                 self.tie_break()
@@ -488,9 +495,12 @@ class SearchDriver:
         if self.exact:
             self.roots, self.order = [0.0] * n, list(range(n))
         else:
-            self.roots = [self.ctx.root_bound(c) for c in self.configs]
+            self.roots = (self.share.root_bounds() if self.share is not None else
+                          [self.ctx.root_bound(c) for c in self.configs])
             self.order = sorted(range(n), key=lambda i: (self.roots[i], self.configs[i].key))
         self.lbs = list(self.roots)
+        if self.share is not None:
+            self.order = self.share.owned(self.order)
         log.debug("%d configurations and their root bounds: %.2f s", n,
                   time.perf_counter() - self.t0)
 

@@ -1,0 +1,102 @@
+"""The distributed search's transport over torch.distributed (``search/distributed.py`` is the
+algorithm and imports no torch): the rendezvous key-value store every process group has.
+
+``TorchStore`` wraps a c10d store (torchrun's, or a launch's) under its own prefix;
+``searchers_from_environ`` is ``poseidon plan --distributed`` under torchrun: one searcher per
+process, the search threads of one host split among its processes.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from ..errors import PoseidonError
+from ..search.distributed import Searchers
+
+
+class TorchStore:
+    """A :class:`~poseidon_plugin.search.distributed.Store` on a torch.distributed store
+    (one lock: the exchange thread and the search thread share the client)."""
+
+    def __init__(self, store: Any, prefix: str) -> None:
+        import torch.distributed as dist
+
+        self._s = dist.PrefixStore(prefix, store)
+        self._lock = threading.Lock()
+
+    def set(self, key: str, value: bytes) -> None:
+        with self._lock:
+            self._s.set(key, value)
+
+    def get(self, key: str) -> bytes | None:
+        with self._lock:
+            if not self._s.check([key]):
+                return None
+            return bytes(self._s.get(key))
+
+
+def default_store() -> Any:
+    """The default process group's store."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+def _env_int(name: str) -> int:
+    text = os.environ.get(name)
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        raise PoseidonError(f"--distributed: {name}={text!r} is not set to a number; run under "
+                            "torchrun (torchrun --nproc-per-node K -m poseidon_plugin plan "
+                            "--distributed ...)") from None
+
+
+class _Group:
+    """``searchers_from_environ``'s context: the process group made here goes at the end."""
+
+    def __init__(self, searchers: Searchers, owns_group: bool) -> None:
+        self.searchers, self.owns_group = searchers, owns_group
+
+    def __enter__(self) -> Searchers:
+        self.searchers.start()
+        return self.searchers
+
+    def __exit__(self, *exc) -> None:
+        import torch.distributed as dist
+
+        self.searchers.close()
+        if self.owns_group and dist.is_initialized():
+            if not any(exc) and self.searchers.error is None:
+                try:   # the coordinator reads the others' results before the store goes
+                    dist.barrier()
+                except Exception:  # noqa: BLE001 - a peer is gone: nothing left to tidy
+                    pass
+            dist.destroy_process_group()
+
+
+def searchers_from_environ(workers: int | None = None, timeout_s: float = 120.0) -> _Group:
+    """torchrun's environment (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT): a gloo
+    process group if none exists yet, and this process's ``Searchers`` (its search threads:
+    ``workers``, else this host's cores / LOCAL_WORLD_SIZE)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    owns = not dist.is_initialized()
+    if owns:
+        try:
+            dist.init_process_group("gloo", rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        except Exception as e:  # noqa: BLE001 - c10d raises several kinds
+            raise PoseidonError(f"--distributed: rank {rank} cannot join the process group "
+                                f"({' '.join(str(e).split())[:200]})") from None
+    if workers is None:
+        workers = max(1, (os.cpu_count() or 1) // max(1, local))
+    store = TorchStore(default_store(), "poseidon-search/")
+    return _Group(Searchers(store, rank, world, workers=workers,
+                            names=lambda r: f"rank {r}"), owns)

@@ -1,0 +1,449 @@
+"""One search shared by several processes (hosts): ``poseidon plan --distributed`` under
+torchrun and a ``--poseidon-auto`` launch on more than one host.
+
+The outer configurations are dealt out by root bound: searcher ``r`` of ``S`` owns the
+configurations at positions r, r + S, r + 2 S, ... of the global root-bound order (the hard
+ones, of low root bound, are spread over every searcher). Each searcher runs the driver's phases
+(construction, warm-up, polish, iterative deepening) over its own share, with its own threads
+(``--workers``). The incumbent's time is exchanged every EXCHANGE_S: a searcher prunes with the
+best plan found anywhere, which is sound because that time belongs to a real plan (>= the
+optimum), and the branch and bound returns plans with time <= its threshold, so an optimal plan
+of any share is still found. At the end the coordinator (searcher 0) gathers every share's best
+plan, its configurations' proven bounds and counters: the merged plan is the smallest
+(time, configuration, assignment), as in one process, and the lower bound is the minimum of the
+owners' per-configuration bounds (exact iff every share was searched to the end). The tie rule,
+a previous plan (``--keep``) and the runner-up then run on the coordinator over the merged state.
+
+The core imports no torch: a searcher talks through a :class:`Store` (set / non-blocking get of
+bytes). :class:`MemoryStore` is the in-process one (threads as searchers, the tests);
+``poseidon_plugin.megatron.search_transport`` wraps torch.distributed's rendezvous store.
+
+Liveness: every searcher writes a heartbeat every HEARTBEAT_S from its own thread (the search
+itself runs in nogil C). A searcher that never joins, or whose heartbeat stops for ``stall_s``,
+makes the others stop with a ``PoseidonError`` naming it: nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copyreg
+import io
+import logging
+import math
+import os
+import pickle
+import threading
+import time
+from types import MappingProxyType
+from typing import Any, Callable, Protocol
+
+from ..errors import InfeasibleError, PoseidonError
+
+log = logging.getLogger("poseidon")
+
+HEARTBEAT_S = 0.5     # each searcher's heartbeat period (its exchange thread)
+EXCHANGE_S = 0.2      # the incumbent's time is published and read this often
+POLL_S = 0.02         # a wait for a key polls this often
+STALL_S = 60.0        # a searcher silent this long (or never joined) is given up, with an error
+                      # (POSEIDON_SEARCH_STALL_S overrides)
+
+
+def _proxy(d: dict) -> MappingProxyType:
+    return MappingProxyType(d)
+
+
+def dumps(obj: Any) -> bytes:
+    """Pickled, read-only mappings (the cluster's) as well."""
+    buf = io.BytesIO()
+    p = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+    p.dispatch_table = copyreg.dispatch_table.copy()
+    p.dispatch_table[MappingProxyType] = lambda m: (_proxy, (dict(m),))
+    p.dump(obj)
+    return buf.getvalue()
+
+
+class Store(Protocol):
+    """The transport: a key-value store shared by the searchers."""
+
+    def set(self, key: str, value: bytes) -> None: ...
+
+    def get(self, key: str) -> bytes | None:
+        """The value, or None while the key is not set (never blocks)."""
+
+
+class MemoryStore:
+    """An in-process :class:`Store` (searchers as threads): the tests' transport.
+
+    The search's DAG workspaces are per process, so searchers that are threads of one process
+    take turns: each runs inside ``turn()`` and hands the turn on whenever it waits for a key
+    (``idle``); their exchange threads (heartbeats, incumbents) run all the time."""
+
+    def __init__(self) -> None:
+        self._d: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+        self._turn = threading.Lock()
+        self._holder: int | None = None
+
+    @contextlib.contextmanager
+    def turn(self):
+        self._turn.acquire()
+        self._holder = threading.get_ident()
+        try:
+            yield
+        finally:
+            self._holder = None
+            self._turn.release()
+
+    def idle(self) -> None:
+        if self._holder != threading.get_ident():
+            time.sleep(POLL_S)
+            return
+        self._holder = None
+        self._turn.release()
+        time.sleep(POLL_S)
+        self._turn.acquire()
+        self._holder = threading.get_ident()
+
+    def set(self, key: str, value: bytes) -> None:
+        with self._lock:
+            self._d[key] = bytes(value)
+
+    def get(self, key: str) -> bytes | None:
+        with self._lock:
+            return self._d.get(key)
+
+
+def stall_seconds() -> float:
+    text = os.environ.get("POSEIDON_SEARCH_STALL_S")
+    if not text:
+        return STALL_S
+    try:
+        v = float(text)
+    except ValueError:
+        raise PoseidonError(f"POSEIDON_SEARCH_STALL_S={text!r} is not a number of seconds") \
+            from None
+    if not (v > 0 and math.isfinite(v)):
+        raise PoseidonError(f"POSEIDON_SEARCH_STALL_S={text!r} must be a positive number")
+    return v
+
+
+class Searchers:
+    """This process's place among ``size`` searchers (``rank`` 0 coordinates). Use as a context
+    manager: the coordinator's exit tells the others to stop serving.
+
+    ``names``: how an error names searcher r (e.g. its launch rank and host); ``workers``:
+    search threads here when the options leave them open (None: one per core)."""
+
+    def __init__(self, store: Store, rank: int, size: int, *, stall_s: float | None = None,
+                 workers: int | None = None, names: Callable[[int], str] | None = None) -> None:
+        if not 0 <= rank < size:
+            raise PoseidonError(f"searcher {rank} of {size}: no such searcher")
+        self.store, self.rank, self.size = store, rank, size
+        self.stall_s = stall_seconds() if stall_s is None else stall_s
+        self.workers = workers
+        self.names = names or (lambda r: f"search process {r}")
+        self._idle = getattr(store, "idle", None) or (lambda: time.sleep(POLL_S))
+        self.jobs = 0
+        self.error: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._beat = 0
+        self._seen: dict[int, tuple[bytes | None, float]] = {}
+        self._job: JobShare | None = None     # the share being searched (its exchange)
+        self._t_start = 0.0
+
+    @property
+    def coordinator(self) -> bool:
+        return self.rank == 0
+
+    # ---------------------------------------------------------------- lifetime
+    def __enter__(self) -> "Searchers":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self) -> None:
+        self._t_start = time.monotonic()
+        self._beat_once()
+        self._thread = threading.Thread(target=self._run, name="poseidon-search-exchange",
+                                        daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        if self.coordinator:
+            try:
+                self.store.set("stop", b"1")
+            except Exception as e:  # noqa: BLE001 - the store may be gone with a dead peer
+                log.debug("distributed search: cannot post stop: %s", e)
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+            self._thread = None
+
+    # ---------------------------------------------------------------- the exchange thread
+    def _beat_once(self) -> None:
+        self._beat += 1
+        self.store.set(f"hb/{self.rank}", str(self._beat).encode())
+
+    def _run(self) -> None:
+        last_beat = time.monotonic()
+        while not self._stop.wait(EXCHANGE_S):
+            try:
+                now = time.monotonic()
+                if now - last_beat >= HEARTBEAT_S:
+                    self._beat_once()
+                    last_beat = now
+                job = self._job
+                if job is not None:
+                    job.exchange_io()
+                self._check_alive(now)
+            except Exception as e:  # noqa: BLE001 - a store error: the peer (or store) is gone
+                self.error = self.error or f"the search store failed: {e}"
+
+    def _check_alive(self, now: float) -> None:
+        for r in range(self.size):
+            if r == self.rank:
+                continue
+            hb = self.store.get(f"hb/{r}")
+            old, since = self._seen.get(r, (None, self._t_start))
+            if hb != old:
+                self._seen[r] = (hb, now)
+            elif now - since > self.stall_s:
+                what = "never joined" if hb is None else "stopped answering"
+                self.error = self.error or (
+                    f"distributed search: {self.names(r)} {what} (no heartbeat for "
+                    f"{self.stall_s:g} s; POSEIDON_SEARCH_STALL_S sets how long to wait)")
+
+    def check(self) -> None:
+        if self.error:
+            raise PoseidonError(self.error)
+
+    def wait_for(self, key: str, deadline: float | None = None, what: str = "") -> bytes:
+        """The value of ``key`` once set; PoseidonError if a searcher stalls or ``deadline``
+        (monotonic) passes first."""
+        while True:
+            v = self.store.get(key)
+            if v is not None:
+                return v
+            self.check()
+            if deadline is not None and time.monotonic() > deadline:
+                raise PoseidonError(f"distributed search: {what or key} did not arrive in time")
+            self._idle()
+
+    # ---------------------------------------------------------------- jobs
+    def search(self, cluster, model, options, profiles=None, previous=None):
+        """Coordinator: the plan of ``search_plan(cluster, model, options, profiles,
+        previous)``, searched by every searcher."""
+        from .driver import SearchDriver
+
+        if not self.coordinator:
+            raise PoseidonError("distributed search: only searcher 0 starts a search")
+        n = self.jobs
+        self.jobs += 1
+        self.store.set(f"job/{n}", dumps((cluster, model, options, profiles)))
+        driver = SearchDriver(cluster, model, self._local(options), profiles,
+                              previous=previous)
+        driver.share = JobShare(self, n, driver)
+        driver.search()
+        return driver.plan()
+
+    def serve(self) -> int:
+        """Searchers 1..S-1: search the share of every job the coordinator posts, until it
+        stops; the number of jobs served."""
+        from .driver import SearchDriver
+
+        while True:
+            got = None
+            while got is None:
+                if self.store.get("stop") is not None:
+                    return self.jobs
+                got = self.store.get(f"job/{self.jobs}")
+                if got is None:
+                    self.check()
+                    self._idle()
+            n = self.jobs
+            self.jobs += 1
+            cluster, model, options, profiles = pickle.loads(got)
+            options = self._local(options).replace(progress=False, runner_up=False,
+                                                   tie_tolerance=0.0)
+            try:
+                driver = SearchDriver(cluster, model, options, profiles)
+                driver.share = JobShare(self, n, driver)
+                driver.search()
+            except PoseidonError as e:
+                if self.error:
+                    raise
+                self.store.set(f"job/{n}/error/{self.rank}", str(e).encode())
+                if not isinstance(e, InfeasibleError):
+                    log.error("distributed search, job %d: %s", n, e)
+
+    def _local(self, options):
+        if options.workers is None and self.workers is not None:
+            return options.replace(workers=self.workers)
+        return options
+
+
+class JobShare:
+    """One search's share on one searcher: the driver's hooks (``SearchDriver.share``)."""
+
+    def __init__(self, group: Searchers, job: int, driver) -> None:
+        self.g, self.job, self.d = group, job, driver
+        self._mine = math.inf          # this share's threshold (written by the driver)
+        self._sent = math.inf
+        self._foreign = math.inf       # the best time published by the others
+        self._lock = threading.Lock()
+        self._owned: list[int] = []
+
+    @property
+    def coordinator(self) -> bool:
+        return self.g.coordinator
+
+    def _key(self, what: str, r: int | None = None) -> str:
+        return f"job/{self.job}/{what}/{self.g.rank if r is None else r}"
+
+    def _deadline(self) -> float | None:
+        b = self.d.options.time_budget_s
+        return None if b is None else time.monotonic() + b + self.g.stall_s
+
+    def _gather(self, what: str, deadline: float | None = None) -> dict[int, Any]:
+        out = {}
+        for r in range(self.g.size):
+            if r == self.g.rank:
+                continue
+            err = None
+            while True:
+                v = self.g.store.get(self._key(what, r))
+                if v is not None:
+                    out[r] = pickle.loads(v)
+                    break
+                err = self.g.store.get(self._key("error", r))
+                if err is not None:
+                    break
+                self.g.check()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise PoseidonError(f"distributed search: {self.g.names(r)} sent no "
+                                        f"{what} within the time budget + "
+                                        f"{self.g.stall_s:g} s")
+                self.g._idle()
+            if err is not None:
+                raise PoseidonError(f"distributed search: {self.g.names(r)}: "
+                                    f"{err.decode(errors='replace')}")
+        return out
+
+    # ---------------------------------------------------------------- driver hooks
+    def root_bounds(self) -> list[float]:
+        """Every configuration's root bound: this searcher computes every S-th, the others
+        the rest."""
+        d, S, r = self.d, self.g.size, self.g.rank
+        self.g._job = self
+        mine = [d.ctx.root_bound(d.configs[i]) for i in range(r, len(d.configs), S)]
+        self.g.store.set(self._key("roots"), dumps((len(d.configs), mine)))
+        roots = [0.0] * len(d.configs)
+        roots[r::S] = mine
+        for q, (n, theirs) in self._gather("roots").items():
+            if n != len(d.configs):
+                raise PoseidonError(f"distributed search: {self.g.names(q)} enumerates {n} "
+                                    f"configurations, this process {len(d.configs)} (different "
+                                    "versions or inputs)")
+            roots[q::S] = theirs
+        return roots
+
+    def owned(self, order: list[int]) -> list[int]:
+        """This searcher's share of the global visit order."""
+        self.g._job = self
+        self._owned = order[self.g.rank::self.g.size]
+        return self._owned
+
+    def exchange(self, threshold: float) -> float:
+        """Called by the driver (``tick``): offer this share's threshold; the best time found
+        anywhere. Raises when a searcher stalled."""
+        self.g.check()
+        with self._lock:
+            self._mine = min(self._mine, threshold)
+            return min(self._mine, self._foreign)
+
+    def exchange_io(self) -> None:
+        """The exchange thread's part: publish this share's threshold, read the others'."""
+        with self._lock:
+            mine = self._mine
+        if mine < self._sent:
+            self.g.store.set(self._key("inc"), repr(mine).encode())
+            self._sent = mine
+        best = math.inf
+        for r in range(self.g.size):
+            if r != self.g.rank:
+                v = self.g.store.get(self._key("inc", r))
+                if v is not None:
+                    best = min(best, float(v))
+        with self._lock:
+            self._foreign = min(self._foreign, best)
+
+    def finish(self) -> bool:
+        """After the passes: a searcher sends its share's result and is done (False); the
+        coordinator merges every share's into its driver (True)."""
+        d = self.d
+        mine = self.result()
+        self.g._job = None
+        if not self.coordinator:
+            self.g.store.set(self._key("result"), dumps(mine))
+            return False
+        for q, res in self._gather("result", self._deadline()).items():
+            self.merge(q, res)
+        d.order = sorted(range(len(d.configs)), key=lambda i: (d.roots[i], d.configs[i].key))
+        st = d.stats
+        st.configs_cut_root = len(d.configs) - len(d.searched_ever)
+        st.processes = self.g.size
+        st.statistics_depend_on_timing = st.statistics_depend_on_timing or self.g.size > 1
+        return True
+
+    def result(self) -> dict:
+        d, st = self.d, self.d.stats
+        mine = self.owned_indices()
+        return dict(
+            lbs={i: d.lbs[i] for i in mine},
+            # (configurations as values: the per-stage seed's come from another space)
+            found=[(c, inc.time_ms, inc.opts, inc.layers) for c, inc in d.found.items()],
+            best=(None if d.best is None else
+                  (d.best.cfg, d.best.time_ms, d.best.opts, d.best.layers)),
+            searched=sorted(d.searched_ever),
+            counters={k: getattr(st, k) for k in _SUMMED},
+            first_plan_s=st.first_plan_s, timed_out=d.timed_out, stats_timed_out=st.timed_out,
+            exhaustive=st.exhaustive, rounds=st.rounds)
+
+    def owned_indices(self) -> list[int]:
+        return self._owned
+
+    def merge(self, q: int, res: dict) -> None:
+        from .driver import Incumbent
+
+        d, st = self.d, self.d.stats
+        for i, lb in res["lbs"].items():
+            d.lbs[i] = lb
+        for cfg, t, opts, layers in res["found"]:
+            cand = Incumbent(t, cfg.key, tuple(opts), tuple(layers), cfg)
+            if cfg not in d.found or cand < d.found[cfg]:
+                d.found[cfg] = cand
+        if res["best"] is not None:
+            cfg, t, opts, layers = res["best"]
+            cand = Incumbent(t, cfg.key, tuple(opts), tuple(layers), cfg)
+            if d.best is None or cand < d.best:
+                d.best = cand
+            d.threshold = min(d.threshold, t)
+        d.searched_ever.update(res["searched"])
+        for k, v in res["counters"].items():
+            setattr(st, k, getattr(st, k) + v)
+        st.rounds = max(st.rounds, res["rounds"])
+        if res["first_plan_s"] is not None:
+            st.first_plan_s = (res["first_plan_s"] if st.first_plan_s is None
+                               else min(st.first_plan_s, res["first_plan_s"]))
+        d.timed_out = d.timed_out or res["timed_out"]
+        st.timed_out = st.timed_out or res["stats_timed_out"]
+        st.exhaustive = st.exhaustive and res["exhaustive"]
+
+
+# the statistics every share adds to the merged ones
+_SUMMED = ("nodes", "plans_simulated", "cut_bound", "cut_memory", "cut_ridge", "cut_devices",
+           "cut_capacity", "cut_dominated", "configs_searched", "constructed_plans",
+           "polished_plans", "polish_evals", "warmup_plans")

@@ -1,0 +1,217 @@
+"""Distributed search (search/distributed.py): several searchers share the outer
+configurations and exchange the incumbent; the plan and its certificate are those of one
+process, and a searcher that dies or never answers ends the search with an error in time."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from poseidon_plugin.cluster import load_cluster
+from poseidon_plugin.errors import PoseidonError
+from poseidon_plugin.model import get_model
+from poseidon_plugin.search import SearchOptions, search_plan
+from poseidon_plugin.search.distributed import MemoryStore, Searchers
+
+from test_search import make_instance
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _setting(n: int):
+    models = {1: "llama3-8b", 2: "llama2-13b", 3: "llama-30b", 5: "llama2-13b"}
+    return (load_cluster(os.path.join(ROOT, "examples", "clusters", f"paper-setting{n}.yaml")),
+            get_model(models[n]))
+
+
+def run_threads(size: int, cluster, model, options, *, stall_s: float = 30.0,
+                absent: tuple[int, ...] = (), die_after_roots: tuple[int, ...] = (),
+                jobs: int = 1):
+    """``size`` searchers as threads of this process on one MemoryStore; searcher 0's plans
+    (or its error). ``absent``: never start; ``die_after_roots``: stop (heartbeat and all)
+    once they sent their root bounds."""
+    store = MemoryStore()
+    out: dict = {}
+
+    def coordinator():
+        with store.turn(), Searchers(store, 0, size, stall_s=stall_s, workers=1) as g:
+            try:
+                out["plans"] = [g.search(cluster, model, options) for _ in range(jobs)]
+            except PoseidonError as e:
+                out["error"] = str(e)
+            except BaseException as e:  # noqa: BLE001 - the test fails on it below
+                out["error"] = repr(e)
+
+    def worker(r):
+        g = Searchers(store, r, size, stall_s=stall_s, workers=1)
+        with store.turn():
+            g.start()
+            try:
+                if r in die_after_roots:
+                    orig = store.set
+
+                    def set_(key, value, _orig=orig):
+                        _orig(key, value)
+                        if key.endswith(f"/roots/{r}"):
+                            g._stop.set()          # the heartbeat stops: a dead process
+                            raise SystemExit
+                    store.set = set_
+                out[r] = g.serve()
+            except (PoseidonError, SystemExit) as e:
+                out[r] = e
+            finally:
+                g._stop.set()
+
+    threads = [threading.Thread(target=coordinator)]
+    threads += [threading.Thread(target=worker, args=(r,)) for r in range(1, size)
+                if r not in absent]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a searcher hangs"
+    return out
+
+
+def _same(a, b):
+    strip = lambda p: {k: v for k, v in p.to_dict().items() if k != "search"}
+    assert strip(a) == strip(b)       # stages, layers, devices, times, lower bound
+    assert a.lower_bound_ms == b.lower_bound_ms
+    assert a.search["exhaustive"] == b.search["exhaustive"]
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_same_plan_and_certificate_as_one_process(size):
+    cluster, model = _setting(1)
+    opts = SearchOptions(global_batch_size=128, seq_length=4096, workers=1, runner_up=False)
+    one = search_plan(cluster, model, opts)
+    out = run_threads(size, cluster, model, opts)
+    assert "error" not in out, out.get("error")
+    (many,) = out["plans"]
+    _same(one, many)
+    assert many.search["processes"] == size
+    assert one.search["processes"] == 1
+    # every configuration was searched or cut by some searcher, none twice at the root
+    assert many.search["configs"] == one.search["configs"]
+    assert all(out[r] == 1 for r in range(1, size))   # each worker served the one job
+
+
+def test_per_stage_tp_and_runner_up_and_two_jobs():
+    """Per-stage TP (its uniform seed), the runner-up on the merged state, and a second job on
+    the same searchers."""
+    cluster, model = _setting(1)
+    opts = SearchOptions(global_batch_size=32, seq_length=2048, workers=1, tp_mode="per-stage")
+    one = search_plan(cluster, model, opts)
+    out = run_threads(2, cluster, model, opts, jobs=2)
+    assert "error" not in out, out.get("error")
+    for many in out["plans"]:
+        _same(one, many)
+        s1, s2 = one.search, many.search
+        assert s2["runner_up_status"] != "off"
+        if s1["runner_up_status"] == s2["runner_up_status"] == "exact":   # (else: time-sliced)
+            assert s2["runner_up_ms"] == s1["runner_up_ms"]
+    assert out[1] == 2
+
+
+SMALL = [([(100.0, 2, 2, 1.0), (50.0, 2, 2, 1.0)], 6, 8),
+         ([(150.0, 1, 2, 0.1), (80.0, 2, 2, 1.0), (50.0, 2, 1, 0.05)], 5, 4),
+         ([(80.0, 2, 2, 0.1), (50.0, 1, 2, 1.0)], 4, 8)]
+
+
+@pytest.mark.parametrize("pruning", ["none", "safe", "ridge"])
+@pytest.mark.parametrize("inst", SMALL)
+def test_random_clusters_every_pruning(inst, pruning):
+    """Small random clusters (the search tests' builder), every pruning rule, 3 searchers:
+    without pruning the searchers share one tree (the same node count); with it the plan,
+    its bound and exactness are one process's."""
+    types, layers, gbs = inst
+    cluster, model = make_instance(types, layers, None)
+    opts = SearchOptions(global_batch_size=gbs, seq_length=128, workers=1, pruning=pruning,
+                         runner_up=False, schedules=("1f1b", "interleaved-1f1b"))
+    one = search_plan(cluster, model, opts)
+    out = run_threads(3, cluster, model, opts)
+    assert "error" not in out, out.get("error")
+    (many,) = out["plans"]
+    _same(one, many)
+    if pruning == "none":
+        assert many.search["nodes"] == one.search["nodes"]
+
+
+def test_a_searcher_that_never_joins_is_named_in_time():
+    cluster, model = _setting(1)
+    opts = SearchOptions(global_batch_size=128, seq_length=4096, workers=1, runner_up=False)
+    out = run_threads(3, cluster, model, opts, stall_s=1.5, absent=(2,))
+    assert "plans" not in out
+    assert "search process 2 never joined" in out["error"]
+    assert isinstance(out[1], PoseidonError)     # the others stop too
+
+
+def test_a_searcher_that_dies_mid_search_is_named_in_time():
+    cluster, model = _setting(1)
+    opts = SearchOptions(global_batch_size=128, seq_length=4096, workers=1, runner_up=False)
+    out = run_threads(2, cluster, model, opts, stall_s=1.5, die_after_roots=(1,))
+    assert "plans" not in out
+    assert "search process 1 stopped answering" in out["error"]
+
+
+def test_bad_stall_setting(monkeypatch):
+    monkeypatch.setenv("POSEIDON_SEARCH_STALL_S", "soon")
+    with pytest.raises(PoseidonError, match="POSEIDON_SEARCH_STALL_S"):
+        Searchers(MemoryStore(), 0, 2)
+    with pytest.raises(PoseidonError, match="no such searcher"):
+        Searchers(MemoryStore(), 2, 2, stall_s=1.0)
+
+
+# ---------------------------------------------------------------- real processes (torchrun)
+import json  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(nproc: int, args: list[str], stall_s: float = 30.0, timeout: float = 240):
+    cmd = [TORCHRUN, "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), *args]
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1",
+           "POSEIDON_SEARCH_STALL_S": str(stall_s)}
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=ROOT)
+    return proc, proc.stdout + proc.stderr, time.monotonic() - t0
+
+
+PLAN_ARGS = ["--cluster", "examples/clusters/paper-setting1.yaml", "--model", "llama3-8b",
+             "--global-batch-size", "128", "--seq-length", "4096", "--json", "--no-runner-up"]
+
+
+def test_cli_distributed_under_torchrun_matches_one_process():
+    one = subprocess.run([sys.executable, "-m", "poseidon_plugin", "plan", *PLAN_ARGS],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT},
+                         cwd=ROOT, timeout=240)
+    assert one.returncode == 0, one.stderr[-3000:]
+    proc, out, _ = _torchrun(2, ["-m", "poseidon_plugin", "plan", "--distributed", *PLAN_ARGS])
+    assert proc.returncode == 0, out[-5000:]
+    a, b = json.loads(one.stdout), json.loads(proc.stdout)   # rank 0 alone prints
+    sa, sb = a.pop("search"), b.pop("search")
+    assert a == b
+    assert sb["processes"] == 2 and sa["processes"] == 1
+    assert sb["exhaustive"] == sa["exhaustive"]
+
+
+@pytest.mark.parametrize("mode,what", [("never", "rank 1 stopped answering"),
+                                       ("die", "rank 1 stopped answering")])
+def test_a_rank_lost_under_torchrun_ends_with_an_error(mode, what):
+    proc, out, took = _torchrun(2, ["tests/dist_search_probe.py", mode], stall_s=3.0)
+    assert proc.returncode != 0
+    assert what in out, out[-3000:]
