@@ -233,9 +233,10 @@ class Searchers:
             self._idle()
 
     # ---------------------------------------------------------------- jobs
-    def search(self, cluster, model, options, profiles=None, previous=None):
+    def search(self, cluster, model, options, profiles=None, previous=None, seeds=()):
         """Coordinator: the plan of ``search_plan(cluster, model, options, profiles,
-        previous)``, searched by every searcher."""
+        previous, seeds)``, searched by every searcher (the seeds and the previous plan are
+        offered here: their times reach the others with the incumbent)."""
         from .driver import SearchDriver
 
         if not self.coordinator:
@@ -244,7 +245,7 @@ class Searchers:
         self.jobs += 1
         self.store.set(f"job/{n}", dumps((cluster, model, options, profiles)))
         driver = SearchDriver(cluster, model, self._local(options), profiles,
-                              previous=previous)
+                              previous=previous, seeds=seeds)
         driver.share = JobShare(self, n, driver)
         driver.search()
         return driver.plan()
@@ -404,9 +405,10 @@ class JobShare:
         return dict(
             lbs={i: d.lbs[i] for i in mine},
             # (configurations as values: the per-stage seed's come from another space)
-            found=[(c, inc.time_ms, inc.opts, inc.layers) for c, inc in d.found.items()],
+            found=[(c, inc.time_ms, inc.opts, inc.layers, inc.origin)
+                   for c, inc in d.found.items()],
             best=(None if d.best is None else
-                  (d.best.cfg, d.best.time_ms, d.best.opts, d.best.layers)),
+                  (d.best.cfg, d.best.time_ms, d.best.opts, d.best.layers, d.best.origin)),
             searched=sorted(d.searched_ever),
             counters={k: getattr(st, k) for k in _SUMMED},
             first_plan_s=st.first_plan_s, timed_out=d.timed_out, stats_timed_out=st.timed_out,
@@ -421,13 +423,13 @@ class JobShare:
         d, st = self.d, self.d.stats
         for i, lb in res["lbs"].items():
             d.lbs[i] = lb
-        for cfg, t, opts, layers in res["found"]:
-            cand = Incumbent(t, cfg.key, tuple(opts), tuple(layers), cfg)
+        for cfg, t, opts, layers, origin in res["found"]:
+            cand = Incumbent(t, cfg.key, tuple(opts), tuple(layers), cfg, origin)
             if cfg not in d.found or cand < d.found[cfg]:
                 d.found[cfg] = cand
         if res["best"] is not None:
-            cfg, t, opts, layers = res["best"]
-            cand = Incumbent(t, cfg.key, tuple(opts), tuple(layers), cfg)
+            cfg, t, opts, layers, origin = res["best"]
+            cand = Incumbent(t, cfg.key, tuple(opts), tuple(layers), cfg, origin)
             if d.best is None or cand < d.best:
                 d.best = cand
             d.threshold = min(d.threshold, t)
