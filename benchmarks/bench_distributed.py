@@ -12,7 +12,7 @@ and a launch use; ``manager``: a multiprocessing manager's dict (no torch needed
 
 Cases: the paper settings of ``bench_search.py`` (global batch 128, sequence 4096) and the
 frontier clusters of ``bench_scale.py`` (global batch 1024, sequence 4096). Columns:
-``wall s`` = the search's wall time on searcher 0 (its process start excluded), ``nodes`` =
+``wall s`` = the search's wall time on searcher 0 (from when every process is up), ``nodes`` =
 search-tree nodes of every searcher, ``plan ms`` / ``bound ms`` = the plan's predicted time and
 the proven lower bound, ``exhaustive`` = the search ended (not the budget), ``speed-up`` = the
 P = 1 row's wall time / this row's (same case). The runner-up is off (it runs on searcher 0
@@ -110,11 +110,14 @@ def _searcher(rank: int, size: int, case: str, budget, workers: int, transport: 
 
     store = _store(transport, rank, size, addr)
     with Searchers(store, rank, size, workers=workers) as g:
+        store.set(f"ready/{rank}", b"1")     # imported and connected
         if rank != 0:
             g.serve()
             store.set(f"done/{rank}", b"1")
             return
         cluster, model, opts = _inputs(case, budget, workers)
+        for r in range(1, size):     # the clock starts when every process is up (as in a launch)
+            g.wait_for(f"ready/{r}", time.monotonic() + 300)
         t0 = time.perf_counter()
         plan = g.search(cluster, model, opts)
         results.put(_summary(plan, time.perf_counter() - t0))
