@@ -254,7 +254,8 @@ def test_bad_cp_is_one_clear_error():
 def test_launch_keeps_the_scripts_context_parallelism_in_a_dry_run(tmp_path):
     """4 emulated ranks, ``--context-parallel-size 2``: the launch profiles the layer as a CP
     rank computes it, at seq / CP = 64 tokens and without a CP group (megatron-core's local
-    attention refuses CP), plans CP 2 on those measured records and hands it to the script. Only a dry run: training with CP on the CPU stops
+    attention refuses CP), plans CP 2 on those measured records and hands it to the script.
+    Only a dry run: training with CP on the CPU stops
     in megatron-core ("Context parallelism is only supported by TEDotProductAttention!")."""
     import json
 
