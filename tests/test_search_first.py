@@ -140,3 +140,14 @@ def test_cli_budget_of_1e9_never_slower_than_a_printed_baseline(cluster, model, 
     assert "plan found by: " in r.stdout     # labelled: the search did not find it
     assert d["search"]["plan_origin"] in r.stdout or d["search"]["plan_origin"] in (
         "construction", "polish", "warm-up")
+
+
+def test_a_baselines_search_keeps_its_budget():
+    """The baselines' searches (first_plan_overrun=False) do not overrun a tiny budget for a
+    first plan: they stop, with the time-budget error, where the plan's own search goes on."""
+    from poseidon_plugin.errors import InfeasibleError
+
+    with pytest.raises(InfeasibleError, match="ran out before any plan was found"):
+        search_plan(load_cluster(TIGHT), get_model("llama3-405b"), SearchOptions(
+            global_batch_size=1024, seq_length=4096, runner_up=False, workers=1,
+            time_budget_s=1e-9, first_plan_overrun=False))

@@ -329,10 +329,7 @@ class SearchDriver:
             self.progress.close(self.snapshot() if self.best is not None else None)
         if self.best is None:
             if self.timed_out:
-                raise InfeasibleError(
-                    f"time budget (--time-budget / time_budget_s) of "
-                    f"{self.options.time_budget_s:g} s ran out before any plan was found; "
-                    f"give the search more time")
+                raise InfeasibleError(self._timed_out_message())
             from .baselines import explain_infeasible
             why = explain_infeasible(self.ctx.cm, self.configs)
             if self.stats.excluded:
@@ -495,8 +492,16 @@ class SearchDriver:
         if self.exact:
             self.roots, self.order = [0.0] * n, list(range(n))
         else:
-            self.roots = (self.share.root_bounds() if self.share is not None else
-                          [self.ctx.root_bound(c) for c in self.configs])
+            if self.share is not None:
+                self.roots = self.share.root_bounds()
+            else:
+                self.roots = []
+                for at, c in enumerate(self.configs):
+                    if (at % 256 == 255 and not self.options.first_plan_overrun
+                            and self._past_deadline()):
+                        # (a baseline's search: its budget ran out before the root bounds)
+                        raise InfeasibleError(self._timed_out_message())
+                    self.roots.append(self.ctx.root_bound(c))
             self.order = sorted(range(n), key=lambda i: (self.roots[i], self.configs[i].key))
         self.lbs = list(self.roots)
         if self.share is not None:
@@ -956,6 +961,11 @@ class SearchDriver:
                           global_batch_size=self.options.global_batch_size,
                           predicted_ms=b.time_ms, lower_bound_ms=self.lower_bound_ms(),
                           search_stats=self.stats.as_dict())
+
+    def _timed_out_message(self) -> str:
+        return (f"time budget (--time-budget / time_budget_s) of "
+                f"{self.options.time_budget_s:g} s ran out before any plan was found; "
+                f"give the search more time")
 
     def _no_config_message(self) -> str:
         g, mbs = self.options.global_batch_size, self.options.micro_batch_sizes
