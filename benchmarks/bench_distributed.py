@@ -104,10 +104,18 @@ class _ManagerStore:
         return self.d.get(key)
 
 
+def _log(rank: int) -> None:
+    if os.environ.get("BENCH_LOG"):     # BENCH_LOG=1: the search's debug lines, per process
+        import logging
+        logging.basicConfig(level=logging.DEBUG, format=f"%(relativeCreated)7.0f ms [{rank}] "
+                            "%(message)s")
+
+
 def _searcher(rank: int, size: int, case: str, budget, workers: int, transport: str, addr,
               results) -> None:
     from poseidon_plugin.search.distributed import Searchers
 
+    _log(rank)
     store = _store(transport, rank, size, addr)
     with Searchers(store, rank, size, workers=workers) as g:
         store.set(f"ready/{rank}", b"1")     # imported and connected
@@ -128,6 +136,7 @@ def _searcher(rank: int, size: int, case: str, budget, workers: int, transport: 
 def _single(case: str, budget, workers: int, results) -> None:
     from poseidon_plugin.search import search_plan
 
+    _log(0)
     cluster, model, opts = _inputs(case, budget, workers)
     t0 = time.perf_counter()
     plan = search_plan(cluster, model, opts)

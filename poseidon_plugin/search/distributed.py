@@ -291,6 +291,8 @@ class JobShare:
 
     def __init__(self, group: Searchers, job: int, driver) -> None:
         self.g, self.job, self.d = group, job, driver
+        driver.phase_share = 1.0 / group.size   # every searcher constructs and polishes in
+                                                # its share: the same CPU time as one process
         self._mine = math.inf          # this share's threshold (written by the driver)
         self._sent = math.inf
         self._foreign = math.inf       # the best time published by the others

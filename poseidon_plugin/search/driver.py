@@ -213,6 +213,8 @@ class SearchDriver:
         self._pool: ThreadPoolExecutor | None = None     # the rounds' worker threads
         self.share = None     # distributed.JobShare: this process searches a share of the
                               # configurations, exchanging the incumbent with the others
+        self.phase_share = 1.0   # ... and the construction's and polish's time slices are
+                                 # this share of one process's (1 / searchers)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -519,7 +521,8 @@ class SearchDriver:
         from .construct import construct_plan
 
         t0 = time.monotonic()
-        slice_s, after_s = CONSTRUCT_SECONDS, CONSTRUCT_AFTER
+        f = self.phase_share
+        slice_s, after_s = CONSTRUCT_SECONDS * f, CONSTRUCT_AFTER * f
         if self.options.time_budget_s is not None:
             slice_s = min(slice_s, 0.1 * self.options.time_budget_s)
             after_s = min(after_s, 0.1 * self.options.time_budget_s)
@@ -576,7 +579,7 @@ class SearchDriver:
         """Local search from the best plan so far of each of the POLISH_CONFIGS configurations
         whose best is fastest, for at most POLISH_SECONDS (5 % of a time budget); each one
         ends at a local optimum, a cap or that deadline, and only improves."""
-        slice_s = POLISH_SECONDS
+        slice_s = POLISH_SECONDS * self.phase_share
         if self.options.time_budget_s is not None:
             slice_s = min(slice_s, 0.05 * self.options.time_budget_s)
         end = time.monotonic() + slice_s
