@@ -20,8 +20,14 @@ Per stage s of a plan (type k, TP t, l layers, micro-batch b, sequence S, DP d):
   layer are the first kind's model's (the same layers). ``"per-kind"`` is the default (the
   search prices the same sums: docs/search.md); ``layer_kinds="envelope"``: every layer at each
   part's maximum over the kinds. A uniform model costs the same either way (bit for bit).
-* activation send s -> s+1 (and the gradient back) = ``comm.send_ms`` of b * S * h * 2 bytes
-  (bf16) over the placement's slowest replica link, plus the cluster's per-message latency.
+* activation send s -> s+1 = ``comm.send_ms`` of b * S * h * 2 bytes (bf16) over the
+  placement's slowest replica link s -> s+1, plus the cluster's per-message latency; the
+  gradient back (``send_backward_ms``) the same over the links s+1 -> s, timed on its own
+  (``simulator_arrays`` passes both; the interleaved wrap-around link uses ``wrap_send_ms``
+  both ways).
+* megatron's per-op and per-p2p-call costs (``callcosts.py``: measured by ``poseidon profile``
+  / the launch's profiler, in the profile DB): ``engine_calls(b)``, charged by the simulator's
+  ``EngineDAG`` on 1f1b and interleaved-1f1b (none recorded: 0, the timing of older DBs).
 * DP all-reduce A_s = ``comm.allreduce_ms``, a ring over d ranks of the stage's gradient bytes:
   2(d-1)/d * bytes / bw + 2(d-1) * latency, gradient bytes = the stage's parameters on one device
   x the training setup's ``grad_bytes`` (megatron-core 0.19 accumulates and all-reduces a bf16
@@ -71,6 +77,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import memory as memory_mod
+from .callcosts import EngineCalls, engine_calls
 from .comm import ddp_buckets, dp_sync_ms, send_ms
 from .errors import PoseidonError
 from .placement import Pool, StagePlacement, place_stages, ring_gbps, send_link_gbps, type_pools
@@ -308,6 +315,16 @@ class CostModel:
         self.overhead = (lookup_overhead(profiles, cluster, model, seq_length, self.training)
                          if callable(getattr(model, "signature", None)) else None)
         self.iteration_overhead_ms = self.overhead.overhead_ms if self.overhead else 0.0
+        self._calls_cache: dict[int, EngineCalls] = {}
+
+    def engine_calls(self, micro_batch_size: int) -> EngineCalls:
+        """Megatron's per-op and per-call costs for plans of this micro-batch size (their
+        activation message), from the profile DB (``callcosts.engine_calls``; none: zeros)."""
+        hit = self._calls_cache.get(micro_batch_size)
+        if hit is None:
+            hit = self._calls_cache[micro_batch_size] = engine_calls(
+                self.profiles, self.type_names, self.activation_bytes(micro_batch_size))
+        return hit
 
     # ------------------------------------------------------------------ context parallelism
     def at_cp(self, cp: int) -> "CostModel":
@@ -647,10 +664,12 @@ class CostModel:
         v = virtual_stages
         placements, unused = place_stages(self.pools, stage_types, stage_tps, dp)
         act = self.activation_bytes(micro_batch_size)
-        sends = []
+        sends, sends_back = [], []
         for s in range(n - 1):
             sends.append(send_ms(act, send_link_gbps(self.cluster, placements[s],
                                                      placements[s + 1]), self.latency_ms))
+            sends_back.append(send_ms(act, send_link_gbps(self.cluster, placements[s + 1],
+                                                          placements[s]), self.latency_ms))
         if v > 1:
             sends.append(send_ms(act, send_link_gbps(self.cluster, placements[n - 1],
                                                      placements[0]), self.latency_ms))
@@ -732,7 +751,7 @@ class CostModel:
                 forward_ms=float(sum(fc)), backward_ms=float(sum(bc)),
                 chunk_forward_ms=tuple(fc), chunk_backward_ms=tuple(bc),
                 send_forward_ms=sends[s] if s < n - 1 else 0.0,
-                send_backward_ms=sends[s] if s < n - 1 else 0.0,
+                send_backward_ms=sends_back[s] if s < n - 1 else 0.0,
                 allreduce_ms=ar, memory_bytes=mem.total_bytes,
                 memory_capacity_bytes=self.capacity_bytes[k], memory=mem, provenance=kinds,
                 optimizer_ms=opt, overhead_ms=self.iteration_overhead_ms,
@@ -748,16 +767,19 @@ class CostModel:
 def simulator_arrays(stages, virtual_stages: int, wrap_send_ms: float = 0.0):
     """(F, B, Pf, Pb, R) in the simulator's layout (per-chunk arrays of shape (V, N) if V > 1)
     of ``StageCosts`` (or a plan's ``StagePlan``s); R[s] is the stage's post-pipeline work (DP
-    all-reduce + optimizer step + per-iteration overhead)."""
+    all-reduce + optimizer step + per-iteration overhead). ``Pb[s]`` is the stage's own
+    ``send_backward_ms`` (the gradient s+1 -> s); the wrap-around link (interleaved) is
+    ``wrap_send_ms`` both ways."""
     v = virtual_stages
     if v > 1:
         F = np.array([[st.chunk_forward_ms[c] for st in stages] for c in range(v)])
         B = np.array([[st.chunk_backward_ms[c] for st in stages] for c in range(v)])
         Pf = np.array([st.send_forward_ms for st in stages[:-1]] + [wrap_send_ms])
+        Pb = np.array([st.send_backward_ms for st in stages[:-1]] + [wrap_send_ms])
     else:
         F = np.array([st.forward_ms for st in stages])
         B = np.array([st.backward_ms for st in stages])
         Pf = np.array([st.send_forward_ms for st in stages[:-1]])
-    Pb = Pf.copy()
+        Pb = np.array([st.send_backward_ms for st in stages[:-1]])
     R = np.array([st.post_pipeline_ms for st in stages])
     return F, B, Pf, Pb, R

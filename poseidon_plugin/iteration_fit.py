@@ -64,7 +64,8 @@ def retimed_ms(plan, fwd_ratio: Sequence[float], bwd_ratio: Sequence[float]) -> 
     fr, br = np.asarray(fwd_ratio, dtype=float), np.asarray(bwd_ratio, dtype=float)
     R = R - np.array([float(getattr(s, "overhead_ms", 0.0)) for s in plan.stages])
     return iteration_time_ms(F * fr, B * br, Pf, Pb, np.maximum(R, 0.0), plan.num_microbatches,
-                             plan.schedule, plan.virtual_stages, engine=TIMING_MODEL == "engine")
+                             plan.schedule, plan.virtual_stages, engine=TIMING_MODEL == "engine",
+                             calls=tuple(getattr(plan, "engine_calls", (0.0,) * 4)))
 
 
 def fit_iteration(plan, stage_forward_ms: Sequence[float], stage_backward_ms: Sequence[float],

@@ -20,7 +20,10 @@ indent, floats rounded to 6 decimals, trailing newline, so equal plans give equa
                             "activations_bytes", "reserve_bytes", "total_bytes",
                             "activations_source"}}],
      "links": [{"from_stage", "to_stage", "send_ms", "wrap_around" (interleaved last->first)}],
-     "wrap_send_ms", "timing_model" ("engine": re-derive with Plan.rederived_iteration_time_ms),
+     "wrap_send_ms", "timing_model": {"name": "engine", "op_forward_ms", "op_backward_ms",
+     "send_call_ms", "recv_ready_ms", "source"} (the simulator and megatron's per-op / per-call
+     costs it charged, ``callcosts.py``; re-derive with Plan.rederived_iteration_time_ms; the
+     string "engine" in older plans: no such costs),
      "iteration_overhead": {"ms", "source", "record"} or null,
      "training": {"recompute", "distributed_optimizer", "params_dtype", "grad_dtype",
                   "attention", "overlap_grad_reduce", "overlap_param_gather"},
@@ -91,6 +94,22 @@ PLAN_FORMAT_VERSION = 1
 TIMING_MODEL = "engine"
 """How the search times a plan: ``engine`` = ``_core.EngineDAG`` (as megatron-core executes the
 schedule: blocking, bundled p2p calls); ``Plan.rederived_iteration_time_ms`` uses the same."""
+
+
+def _timing_from_json(tm) -> dict[str, Any]:
+    """``Plan`` fields of a JSON ``timing_model``: an object (with the per-op / per-call costs)
+    or, in older plans, the bare name (no such costs)."""
+    if isinstance(tm, str):
+        if tm != TIMING_MODEL:
+            raise ValueError(f"timing_model {tm!r} is not {TIMING_MODEL!r}")
+        return {}
+    if not isinstance(tm, dict) or tm.get("name") != TIMING_MODEL:
+        raise ValueError(f"timing_model: expected {{'name': {TIMING_MODEL!r}, ...}}, got {tm!r}")
+    calls = tuple(float(tm.get(k, 0.0)) for k in
+                  ("op_forward_ms", "op_backward_ms", "send_call_ms", "recv_ready_ms"))
+    if any(not (c >= 0.0) or c == float("inf") for c in calls):
+        raise ValueError(f"timing_model: expected finite costs >= 0 ms, got {calls}")
+    return {"engine_calls": calls, "engine_calls_source": str(tm.get("source", "none"))}
 
 
 @dataclass(frozen=True)
@@ -261,6 +280,10 @@ class Plan:
     # where the stages' overhead_ms came from: {"ms", "source", "record"}; {} = none
     iteration_overhead: dict[str, Any] = field(default_factory=dict)
     cp: int = 1     # context parallelism: every stage's TP groups are dp x cp
+    # megatron's per-op / per-call costs the search charged: (op forward, op backward,
+    # send call, receive ready) ms and their source (``callcosts.EngineCalls``)
+    engine_calls: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    engine_calls_source: str = "none"
 
     # ------------------------------------------------------------------ shape
     @property
@@ -410,7 +433,15 @@ class Plan:
 
         return iteration_time_ms(*self.simulator_inputs(), self.num_microbatches,
                                  self.schedule, self.virtual_stages,
-                                 engine=TIMING_MODEL == "engine")
+                                 engine=TIMING_MODEL == "engine",
+                                 calls=tuple(self.engine_calls))
+
+    def timing_model(self) -> dict[str, Any]:
+        """The JSON's ``timing_model``: the simulator and the per-op / per-call costs."""
+        fo, bo, sc, rr = self.engine_calls
+        return {"name": TIMING_MODEL, "op_forward_ms": _r(fo), "op_backward_ms": _r(bo),
+                "send_call_ms": _r(sc), "recv_ready_ms": _r(rr),
+                "source": self.engine_calls_source}
 
     # ------------------------------------------------------------------ JSON
     def with_baselines(self, entries) -> "Plan":
@@ -459,7 +490,7 @@ class Plan:
             "search": _jsonable(self.search),
             "links": self.links(),
             "wrap_send_ms": _r(self.wrap_send_ms),
-            "timing_model": TIMING_MODEL,
+            "timing_model": self.timing_model(),
             "training": _jsonable(self.training),
             "iteration_overhead": _jsonable(self.iteration_overhead) or None,
         }
@@ -513,6 +544,7 @@ class Plan:
                 mfu=d.get("mfu", 0.0), lower_bound_ms=d.get("lower_bound_ms", 0.0),
                 gap=d.get("gap", 0.0), num_layers=d.get("num_layers", 0),
                 wrap_send_ms=d.get("wrap_send_ms", 0.0),
+                **_timing_from_json(d.get("timing_model", TIMING_MODEL)),
                 baselines=tuple(dict(e) for e in d.get("baselines", ())),
                 training=d.get("training", {}),
                 iteration_overhead=dict(d.get("iteration_overhead") or {}),

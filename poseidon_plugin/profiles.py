@@ -16,6 +16,11 @@ On-disk format (``ProfileDB.VERSION`` = 1), deterministic (records sorted by key
 device; the cost model adds it, scaled by each stage's parameters, to the stage's post-pipeline
 work (``costs.py``). Written only when non-zero.
 
+``op_overheads`` and ``p2p_calls`` (optional top-level lists, written only when non-empty):
+megatron's per-op overheads and per-p2p-call costs (``callcosts.py``), measured by ``poseidon
+profile`` / the launch's profiler; the search's simulator charges them. Files without them load
+as before (their plans are timed as before).
+
 ``overheads`` (optional top-level list, written only when non-empty): per-iteration overhead
 records (``overhead.py``: what an iteration takes beyond the simulated pipeline, calibrated by
 a live run), keyed by the model, sequence, setup and the cluster's device types.
@@ -86,6 +91,8 @@ from typing import Any, Iterator, Literal, get_args
 from . import memory
 from .cluster import nominal_peak_tflops
 from .comm import allreduce_ms
+from .callcosts import (OpOverhead, P2PCall, op_overhead_from_record, op_overhead_to_record,
+                        p2p_call_from_record, p2p_call_to_record)
 from .errors import (ProfileDBError, SpecError, check_record_fields, record_choice,
                      record_field_error, short_repr)
 from .overhead import (SETUP_CHOICES, IterationOverhead, OverheadKey, overhead_from_record,
@@ -265,10 +272,13 @@ class ProfileDB:
         self.path = path
         self._records: dict[ProfileKey, LayerProfile] = {}
         self._overheads: dict[OverheadKey, IterationOverhead] = {}
+        self._op_overheads: dict[str, OpOverhead] = {}
+        self._p2p_calls: dict[tuple, P2PCall] = {}
         self._measured_index: dict[tuple, tuple[LayerProfile, ...]] | None = None
         if path is not None and os.path.exists(path):
             loaded = ProfileDB.load(path)
             self._records, self._overheads = loaded._records, loaded._overheads
+            self._op_overheads, self._p2p_calls = loaded._op_overheads, loaded._p2p_calls
 
     def __len__(self) -> int:
         return len(self._records)
@@ -311,6 +321,23 @@ class ProfileDB:
             self.put(profile)
         for o in other.overheads():
             self.put_overhead(o)
+        for x in other.op_overheads():
+            self.put_op_overhead(x)
+        for c in other.p2p_calls():
+            self.put_p2p_call(c)
+
+    # megatron's per-op overheads and per-p2p-call costs (callcosts.py); the later one wins
+    def op_overheads(self) -> list[OpOverhead]:
+        return [self._op_overheads[k] for k in sorted(self._op_overheads)]
+
+    def put_op_overhead(self, o: OpOverhead) -> None:
+        self._op_overheads[o.key] = o
+
+    def p2p_calls(self) -> list[P2PCall]:
+        return [self._p2p_calls[k] for k in sorted(self._p2p_calls)]
+
+    def put_p2p_call(self, c: P2PCall) -> None:
+        self._p2p_calls[c.key] = c
 
     # per-iteration overheads (overhead.py)
     def overheads(self) -> list[IterationOverhead]:
@@ -331,6 +358,10 @@ class ProfileDB:
                                    "records": [profile_to_record(p) for p in self.profiles()]}
         if self._overheads:
             payload["overheads"] = [overhead_to_record(o) for o in self.overheads()]
+        if self._op_overheads:
+            payload["op_overheads"] = [op_overhead_to_record(o) for o in self.op_overheads()]
+        if self._p2p_calls:
+            payload["p2p_calls"] = [p2p_call_to_record(c) for c in self.p2p_calls()]
         return json.dumps(payload, indent=2, sort_keys=True) + "\n"
 
     def save(self, path: str | None = None) -> None:
@@ -381,7 +412,7 @@ class ProfileDB:
             raise ProfileDBError(f"{source}: profile DB version {short_repr(version)} is not "
                                  f"supported (expected {cls.VERSION}); re-profile or convert "
                                  "the file")
-        extra = set(payload) - {"version", "records", "overheads"}
+        extra = set(payload) - {"version", "records", "overheads", "op_overheads", "p2p_calls"}
         if extra:
             raise ProfileDBError(f"{source}: unknown top-level field(s) {sorted(extra)}")
         records = payload.get("records")
@@ -396,6 +427,14 @@ class ProfileDB:
             db.put(profile_from_record(record, f"{source}: records[{i}]"))
         for i, record in enumerate(overheads):
             db.put_overhead(overhead_from_record(record, f"{source}: overheads[{i}]"))
+        for name, parse, put in (("op_overheads", op_overhead_from_record, db.put_op_overhead),
+                                 ("p2p_calls", p2p_call_from_record, db.put_p2p_call)):
+            items = payload.get(name, [])
+            if not isinstance(items, list):
+                raise ProfileDBError(f"{source}: {name}: expected a list, got "
+                                     f"{short_repr(items)}")
+            for i, record in enumerate(items):
+                put(parse(record, f"{source}: {name}[{i}]"))
         return db
 
     @classmethod

@@ -54,7 +54,7 @@ def test_json_carries_chunk_split_and_every_link(interleaved):
     assert [(x["from_stage"], x["to_stage"]) for x in links] == \
         [(i, i + 1) for i in range(n - 1)] + [(n - 1, 0)]
     assert links[-1]["wrap_around"] and links[-1]["send_ms"] == d["wrap_send_ms"] > 0
-    assert d["timing_model"] == "engine"
+    assert d["timing_model"]["name"] == "engine"
 
 
 def test_rederivation_depends_on_the_wrap_link_and_the_chunk_split(interleaved):

@@ -180,9 +180,10 @@ def test_predictors_return_labelled_timelines():
     prof = _profiles(case)
     dag, eng = predict_dag(case, prof), predict_engine(case, prof)
     assert isinstance(dag, Timeline) and isinstance(eng, Timeline)
-    assert dag.label == "predicted, paper DAG" and eng.label == "predicted, engine-aware"
-    assert dag.critical_path and dag.op_on_critical_path.any()
+    assert dag.label == "predicted, search's model" and eng.label == "predicted, engine-aware"
     assert eng.critical_path == () and not eng.op_on_critical_path.any()
+    one = predict_dag(DEFAULT_CASES[0], _profiles(DEFAULT_CASES[0]))   # 1f1b, no call costs
+    assert one.critical_path and one.op_on_critical_path.any()
     n_ops = 2 * case.pp * case.num_microbatches * case.virtual_stages
     assert len(dag.op_stage) == len(eng.op_stage) == n_ops
 

@@ -1,6 +1,10 @@
 """The three predictions of a case's iteration time from its stage profiles (no torch).
 
-(a) the paper's DAG (``simulator.simulate_pipeline``), (b) Eq. (1)
+(a) the search's own model: the DAG the search times plans with (``simulator._core``'s
+``get_dag(..., engine=True, calls=...)``), charged with megatron's per-op and per-call costs the
+way the search charges them from a profile DB (``search_calls``: the stages' measured costs as
+``callcosts`` records, one per emulated device type, then ``callcosts.engine_calls``), the link
+time the measured one-way latency; without measured costs the paper's DAG, (b) Eq. (1)
 (``simulator.static_estimate_ms``), (c) the engine-aware model (``simulator.engine``). (a) and (c)
 return a ``simulator.timeline.Timeline``; (b) a number. The per-stage tail R[s] given to (a) and
 (b) is the measured finalize + optimizer time of stage s (what the plugin would profile as the
@@ -9,12 +13,13 @@ stage's all-reduce); (c) models the tail as megatron runs it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import numpy as np
 
-from ..simulator import simulate_pipeline, static_estimate_ms
+from ..callcosts import EngineCalls, OpOverhead, P2PCall, engine_calls
+from ..simulator import iteration_time_ms, simulate_pipeline, static_estimate_ms
 from ..simulator.engine import EngineCosts, simulate_engine
 from ..simulator.timeline import Timeline
 from .cases import Case
@@ -43,14 +48,64 @@ def _profile_arrays(case: Case, profiles: Sequence[StageProfile]):
     return fwd, bwd, send, tail
 
 
-def predict_dag(case: Case, profiles: Sequence[StageProfile]) -> Timeline:
-    """The paper's DAG (``simulate_pipeline``), labelled "predicted, paper DAG"."""
+class _Records:
+    """The few ``ProfileDB`` methods ``callcosts.engine_calls`` reads."""
+
+    def __init__(self, ops, calls) -> None:
+        self._ops, self._calls = ops, calls
+
+    def op_overheads(self):
+        return self._ops
+
+    def p2p_calls(self):
+        return self._calls
+
+
+def search_calls(case: Case, profiles: Sequence[StageProfile], message_bytes: int
+                 ) -> tuple[EngineCalls, float | None]:
+    """(the costs the search would charge, the link latency ms or None): each emulated device
+    type's record is the median over its stages of what they measured (``harness``: the
+    schedule with zero-time layers, megatron's own p2p calls), as ``poseidon profile`` would
+    store it; then ``callcosts.engine_calls`` as the cost model calls it."""
+    ops, calls, lat = [], [], []
+    for dev in sorted(set(case.devices)):
+        ov = [p.overhead for s, p in enumerate(profiles) if case.devices[s] == dev]
+        med = (lambda k: float(np.median([o[k] for o in ov])) if all(k in o for o in ov)
+               else None)
+        if med("forward_ms") is not None:
+            ops.append(OpOverhead(dev, med("forward_ms"), med("backward_ms")))
+        if med("send_call_ms") is not None:
+            calls.append(P2PCall(dev, "intra-node", message_bytes, med("send_call_ms"),
+                                 med("recv_ready_ms"), med("latency_ms") or 0.0))
+            lat.append(med("latency_ms") or 0.0)
+    calls_ = engine_calls(_Records(ops, calls), case.devices, message_bytes)
+    return calls_, (float(np.median(lat)) if lat else None)
+
+
+def predict_dag(case: Case, profiles: Sequence[StageProfile], message_bytes: int = 1
+                ) -> Timeline:
+    """The search's model (module docstring), labelled "predicted, search's model": its time is
+    the search's C sweep; the per-op rows are the paper DAG's (1f1b without measured costs,
+    with its critical path) or ``engine.simulate_engine``'s with the same uniform costs and
+    the tail as one per-stage term (the same time: the tests hold them equal)."""
     fwd, bwd, send, tail = _profile_arrays(case, profiles)
-    if case.virtual_stages == 1:
-        fwd, bwd = fwd[0], bwd[0]
-    tl = simulate_pipeline(fwd, bwd, send, send, tail, case.num_microbatches, case.schedule,
-                           case.virtual_stages)
-    return tl.with_label("predicted, paper DAG")
+    calls, latency = search_calls(case, profiles, message_bytes)
+    if latency is not None and calls:
+        send = np.full(send.shape, latency)
+    f, b = (fwd[0], bwd[0]) if case.virtual_stages == 1 else (fwd, bwd)
+    t = iteration_time_ms(f, b, send, send, tail, case.num_microbatches, case.schedule,
+                          case.virtual_stages, engine=True,
+                          calls=calls.as_tuple() if calls else None)
+    if not calls and case.schedule == "1f1b":       # the paper's DAG: with its critical path
+        tl = simulate_pipeline(f, b, send, send, tail, case.num_microbatches, case.schedule,
+                               case.virtual_stages)
+    else:
+        n = case.pp
+        fo, bo, sc, rr = calls.as_tuple()
+        costs = EngineCosts(fwd, bwd, send, tail, np.zeros(n), np.full(n, sc), np.full(n, rr),
+                            np.full(n, fo), np.full(n, bo))
+        tl = simulate_engine(costs, case.num_microbatches, case.schedule, case.virtual_stages)
+    return replace(tl, iteration_time_ms=t).with_label("predicted, search's model")
 
 
 def predict_eq1(case: Case, profiles: Sequence[StageProfile]) -> float:

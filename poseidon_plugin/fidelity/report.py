@@ -46,7 +46,7 @@ def error_stats(rows: Sequence[Row], which: str) -> tuple[float, float]:
 
 def format_table(rows: Sequence[Row]) -> str:
     head = (f"{'case':<18} {'sched':<12} {'PP':>2} {'M':>3} {'V':>2} {'measured':>10} "
-            f"{'DAG':>9} {'err':>7} {'Eq.(1)':>9} {'err':>7} {'engine':>9} {'err':>7}")
+            f"{'search':>9} {'err':>7} {'Eq.(1)':>9} {'err':>7} {'engine':>9} {'err':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(

@@ -88,7 +88,9 @@ def build_plan(cm: CostModel, cfg: OuterConfig, opts, layers, *, global_batch_si
         gap=(t - lb) / t if t > 0 else 0.0, num_layers=cm.model.num_layers,
         wrap_send_ms=(cm.wrap_send_ms(placements, cfg.micro_batch_size)
                       if cfg.virtual_stages > 1 else 0.0),
-        training=cm.training.to_dict(), iteration_overhead=overhead_provenance(cm))
+        training=cm.training.to_dict(), iteration_overhead=overhead_provenance(cm),
+        engine_calls=cm.engine_calls(cfg.micro_batch_size).as_tuple(),
+        engine_calls_source=cm.engine_calls(cfg.micro_batch_size).source)
 
 
 def overhead_provenance(cm: CostModel) -> dict:

@@ -30,10 +30,11 @@ calls); the paper's DAG under-predicts interleaved plans by ~4 % (see docs/searc
 
 
 @lru_cache(maxsize=64)
-def cached_dag(schedule: str, n: int, m: int, v: int, slot: int = 0):
-    """The simulator's ``PipelineDAG`` of (schedule, N, M, V), built once per process and
-    ``slot`` (each thread of a split search uses its own slot: the DAG's workspace)."""
-    dag = get_dag(schedule, n, m, v, ENGINE_TIMING)
+def cached_dag(schedule: str, n: int, m: int, v: int, slot: int = 0, calls: tuple | None = None):
+    """The simulator's ``PipelineDAG`` of (schedule, N, M, V) and megatron's per-op / per-call
+    costs ``calls`` (``CostModel.engine_calls``), built once per process and ``slot`` (each
+    thread of a split search uses its own slot: the DAG's workspace)."""
+    dag = get_dag(schedule, n, m, v, ENGINE_TIMING, calls)
     return dag if slot == 0 else dag.copy()
 
 
@@ -51,7 +52,8 @@ def time_assignment(cm: CostModel, cfg: OuterConfig, stage_opts, layers):
     wrap = cm.wrap_send_ms(placements, cfg.micro_batch_size) if cfg.virtual_stages > 1 else 0.0
     F, B, Pf, Pb, R = simulator_arrays(stages, cfg.virtual_stages, wrap)
     t = iteration_time_ms(F, B, Pf, Pb, R, cfg.num_microbatches, cfg.schedule,
-                          cfg.virtual_stages, engine=ENGINE_TIMING)
+                          cfg.virtual_stages, engine=ENGINE_TIMING,
+                          calls=cm.engine_calls(cfg.micro_batch_size).as_tuple())
     return stages, placements, unused, t
 
 
@@ -227,17 +229,20 @@ class SearchContext:
         (an O x N array <= ``self.lmax(cfg)``, 0 bars an option from a stage): the best plan
         of that part of the space (the tie rule's queries, one thread)."""
         key = (cfg.schedule, cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages)
+        calls = self.cm.engine_calls(cfg.micro_batch_size).as_tuple()
         inst = (self.instance(cfg, pruning=pruning, blocks=blocks) if lmax is None
                 else self._build_instance(cfg, pruning, blocks, lmax))
-        return _search.search_config(inst, lambda: cached_dag(*key, slot), threshold_ms,
-                                     deadline, threads, lambda s: cached_dag(*key, slot + s),
+        return _search.search_config(inst, lambda: cached_dag(*key, slot, calls), threshold_ms,
+                                     deadline, threads,
+                                     lambda s: cached_dag(*key, slot + s, calls),
                                      memo, prefix)
 
     def replay(self, cfg: OuterConfig, opts, layers) -> tuple[list[float], float]:
         """(g after each stage, simulated time) of one complete assignment through the
         search's own cost and bound code (for the tests)."""
         dag = cached_dag(cfg.schedule, cfg.num_stages, cfg.num_microbatches,
-                         cfg.virtual_stages)
+                         cfg.virtual_stages, 0, self.cm.engine_calls(cfg.micro_batch_size)
+                         .as_tuple())
         return _search.replay_assignment(self.instance(cfg, pruning="none", blocks=False), dag,
                                          list(opts), list(layers))
 

@@ -88,3 +88,4 @@ cdef class EngineDAG(PipelineDAG):
     cdef int* _elast         # [N] slot of each device's last node
     cdef double* _efin       # finish workspace, slot 0 = time 0
     cdef int _enodes
+    cdef readonly tuple calls  # (op forward, op backward, send call, receive ready) ms

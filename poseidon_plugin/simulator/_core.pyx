@@ -22,7 +22,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from libc.stdlib cimport malloc, free
+from libc.stdlib cimport malloc, free, realloc
 from libc.string cimport memcpy
 
 from poseidon_plugin.errors import PoseidonError
@@ -430,7 +430,15 @@ cdef class EngineDAG(PipelineDAG):
     device; dependency: the sender's node before its call, plus the link time). The inherited
     ``simulate`` / ``predecessor_slots`` still describe the paper's DAG (op-level detail of
     the engine's schedule: ``engine.simulate_engine``). Never faster than the paper's DAG:
-    every op starts no earlier (induction over the topological order)."""
+    every op starts no earlier (induction over the topological order).
+
+    ``calls`` = (op forward, op backward, send call, receive ready) ms (``get_dag``; the
+    profile DB's ``callcosts`` records): an op node is followed by a node of its op overhead;
+    a call's receive nodes by one of ``receive ready`` (the call returns that long after its
+    last message arrived); a call that sends returns no earlier than ``send call`` after it
+    started (a node whose dependency is the call's start with that edge weight). Constant
+    slots after the inputs in the weight buffer hold the four. Exactly ``simulate_engine``
+    with the same costs on every device and a zero-time sync (tests/test_engine_calls.py)."""
 
     def __cinit__(self):
         self._elinks = NULL
@@ -444,12 +452,24 @@ cdef class EngineDAG(PipelineDAG):
         free(self._efin)
 
     def __init__(self, str schedule, int num_stages, int num_microbatches,
-                 int virtual_stages=1):
+                 int virtual_stages=1, tuple calls=None):
         super().__init__(schedule, num_stages, num_microbatches, virtual_stages)
         from poseidon_plugin.simulator.engine import device_program, walk_programs
         cdef int n = self.num_stages, m = self.num_microbatches, v = self.virtual_stages
         cdef int nv = n * v, L = self.num_links
-        progs = [device_program(schedule, n, m, s, v) for s in range(n)]
+        fo, bo, sc, rr = _call_costs(calls)
+        self.calls = (fo, bo, sc, rr)
+        # four constant slots after the inputs: op overheads (F, B), send call, receive ready
+        cdef int base = self._wlen
+        self._wlen = base + 4
+        cdef double* w2 = <double*> realloc(self._w, self._wlen * sizeof(double))
+        if not w2:
+            raise MemoryError()
+        self._w = w2
+        self._w[base], self._w[base + 1], self._w[base + 2], self._w[base + 3] = fo, bo, sc, rr
+        FO, BO, SC, RR = base, base + 1, base + 2, base + 3
+        unbundled = schedule not in ("1f1b", "interleaved-1f1b")
+        progs = [device_program(schedule, n, m, s, v, unbundled) for s in range(n)]
         # nodes in a topological order: (prev slot, dep slot, weight index, edge weight index)
         nodes = []
         last = [0] * n
@@ -462,9 +482,19 @@ cdef class EngineDAG(PipelineDAG):
                 nodes.append((last[s], 0, 1 + (nv if op.is_backward else 0) + op.chunk * n + s,
                               0))
                 last[s] = len(nodes)
+                if (bo if op.is_backward else fo) > 0.0:    # megatron's step around the model
+                    nodes.append((last[s], 0, BO if op.is_backward else FO, 0))
+                    last[s] = len(nodes)
             else:
+                t_slot = last[s]               # the call starts here
                 for r in x[2]:
                     nodes.append((last[s], sent[r], 0, _engine_edge(r, n, nv, L)))
+                    last[s] = len(nodes)
+                if x[2] and rr > 0.0:          # returns rr after max(t, arrivals)
+                    nodes.append((last[s], 0, RR, 0))
+                    last[s] = len(nodes)
+                if x[1] and sc > 0.0:          # and not before t + sc when it also sends
+                    nodes.append((last[s], t_slot, 0, SC) if x[2] else (last[s], 0, SC, 0))
                     last[s] = len(nodes)
         # sort by DAG level (stable), as the paper's DAG is: consecutive nodes are independent
         # and the CPU overlaps them (about 4x faster than the discovery order)
@@ -510,6 +540,8 @@ cdef class EngineDAG(PipelineDAG):
         memcpy(o._elinks, self._elinks, total * sizeof(OpLink))
         memcpy(o._elast, self._elast, self.num_stages * sizeof(int))
         o._efin[0] = 0.0
+        memcpy(o._w + self._wlen - 4, self._w + self._wlen - 4, 4 * sizeof(double))
+        o.calls = self.calls
 
     cdef double iteration_time(self, const double* F, const double* B, const double* Pf,
                                const double* Pb, const double* R) noexcept nogil:
@@ -528,13 +560,34 @@ def _engine_edge(tuple msg, int n, int nv, int L):
     return 1 + 2 * nv + (0 if msg[0] == "F" else L) + lo
 
 
+def _call_costs(calls) -> tuple:
+    """(op forward, op backward, send call, receive ready) overheads in ms (``engine.py``'s
+    ``fwd_overhead_ms``, ``bwd_overhead_ms``, ``send_call_ms``, ``recv_ready_ms``, one value
+    for every device), finite and >= 0; None: all 0."""
+    if calls is None:
+        return (0.0, 0.0, 0.0, 0.0)
+    out = tuple(float(c) for c in calls)
+    if len(out) != 4 or any(not (c >= 0.0) or c == float("inf") for c in out):
+        raise PoseidonError(f"engine call costs: expected 4 finite times >= 0 ms (op forward, "
+                            f"op backward, send call, receive ready), got {calls!r}")
+    return out
+
+
 @lru_cache(maxsize=256)
 def get_dag(str schedule, int num_stages, int num_microbatches, int virtual_stages=1,
-            bint engine=False):
+            bint engine=False, tuple calls=None):
     """The cached DAG of (schedule, N, M, V). ``engine``: the timing of how megatron-core runs
     it (an ``EngineDAG`` for interleaved-1f1b; 1f1b is the same either way, and eager-1f1b /
-    gpipe are not run by megatron-core, so they keep the paper's DAG). Shared: use ``.copy()``
-    per thread when calling its ``nogil`` API from several threads."""
+    gpipe are not run by megatron-core, so they keep the paper's DAG). ``calls`` (engine only):
+    megatron's per-op and per-call overheads ``(op forward, op backward, send call, receive
+    ready)`` ms; when any is non-zero, every schedule is timed by an ``EngineDAG`` that charges
+    them (``engine.simulate_engine``'s semantics, one value for every device; eager-1f1b and
+    gpipe, which megatron-core does not run, with one blocking call per message:
+    ``engine.device_program(unbundled=True)``).
+    Shared: use ``.copy()`` per thread when calling its ``nogil`` API from several threads."""
+    costs = _call_costs(calls)
+    if engine and any(costs):
+        return EngineDAG(schedule, num_stages, num_microbatches, virtual_stages, costs)
     if engine and schedule == "interleaved-1f1b":
         return EngineDAG(schedule, num_stages, num_microbatches, virtual_stages)
     return PipelineDAG(schedule, num_stages, num_microbatches, virtual_stages)

@@ -112,13 +112,22 @@ def _recv_of(n: int, v: int, s: int, op: Op):
     return ("F", op.chunk, op.microbatch, n - 1, s) if op.chunk > 0 else None
 
 
-def device_program(schedule: str, n: int, m: int, s: int, v: int = 1) -> list[tuple]:
-    """The op / blocking-call sequence megatron-core runs on device ``s``."""
+def device_program(schedule: str, n: int, m: int, s: int, v: int = 1,
+                   unbundled: bool = False) -> list[tuple]:
+    """The op / blocking-call sequence megatron-core runs on device ``s``. ``unbundled``: for
+    the schedules megatron-core does not run (eager-1f1b, gpipe), the same op order with one
+    blocking receive before each op that takes its input from another device and one blocking
+    send after each op whose output goes to one (what the search charges them with when
+    per-call costs are measured, so every schedule pays for its calls)."""
     orders = op_orders(schedule, n, m, v)
     ops = orders[s]
     snd = (lambda op: [k for k in [_send_of(n, v, s, op)] if k is not None])
     rcv = (lambda op: [k for k in [_recv_of(n, v, s, op)] if k is not None])
     prog: list[tuple] = []
+    if unbundled:
+        for op in ops:
+            prog += [("call", [], rcv(op)), ("op", op), ("call", snd(op), [])]
+        return [p for p in prog if p[0] == "op" or p[1] or p[2]]
     if schedule in ("1f1b", "gpipe", "eager-1f1b") or v == 1:
         if schedule != "1f1b" and not (schedule == "interleaved-1f1b" and v == 1):
             raise PoseidonError(f"engine model: schedule {schedule!r} is not run by megatron-core")
@@ -241,7 +250,8 @@ def simulate_engine(costs: EngineCosts, num_microbatches: int, schedule: str = "
     if costs.forward_ms.shape != (v, n):
         raise PoseidonError(f"engine model: forward_ms has shape {costs.forward_ms.shape}, "
                             f"expected ({v}, {n})")
-    progs = [device_program(schedule, n, m, s, v) for s in range(n)]
+    unbundled = schedule not in ("1f1b", "interleaved-1f1b")   # not run by megatron-core
+    progs = [device_program(schedule, n, m, s, v, unbundled) for s in range(n)]
 
     def link(msg) -> float:
         lo = link_index(msg, n)

@@ -97,19 +97,22 @@ def normalize_inputs(forward_ms, backward_ms, send_forward_ms, send_backward_ms,
                      n, m, schedule, v)
 
 
-def _dag_for(x: SimInputs, engine: bool = False):
-    return _core.get_dag(x.schedule, x.num_stages, x.num_microbatches, x.virtual_stages, engine)
+def _dag_for(x: SimInputs, engine: bool = False, calls=None):
+    return _core.get_dag(x.schedule, x.num_stages, x.num_microbatches, x.virtual_stages, engine,
+                         None if calls is None else tuple(float(c) for c in calls))
 
 
 def iteration_time_ms(forward_ms, backward_ms, send_forward_ms, send_backward_ms, allreduce_ms,
                       num_microbatches: int, schedule: str = "1f1b",
-                      virtual_stages: int = 1, engine: bool = False) -> float:
+                      virtual_stages: int = 1, engine: bool = False, calls=None) -> float:
     """Fast path: the longest-path length only (no per-op arrays, no critical path).
     ``engine``: as megatron-core executes the schedule (``_core.EngineDAG``: blocking, bundled
-    p2p calls; differs from the paper's DAG for interleaved-1f1b only)."""
+    p2p calls; differs from the paper's DAG for interleaved-1f1b only). ``calls`` (with
+    ``engine``): megatron's per-op and per-call costs ``(op forward, op backward, send call,
+    receive ready)`` ms charged on 1f1b and interleaved-1f1b (``callcosts.py``)."""
     x = normalize_inputs(forward_ms, backward_ms, send_forward_ms, send_backward_ms,
                          allreduce_ms, num_microbatches, schedule, virtual_stages)
-    return float(_dag_for(x, engine).time_ms(x.forward_ms, x.backward_ms, x.send_forward_ms,
+    return float(_dag_for(x, engine, calls).time_ms(x.forward_ms, x.backward_ms, x.send_forward_ms,
                                      x.send_backward_ms, x.allreduce_ms))
 
 
