@@ -5,6 +5,7 @@ real megatron-core run (integration)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -221,3 +222,27 @@ def test_real_validate_run_small(tmp_path):
     from poseidon_plugin.fidelity.report import draw_case
     path = draw_case(results[1], str(tmp_path / "val.png"))
     assert (tmp_path / "val.png").stat().st_size > 10_000 and path.endswith(".png")
+
+
+def test_call_records_are_stored_in_a_profile_db(tmp_path):
+    """``poseidon validate --profile-db``: the run's per-type medians as DB records, which the
+    cost model then charges (``callcosts.engine_calls``)."""
+    from poseidon_plugin.callcosts import engine_calls
+    from poseidon_plugin.fidelity.cases import Emulation
+    from poseidon_plugin.fidelity.report import CaseResult, assemble_case, store_call_records
+    from poseidon_plugin.profiles import ProfileDB
+
+    case = DEFAULT_CASES[3]       # pp4: fast, mid, slow, mid
+    ov = [{"send_call_ms": 0.1 * (s + 1), "recv_ready_ms": 0.2, "latency_ms": 0.05,
+           "forward_ms": 0.3 + s, "backward_ms": 0.4} for s in range(case.pp)]
+    prof = [dataclasses.replace(p, overhead=o) for p, o in zip(_profiles(case), ov)]
+    res = CaseResult(case, None, prof, [], [])
+    path = str(tmp_path / "db.json")
+    line = store_call_records([res], Emulation(), path)
+    assert "3 op overhead and 3 p2p call" in line
+    db = ProfileDB.load(path)
+    by_type = {o.device_type: o for o in db.op_overheads()}
+    assert by_type["emu-mid"].forward_ms == pytest.approx((1.3 + 3.3) / 2)   # stages 1 and 3
+    calls = engine_calls(db, case.devices, 4 * 16 * 2 * 64)
+    assert calls.op_forward_ms == pytest.approx(2.3)   # the largest type (mid and slow: 2.3)
+    assert calls.send_call_ms == pytest.approx(0.3)

@@ -9,7 +9,7 @@ from typing import Sequence
 
 from ..errors import PoseidonError
 from .cases import Emulation, select_cases
-from .report import draw_case, format_table, write_json
+from .report import draw_case, format_table, store_call_records, write_json
 
 
 class _Parser(argparse.ArgumentParser):
@@ -40,6 +40,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gantt-case", default=None, help="the case to draw (default: the first)")
     p.add_argument("--json", default=None, metavar="FILE",
                    help="write every row, stage profile and measured op as JSON to FILE")
+    p.add_argument("--profile-db", default=None, metavar="FILE",
+                   help="store the measured per-op overheads and p2p call costs of each "
+                   "emulated device type in this profile DB (op_overheads / p2p_calls records, "
+                   "merged into FILE; the search charges them)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     return p
 
@@ -74,6 +78,8 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
           f"{time.time() - t0:.0f} s)")
     if ns.json:
         write_json(results, ns.json)
+    if ns.profile_db:
+        print(f"profile DB: {store_call_records(results, emu, ns.profile_db)}")
     if ns.gantt:
         res = next(r for r in results if r.case.name == gantt_case)
         print(f"Gantt chart: {draw_case(res, ns.gantt)}")

@@ -61,25 +61,36 @@ class _Records:
         return self._calls
 
 
-def search_calls(case: Case, profiles: Sequence[StageProfile], message_bytes: int
-                 ) -> tuple[EngineCalls, float | None]:
-    """(the costs the search would charge, the link latency ms or None): each emulated device
-    type's record is the median over its stages of what they measured (``harness``: the
-    schedule with zero-time layers, megatron's own p2p calls), as ``poseidon profile`` would
-    store it; then ``callcosts.engine_calls`` as the cost model calls it."""
+def call_records(cases_profiles, message_bytes: int) -> tuple[list, list, float | None]:
+    """(op overhead records, p2p call records, median latency ms or None) of the emulated
+    device types, as ``poseidon profile`` would store them: each type's record is the median
+    over its stages (of every (case, profiles) pair given) of what they measured
+    (``harness``: the schedule with zero-time layers, megatron's own p2p calls)."""
+    per_type: dict[str, list[dict]] = {}
+    for case, profiles in cases_profiles:
+        for s, p in enumerate(profiles):
+            per_type.setdefault(case.devices[s], []).append(p.overhead)
     ops, calls, lat = [], [], []
-    for dev in sorted(set(case.devices)):
-        ov = [p.overhead for s, p in enumerate(profiles) if case.devices[s] == dev]
+    for dev in sorted(per_type):
+        ov = per_type[dev]
         med = (lambda k: float(np.median([o[k] for o in ov])) if all(k in o for o in ov)
                else None)
         if med("forward_ms") is not None:
             ops.append(OpOverhead(dev, med("forward_ms"), med("backward_ms")))
         if med("send_call_ms") is not None:
-            calls.append(P2PCall(dev, "intra-node", message_bytes, med("send_call_ms"),
-                                 med("recv_ready_ms"), med("latency_ms") or 0.0))
+            calls.append(P2PCall(dev, "intra-node", max(int(message_bytes), 1),
+                                 med("send_call_ms"), med("recv_ready_ms"),
+                                 med("latency_ms") or 0.0))
             lat.append(med("latency_ms") or 0.0)
-    calls_ = engine_calls(_Records(ops, calls), case.devices, message_bytes)
-    return calls_, (float(np.median(lat)) if lat else None)
+    return ops, calls, (float(np.median(lat)) if lat else None)
+
+
+def search_calls(case: Case, profiles: Sequence[StageProfile], message_bytes: int
+                 ) -> tuple[EngineCalls, float | None]:
+    """(the costs the search would charge, the link latency ms or None): the case's
+    ``call_records``, then ``callcosts.engine_calls`` as the cost model calls it."""
+    ops, calls, latency = call_records([(case, profiles)], message_bytes)
+    return engine_calls(_Records(ops, calls), case.devices, max(int(message_bytes), 1)), latency
 
 
 def predict_dag(case: Case, profiles: Sequence[StageProfile], message_bytes: int = 1

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 from .cases import Case
-from .predict import StageProfile, predict_dag, predict_engine, predict_eq1
+from .predict import StageProfile, call_records, predict_dag, predict_engine, predict_eq1
 
 PREDICTORS = ("dag", "eq1", "engine")
 
@@ -117,3 +117,24 @@ def write_json(results: Sequence[CaseResult], path: str) -> None:
                    "profiles": {r.case.name: [asdict(p) for p in r.profiles] for r in results},
                    "measured_records": {r.case.name: r.measured_records for r in results}},
                   f, indent=1, sort_keys=True)
+
+
+def message_bytes(emu) -> int:
+    """Bytes of one activation message of the emulation (fp32 seq x micro-batch x hidden)."""
+    return 4 * emu.seq_length * emu.micro_batch_size * emu.hidden
+
+
+def store_call_records(results: Sequence[CaseResult], emu, path: str) -> str:
+    """Merge the run's per-type op overhead and p2p call records (``predict.call_records``
+    over every case) into the profile DB at ``path``; a one-line summary."""
+    from ..profiles import ProfileDB
+
+    ops, calls, _ = call_records([(r.case, r.profiles) for r in results], message_bytes(emu))
+    db = ProfileDB(path)
+    for o in ops:
+        db.put_op_overhead(o)
+    for c in calls:
+        db.put_p2p_call(c)
+    db.save(path)
+    return (f"{path}: {len(ops)} op overhead and {len(calls)} p2p call record(s) "
+            f"({', '.join(o.device_type for o in ops)})")
