@@ -151,7 +151,7 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="safe (default: exact; the ridge rule only where its theorem's "
                     "assumptions hold), ridge (the paper's ridge rule everywhere: may miss the "
                     "optimum, proves no bound, and turns the dominance memo off, so it is often "
-                    "SLOWER than safe: 7x on a 16-device case), none (no ridge rule: the "
+                    "SLOWER than safe: 2x the nodes on paper setting 1 with per-stage TP), none (no ridge rule: the "
                     "exhaustive check)")
     g = pl.add_mutually_exclusive_group()
     g.add_argument("--uniform-tp", dest="tp_mode", action="store_const", const="uniform",
