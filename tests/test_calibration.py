@@ -321,3 +321,78 @@ def test_windows_follow_the_run_length():
     assert calibration_windows(16) == (1, 7, 7)
     assert calibration_windows(100000) == (1, 10, 10)
     assert calibration_windows(None) == calibration_windows(3) == (1, 3, 3)
+
+
+# -- the adaptive warm-up ----------------------------------------------------------------------
+# the H100 MoE run of the README (run.log, "elapsed time per iteration", iterations 1-19)
+MOE_H100_PERIODS = [2911.3, 1947.8, 922.4, 857.3, 771.7, 647.2, 729.5, 582.6, 644.8, 493.4,
+                    477.6, 556.5, 604.9, 648.3, 594.0, 623.3, 550.7, 710.8, 545.4]
+
+
+def test_a_steady_run_keeps_the_configured_windows():
+    from poseidon_plugin.megatron.calibration import choose_windows
+
+    w, c, m, why = choose_windows([900.0] + [100.0, 101.0, 99.0] * 6, 1, 9, 9)
+    assert (w, c, m) == (1, 9, 9) and why.iterations == 1 and "as configured" in why.reason
+
+
+def test_the_long_decaying_warm_up_of_the_h100_moe_run_is_skipped():
+    from poseidon_plugin.megatron.calibration import choose_windows
+
+    w, c, m, why = choose_windows(MOE_H100_PERIODS, 1, 9, 9)
+    # iterations 1-5 (2911 .. 772 ms) are warm-up; 6-10 calibrate; the measured 11-19 stay
+    assert (w, c, m) == (5, 5, 9) and why.iterations == 5
+    assert "adaptive" in why.reason and "from iteration 6" in why.reason
+
+
+def test_a_noisy_steady_state_does_not_push_the_warm_up_on():
+    """Periods as noisy as the MoE run's steady state (477-711 ms), a spike late in the run and
+    a fast outlier inside it: only the first (slow) iteration is warm-up."""
+    from poseidon_plugin.megatron.calibration import choose_windows
+
+    steady = [600.0, 480.0, 700.0, 550.0, 711.0, 477.0, 640.0, 590.0, 520.0, 300.0,
+              610.0, 560.0, 1500.0, 600.0, 530.0, 650.0, 580.0, 620.0]
+    w, c, m, why = choose_windows([2500.0] + steady, 1, 9, 9)
+    assert (w, c, m) == (1, 9, 9)
+    # one fast iteration inside a slow warm-up does not end it
+    w, _, _, _ = choose_windows([2500.0, 1500.0, 500.0, 1400.0, 1300.0] + steady[:14], 1, 9, 9)
+    assert w == 5
+
+
+def test_a_warm_up_that_never_settles_keeps_minimum_windows():
+    from poseidon_plugin.megatron.calibration import MIN_WINDOW, choose_windows
+
+    # still slow when the latest warm-up that leaves both windows is reached
+    w, c, m, why = choose_windows([1000.0, 900.0, 800.0, 700.0, 150.0, 100.0, 100.0], 1, 3, 3)
+    assert (w, c, m) == (7 - 2 * MIN_WINDOW, MIN_WINDOW, MIN_WINDOW)
+    assert "cut short" in why.reason
+    # still falling steadily: the band widens with the later half's spread; both windows kept
+    w, c, m, why = choose_windows([1000.0 - 40.0 * i for i in range(19)], 1, 9, 9)
+    assert w + c + m == 19 and min(c, m) >= MIN_WINDOW and 1 < w < 19 - 2 * MIN_WINDOW
+    # a warm-up past the configured calibration start: what follows it split in two
+    w, c, m, _ = choose_windows([900.0, 800.0, 700.0, 100.0, 100.0, 101.0, 100.0], 1, 3, 3)
+    assert (w, c, m) == (3, 2, 2)
+
+
+def test_a_run_too_short_to_adapt_keeps_the_configured_windows():
+    from poseidon_plugin.megatron.calibration import choose_windows
+
+    assert choose_windows([900.0, 100.0, 100.0], 1, 1, 1)[:3] == (1, 1, 1)
+    w, c, m, why = choose_windows([900.0, 800.0, 700.0, 100.0], 1, 3, 3)   # too few recorded
+    assert (w, c, m) == (1, 3, 3) and "fixed" in why.reason
+
+
+def test_the_report_line_names_the_warm_up(both_stages):
+    """A 3-iteration warm-up (far slower) inside a configured (1, 3, 4): the fit skips it and the
+    line says which iterations were warm-up; the rest split: calibration 4-5, measured 6-8."""
+    plan = real_plan()
+    lines = []
+    cal = LiveCalibration(plan, stage=0, emit=lines.append, warmup_iterations=1,
+                          calibrate_iterations=3, measure_iterations=4)
+    cal.recorder = OpRecorder(0)
+    _run(cal, plan, lambda i: (3.0, 400.0 - 100.0 * i) if i < 3 else (1.2, 25.0))
+    rep = cal.report()
+    assert rep.windows == ((4, 5), (6, 8)) and rep.warmup.iterations == 3
+    assert rep.check.overhead_ms == pytest.approx(25.0, abs=1e-6)
+    assert rep.written.overhead_ms == pytest.approx(25.0, abs=1e-6)
+    assert "fitted to iterations 4-5 after a warm-up of iterations 1-3 (adaptive" in lines[0]

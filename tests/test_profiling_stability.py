@@ -459,3 +459,94 @@ def test_an_early_megatron_copy_without_the_multi_tensor_kernel_is_not_used(monk
     monkeypatch.setattr(opt_mod, "_multi_tensor_copy_this_to_that",
                         lambda this, that: None)
     assert profiler.megatron_step_functions() is None
+
+
+# --------------------------------------------------------------------------- device warm-up
+def test_settle_stops_when_two_consecutive_readings_agree():
+    from poseidon_plugin.megatron.sampling import settle
+
+    # falling first readings (one-time costs), then two within 5 %: 4 untimed calls
+    readings = [(9.0, 3.0), (5.0, 4.0), (3.6, 4.6), (3.5, 4.7), (3.5, 4.7)]
+    calls = []
+    res = settle(lambda: calls.append(1) or readings[len(calls) - 1], 0.05, 40, 10.0,
+                 clock=FakeClock())
+    assert res.readings == 4 == len(calls) and res.agreed and res.last == (3.5, 4.7)
+    # every quantity must agree: a backward still moving keeps it going
+    res = settle(series([(3.5, 9.0), (3.5, 6.0), (3.5, 5.0), (3.5, 5.1)]), 0.05, 40, 10.0,
+                 clock=FakeClock())
+    assert res.readings == 4 and res.agreed
+
+
+def test_settle_is_bounded_in_count_and_time():
+    from poseidon_plugin.megatron.sampling import settle
+
+    alternating = itertools.cycle([(1.0, 2.0), (2.0, 1.0)])
+    res = settle(lambda: next(alternating), 0.05, 7, 1e9, clock=FakeClock())
+    assert res.readings == 7 and not res.agreed
+    res = settle(lambda: next(alternating), 0.05, 1000, 10.0, clock=FakeClock(step=1.0))
+    # the clock advances 1 s per reading: the first read starts it, the 10th call sees 10 s
+    assert res.readings == 10 and not res.agreed
+    # the ranks of a group stop together: another rank's stop ends this rank's warm-up
+    votes = []
+    res = settle(lambda: next(alternating), 0.05, 1000, 1e9, clock=FakeClock(),
+                 agree=lambda stop: votes.append(stop) or len(votes) >= 3)
+    assert res.readings == 3 and votes == [False, False, False]
+
+
+def test_the_first_configuration_gets_the_longer_device_warm_up(monkeypatch):
+    from poseidon_plugin.megatron import profiler
+
+    monkeypatch.setattr(profiler, "_settled_devices", set())
+    never = itertools.cycle([(1.0, 2.0), (2.0, 1.0)])
+    first = profiler.settle_device(lambda: next(never), "cuda:0", clock=FakeClock())
+    later = profiler.settle_device(lambda: next(never), "cuda:0", clock=FakeClock())
+    other = profiler.settle_device(lambda: next(never), "cuda:1", clock=FakeClock())
+    assert first.readings == profiler.SETTLE_FIRST[0] == other.readings
+    assert later.readings == profiler.SETTLE_LATER[0] < first.readings
+
+
+def test_the_first_configuration_is_measured_again_last_on_a_device():
+    from poseidon_plugin.megatron.profiler import measurement_order
+
+    assert measurement_order([1, 2], ["dense", "moe"], True) == [
+        (1, "dense", False), (1, "moe", False), (2, "dense", False), (2, "moe", False),
+        (1, "dense", True)]
+    assert measurement_order([1, 2], ["dense"], False) == [(1, "dense", False),
+                                                           (2, "dense", False)]
+    assert measurement_order([1], ["dense"], True) == [(1, "dense", False)]   # nothing between
+
+
+def test_the_later_reading_of_the_first_configuration_is_kept():
+    from poseidon_plugin.megatron.profiler import LayerTiming, keep_later
+
+    first = LayerTiming(1, 1, 3.55, 3.28, 490, 116, optimizer_ms=3.0, samples=40,
+                        converged=False, kind="dense", ep=1)
+    again = LayerTiming(1, 1, 1.30, 2.60, 480, 0, optimizer_ms=2.9, samples=12, converged=True)
+    kept = keep_later(first, again)
+    assert (kept.forward_ms, kept.backward_ms, kept.optimizer_ms) == (1.30, 2.60, 2.9)
+    assert kept.converged and kept.samples == 12 and kept.activation_bytes == 480
+    assert (kept.kind, kept.ep, kept.param_bytes) == ("dense", 1, 116)
+
+
+def test_no_device_warm_up_or_re_measurement_on_the_cpu(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from poseidon_plugin.megatron import profiler
+
+    assert not profiler.remeasure_first(torch.device("cpu"))
+    settled = []
+    monkeypatch.setattr(profiler, "settle_device", lambda *a, **k: settled.append(a))
+    monkeypatch.setattr(profiler, "_layer_inputs", lambda c, v, d: (
+        torch.ones(2, 4, requires_grad=True), {}, torch.ones(2, 4)))
+    monkeypatch.setattr(profiler, "_activation_bytes", lambda *a: 0)
+    monkeypatch.setattr(profiler, "tp_group_any", lambda d: None)
+    monkeypatch.setattr(profiler, "_timed_step", lambda *a, **k: (1.0, 2.0))
+    monkeypatch.setattr(profiler, "_back_to_back_step", lambda *a, **k: (1.0, 2.0))
+    vargs = SimpleNamespace(tensor_model_parallel_size=1)
+    monkeypatch.setattr(profiler, "device_event_class", lambda d: None)
+    profiler.time_layer(None, None, vargs, torch.device("cpu"), 8)
+    assert settled == []
+    monkeypatch.setattr(profiler, "device_event_class", lambda d: object)
+    profiler.time_layer(None, None, vargs, torch.device("cpu"), 8)
+    assert len(settled) == 1          # on a device: once, before the timed samples

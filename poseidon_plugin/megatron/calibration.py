@@ -21,8 +21,12 @@ call ``cal.begin_iteration()`` / ``cal.end_iteration()`` around each iteration i
 ``cal.install(wrap_train_step=False)``, or use ``LiveCalibration`` directly).
 
 Iterations, in order: ``warmup`` (not used: allocations, first-call costs), ``calibrate`` (the
-fit), ``measure`` (the check); ``calibration_windows(train_iters)`` picks them. At the start of
-the iteration after them (it closes the last one's period), ONCE:
+fit), ``measure`` (the check); ``calibration_windows(train_iters)`` picks how many are recorded.
+The warm-up is the least: :func:`choose_windows` extends it, from the recorded periods, until
+they settle (within a band of the later median that widens with their noise), keeping at least
+:data:`MIN_WINDOW` calibration and measured iterations; the report line says which iterations
+were warm-up and why. At the start of the iteration after them (it closes the last one's
+period), ONCE:
 
 * every rank summarises its recorded iterations (:class:`StageTiming`: each iteration's period
   -- from its start to the next one's, so Megatron's work between ``train_step`` calls counts,
@@ -110,6 +114,7 @@ class CalibrationReport:
     windows: tuple[tuple[int, int], ...] = ()   # 1-based (first, last) of calibration, measured
     overhead_written: bool = False
     predicted_reserve_bytes: tuple[int, ...] = ()  # the runtime reserve in each stage's peak
+    warmup: WarmupChoice | None = None     # which leading iterations were warm-up, and why
 
     @property
     def error(self) -> float:
@@ -149,7 +154,16 @@ class CalibrationReport:
         err = self.repredicted_error
         return (f"; re-predicted {c.predicted_ms:.1f} ms ({100 * err:+.1f}%) with the stage "
                 f"compute ({c.ratio_text()} of the plan's forward/backward) and a per-iteration "
-                f"overhead of {c.overhead_ms:.1f} ms fitted to {self._range(0)}")
+                f"overhead of {c.overhead_ms:.1f} ms fitted to {self._range(0)}"
+                f"{self.warmup_text()}")
+
+    def warmup_text(self) -> str:
+        """`` after a warm-up of iterations 1-5 (...)``; empty without a warm-up choice."""
+        w = self.warmup
+        if w is None or w.iterations <= 0:
+            return ""
+        r = f"iterations 1-{w.iterations}" if w.iterations > 1 else "iteration 1"
+        return f" after a warm-up of {r} ({w.reason})"
 
     def written_text(self) -> str:
         text = f"{self.profiles_written} measured profile record(s)"
@@ -275,6 +289,15 @@ def _device_memory() -> tuple[int, int, int]:
     except Exception:  # noqa: BLE001 - no device runtime
         pass
     return 0, 0, 0
+
+
+def _resummarise(t: StageTiming, first: int) -> StageTiming:
+    """``t`` with its forward / backward (median per micro-batch) and iteration time (mean
+    period) over iterations ``first`` on (0-based) of its per-iteration times."""
+    f, b, p = t.forward_mb_ms[first:], t.backward_mb_ms[first:], t.periods_ms[first:]
+    return replace(t, forward_ms=statistics.median(f) if f else t.forward_ms,
+                   backward_ms=statistics.median(b) if b else t.backward_ms,
+                   iteration_ms=statistics.fmean(p) if p else t.iteration_ms)
 
 
 def iteration_times(timings: Sequence[StageTiming]) -> list[float]:
@@ -463,9 +486,14 @@ class LiveCalibration:
                             next_start_s)
         timings = _gather(mine)
         rank0 = _rank() == 0
-        w, c = self.warmup, self.calibrate
         walls = iteration_times(timings)
+        # the warm-up adapts to the recorded periods (every rank gathered the same ones)
+        w, c, _, choice = choose_windows(walls, self.warmup, self.calibrate, self.measure)
         measured = statistics.fmean(walls[w + c:]) if walls[w + c:] else float("nan")
+        if w + c != self.warmup + self.calibrate:
+            # the measured window moved: the per-stage summary over it, from the per-iteration
+            # times (the tail stays the configured window's)
+            timings = [_resummarise(t, w + c) for t in timings]
         # one timing per stage (DP replicas of a stage: keep the first)
         per_stage: dict[int, StageTiming] = {}
         for t in timings:
@@ -498,13 +526,77 @@ class LiveCalibration:
             tuple(int(getattr(s, "memory_bytes", 0)) for s in self.plan.stages), check, written,
             ((w + 1, w + c), (w + c + 1, len(walls))), overhead_written,
             tuple(int(dict(getattr(s, "memory_parts", ())).get("reserve_bytes", 0) or 0)
-                  for s in self.plan.stages))
+                  for s in self.plan.stages), choice)
         if rank0:
             line = self.result.line()
             (self._emit or log.warning)(line)
 
 
 MAX_WINDOW = 10   # calibration / measured iterations at most (a long run reports early)
+
+# The adaptive warm-up (see :func:`choose_windows`).
+MIN_WINDOW = 2        # calibration and measured iterations at least, after any warm-up
+WARMUP_BAND = 0.10    # a settled period is at most the later median x (1 + this) ...
+WARMUP_SIGMAS = 2.0   # ... or the later median + this many robust deviations, the larger
+WARMUP_CONFIRM = 3    # the warm-up ends where this many periods' median is settled too
+
+
+@dataclass(frozen=True)
+class WarmupChoice:
+    """The warm-up :func:`choose_windows` picked: ``iterations`` leading ones (1-based 1..n)."""
+    iterations: int
+    reason: str
+
+
+def choose_windows(periods: Sequence[float], warmup: int, calibrate: int, measure: int
+                   ) -> tuple[int, int, int, WarmupChoice]:
+    """(warm-up, calibration, measured) iteration counts for the recorded ``periods`` (ms, in
+    order; ``warmup + calibrate + measure`` of them as configured), and why.
+
+    The configured warm-up is the least. The reference is the median of the later half of the
+    periods after it, and a period is *settled* when it is at most that median plus a band: the
+    larger of :data:`WARMUP_BAND` of the median and :data:`WARMUP_SIGMAS` robust deviations
+    (1.4826 x the median absolute deviation) of the later half, so a noisy steady state widens
+    the band instead of pushing the warm-up on. The warm-up ends at the first iteration that is
+    settled and whose next :data:`WARMUP_CONFIRM` periods have a settled median (one faster
+    iteration inside a slow warm-up does not end it; a single slow one later does not extend
+    it). Faster-than-steady iterations never count as warm-up (one-sided band). The warm-up
+    leaves at least :data:`MIN_WINDOW` calibration and measured iterations. The measured window
+    stays the configured one (the last ``measure``) while the calibration window keeps at least
+    :data:`MIN_WINDOW` iterations; otherwise what follows the warm-up is split in two, the
+    measured half the larger. A run too short to adapt keeps the configured windows."""
+    n = len(periods)
+    w0, c0, m0 = int(warmup), int(calibrate), int(measure)
+    if n < w0 + c0 + m0 or c0 <= 0 or m0 <= 0:
+        return w0, c0, m0, WarmupChoice(w0, "fixed: too few iterations recorded")
+    latest = n - 2 * MIN_WINDOW     # the longest warm-up that keeps both windows
+    after = [float(p) for p in periods[w0:]]
+    later = after[len(after) // 2:]
+    if latest <= w0 or len(later) < 3:
+        return w0, c0, m0, WarmupChoice(w0, "fixed: too few iterations to adapt")
+    ref = statistics.median(later)
+    mad = statistics.median(abs(p - ref) for p in later)
+    band = max(WARMUP_BAND * ref, WARMUP_SIGMAS * 1.4826 * mad)
+    top = ref + band
+    k = w0
+    while k < latest:
+        nxt = [float(p) for p in periods[k:k + WARMUP_CONFIRM]]
+        if float(periods[k]) <= top and statistics.median(nxt) <= top:
+            break
+        k += 1
+    settled = (f"periods settle at or below {top:.1f} ms: the later median {ref:.1f} ms "
+               f"+ {100 * band / ref:.0f}%")
+    if k == w0:
+        reason = f"as configured; {settled} from iteration {k + 1}"
+    elif k < latest or float(periods[k]) <= top:
+        reason = f"adaptive: {settled} from iteration {k + 1}"
+    else:
+        reason = (f"adaptive, cut short: not settled at or below {top:.1f} ms by iteration "
+                  f"{k}, the latest that leaves {MIN_WINDOW} calibration and measured ones")
+    if n - m0 - k >= MIN_WINDOW:      # the measured window stays the configured one
+        return k, n - m0 - k, m0, WarmupChoice(k, reason)
+    c = (n - k) // 2
+    return k, c, n - k - c, WarmupChoice(k, reason)
 
 
 def calibration_windows(train_iters: int | None) -> tuple[int, int, int]:

@@ -16,6 +16,11 @@ own arguments, timed forward and backward for each candidate TP degree and micro
   gradient (``main_grad += grad``, fp32 buffers). On a GPU / NPU a sample is 4 micro-batches
   run back to back after an untimed lead one, timed with device events between the phases
   (:func:`_back_to_back_step`): synchronising around each phase made an H200 read 9 % slow.
+  There, before a configuration is timed, untimed samples run until two consecutive ones agree
+  within 5 % (:func:`settle_device`: at most 40 samples or 10 s for the process's first
+  configuration, 10 or 2 s after), and the first configuration of the first TP degree is
+  measured once more after the others, its later reading kept (:func:`measurement_order`,
+  :func:`keep_later`): the first one timed on a cold device may carry one-time costs.
   Under CPU emulation the ranks of a host measure in turns (:class:`Turns`), so they
   never compete for its cores, and the emulated device's time is computed from the CPU time
   (:class:`EmulatedClock`: (share + factor - 1) x CPU time at TP 1) with the slowdown's sleep
@@ -72,7 +77,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 from . import framework_state
-from .sampling import Sampled, SamplingPolicy, sample
+from .sampling import Sampled, SamplingPolicy, Settled, sample, settle
 
 log = logging.getLogger("poseidon")
 
@@ -623,6 +628,63 @@ def tp_group_any(device: Any) -> Callable[[bool], bool] | None:
     return any_rank
 
 
+# The device warm-up before a GPU / NPU configuration is timed (:func:`settle_device`): untimed
+# samples until two consecutive ones agree within SETTLE_BAND (forward and backward), bounded
+# in count and time; the process's first configuration (cold clocks, lazily loaded kernels,
+# the allocator's first growth) gets the longer bounds. Not on the CPU (emulation included):
+# its fixed sampling warm-up stays.
+SETTLE_BAND = 0.05
+SETTLE_FIRST = (40, 10.0)     # (readings, seconds) at most: the first configuration
+SETTLE_LATER = (10, 2.0)      # every later one
+_settled_devices: set[str] = set()
+
+
+def settle_device(step: Callable[[], Sequence[float]], device: Any,
+                  agree: Callable[[bool], bool] | None = None,
+                  clock: Callable[[], float] = time.monotonic) -> Settled:
+    """:func:`.sampling.settle` of ``step`` (one device-timed sample) before a configuration's
+    timing: :data:`SETTLE_FIRST` bounds for the first configuration this process times on
+    ``device``, :data:`SETTLE_LATER` after."""
+    key = str(device)
+    first = key not in _settled_devices
+    readings, seconds = SETTLE_FIRST if first else SETTLE_LATER
+    res = settle(step, SETTLE_BAND, readings, seconds, clock, agree)
+    _settled_devices.add(key)
+    log.debug("device warm-up%s on %s: %d untimed sample(s), %s", " (first configuration)"
+              if first else "", key, res.readings,
+              "the last two within %.0f%%" % (100 * SETTLE_BAND) if res.agreed
+              else "stopped by its bound")
+    return res
+
+
+def measurement_order(micro_batch_sizes: Sequence[int], kinds: Sequence[Any],
+                      again: bool) -> list[tuple[int, Any, bool]]:
+    """The (micro-batch size, kind, re-measure) steps of one TP degree, in order: every pair,
+    then (``again``, more than one pair) the first pair once more, after the others -- its
+    first reading may carry the device's one-time costs; the later one is kept
+    (:func:`keep_later`)."""
+    steps = [(int(m), k, False) for m in micro_batch_sizes for k in kinds]
+    if again and len(steps) > 1:
+        steps.append((steps[0][0], steps[0][1], True))
+    return steps
+
+
+def remeasure_first(device: Any) -> bool:
+    """Whether the first configuration is measured again at the end: on a GPU / NPU (timed with
+    device events), not on the CPU (emulated devices included)."""
+    return _emulation_factor(device) is None and device_event_class(device) is not None
+
+
+def keep_later(first: LayerTiming, again: LayerTiming) -> LayerTiming:
+    """The first configuration's record from its re-measurement (timings and activation bytes
+    of the later reading; kind, EP and parameter bytes as recorded first)."""
+    log.info("re-measured the first configuration (tp=%d mbs=%d%s): forward %.3f -> %.3f ms, "
+             "backward %.3f -> %.3f ms; the later kept", first.tp, first.micro_batch_size,
+             f" {first.kind}" if first.kind else "", first.forward_ms, again.forward_ms,
+             first.backward_ms, again.backward_ms)
+    return replace(again, kind=first.kind, ep=first.ep, param_bytes=first.param_bytes)
+
+
 def time_layer(layer: Any, config: Any, vargs: Any, device: Any, iters: int,
                warmup: int = 3, share: float = 1.0) -> tuple[Sampled, int, int]:
     """(forward/backward sampling result, re-measurements, activation bytes) of one micro-batch
@@ -639,8 +701,11 @@ def time_layer(layer: Any, config: Any, vargs: Any, device: Any, iters: int,
     else:
         def step() -> tuple[float, float]:
             return _timed_step(layer, x, kwargs, grad, device, clock)
+    agree = tp_group_any(device)
+    if events is not None:
+        settle_device(step, device, agree)
     with _padding_suspended(clock is not None):
-        res, retries = sample_until_plausible(step, policy, agree=tp_group_any(device))
+        res, retries = sample_until_plausible(step, policy, agree=agree)
     return res, retries, act_bytes
 
 
@@ -888,21 +953,25 @@ def profile_rank(args: Any, tps: Sequence[int], micro_batch_sizes: Sequence[int]
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
         try:
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
-            for mbs in micro_batch_sizes:
-                for kind in kinds:
-                    step = (f"profiling-tp{tp}-mbs{mbs}" + (f"-{kind.name}" if kind.name else "")
-                            + (f"-ep{kind.ep}" if kind.ep > 1 else ""))
-                    if checkpoint is not None and tp > 1:
-                        checkpoint(step)
-                    with built(tp, mbs, kind) as (layer, config, vargs):
-                        timing = _in_turns(turns, tp, step, checkpoint,
-                                           lambda lay=layer, c=config, va=vargs: profile_config(
-                                               lay, c, va, device, iters, tp, mbs, share))
-                        timing = replace(timing, kind=kind.name, ep=kind.ep,
-                                         param_bytes=_ep_rank_param_bytes(
-                                             layer, timing.param_bytes, args, kind))
+            first_of_tp = len(out)
+            for mbs, kind, again in measurement_order(micro_batch_sizes, kinds,
+                                                      tp == tps[0] and remeasure_first(device)):
+                step = (f"profiling-tp{tp}-mbs{mbs}" + (f"-{kind.name}" if kind.name else "")
+                        + (f"-ep{kind.ep}" if kind.ep > 1 else "") + ("-again" if again else ""))
+                if checkpoint is not None and tp > 1:
+                    checkpoint(step)
+                with built(tp, mbs, kind) as (layer, config, vargs):
+                    timing = _in_turns(turns, tp, step, checkpoint,
+                                       lambda lay=layer, c=config, va=vargs, m=mbs: profile_config(
+                                           lay, c, va, device, iters, tp, m, share))
+                    timing = replace(timing, kind=kind.name, ep=kind.ep,
+                                     param_bytes=_ep_rank_param_bytes(
+                                         layer, timing.param_bytes, args, kind))
+                    if again:
+                        out[first_of_tp] = keep_later(out[first_of_tp], timing)
+                    else:
                         out.append(timing)
-                        del layer
+                    del layer
         finally:
             tensor_parallel.get_cuda_rng_tracker().reset()
             framework_state.clear_model_parallel_leftovers()

@@ -115,3 +115,37 @@ def sample(measure: Callable[[], Sequence[float]], policy: SamplingPolicy = Samp
                 stop = agree(stop)
             if stop:
                 return result
+
+
+@dataclass(frozen=True)
+class Settled:
+    """What :func:`settle` ran: ``readings`` untimed calls; ``agreed``: the last two agreed
+    within the band (False: stopped by the count or time bound, or by another rank)."""
+
+    readings: int
+    agreed: bool
+    last: tuple[float, ...]
+
+
+def settle(measure: Callable[[], Sequence[float]], band: float, max_readings: int,
+           max_seconds: float, clock: Callable[[], float] = time.monotonic,
+           agree: Callable[[bool], bool] | None = None) -> Settled:
+    """A device warm-up: call ``measure()`` (its readings are discarded) until two consecutive
+    readings agree within ``band`` (``|a - b| <= band x max(a, b)`` for every quantity), or
+    ``max_readings`` calls, or ``max_seconds`` on ``clock`` since the first call started (at
+    least two calls unless ``max_readings`` is below 2). ``agree`` as in :func:`sample`: the
+    ranks of a group stop together."""
+    t0 = clock()
+    prev: tuple[float, ...] | None = None
+    n = 0
+    while True:
+        cur = tuple(float(v) for v in measure())
+        n += 1
+        ok = prev is not None and all(abs(a - b) <= band * max(abs(a), abs(b))
+                                      for a, b in zip(prev, cur))
+        stop = ok or n >= max_readings or clock() - t0 >= max_seconds
+        if agree is not None:
+            stop = agree(stop)
+        if stop:
+            return Settled(n, ok, cur)
+        prev = cur
