@@ -476,8 +476,8 @@ def _origin_line(s: dict) -> str:
 
 BASELINE_SHARE = 0.15  # of a --time-budget left after loading: the baselines; the rest: search
 MIN_BUDGET_S = 0.05    # a phase whose share ran out still gets this (it returns its best so far)
-GANTT_RESERVE_S = 2.0  # of a --time-budget kept for drawing --gantt after the search (405B
-                       # pp=33 M=512 on 2 cores: 1.7 s, matplotlib loaded)
+GANTT_RESERVE_S = 2.5  # of a --time-budget kept for drawing --gantt after the search (405B
+                       # pp=63 M=1024: 2.2 CPU-s, matplotlib's import included)
 
 
 class _Budget:
