@@ -6,11 +6,17 @@ Run: ``.venv/bin/python benchmarks/bench_scale.py [--cases 405b-512 ...] [--budg
 Cases: LLaMA-3 405B (``llama3-405b``, global batch 1024, sequence 4096) on the 512 / 1024 /
 2048 / 4096-device clusters of four GPU generations in ``examples/clusters/scale-*.yaml``, and
 LLaMA-3 70B on the 4096-device one, and 405B on the memory-tight 2048-device cluster
-``benchmarks/clusters/memtight-2048.yaml`` (``405b-memtight-2048``). Each case runs in its own process (so ``max RSS`` is the
+``benchmarks/clusters/memtight-2048.yaml`` (``405b-memtight-2048``); ``close-4096`` /
+``close-1024``: 405B on 4,096 / 1,024 devices of four types within 20 % of each other's speed
+(``examples/clusters/close-4096.yaml``, and the same shape with a quarter of the nodes), where
+the lower bound is the hard part. Each case runs in its own process (so ``max RSS`` is the
 case's own) with ``--budget`` seconds (default 120). Columns: ``first plan s`` = when the first
 feasible plan was known (the constructive plans come first); ``plan ms`` = the returned plan's
 predicted iteration time; ``bound ms`` / ``gap`` = the proven lower bound over the whole space
-and (plan - bound) / plan; ``exhaustive`` = the search finished (the gap is then 0).
+and (plan - bound) / plan; ``exhaustive`` = the search finished (the gap is then 0);
+``gap at 5/10/30/60/120 s`` = the live gap (the driver's anytime bound and incumbent) at
+those times, sampled from a second thread (``-`` past the budget; the final gap once the
+search ended).
 """
 
 from __future__ import annotations
@@ -33,45 +39,84 @@ CASES["70b-4096"] = ("scale-4096", "llama3-70b", 1024)
 CASES["70b-10240"] = ("scale-10240", "llama3-70b", 1024)
 # memory-tight: 405B on 2,048 devices of 80 / 40 / 32 / 24 GiB (most configurations cannot hold it)
 CASES["405b-memtight-2048"] = ("benchmarks/clusters/memtight-2048", "llama3-405b", 1024)
+# close-matched: four types within 20 % of each other's speed (issue 30)
+CASES["close-4096"] = ("close-4096", "llama3-405b", 1024)
+CASES["close-1024"] = ("close-1024", "llama3-405b", 1024)
+TRAJECTORY_S = (5, 10, 30, 60, 120)
 COLUMNS = ("case", "devices", "configs", "first plan s", "search s", "plan ms", "bound ms", "gap",
-           "exhaustive", "plan", "max RSS MB")
+           "exhaustive", "plan", "max RSS MB",
+           "gap at " + "/".join(str(t) for t in TRAJECTORY_S) + " s")
 
 
 def run_one(case: str, budget: float, workers: int | None) -> dict:
     from poseidon_plugin.cluster import load_cluster
     from poseidon_plugin.errors import PoseidonError
     from poseidon_plugin.model import get_model
-    from poseidon_plugin.search import SearchOptions, search_plan
+    import threading
+
+    from poseidon_plugin.search import SearchOptions
+    from poseidon_plugin.search.driver import SearchDriver
 
     cfile, mname, gbs = CASES[case]
     cluster = load_cluster(os.path.join(ROOT, *(() if "/" in cfile else ("examples", "clusters")),
                                         cfile + ".yaml"))
     t0 = time.perf_counter()
+    driver = SearchDriver(cluster, get_model(mname), SearchOptions(
+        global_batch_size=gbs, seq_length=4096, time_budget_s=budget, workers=workers))
+    trajectory: dict[float, float | None] = {}
+    done = threading.Event()
+
+    def sample() -> None:          # the live gap at TRAJECTORY_S (the search runs in nogil C)
+        for at in TRAJECTORY_S:
+            if at > budget or done.wait(max(0.0, t0 + at - time.perf_counter())):
+                break
+            trajectory[at] = driver.snapshot().gap
+
+    poll = threading.Thread(target=sample, daemon=True)
+    poll.start()
     try:
-        p = search_plan(cluster, get_model(mname), SearchOptions(
-            global_batch_size=gbs, seq_length=4096, time_budget_s=budget, workers=workers))
+        driver.search()
+        p = driver.plan()
     except PoseidonError as exc:
         return dict(case=case, devices=cluster.total_devices, error=str(exc),
                     seconds=time.perf_counter() - t0)
+    finally:
+        done.set()
+        poll.join()
     s = p.search
+    holding = []      # the configurations whose proven bound is the lowest: they hold the gap
+    for i in sorted(range(len(driver.configs)), key=lambda i: driver.lbs[i])[:4]:
+        c = driver.configs[i]
+        f = driver.found.get(c)
+        holding.append(dict(config=f"{c.schedule} V={c.virtual_stages} pp={c.num_stages} "
+                                   f"dp={c.dp} tp={c.tp} b={c.micro_batch_size}",
+                            root_ms=driver.roots[i], proven_ms=driver.lbs[i],
+                            found_ms=None if f is None else f.time_ms,
+                            nodes=driver.work.get(i, 0)))
+    traj = []
+    for at in TRAJECTORY_S:
+        g = trajectory.get(at, p.gap if at <= budget else None)
+        traj.append(None if g is None else round(g, 5))
     shape = (f"{p.schedule}{'' if p.virtual_stages == 1 else f' V={p.virtual_stages}'} "
              f"pp={p.pp} dp={p.dp} tp={p.tp if p.uniform_tp else 'per-stage'} "
              f"b={p.micro_batch_size}")
     return dict(case=case, devices=cluster.total_devices, configs=s["configs"],
                 first_plan_s=s["first_plan_s"], seconds=s["seconds"],
                 plan_ms=p.predicted_iteration_time_ms, bound_ms=p.lower_bound_ms, gap=p.gap,
-                exhaustive=s["exhaustive"], plan=shape,
+                exhaustive=s["exhaustive"], plan=shape, nodes=s["nodes"], trajectory=traj,
+                holding=holding,
                 max_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
 
 def row(r: dict) -> list[str]:
     if "error" in r:
         return [r["case"], str(r["devices"]), "", "", f"{r['seconds']:.1f}",
-                f"error: {' '.join(r['error'].split())}", "", "", "", "", ""]
+                f"error: {' '.join(r['error'].split())}", "", "", "", "", "", ""]
     return [r["case"], f"{r['devices']:,}", f"{r['configs']:,}", f"{r['first_plan_s']:.1f}",
             f"{r['seconds']:.1f}", f"{r['plan_ms']:,.0f}", f"{r['bound_ms']:,.0f}",
             f"{100 * r['gap']:.2f}%", "yes" if r["exhaustive"] else "no", r["plan"],
-            f"{r['max_rss_mb']:.0f}"]
+            f"{r['max_rss_mb']:.0f}",
+            " / ".join("-" if g is None else f"{100 * g:.2f}%" for g in r["trajectory"])]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,19 +135,28 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Machine: {cpu_model()}, {os.cpu_count()} cores, Python "
           f"{platform.python_version()}; budget {ns.budget:g} s per case, workers "
           f"{ns.workers or os.cpu_count()}.\n")
-    rows = []
+    rows, raw = [], []
     for c in ns.cases:
         print(f"bench_scale: {c} ...", file=sys.stderr, flush=True)
         cmd = [sys.executable, os.path.abspath(__file__), "--one", c, "--budget", str(ns.budget)]
         if ns.workers:
             cmd += ["--workers", str(ns.workers)]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        rows.append(row(json.loads(out.strip().splitlines()[-1])))
+        raw.append(json.loads(out.strip().splitlines()[-1]))
+        rows.append(row(raw[-1]))
     print("| " + " | ".join(COLUMNS) + " |")
-    print("|" + "|".join("---" if c in ("case", "plan", "exhaustive") else "---:"
+    print("|" + "|".join("---" if c in ("case", "plan", "exhaustive") or c.startswith("gap at")
+                         else "---:"
                          for c in COLUMNS) + "|")
     for r in rows:
         print("| " + " | ".join(r) + " |")
+    print("\nPer case, the configurations with the lowest proven bound (what holds the gap): "
+          "root bound, proven bound, best plan found for it, nodes of its last search.\n")
+    for r in raw:
+        for h in r.get("holding", []):
+            found = "-" if h["found_ms"] is None else f"{h['found_ms']:,.1f}"
+            print(f"- {r['case']}: {h['config']}: root {h['root_ms']:,.1f}, proven "
+                  f"{h['proven_ms']:,.1f}, found {found} ms, {h['nodes']:,} nodes")
     return 0
 
 

@@ -9,7 +9,7 @@ against the exhaustive search on random instances.
 
 from libc.math cimport ceil
 
-from poseidon_plugin.search._search cimport ConfigData, SearchState, dmax
+from poseidon_plugin.search._search cimport MAXT, ConfigData, SearchState, dmax
 
 
 # Update the incremental bound terms of stage x (its costs, Pf/Pb[x-1] and R[x] already set in
@@ -37,6 +37,54 @@ cdef int wcut(const ConfigData* I, SearchState* S, int x, double avail, int K, i
               double whi) noexcept nogil
 
 
+cdef inline double later_excess(const ConfigData* I, SearchState* S, int x,
+                                int Lrem) noexcept nogil:
+    """V = 1: how much more than Lrem fbav[x] the Lrem layers after stage x cost (f + b, one
+    micro-batch) in every completion with time <= S.thr (``docs/search.md``). The K = N-1-x
+    later stages each hold >= 1 layer on their own type and type k (cost c_k, free stage slots
+    s_k: ``later_costs``) serves <= s_k of them, so the first layers cost >= the K cheapest
+    slots; a stage of type k holds <= u_k = floor(thr / (M c_k)) layers (its M forwards and
+    backwards run one at a time), so the other Lrem - K layers cost >= a fractional knapsack
+    over the types, cheapest first, type k taking <= s_k (u_k - 1) of them. 0 when the
+    types cannot place K stages (another cut says so). Never increases as Lrem falls
+    (``low_bound``'s monotonicity) and never decreases as the threshold falls."""
+    cdef int K = I.N - 1 - x, n = S.lnt[x], i, left, take
+    cdef long e, cap
+    cdef double fb = S.fbav[x], out = 0.0, c, u
+    cdef const double* tc = &S.ltfb[x * MAXT]
+    cdef const int* ts = &S.lslots[x * MAXT]
+    if K <= 0 or n == 0:
+        return 0.0
+    left = K
+    for i in range(n):
+        take = ts[i] if ts[i] < left else left
+        out += take * (tc[i] - fb)
+        left -= take
+        if left == 0:
+            break
+    if left > 0:
+        return 0.0
+    e = Lrem - K
+    for i in range(n):
+        if e <= 0:
+            break
+        c = tc[i]
+        if c <= 0.0:
+            break
+        u = S.thr * (1.0 + 1e-9) / (I.M * c)
+        if u >= e + 1.0:            # one stage of the type can take every extra layer
+            cap = e
+        else:
+            cap = (<long> u - 1) * ts[i]
+            if cap < 0:
+                cap = 0
+            if cap > e:
+                cap = e
+        out += cap * (c - fb)
+        e -= cap
+    return out
+
+
 cdef inline double low_bound(const ConfigData* I, SearchState* S, int x, int Lrem) noexcept nogil:
     """The part of ``bound``'s g for stage x (K = N - 1 - x > 0 later stages, Lrem layers after
     x) that never grows with stage x's own layer count: its round-trip and gy terms with stage
@@ -50,6 +98,8 @@ cdef inline double low_bound(const ConfigData* I, SearchState* S, int x, int Lre
         if lay < 0:
             lay = 0
     fut = 2.0 * I.minsend * K + lay * S.fbav[x] + S.outav[x]
+    if V == 1:
+        fut += later_excess(I, S, x, Lrem)
     if x > 0:
         head = S.head[x - 1] + S.fc[(x - 1) * V] + S.Pf[x - 1]
         tailfix = S.Pb[x - 1] + S.bc[(x - 1) * V + I.clast] + S.tail[x - 1]

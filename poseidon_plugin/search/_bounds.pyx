@@ -109,7 +109,7 @@ cdef double bound(const ConfigData* I, SearchState* S, int x, int Lrem) noexcept
     cdef int V = I.V, M = I.M, N = I.N, cc, K
     cdef double A, C, Z, fut, g, gy, lay, qx, qy
     cdef int clast = I.clast
-    cdef double gp = 0.0, inc
+    cdef double gp = 0.0, inc, gw = -1e300
     if I.pair and x > 0:
         gp = _pair_bound(I, S, x)
     if x == 0:
@@ -146,6 +146,8 @@ cdef double bound(const ConfigData* I, SearchState* S, int x, int Lrem) noexcept
             if lay < 0:
                 lay = 0
         fut = 2.0 * I.minsend * K + lay * S.fbav[x] + S.outav[x]
+        if V == 1:
+            fut += later_excess(I, S, x, Lrem)
     if I.loop1:
         # double round trip (1F1B order, a_x <= M - 1): F(x, 0), micro-batch 0's round trip
         # to B(x, 0), stage x's ops from B(x, 0) to its last forward F(x, M-1) (M - a_x of
@@ -159,6 +161,13 @@ cdef double bound(const ConfigData* I, SearchState* S, int x, int Lrem) noexcept
         gp = dmax(gp, S.MD[x] + 2.0 * (S.P[x] + fut))
         if x > 0:
             gp = dmax(gp, _loop_pair(I, S, x, fut))
+        # loops over windows of 2..WINDOW_MAX adjacent stages ending at x (kept apart from
+        # the rest of g: the memo's soundness marks need to know when they decide a cut)
+        gw = _loop_windows(I, S, x, fut)
+        if S.MW[x] + 2.0 * (S.P[x] + fut) >= gw:
+            gw = S.MW[x] + 2.0 * (S.P[x] + fut)
+            S.gwj = S.MWj[x]
+            S.gwe = S.MWe[x]
     if I.pair and K > 0:
         # the path above with the undecided last stage as the far stage: stages x+1..N-2 each
         # run >= one layer's f + b in chunk 0 on the two chains, every link >= minsend, and
@@ -178,11 +187,87 @@ cdef double bound(const ConfigData* I, SearchState* S, int x, int Lrem) noexcept
     # layer loop bisects with it: a count it cuts is cut with every larger count.
     S.ginc = inc
     if K == 0:
-        return dmax(dmax(S.MA[x], S.MC[x] + S.P[x]), gp)
+        S.gnw = dmax(dmax(S.MA[x], S.MC[x] + S.P[x]), gp)
+        return dmax(S.gnw, gw)
     g = dmax(S.MA[x], S.MC[x] + S.P[x] + fut)
     gy = (S.head[x] + S.fc[x * V] + 2.0 * I.minsend + M * ceil(Lrem / <double> K) * S.fbav[x]
           + S.bc[x * V + clast] + S.tail[x])
-    return dmax(dmax(g, gy), gp)
+    S.gnw = dmax(dmax(g, gy), gp)
+    return dmax(S.gnw, gw)
+
+
+cdef enum:
+    WINDOW_MAX = 8       # stages in a window of ``_loop_windows`` (at most)
+
+
+cdef double _loop_windows(const ConfigData* I, SearchState* S, int x,
+                          double rt) noexcept nogil:
+    """Window loops of 1F1B (V = 1, ``loop1``): for k = 2..WINDOW_MAX adjacent stages
+    j = x - k + 1 .. x with acnt[i + 1] = acnt[i] - 1 inside and a_j = acnt[j] <= M - 1.
+    Sets S.MW[x] (the carried two-round-trip form, less 2 P_x; with its window in MWj / MWe)
+    and returns the best one-round-trip form at x (its window in S.gwj / S.gwe; -1e300 when
+    no window qualifies). ``rt``: a lower bound on micro-batch 0's round trip through the
+    stages after x (0 when x is the last). ``docs/search.md`` has the proof.
+
+    In steady state stage i runs B(i, m) then F(i, m + a_i), so B(x, m) -> B(x-1, m) -> ...
+    -> B(j, m) -> F(j, m + a_j) -> F(j+1, m + a_j) -> ... -> F(x, m + a_j) -> B(x, m + k) is
+    a path (F(x, m + a_j) = F(x, m + k - 1 + a_x) is followed by B(x, m + k)): a turn runs
+    every window stage's work and its links both ways, for k micro-batches. Micro-batch 0
+    reaches B(x, 0) after head_x + F_x + its round trip; n = floor((M - 1 - a_j) / k) + 1
+    turns (m = 0, k, .., (n-1) k: F(j, m + a_j) exists) end with F(x, q), q = (n-1) k + a_j,
+    then one of: (a) stage x's ops from B(x, nk) on (M - nk backwards, max(0, M - nk - a_x)
+    forwards) and tail_x; (b) B(x, nk), micro-batch nk's backwards down to j (B_i and the
+    links), stage j's M - nk backwards (its forwards are done: nk + a_j > M - 1) and tail_j;
+    (c) micro-batch q's round trip through the stages after x, B(x, q), stage x's ops after
+    it (M - 1 - q backwards, max(0, M - q - a_x) forwards) and tail_x. (c) holds the round
+    trip twice, written like the double round trip: carried as MW (value - 2 P_x), read as
+    MW + 2 (P_y + fut) at every later node y."""
+    cdef int M = I.M, k, j, aj, ax = I.acnt[x], n, q, c
+    cdef double turn = S.fc[x] + S.bc[x], chainb = 0.0, base, A, v, best = -1e300
+    if x == 0:
+        S.MW[0] = -1e300
+        S.MWj[0] = 0
+        S.MWe[0] = 0
+    else:
+        S.MW[x] = S.MW[x - 1]
+        S.MWj[x] = S.MWj[x - 1]
+        S.MWe[x] = S.MWe[x - 1]
+    S.gwj = x
+    S.gwe = x
+    if ax < 1:
+        return best
+    for k in range(2, WINDOW_MAX + 1):
+        j = x - k + 1
+        if j < 0 or I.acnt[j] != I.acnt[j + 1] + 1:
+            break
+        aj = I.acnt[j]
+        if aj > M - 1:
+            break
+        turn += S.fc[j] + S.bc[j] + S.Pf[j] + S.Pb[j]
+        if k > 2:
+            chainb += S.bc[j + 1]
+        chainb += S.Pb[j]
+        n = (M - 1 - aj) // k + 1
+        q = (n - 1) * k + aj
+        base = S.head[x] + S.fc[x] + n * turn
+        c = M - q - ax
+        if c < 0:
+            c = 0
+        A = base + (M - q) * S.bc[x] + c * S.fc[x] + S.tail[x] - 2.0 * S.P[x]
+        if A > S.MW[x]:
+            S.MW[x] = A
+            S.MWj[x] = j
+            S.MWe[x] = x
+        c = M - n * k - ax
+        if c < 0:
+            c = 0
+        v = base + rt + dmax((M - n * k) * S.bc[x] + c * S.fc[x] + S.tail[x],
+                             S.bc[x] + chainb + (M - n * k) * S.bc[j] + S.tail[j])
+        if v > best:
+            best = v
+            S.gwj = j
+            S.gwe = x
+    return best
 
 
 cdef inline double _loop_pair(const ConfigData* I, SearchState* S, int x,
@@ -226,8 +311,13 @@ cdef void later_costs(const ConfigData* I, SearchState* S, int x) noexcept nogil
     after x, and the output layer, runs on such an option, so ``bound``'s undecided terms may
     use them instead of the instance's cheapest (a fast type whose devices are all taken no
     longer lowers them). 1e300 when no type can (no completion: a later cut says so too)."""
-    cdef int o, k, kx = I.opt_type[S.st_opt[x]]
+    cdef int o, k, kx = I.opt_type[S.st_opt[x]], n = 0, i
     cdef double fb = 1e300, out = 1e300, mid = 1e300
+    cdef double tfb[MAXT]
+    cdef int slots[MAXT]
+    for k in range(I.T):
+        tfb[k] = 1e300
+        slots[k] = 0
     for o in range(I.O):
         k = I.opt_type[o]
         if I.min_dt[k] <= 0 or I.ndev[k] - S.cursor[k] < I.min_dt[k]:
@@ -236,6 +326,9 @@ cdef void later_costs(const ConfigData* I, SearchState* S, int x) noexcept nogil
             continue
         if lay_fb(I, x, o) < fb:
             fb = lay_fb(I, x, o)
+        if lay_fb(I, x, o) < tfb[k]:
+            tfb[k] = lay_fb(I, x, o)
+        slots[k] = (I.ndev[k] - S.cursor[k]) // I.min_dt[k]
         if I.oof[o] + I.oob[o] < out:
             out = I.oof[o] + I.oob[o]
         if I.midlast[o] < mid:
@@ -243,6 +336,19 @@ cdef void later_costs(const ConfigData* I, SearchState* S, int x) noexcept nogil
     S.fbav[x] = fb
     S.outav[x] = out
     S.lastmid[x] = mid
+    # the hosting types cheapest first (insertion sort; ``later_excess`` reads them)
+    for k in range(I.T):
+        if slots[k] <= 0:
+            continue
+        i = n
+        while i > 0 and S.ltfb[x * MAXT + i - 1] > tfb[k]:
+            S.ltfb[x * MAXT + i] = S.ltfb[x * MAXT + i - 1]
+            S.lslots[x * MAXT + i] = S.lslots[x * MAXT + i - 1]
+            i -= 1
+        S.ltfb[x * MAXT + i] = tfb[k]
+        S.lslots[x * MAXT + i] = slots[k]
+        n += 1
+    S.lnt[x] = n
 
 
 cdef void pair_prefix(const ConfigData* I, SearchState* S, int x) noexcept nogil:

@@ -142,6 +142,15 @@ cdef struct SearchState:
     double MA[MAXN]
     double MC[MAXN]
     double MD[MAXN]                # 1F1B double round trip: max over i <= x (``_bounds.bound``)
+    double MW[MAXN]                # 1F1B window loop with two round trips: max over windows
+    #                                ending at i <= x (``_bounds._loop_windows``), less 2 P_i
+    int MWj[MAXN]                  # ... the first and last stage of the window that gives it
+    int MWe[MAXN]
+    double gnw                     # ``bound``'s g without the window terms (k >= 2 stages)
+    int gwj                        # ... the window whose term is the rest of g: first / last
+    int gwe                        #     stage (the memo's soundness marks, ``recurse``)
+    int norec[MAXN]                # 1: the memo must not record the subtree of stage r (a cut
+    #                                in it read a window that starts before r and ends after)
     double Sg[MAXN]                # two-stage path: chunk-0 round trip of the stages < x
     double Qp[MAXN]                # ... max over c < x of stage c's backward part (``pair_prefix``)
     double QX[MAXN]                # ... max over a < x of stage a's forward part
@@ -149,6 +158,9 @@ cdef struct SearchState:
     double ginc                    # ``bound``'s terms that never decrease with stage x's layers
     double fbav[MAXN]              # after stage x: cheapest layer f + b / output layer f + b
     double outav[MAXN]             # ... over the types that can still host a stage (``later_costs``)
+    int lnt[MAXN]                  # V = 1, after stage x: the types that can host a later stage,
+    double ltfb[MAXN * MAXT]       # cheapest first: their cheapest layer f + b and free stage
+    int lslots[MAXN * MAXT]        # slots (``later_costs``; ``_bounds.later_excess``)
     # ridge rule memory per option
     int rl[MAXO]
     int rdec[MAXO]

@@ -697,8 +697,8 @@ cdef enum:
     MEMO_FIRST = 2           # ... room for this many when a key is first stored, doubled as needed
     MEMO_MIN_SLOTS = 256
     MEMO_MAX_SLOTS = 262144  # keys; the table is wiped when full
-    MEMO_POOL = 2097152      # vectors in the pool (128 MB); the table is wiped when it is full
-    MEMO_W = 8               # head, tail, MA, MC + P, Qp + Sg, MD + 2 P, QX, threshold
+    MEMO_POOL = 2097152      # vectors in the pool (144 MiB: nine doubles each); the table is wiped when it is full
+    MEMO_W = 9               # head, tail, MA, MC + P, Qp + Sg, MD + 2 P, QX, threshold, MW + 2 P
     MEMO_MAXK = 8 + MAXT     # key length (``Searcher.descend``: 8 + one cursor per type)
 
 
@@ -720,7 +720,7 @@ cdef struct Memo:
     # in a segment of a shared pool: a key's segment starts with room for MEMO_FIRST vectors
     # and moves to the pool's end with twice the room when full (most keys keep one or two
     # vectors, a few keep dozens: with a fixed 3 per key, 70B on 10,240 devices' slowest
-    # configuration searched 2.5x the nodes). At most about 160 MB for one configuration's
+    # configuration searched 2.5x the nodes). At most about 185 MB for one configuration's
     # search (its threads share the memo: ``Searcher.record``).
     # Threads (``fixed``): the table and the pool are allocated once at their largest (no
     # rehash, no realloc; untouched pages cost no memory), inserts take the memo's lock and
@@ -870,7 +870,8 @@ cdef inline int _memo_covers(const double* a, const double* b) noexcept nogil:
     """State a (a recorded subtree without a plan) is no larger than state b in every bound
     term and was searched under a threshold no lower than b's."""
     return (a[0] <= b[0] and a[1] <= b[1] and a[2] <= b[2] and a[3] <= b[3]
-            and a[4] <= b[4] and a[5] <= b[5] and a[6] <= b[6] and a[7] >= b[7])
+            and a[4] <= b[4] and a[5] <= b[5] and a[6] <= b[6] and a[7] >= b[7]
+            and a[8] <= b[8])
 
 
 cdef int _memo_dominated(Memo* m, const int* key, unsigned long long h,
@@ -1245,6 +1246,7 @@ cdef class Searcher:
         vec[5] = S.MD[x] + 2.0 * S.P[x] if I.loop1 else 0.0
         vec[6] = S.QX[x] if (I.pair and x > 0) else 0.0
         vec[7] = S.thr
+        vec[8] = S.MW[x] + 2.0 * S.P[x] if I.loop1 else 0.0
         if self.dominated(key, h, vec):
             self.st.cut_dominated += 1
             return
@@ -1255,8 +1257,9 @@ cdef class Searcher:
             self.record(key, klen, h, vec)
             return
         sim0 = self.st.simulated
+        S.norec[x] = 0
         self.recurse(x + 1, Lrem, nr)
-        if S.timed_out or self.st.simulated != sim0:
+        if S.timed_out or self.st.simulated != sim0 or S.norec[x]:
             return
         vec[7] = S.thr          # (another thread's incumbent may have lowered it)
         self.record(key, klen, h, vec)
@@ -1268,7 +1271,7 @@ cdef class Searcher:
         cdef const ConfigData* I = self.cfg
         cdef SearchState* S = self.state
         cdef int N = I.N, o, k, dt, start, l, lo, hi, K = N - 1 - x
-        cdef int save_cursor, save_used, save_rl, save_rdec, nr, rstage, it, cap, pre, a, b, mid
+        cdef int save_cursor, save_used, save_rl, save_rdec, nr, rstage, it, cap, pre, a, b, mid, wr
         cdef double ring, g, thr_eps
         cdef int key[MEMO_MAXK]
         cdef unsigned long long h = 0
@@ -1367,6 +1370,11 @@ cdef class Searcher:
                 g = bound(I, S, x, Lrem - l)
                 if I.use_bound and g > thr_eps:
                     self.st.cut_bound += 1
+                    if S.gnw <= thr_eps:
+                        # a window term cut it: the subtrees of the stages strictly inside
+                        # its window (it reads stages before them) must not be recorded
+                        for wr in range(S.gwj + 1, S.gwe):
+                            S.norec[wr] = 1
                     if S.ginc > thr_eps and l - lo >= 2:
                         # the terms of g that never decrease with l cut l and every larger
                         # count; bisect for the largest smaller count they do not cut
@@ -1651,12 +1659,15 @@ def search_config(ConfigInstance inst, dag, double threshold_ms, double deadline
         _free_state(S)
 
 
-def replay_assignment(ConfigInstance inst, PipelineDAG dag, opts, layers):
+def replay_assignment(ConfigInstance inst, PipelineDAG dag, opts, layers,
+                      double threshold_ms=1e300):
     """(g after each stage, simulated time) of one complete assignment through the search's own
-    placement, cost and bound code (the tests hold every g <= the time). ValueError when the
-    assignment does not fit the devices or a stage's memory limit."""
+    placement, cost and bound code (the tests hold every g <= the time). ``threshold_ms``: the
+    search's threshold while it computes g (the bounds that read it hold for completions no
+    slower than it). ValueError when the assignment does not fit the devices or a stage's
+    memory limit."""
     cdef const ConfigData* I = &inst.data
-    cdef SearchState* S = _new_state(I, 1e300, 0.0)
+    cdef SearchState* S = _new_state(I, threshold_ms, 0.0)
     cdef int x, o, l, start, N = I.N, Lrem = I.L
     cdef double ring
     _checked_dag(dag, I)

@@ -237,14 +237,16 @@ class SearchContext:
                                      lambda s: cached_dag(*key, slot + s, calls),
                                      memo, prefix)
 
-    def replay(self, cfg: OuterConfig, opts, layers) -> tuple[list[float], float]:
+    def replay(self, cfg: OuterConfig, opts, layers, threshold_ms: float = 1e300
+               ) -> tuple[list[float], float]:
         """(g after each stage, simulated time) of one complete assignment through the
-        search's own cost and bound code (for the tests)."""
+        search's own cost and bound code (for the tests); ``threshold_ms``: the search's
+        threshold while g is computed (bounds that read it hold for plans no slower)."""
         dag = cached_dag(cfg.schedule, cfg.num_stages, cfg.num_microbatches,
                          cfg.virtual_stages, 0, self.cm.engine_calls(cfg.micro_batch_size)
                          .as_tuple())
         return _search.replay_assignment(self.instance(cfg, pruning="none", blocks=False), dag,
-                                         list(opts), list(layers))
+                                         list(opts), list(layers), min(threshold_ms, 1e300))
 
     def evaluate(self, cfg: OuterConfig, stage_opts, layers) -> float:
         """Iteration time of one assignment through the Python cost path and the simulator
