@@ -117,8 +117,10 @@ def _window_paths_ms(F, B, Pf, Pb, R, orders):
     every window of k = 2..8 adjacent stages j..x whose stage x starts its loop after
     micro-batch 0's round trip, n turns of B(x, m) -> ... -> B(j, m) -> F(j, m + a_j) -> ...
     -> F(x, m + a_j) -> (x's next op) while F(j, m + a_j) exists, each turn checked against
-    the orders (the op after F(x, m + a_j) on stage x must be B(x, m + k)); then the three
-    exits. Returns the longest such path (0 where no window qualifies)."""
+    the orders (the op after F(x, m + a_j) on stage x must be B(x, m + k)); then the exits
+    the leaf bound holds (all three for a window ending at the last stage, the one through
+    micro-batch q's round trip otherwise). Returns the longest such path (0 where no window
+    qualifies)."""
     n = len(orders)
     m = len(orders[0]) // 2
     F, B = np.ravel(F), np.ravel(B)
@@ -163,7 +165,10 @@ def _window_paths_ms(F, B, Pf, Pb, R, orders):
             eb = (B[x] + sum(B[i] for i in range(j + 1, x)) + sum(Pb[i] for i in range(j, x))
                   + ops_from(j, idx(j, True, mb)) + tail(j))
             ec = rt(x) + ops_from(x, idx(x, True, q)) + tail(x)
-            best = max(best, t + max(ea, eb, ec))
+            # (a) and (b) enter the bound at node x only, where the later stages' round trip
+            # is a lower bound; at the leaf they count for the windows that end at the last
+            # stage, (c) for every window (carried with the exact round trips)
+            best = max(best, t + (max(ea, eb, ec) if x == n - 1 else ec))
     return best
 
 
