@@ -9,7 +9,10 @@ LLaMA-3 70B on the 4096-device one, and 405B on the memory-tight 2048-device clu
 ``benchmarks/clusters/memtight-2048.yaml`` (``405b-memtight-2048``); ``close-4096`` /
 ``close-1024``: 405B on 4,096 / 1,024 devices of four types within 20 % of each other's speed
 (``examples/clusters/close-4096.yaml``, and the same shape with a quarter of the nodes), where
-the lower bound is the hard part. Each case runs in its own process (so ``max RSS`` is the
+the lower bound is the hard part; the MoE rows: DeepSeek-V3 (``deepseek-v3``) on 1,024 and
+2,048 devices and Qwen3-235B-A22B on 512, each of three GPU types
+(``examples/clusters/moe-3type-*.yaml``), expert parallelism searched. Each case runs in its
+own process (so ``max RSS`` is the
 case's own) with ``--budget`` seconds (default 120). Columns: ``first plan s`` = when the first
 feasible plan was known (the constructive plans come first); ``plan ms`` = the returned plan's
 predicted iteration time; ``bound ms`` / ``gap`` = the proven lower bound over the whole space
@@ -42,6 +45,10 @@ CASES["405b-memtight-2048"] = ("benchmarks/clusters/memtight-2048", "llama3-405b
 # close-matched: four types within 20 % of each other's speed (issue 30)
 CASES["close-4096"] = ("close-4096", "llama3-405b", 1024)
 CASES["close-1024"] = ("close-1024", "llama3-405b", 1024)
+# the MoE frontier rows (issue 29): expert parallelism searched, on three GPU types
+CASES["dsv3-1024"] = ("moe-3type-1024", "deepseek-v3", 1024)
+CASES["dsv3-2048"] = ("moe-3type-2048", "deepseek-v3", 1024)
+CASES["qwen3-235b-512"] = ("moe-3type-512", "qwen3-235b-a22b", 1024)
 TRAJECTORY_S = (5, 10, 30, 60, 120)
 COLUMNS = ("case", "devices", "configs", "first plan s", "search s", "plan ms", "bound ms", "gap",
            "exhaustive", "plan", "max RSS MB",
@@ -99,7 +106,7 @@ def run_one(case: str, budget: float, workers: int | None) -> dict:
         traj.append(None if g is None else round(g, 5))
     shape = (f"{p.schedule}{'' if p.virtual_stages == 1 else f' V={p.virtual_stages}'} "
              f"pp={p.pp} dp={p.dp} tp={p.tp if p.uniform_tp else 'per-stage'} "
-             f"b={p.micro_batch_size}")
+             + (f"ep={p.ep} " if p.moe else "") + f"b={p.micro_batch_size}")
     return dict(case=case, devices=cluster.total_devices, configs=s["configs"],
                 first_plan_s=s["first_plan_s"], seconds=s["seconds"],
                 plan_ms=p.predicted_iteration_time_ms, bound_ms=p.lower_bound_ms, gap=p.gap,

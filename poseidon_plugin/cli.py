@@ -172,6 +172,12 @@ def _build_parser() -> argparse.ArgumentParser:
     cpg.add_argument("--search-cp", action="store_true",
                      help="search context parallelism: 1 and every power of two up to 64 "
                      "that divides the sequence into 2 x CP chunks")
+    ge = pl.add_mutually_exclusive_group()
+    ge.add_argument("--ep", dest="ep_degrees", type=int, nargs="+", default=None, metavar="N",
+                    help="expert-parallel degrees allowed (a MoE model; default: every valid "
+                    "one: EP divides the DP degree and the experts; a dense model has EP 1)")
+    ge.add_argument("--search-ep", dest="ep_degrees", action="store_const", const=None,
+                    help="search every valid expert-parallel degree (the default)")
     pl.add_argument("--max-virtual-stages", type=int, default=2, metavar="V",
                     help="most model chunks per device for interleaved-1f1b (default: "
                     "%(default)s)")
@@ -306,6 +312,7 @@ def search_options(ns) -> SearchOptions:
         global_batch_size=ns.global_batch_size, seq_length=ns.seq_length,
         schedules=tuple(ns.schedules), pruning=ns.pruning, tp_mode=ns.tp_mode,
         tp_degrees=ns.tp_degrees, micro_batch_sizes=ns.micro_batch_sizes,
+        expert_parallel=getattr(ns, "ep_degrees", None),
         max_virtual_stages=ns.max_virtual_stages, type_order=ns.type_order,
         warmup_samples=ns.warmup_samples, seed=ns.seed, time_budget_s=ns.time_budget,
         workers=ns.workers, progress=sys.stderr.isatty() or bool(ns.verbose),

@@ -105,5 +105,48 @@ def dp_sync_ms(grad_bytes: float, param_bytes: float, ranks: int, gbps: float,
                          param_window_ms, buckets))
 
 
-__all__ = ["send_ms", "allreduce_ms", "reduce_scatter_ms", "dp_sync_ms", "ddp_buckets",
+def expert_alltoall_bytes(micro_batch_size: int, seq_length: int, hidden_size: int,
+                          top_k: int, tp: int, ep: int, bytes_per_value: int = 2) -> float:
+    """Bytes one rank sends in one token all-to-all of a MoE layer (dispatch or combine) over
+    its expert-parallel group of ``ep`` ranks, balanced routing.
+
+    A rank holds b * s / t tokens (Megatron runs MoE with TP > 1 only under sequence
+    parallelism, so the tokens are split over the t TP ranks before the dispatch; the TP
+    all-gather after it is in the layer's EP-1 record), each sent to ``top_k`` experts, spread
+    evenly over the EP group: (ep - 1) / ep of the copies leave the rank.
+    ``b * s / t * top_k * hidden * bytes * (ep - 1) / ep``; 0 for ep <= 1."""
+    if ep <= 1:
+        return 0.0
+    return (float(micro_batch_size) * seq_length / tp * top_k * hidden_size * bytes_per_value
+            * (ep - 1) / ep)
+
+
+def alltoall_ms(num_bytes: float, gbps: float, latency_ms: float) -> float:
+    """One all-to-all in which each rank sends ``num_bytes`` in all: the bytes over the group's
+    slowest link plus one latency per call (``send_ms``'s formula); 0 ms for no bytes."""
+    return send_ms(num_bytes, gbps, latency_ms)
+
+
+def expert_sync_ms(grad_bytes: float, param_bytes: float, dp: int, ep: int, gbps: float,
+                   latency_ms: float, sharded: bool) -> float:
+    """The routed experts' gradient synchronisation of a stage's device (EP > 1): Megatron
+    keeps the experts' gradients in their own buffers, reduced over the expert-data-parallel
+    group of dp / ep ranks (same ring formulas as ``dp_sync_ms``; not overlapped); 0 ms when
+    that group is one rank."""
+    ranks = dp // ep
+    if ranks <= 1:
+        return 0.0
+    return dp_sync_ms(grad_bytes, param_bytes, ranks, gbps, latency_ms, sharded)
+
+
+def expert_optimizer_ms(grad_bytes: float, ms_per_grad_byte: float, dp: int, ep: int,
+                        sharded: bool) -> float:
+    """The optimizer step of a device's routed-expert parameters (``grad_bytes`` of them):
+    with the distributed optimizer the state is sharded over the expert-DP group (dp / ep
+    ranks): ``grad_bytes * ms * ep / dp``; without it ``grad_bytes * ms``."""
+    return grad_bytes * ms_per_grad_byte * ep / dp if sharded else grad_bytes * ms_per_grad_byte
+
+
+__all__ = ["send_ms", "expert_alltoall_bytes", "alltoall_ms", "expert_sync_ms",
+           "expert_optimizer_ms", "allreduce_ms", "reduce_scatter_ms", "dp_sync_ms", "ddp_buckets",
            "exposed_ms", "DDP_BUCKET_PARAMS"]

@@ -78,7 +78,8 @@ import numpy as np
 
 from . import memory as memory_mod
 from .callcosts import EngineCalls, engine_calls
-from .comm import ddp_buckets, dp_sync_ms, send_ms
+from .comm import (alltoall_ms, ddp_buckets, dp_sync_ms, expert_alltoall_bytes,
+                   expert_optimizer_ms, expert_sync_ms, send_ms)
 from .errors import PoseidonError
 from .placement import Pool, StagePlacement, place_stages, ring_gbps, send_link_gbps, type_pools
 from .profiles import (LayerProfile, ProfileKey, lookup_overhead, lookup_profile,
@@ -106,6 +107,11 @@ class LayerCosts:
     # where the optimizer step came from: ("measured" | "calibrated" (another measured record
     # of the type, per gradient byte) | "estimated" | "none", what it used)
     optimizer_source: tuple[str, str] = ("none", "")
+    # expert parallelism (EP > 1, a MoE layer): the routed experts' gradient bytes on one
+    # device (reduced over the expert-DP group of dp / ep ranks; not in grad_bytes, which is
+    # then the attention's, router's and shared experts' part, reduced over DP); 0 otherwise
+    expert_grad_bytes: float = 0.0
+    alltoall_ms: float = 0.0       # one token all-to-all (in forward_ms 2x, backward_ms 2x)
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,7 @@ class StageCosts:
     optimizer_ms: float = 0.0
     overhead_ms: float = 0.0        # the per-iteration overhead X (every stage alike)
     optimizer_source: tuple[str, str] = ("none", "")   # LayerCosts.optimizer_source
+    expert_allreduce_ms: float = 0.0   # the experts' gradient sync over expert-DP (in allreduce_ms)
 
     @property
     def post_pipeline_ms(self) -> float:
@@ -182,6 +189,18 @@ def optimizer_costs(decoder, device_type, setup: TrainingSetup
                          "memory_bandwidth_gbps in the cluster file)")
 
 
+def expert_param_bytes(model, record, tp: int, ep: int, weight_bytes: float
+                       ) -> tuple[float, float]:
+    """(non-expert, routed-expert) parameter bytes of one MoE layer on one device at expert
+    parallelism ``ep``: the record's ``param_bytes`` less its analytic expert part at the
+    record's EP (``key.ep``), and the analytic expert part / (TP x EP)."""
+    split = model.layer_param_split()
+    rec_ep = getattr(record.key, "ep", 1)
+    rec_expert = split.expert / (tp * rec_ep) * weight_bytes
+    return (max(float(record.param_bytes) - rec_expert, 0.0),
+            split.expert / (tp * ep) * weight_bytes)
+
+
 def optimizer_step_ms(grad_bytes: float, ms_per_grad_byte: float, dp: int,
                       sharded: bool) -> float:
     """The optimizer step of a stage's device: its gradient bytes x the measured ms per
@@ -193,10 +212,17 @@ def optimizer_step_ms(grad_bytes: float, ms_per_grad_byte: float, dp: int,
 LAYER_KIND_MODES = ("envelope", "per-kind")
 
 
-def _measured_override(dec) -> tuple[int | None, int | None]:
+def _measured_override(dec, model=None, tp: int = 1, ep: int = 1,
+                       weight_bytes: float = 2.0) -> tuple[int | None, float | None]:
     """(activation bytes, parameter bytes) of a measured decoder record, else (None, None): as
-    ``CostModel.stage_memory`` takes them (a time-only record, activation bytes 0: none)."""
+    ``CostModel.stage_memory`` takes them (a time-only record, activation bytes 0: none).
+    Expert parallelism (``ep`` > 1, ``model`` with experts): the parameter bytes at the plan's
+    EP (``expert_param_bytes``: the record's non-expert part plus the experts / (TP x EP))."""
     if dec.source == "measured" and dec.activation_bytes > 0:
+        if ep > 1 and model is not None and getattr(model, "num_experts", 0) \
+                and dec.param_bytes and getattr(dec.key, "ep", 1) != ep:
+            dense_w, expert_w = expert_param_bytes(model, dec, tp, ep, weight_bytes)
+            return dec.activation_bytes, dense_w + expert_w
         return dec.activation_bytes, dec.param_bytes or None
     return None, None
 
@@ -361,38 +387,41 @@ class CostModel:
         return self.inter_gbps[type_index]
 
     # ------------------------------------------------------------------ profiles
-    def layer_costs(self, type_index: int, tp: int, micro_batch_size: int) -> LayerCosts:
+    def layer_costs(self, type_index: int, tp: int, micro_batch_size: int, ep: int = 1
+                    ) -> LayerCosts:
         """One decoder layer of the model (a mixed model: its per-layer envelope) and the
-        embedding / output layer on (type, TP, micro-batch)."""
-        key = (type_index, tp, micro_batch_size)
+        embedding / output layer on (type, TP, micro-batch, expert-parallel degree)."""
+        key = (type_index, tp, micro_batch_size, ep)
         hit = self._layer_cache.get(key)
         if hit is not None:
             return hit
-        lc = self._layer_costs_of(type_index, tp, micro_batch_size, self.model, self._sig)
+        lc = self._layer_costs_of(type_index, tp, micro_batch_size, self.model, self._sig, ep)
         self._layer_cache[key] = lc
         return lc
 
-    def kind_layer_costs(self, type_index: int, tp: int, micro_batch_size: int
+    def kind_layer_costs(self, type_index: int, tp: int, micro_batch_size: int, ep: int = 1
                          ) -> tuple[LayerCosts, ...]:
         """Per layer kind (``model.layer_kinds`` order) its ``LayerCosts``, looked up with the
         kind's uniform model (``model.kind_model(i)``: measured per-kind records and estimates
         are found by its signature). A uniform model: ``(layer_costs(...),)``. The embedding and
         output figures of every entry are the first kind's model's (the same layers)."""
-        key = (type_index, tp, micro_batch_size)
+        key = (type_index, tp, micro_batch_size, ep)
         hit = self._kind_cache.get(key)
         if hit is not None:
             return hit
         if len(getattr(self.model, "layer_kinds", ())) <= 1:
-            out = (self.layer_costs(type_index, tp, micro_batch_size),)
+            out = (self.layer_costs(type_index, tp, micro_batch_size, ep),)
         else:
-            models = [self.model.kind_model(i) for i in range(len(self.model.layer_kinds))]
-            out = tuple(self._layer_costs_of(type_index, tp, micro_batch_size, m, m.signature())
+            models = [memory_mod._kind_model(self.model, i)
+                      for i in range(len(self.model.layer_kinds))]
+            out = tuple(self._layer_costs_of(type_index, tp, micro_batch_size, m, m.signature(),
+                                             ep)
                         for m in models)
         self._kind_cache[key] = out
         return out
 
     def _layer_costs_of(self, type_index: int, tp: int, micro_batch_size: int, model,
-                        sig: str) -> LayerCosts:
+                        sig: str, ep: int = 1) -> LayerCosts:
         name = self.type_names[type_index]
 
         def prof(kind: str):
@@ -400,7 +429,19 @@ class CostModel:
                                   ProfileKey(name, kind, tp, micro_batch_size, self.seq_length,
                                              sig, **self.training.profile_fields))
 
-        dec, emb, out = prof("decoder"), prof("embedding"), prof("output")
+        moe_ep = ep if getattr(model, "num_experts", 0) and ep > 1 else 1
+        dec = None
+        if moe_ep > 1 and hasattr(self.profiles, "get"):
+            # a record measured as one rank of this EP degree wins; else the EP-1 record (one
+            # EP rank computes the same token-expert pairs under balanced routing)
+            same = self.profiles.get(ProfileKey(name, "decoder", tp, micro_batch_size,
+                                                self.seq_length, sig,
+                                                **self.training.profile_fields, ep=moe_ep))
+            if same is not None and same.source == "measured":
+                dec = same
+        if dec is None:
+            dec = prof("decoder")
+        emb, out = prof("embedding"), prof("output")
         # param_bytes are in the setup's dtype; the DP all-reduce moves grad_bytes per parameter
         g = self.training.grad_bytes / self.training.weight_bytes
         og, og_source = optimizer_costs(dec, self.cluster.device_types[name], self.training)
@@ -412,10 +453,40 @@ class CostModel:
                                       seq_per_rank=self.seq_length, cp=self.cp, tp=tp,
                                       link_gbps=self.cp_link_gbps(type_index, tp),
                                       latency_ms=self.latency_ms)
-        return LayerCosts(fwd, bwd, dec.param_bytes * g,
+        if moe_ep == 1:
+            return LayerCosts(fwd, bwd, dec.param_bytes * g,
+                              emb.forward_ms, emb.backward_ms, emb.param_bytes * g,
+                              out.forward_ms, out.backward_ms, out.param_bytes * g,
+                              (dec, emb, out), og, og_source)
+        dense_w, expert_w = expert_param_bytes(model, dec, tp, moe_ep,
+                                               self.training.weight_bytes)
+        a2a = self.expert_alltoall_ms(type_index, tp, moe_ep, micro_batch_size, model)
+        return LayerCosts(fwd + 2.0 * a2a, bwd + 2.0 * a2a, dense_w * g,
                           emb.forward_ms, emb.backward_ms, emb.param_bytes * g,
                           out.forward_ms, out.backward_ms, out.param_bytes * g, (dec, emb, out),
-                          og, og_source)
+                          og, og_source, expert_grad_bytes=expert_w * g, alltoall_ms=a2a)
+
+    def ep_link_gbps(self, type_index: int, tp: int, ep: int) -> float:
+        """The link of an EP group on ``type_index``: its TP x EP devices (EP ranks are
+        consecutive DP ranks, TP-strided) fit a node of the type when TP x EP divides every
+        node's device count of the type: the intra-node link; else the inter-node one (a
+        placement whose group straddles nodes anyway is not modelled)."""
+        name = self.type_names[type_index]
+        sizes = [n.num_devices for n in self.cluster.nodes_of_type(name)]
+        if sizes and all(s % (tp * ep) == 0 for s in sizes):
+            return self.intra_gbps[type_index]
+        return self.inter_gbps[type_index]
+
+    def expert_alltoall_ms(self, type_index: int, tp: int, ep: int, micro_batch_size: int,
+                           model=None) -> float:
+        """One token all-to-all (dispatch or combine) of a MoE layer on one rank
+        (``comm.expert_alltoall_bytes`` over ``ep_link_gbps``, one latency per call)."""
+        model = self.model if model is None else model
+        if ep <= 1 or not getattr(model, "num_experts", 0):
+            return 0.0
+        nbytes = expert_alltoall_bytes(micro_batch_size, self.seq_length, model.hidden_size,
+                                       model.moe_top_k, tp, ep, BYTES_PER_ACTIVATION)
+        return alltoall_ms(nbytes, self.ep_link_gbps(type_index, tp, ep), self.latency_ms)
 
     def _optimizer_from_another_record(self, name: str, g: float, fallback, sig: str):
         """The optimizer step per gradient byte of another measured decoder record of this type
@@ -442,7 +513,7 @@ class CostModel:
     def stage_memory(self, *, layers: int, stage: int, num_stages: int, tp: int, dp: int,
                      micro_batch_size: int, num_microbatches: int, schedule: str,
                      virtual_stages: int, type_index: int | None = None,
-                     kind_counts: tuple[int, ...] | None = None
+                     kind_counts: tuple[int, ...] | None = None, ep: int = 1
                      ) -> memory_mod.StageMemory:
         """The stage's memory under the training setup; with ``type_index``, the type's measured
         decoder record (activation and parameter bytes) when there is one, and its reserve.
@@ -453,19 +524,23 @@ class CostModel:
         if self.per_kind and kind_counts is not None:
             overrides = None
             if type_index is not None:
-                overrides = tuple(_measured_override(lc.profiles[0]) for lc in
-                                  self.kind_layer_costs(type_index, tp, micro_batch_size))
+                w = self.training.weight_bytes
+                overrides = tuple(
+                    _measured_override(lc.profiles[0], memory_mod._kind_model(self.model, i)
+                                       if ep > 1 else None, tp, ep, w)
+                    for i, lc in enumerate(self.kind_layer_costs(type_index, tp,
+                                                                 micro_batch_size, ep)))
                 reserve = self.reserve_bytes[type_index]
             return memory_mod.stage_memory(
                 self.model, layers=layers, stage=stage, num_stages=num_stages, tp=tp, dp=dp,
                 micro_batch_size=micro_batch_size, seq_length=self.seq_length,
                 num_microbatches=num_microbatches, schedule=schedule,
                 virtual_stages=virtual_stages, setup=self.training, reserve_bytes=reserve,
-                kind_counts=tuple(kind_counts), kind_overrides=overrides)
+                kind_counts=tuple(kind_counts), kind_overrides=overrides, ep=ep)
         if type_index is not None:
-            dec = self.layer_costs(type_index, tp, micro_batch_size).profiles[0]
-            if dec.source == "measured" and dec.activation_bytes > 0:   # 0: time-only record
-                act, par = dec.activation_bytes, dec.param_bytes or None
+            dec = self.layer_costs(type_index, tp, micro_batch_size, ep).profiles[0]
+            # 0 activation bytes: a time-only record
+            act, par = _measured_override(dec, self.model, tp, ep, self.training.weight_bytes)
             reserve = self.reserve_bytes[type_index]
         return memory_mod.stage_memory(
             self.model, layers=layers, stage=stage, num_stages=num_stages, tp=tp, dp=dp,
@@ -473,21 +548,22 @@ class CostModel:
             num_microbatches=num_microbatches, schedule=schedule,
             virtual_stages=virtual_stages, setup=self.training,
             layer_activation_bytes_override=act, layer_param_bytes_override=par,
-            reserve_bytes=reserve)
+            reserve_bytes=reserve, ep=ep)
 
     def stage_memory_bytes(self, *, layers: int, stage: int, num_stages: int, tp: int, dp: int,
                            micro_batch_size: int, num_microbatches: int, schedule: str,
                            virtual_stages: int, type_index: int | None = None,
-                           kind_counts: tuple[int, ...] | None = None) -> int:
+                           kind_counts: tuple[int, ...] | None = None, ep: int = 1) -> int:
         return self.stage_memory(
             layers=layers, stage=stage, num_stages=num_stages, tp=tp, dp=dp,
             micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
             schedule=schedule, virtual_stages=virtual_stages, type_index=type_index,
-            kind_counts=kind_counts).total_bytes
+            kind_counts=kind_counts, ep=ep).total_bytes
 
     def max_layers(self, *, capacity_bytes: int, stage: int, num_stages: int, tp: int, dp: int,
                    micro_batch_size: int, num_microbatches: int, schedule: str,
-                   virtual_stages: int, limit: int, type_index: int | None = None) -> int:
+                   virtual_stages: int, limit: int, type_index: int | None = None,
+                   ep: int = 1) -> int:
         """Largest l <= limit whose stage memory fits (0 if none); memory is monotone in l.
 
         Memoised on what ``memory.stage_memory`` depends on: (first, last, in-flight count) of the
@@ -499,12 +575,12 @@ class CostModel:
             capacity_bytes=capacity_bytes, stages=(stage,), num_stages=num_stages, tp=tp, dp=dp,
             micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
             schedule=schedule, virtual_stages=virtual_stages, limit=limit,
-            type_index=type_index)[0]
+            type_index=type_index, ep=ep)[0]
 
     def max_layers_by_stage(self, *, capacity_bytes: int, stages, num_stages: int, tp: int,
                             dp: int, micro_batch_size: int, num_microbatches: int,
                             schedule: str, virtual_stages: int, limit: int,
-                            type_index: int | None = None) -> list[int]:
+                            type_index: int | None = None, ep: int = 1) -> list[int]:
         """``max_layers`` of each stage in ``stages``, the memo looked up in one loop (the
         search asks for every (option, stage) of every configuration)."""
         if limit < 1:
@@ -514,7 +590,7 @@ class CostModel:
             inflight = memory_mod.microbatches_in_flight(schedule, stage, num_stages,
                                                          num_microbatches, virtual_stages)
             key = (capacity_bytes, stage == 0, stage == num_stages - 1, num_stages == 1,
-                   inflight, tp, dp, micro_batch_size, schedule, virtual_stages, type_index)
+                   inflight, tp, dp, micro_batch_size, schedule, virtual_stages, type_index, ep)
             hit = self._mem_cache.get(key)
             # (largest fitting l up to the searched limit, that limit): exact for every limit up
             # to the searched one, and for any limit when memory stopped it below that limit
@@ -525,12 +601,13 @@ class CostModel:
                     key, capacity_bytes=capacity_bytes, stage=stage, num_stages=num_stages,
                     tp=tp, dp=dp, micro_batch_size=micro_batch_size,
                     num_microbatches=num_microbatches, schedule=schedule,
-                    virtual_stages=virtual_stages, limit=limit, type_index=type_index))
+                    virtual_stages=virtual_stages, limit=limit, type_index=type_index, ep=ep))
         return out
 
     def max_layers_from(self, start: int, *, capacity_bytes: int, stage: int, num_stages: int,
                         tp: int, dp: int, micro_batch_size: int, num_microbatches: int,
-                        schedule: str, limit: int, type_index: int | None = None) -> int:
+                        schedule: str, limit: int, type_index: int | None = None,
+                        ep: int = 1) -> int:
         """Largest l <= limit (and <= L - start) such that a stage holding decoder layers
         ``[start, start + l)`` fits ``capacity_bytes`` (0 if none), one model chunk (V = 1: a
         stage's layers are then one range, its start the layers of the stages before it).
@@ -549,19 +626,20 @@ class CostModel:
                                    num_stages=num_stages, tp=tp, dp=dp,
                                    micro_batch_size=micro_batch_size,
                                    num_microbatches=num_microbatches, schedule=schedule,
-                                   virtual_stages=1, limit=limit, type_index=type_index)
+                                   virtual_stages=1, limit=limit, type_index=type_index,
+                                   ep=ep)
         if limit < 1:
             return 0
         row = self.max_layers_row(capacity_bytes=capacity_bytes, stage=stage,
                                   num_stages=num_stages, tp=tp, dp=dp,
                                   micro_batch_size=micro_batch_size,
                                   num_microbatches=num_microbatches, schedule=schedule,
-                                  type_index=type_index)
+                                  type_index=type_index, ep=ep)
         return min(row[start], limit)
 
     def max_layers_row(self, *, capacity_bytes: int, stage: int, num_stages: int, tp: int,
                        dp: int, micro_batch_size: int, num_microbatches: int, schedule: str,
-                       type_index: int | None = None) -> tuple[int, ...]:
+                       type_index: int | None = None, ep: int = 1) -> tuple[int, ...]:
         """``max_layers_from`` of every first layer a = 0..L (no limit but L - a), a model of
         several layer kinds: memoised on what the memory depends on (stage position, tp, dp,
         micro-batch, schedule, capacity, type); within it, whether a stage fits is memoised
@@ -571,13 +649,13 @@ class CostModel:
         inflight = memory_mod.microbatches_in_flight(schedule, stage, num_stages,
                                                      num_microbatches, 1)
         key = ("row", capacity_bytes, stage == 0, stage == num_stages - 1, num_stages == 1,
-               inflight, tp, dp, micro_batch_size, schedule, type_index)
+               inflight, tp, dp, micro_batch_size, schedule, type_index, ep)
         hit = self._mem_cache.get(key)
         if hit is not None:
             return hit
         kw = dict(stage=stage, num_stages=num_stages, tp=tp, dp=dp,
                   micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
-                  schedule=schedule, virtual_stages=1, type_index=type_index)
+                  schedule=schedule, virtual_stages=1, type_index=type_index, ep=ep)
         seen: dict[tuple[int, ...], bool] = {}
 
         def fits(a: int, l: int) -> bool:
@@ -609,7 +687,8 @@ class CostModel:
 
     def _max_layers_miss(self, key, *, capacity_bytes: int, stage: int, num_stages: int, tp: int,
                          dp: int, micro_batch_size: int, num_microbatches: int, schedule: str,
-                         virtual_stages: int, limit: int, type_index: int | None) -> int:
+                         virtual_stages: int, limit: int, type_index: int | None,
+                         ep: int = 1) -> int:
         """``max_layers`` computed (a memo miss): stored under ``key``."""
         requested, limit = limit, max(limit, self.model.num_layers)
 
@@ -620,7 +699,8 @@ class CostModel:
                 seen[l] = self.stage_memory_bytes(
                     layers=l, stage=stage, num_stages=num_stages, tp=tp, dp=dp,
                     micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
-                    schedule=schedule, virtual_stages=virtual_stages, type_index=type_index)
+                    schedule=schedule, virtual_stages=virtual_stages, type_index=type_index,
+                    ep=ep)
             return seen[l]
 
         if limit < 1 or mem(1) > capacity_bytes:
@@ -656,7 +736,7 @@ class CostModel:
 
     # ------------------------------------------------------------------ a concrete plan
     def stage_costs(self, *, stage_types, stage_tps, layers, dp: int, micro_batch_size: int,
-                    num_microbatches: int, schedule: str, virtual_stages: int
+                    num_microbatches: int, schedule: str, virtual_stages: int, ep: int = 1
                     ) -> tuple[tuple[StageCosts, ...], tuple[StagePlacement, ...],
                                tuple[tuple[int, int], ...]]:
         """Costs, placement and unused slots of one fully specified pipeline."""
@@ -677,19 +757,24 @@ class CostModel:
         ranges = stage_layer_ranges(layers, v) if self.per_kind else None
         for s in range(n):
             k, t, l = stage_types[s], stage_tps[s], layers[s]
-            lc = self.layer_costs(k, t, micro_batch_size)
+            lc = self.layer_costs(k, t, micro_batch_size, ep)
             counts = None
+            eopt = 0.0
             if ranges is None:
                 chunks = chunk_layers(l, v)
                 fc = [c * lc.forward_ms for c in chunks]
                 bc = [c * lc.backward_ms for c in chunks]
                 grad = l * lc.grad_bytes
+                egrad = l * lc.expert_grad_bytes
+                if egrad:
+                    eopt = expert_optimizer_ms(egrad, lc.optimizer_ms_per_grad_byte, dp, ep,
+                                               self.sharded_optimizer)
                 opt = 0.0
                 opt_source = lc.optimizer_source
             else:
                 # the layers each chunk holds, each kind at its own per-layer costs; the
                 # embedding / output layer and their optimizer rate: the first kind's model's
-                kcs = self.kind_layer_costs(k, t, micro_batch_size)
+                kcs = self.kind_layer_costs(k, t, micro_batch_size, ep)
                 lc = kcs[0]
                 chunk_counts = [self.model.kind_counts_in(a, b) for a, b in ranges[s]]
                 counts = tuple(sum(cc[i] for cc in chunk_counts) for i in range(len(kcs)))
@@ -697,9 +782,16 @@ class CostModel:
                 bc = [sum(c * kc.backward_ms for c, kc in zip(cc, kcs)) for cc in chunk_counts]
                 decoder_grads = [c * kc.grad_bytes for c, kc in zip(counts, kcs)]
                 grad = sum(decoder_grads)
-                opt = sum(optimizer_step_ms(gk, kc.optimizer_ms_per_grad_byte, dp,
-                                            self.sharded_optimizer)
-                          for gk, kc in zip(decoder_grads, kcs))
+                # as the search's Cython twin: per kind its step, then its experts' step
+                opt = egrad = 0.0
+                for c, gk, kc in zip(counts, decoder_grads, kcs):
+                    opt += optimizer_step_ms(gk, kc.optimizer_ms_per_grad_byte, dp,
+                                             self.sharded_optimizer)
+                    if kc.expert_grad_bytes:
+                        ek = c * kc.expert_grad_bytes
+                        egrad += ek
+                        opt += expert_optimizer_ms(ek, kc.optimizer_ms_per_grad_byte, dp, ep,
+                                                   self.sharded_optimizer)
                 held = [kc for c, kc in zip(counts, kcs) if c]
                 opt_source = (held or kcs)[0].optimizer_source
                 extra = 0.0
@@ -717,7 +809,7 @@ class CostModel:
                     extra += lc.output_grad_bytes
             if ranges is None:
                 opt = optimizer_step_ms(grad, lc.optimizer_ms_per_grad_byte, dp,
-                                        self.sharded_optimizer)
+                                        self.sharded_optimizer) + eopt
             elif extra:
                 opt += optimizer_step_ms(extra, lc.optimizer_ms_per_grad_byte, dp,
                                          self.sharded_optimizer)
@@ -739,10 +831,16 @@ class CostModel:
                 ar = dp_sync_ms(grad, grad * self.param_per_grad_byte, dp,
                                 ring_gbps(self.cluster, placements[s]), self.latency_ms,
                                 self.sharded_optimizer, buckets, gw, pw)
+            ear = 0.0
+            if egrad and dp // ep > 1:
+                ear = expert_sync_ms(egrad, egrad * self.param_per_grad_byte, dp, ep,
+                                     ring_gbps(self.cluster, placements[s]), self.latency_ms,
+                                     self.sharded_optimizer)
+                ar += ear
             mem = self.stage_memory(layers=l, stage=s, num_stages=n, tp=t, dp=dp,
                                     micro_batch_size=micro_batch_size,
                                     num_microbatches=num_microbatches, schedule=schedule,
-                                    virtual_stages=v, type_index=k, kind_counts=counts)
+                                    virtual_stages=v, type_index=k, kind_counts=counts, ep=ep)
             decoders = ((lc.profiles[0],) if counts is None else
                         tuple(kc.profiles[0] for c, kc in zip(counts, kcs) if c))
             kinds = decoders + ((lc.profiles[1],) if s == 0 else ()) \
@@ -755,7 +853,7 @@ class CostModel:
                 allreduce_ms=ar, memory_bytes=mem.total_bytes,
                 memory_capacity_bytes=self.capacity_bytes[k], memory=mem, provenance=kinds,
                 optimizer_ms=opt, overhead_ms=self.iteration_overhead_ms,
-                optimizer_source=opt_source))
+                optimizer_source=opt_source, expert_allreduce_ms=ear))
         return tuple(out), placements, unused
 
     def wrap_send_ms(self, placements, micro_batch_size: int) -> float:

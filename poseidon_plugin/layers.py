@@ -11,8 +11,8 @@ Transformer Engine spec, ``MLP``, ``MoELayer`` with ``SharedExpertMLP``). Parame
 by how tensor parallelism holds them (``LayerParams``): the Q/K/V/output projections, the dense
 MLP and the shared experts are TP-sharded; norms, the router, row-parallel biases, the shared
 experts' gate and MLA's down projections (``TELinear``, ``parallel_mode='duplicated'``) are
-replicated; the routed experts are ``expert`` (split over expert-TP = TP at expert-parallel 1;
-expert parallelism divides this part, later).
+replicated; the routed experts are ``expert`` (split over expert-TP = TP and over
+the expert-parallel ranks: ``LayerParams.per_device(tp, ep)``).
 
 FLOPs (forward, one micro-batch of ``b`` sequences of length ``s``; a multiply-add is 2 FLOPs):
 the projection GEMMs, the causal attention core (half of QK^T and attention x V), the MLP
@@ -26,6 +26,8 @@ i (0-based) MoE when ``i % N == 0``; a list expression such as ``"[0]*3+[1]*58"`
 """
 
 from __future__ import annotations
+
+import functools
 
 from dataclasses import dataclass
 
@@ -42,14 +44,22 @@ class LayerParams:
     """One decoder layer's parameters by how tensor parallelism holds them."""
     tp_sharded: int    # attention, dense MLP and shared-expert weights: split over TP ranks
     replicated: int    # norms, router, row-parallel biases, MLA down projections: on every TP rank
-    expert: int        # routed experts (split over expert-TP = TP, expert-parallel 1)
+    expert: int        # routed experts (split over expert-TP = TP and EP)
 
     @property
     def total(self) -> int:
         return self.tp_sharded + self.replicated + self.expert
 
-    def per_device(self, tp: int) -> float:
-        return (self.tp_sharded + self.expert) / tp + self.replicated
+    def per_device(self, tp: int, ep: int = 1) -> float:
+        """Parameters on one device: TP-sharded and routed experts / TP (the experts also
+        / EP: expert-TP = TP, each EP rank holds num_experts / EP of them), replicated whole."""
+        if ep == 1:
+            return (self.tp_sharded + self.expert) / tp + self.replicated
+        return (self.tp_sharded + self.expert / ep) / tp + self.replicated
+
+    def expert_per_device(self, tp: int, ep: int = 1) -> float:
+        """The routed experts' parameters on one device (expert-TP = TP, / EP)."""
+        return self.expert / (tp * ep)
 
     def __add__(self, other: LayerParams) -> LayerParams:
         return LayerParams(self.tp_sharded + other.tp_sharded,
@@ -263,11 +273,9 @@ class LayerKind:
         return self.mlp.is_moe
 
     def param_split(self) -> LayerParams:
-        """Parameters of one layer of this kind (two norms, attention, MLP / experts)."""
-        norms = LayerParams(0, 2 * norm_params(self.hidden_size, self.normalization), 0)
-        return (self.attention.param_split(self.hidden_size, self.normalization,
-                                           self.add_bias_linear)
-                + self.mlp.param_split(self.hidden_size, self.add_bias_linear) + norms)
+        """Parameters of one layer of this kind (two norms, attention, MLP / experts);
+        computed once per kind (the memory model asks for it per stage it prices)."""
+        return _kind_param_split(self)
 
     def params(self) -> int:
         return self.param_split().total
@@ -440,3 +448,11 @@ def pattern_expression(values: tuple[int, ...]) -> str:
 __all__ = ["ATTENTION_KINDS", "AttentionSpec", "LayerKind", "LayerParams", "MLPSpec",
            "PatternError", "ZERO_PARAMS", "moe_layer_pattern", "norm_params",
            "parse_layer_pattern", "pattern_expression", "runs"]
+
+
+@functools.lru_cache(maxsize=256)
+def _kind_param_split(kind: LayerKind) -> LayerParams:
+    norms = LayerParams(0, 2 * norm_params(kind.hidden_size, kind.normalization), 0)
+    return (kind.attention.param_split(kind.hidden_size, kind.normalization,
+                                       kind.add_bias_linear)
+            + kind.mlp.param_split(kind.hidden_size, kind.add_bias_linear) + norms)

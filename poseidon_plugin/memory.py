@@ -77,13 +77,21 @@ class StageMemory:
     reserve_bytes: int = 0
     activations_measured: bool = False
     params_measured: bool = False
+    # a model with experts: per layer kind the stage holds (kind name, layers, bytes of those
+    # layers: weights + gradients + optimizer state + activations kept in flight); () otherwise
+    layer_parts: tuple[tuple[str, int, int], ...] = ()
 
     def parts(self) -> dict[str, int]:
-        """The predicted peak and its parts (the plan JSON's per-stage ``memory``)."""
-        return {"params_bytes": self.weights_bytes, "grads_bytes": self.gradients_bytes,
-                "optimizer_bytes": self.optimizer_bytes,
-                "activations_bytes": self.activations_bytes, "reserve_bytes": self.reserve_bytes,
-                "total_bytes": self.total_bytes}
+        """The predicted peak and its parts (the plan JSON's per-stage ``memory``); a model
+        with experts adds per layer kind ``<kind>_layers`` and ``<kind>_layers_bytes``."""
+        out = {"params_bytes": self.weights_bytes, "grads_bytes": self.gradients_bytes,
+               "optimizer_bytes": self.optimizer_bytes,
+               "activations_bytes": self.activations_bytes, "reserve_bytes": self.reserve_bytes,
+               "total_bytes": self.total_bytes}
+        for name, count, nbytes in self.layer_parts:
+            out[f"{name}_layers"] = count
+            out[f"{name}_layers_bytes"] = nbytes
+        return out
 
 
 # --------------------------------------------------------------------------- in-flight count
@@ -215,9 +223,11 @@ def output_activation_bytes(model, *, micro_batch_size: int, seq_length: int, tp
 
 # --------------------------------------------------------------------------- parameters
 
-def stage_params(model, *, layers: int, stage: int, num_stages: int, tp: int) -> float:
-    """Parameters held by one device of ``stage`` (embedding on stage 0, output on the last)."""
-    params = layers * model.layer_param_split().per_device(tp)
+def stage_params(model, *, layers: int, stage: int, num_stages: int, tp: int,
+                 ep: int = 1) -> float:
+    """Parameters held by one device of ``stage`` (embedding on stage 0, output on the last;
+    routed experts / EP)."""
+    params = layers * model.layer_param_split().per_device(tp, ep)
     word_embedding = model.hidden_size * model.vocab_size
     if stage == 0:
         params += word_embedding / tp + (model.embedding_params() - word_embedding)
@@ -248,8 +258,8 @@ def stage_memory(model, *, layers: int, stage: int, num_stages: int, tp: int, dp
                  layer_param_bytes_override: int | None = None,
                  setup: TrainingSetup | None = None, reserve_bytes: int = 0,
                  kind_counts: tuple[int, ...] | None = None,
-                 kind_overrides: tuple[tuple[int | None, int | None], ...] | None = None
-                 ) -> StageMemory:
+                 kind_overrides: tuple[tuple[int | None, int | None], ...] | None = None,
+                 ep: int = 1) -> StageMemory:
     """Memory of one device of `stage` (embedding on stage 0, output layer + logits on the last).
 
     ``layers`` is the number of decoder layers the device holds (all its chunks for interleaving).
@@ -266,6 +276,12 @@ def stage_memory(model, *, layers: int, stage: int, num_stages: int, tp: int, dp
     None), the full-recompute buffer the largest held kind's layer. Without ``kind_counts``, or
     for a uniform model, every layer is at the model's per-layer figures (a mixed model: each
     part's maximum over the kinds, an upper bound).
+
+    ``ep`` (expert parallelism, a model with experts): a MoE layer's routed experts are
+    / (TP x EP) on a device (``LayerParams.per_device``; a measured parameter override is taken
+    as already at this EP), and with the distributed optimizer their state is sharded over the
+    expert-DP group (dp / ep ranks), the rest over DP. A model with experts reports per kind
+    its layers' bytes (``StageMemory.layer_parts``).
     """
     if layers < 0:
         raise PoseidonError(f"layers must be >= 0, got {layers}")
@@ -277,6 +293,11 @@ def stage_memory(model, *, layers: int, stage: int, num_stages: int, tp: int, dp
     in_flight = microbatches_in_flight(schedule, stage, num_stages, num_microbatches,
                                        virtual_stages)
     w_b, g_b, o_b = bytes_per_param(dp, setup.distributed_optimizer, setup)
+    experts = bool(getattr(model, "num_experts", 0))
+    if ep > 1 and (not experts or dp % ep):
+        raise PoseidonError(f"expert parallelism {ep}: needs a model with experts and an EP "
+                            f"dividing DP = {dp}")
+    o_be = setup.optimizer_bytes(dp // ep) if experts else o_b
     if kind_counts is not None and len(getattr(model, "layer_kinds", ())) > 1:
         if sum(kind_counts) != layers:
             raise PoseidonError(f"kind_counts {kind_counts} do not sum to layers = {layers}")
@@ -284,11 +305,14 @@ def stage_memory(model, *, layers: int, stage: int, num_stages: int, tp: int, dp
             model, kind_counts, kind_overrides, stage=stage, num_stages=num_stages, tp=tp,
             micro_batch_size=micro_batch_size, seq_length=seq_length,
             sequence_parallel=sequence_parallel, setup=setup, in_flight=in_flight,
-            per_param=(w_b, g_b, o_b), reserve_bytes=reserve_bytes)
-    params = stage_params(model, layers=layers, stage=stage, num_stages=num_stages, tp=tp)
+            per_param=(w_b, g_b, o_b), reserve_bytes=reserve_bytes, ep=ep, o_be=o_be)
+    params = stage_params(model, layers=layers, stage=stage, num_stages=num_stages, tp=tp,
+                          ep=ep)
     if layer_param_bytes_override is not None:
-        analytic = model.layer_param_split().per_device(tp)
+        analytic = model.layer_param_split().per_device(tp, ep)
         params += layers * (layer_param_bytes_override / w_b - analytic)
+    expert_params = layers * model.layer_param_split().expert_per_device(tp, ep) \
+        if experts else 0.0
 
     shape = dict(micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
                  sequence_parallel=sequence_parallel)
@@ -305,18 +329,44 @@ def stage_memory(model, *, layers: int, stage: int, num_stages: int, tp: int, dp
                       else layer_activation_bytes(model, **shape, setup=setup))
         per_microbatch = layers * full_layer
         recompute_buffer = 0.0
+    parts = ()
+    if experts and layers:
+        one = (float(layer_param_bytes_override) / w_b if layer_param_bytes_override is not None
+               else model.layer_param_split().per_device(tp, ep))
+        e_one = model.layer_param_split().expert_per_device(tp, ep)
+        parts = ((_kind_name(model), layers,
+                  _layers_bytes(layers, one, e_one, per_microbatch / layers, in_flight,
+                                (w_b, g_b, o_b), o_be)),)
     return _assembled(model, shape, stage=stage, num_stages=num_stages,
                       per_microbatch=per_microbatch, in_flight=in_flight,
                       recompute_buffer=recompute_buffer, params=params,
                       per_param=(w_b, g_b, o_b), reserve_bytes=reserve_bytes,
                       activations_measured=measured,
-                      params_measured=layer_param_bytes_override is not None)
+                      params_measured=layer_param_bytes_override is not None,
+                      expert_params=expert_params, o_be=o_be, layer_parts=parts)
+
+
+def _kind_name(model) -> str:
+    kinds = getattr(model, "layer_kinds", ())
+    return kinds[0].name if len(kinds) == 1 else ("moe" if model.num_experts else "dense")
+
+
+def _layers_bytes(count: int, params_one: float, expert_one: float, kept_one: float,
+                  in_flight: float, per_param, o_be: float) -> int:
+    """Bytes of ``count`` layers of one kind on a device: weights, gradients and optimizer
+    state (the routed experts' at the expert-DP sharding ``o_be``) and their activations
+    kept for the in-flight micro-batches."""
+    w_b, g_b, o_b = per_param
+    state = count * (params_one * (w_b + g_b) + (params_one - expert_one) * o_b
+                     + expert_one * o_be)
+    return math.ceil(state + count * kept_one * in_flight)
 
 
 def _assembled(model, shape: dict, *, stage: int, num_stages: int, per_microbatch: float,
                in_flight: float, recompute_buffer: float, params: float, per_param,
                reserve_bytes: int, activations_measured: bool,
-               params_measured: bool) -> StageMemory:
+               params_measured: bool, expert_params: float = 0.0, o_be: float | None = None,
+               layer_parts: tuple = ()) -> StageMemory:
     """The ``StageMemory`` of a stage from its decoder layers' activations per micro-batch (the
     embedding's on the first stage and the output layer's on the last are added here) and its
     parameters on one device."""
@@ -328,14 +378,18 @@ def _assembled(model, shape: dict, *, stage: int, num_stages: int, per_microbatc
     activations = per_microbatch * in_flight + recompute_buffer
     weights = math.ceil(params * w_b)
     gradients = math.ceil(params * g_b)
-    optimizer = math.ceil(params * o_b)
+    if expert_params and o_be is not None and o_be != o_b:
+        # the routed experts' optimizer state sharded over expert-DP, the rest over DP
+        optimizer = math.ceil((params - expert_params) * o_b + expert_params * o_be)
+    else:
+        optimizer = math.ceil(params * o_b)
     activations_bytes = math.ceil(activations)
     reserve = int(reserve_bytes)
     return StageMemory(weights_bytes=weights, gradients_bytes=gradients,
                        optimizer_bytes=optimizer, activations_bytes=activations_bytes,
                        total_bytes=weights + gradients + optimizer + activations_bytes + reserve,
                        reserve_bytes=reserve, activations_measured=activations_measured,
-                       params_measured=params_measured)
+                       params_measured=params_measured, layer_parts=tuple(layer_parts))
 
 
 @functools.lru_cache(maxsize=64)
@@ -347,7 +401,8 @@ def _kind_model(model, index: int):
 def _stage_memory_by_kind(model, kind_counts, kind_overrides, *, stage: int, num_stages: int,
                           tp: int, micro_batch_size: int, seq_length: int,
                           sequence_parallel: bool, setup: TrainingSetup, in_flight: float,
-                          per_param, reserve_bytes: int) -> StageMemory:
+                          per_param, reserve_bytes: int, ep: int = 1,
+                          o_be: float | None = None) -> StageMemory:
     """``stage_memory`` of a device holding ``kind_counts[k]`` layers of each kind ``k``."""
     w_b, g_b, o_b = per_param
     kinds = model.layer_kinds
@@ -359,15 +414,23 @@ def _stage_memory_by_kind(model, kind_counts, kind_overrides, *, stage: int, num
     per_microbatch = 0.0
     recompute_buffer = 0.0
     act_measured = par_measured = False
+    expert_params = 0.0
+    experts = bool(getattr(model, "num_experts", 0))
+    parts = []
     for k, count in enumerate(kind_counts):
         if not count:
             continue
         act, par = overrides[k]
+        split = kinds[k].param_split()
         if par is not None:
-            params += count * (par / w_b)
+            one_p = par / w_b
+            params += count * one_p
             par_measured = True
         else:
-            params += count * kinds[k].param_split().per_device(tp)
+            one_p = split.per_device(tp, ep)
+            params += count * one_p
+        e_one = split.expert_per_device(tp, ep)
+        expert_params += count * e_one
         one = _kind_model(model, k)
         if act is not None:
             act_measured = True
@@ -379,8 +442,13 @@ def _stage_memory_by_kind(model, kind_counts, kind_overrides, *, stage: int, num
             kept = float(act) if act is not None else layer_activation_bytes(one, **shape,
                                                                               setup=setup)
         per_microbatch += count * kept
+        if experts:
+            parts.append((kinds[k].name, count,
+                          _layers_bytes(count, one_p, e_one, kept, in_flight, per_param,
+                                        o_b if o_be is None else o_be)))
     return _assembled(model, shape, stage=stage, num_stages=num_stages,
                       per_microbatch=per_microbatch, in_flight=in_flight,
                       recompute_buffer=recompute_buffer, params=params, per_param=per_param,
                       reserve_bytes=reserve_bytes, activations_measured=act_measured,
-                      params_measured=par_measured)
+                      params_measured=par_measured, expert_params=expert_params, o_be=o_be,
+                      layer_parts=tuple(parts))

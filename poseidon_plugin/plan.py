@@ -7,11 +7,14 @@ indent, floats rounded to 6 decimals, trailing newline, so equal plans give equa
      "predicted_tokens_per_s", "model_tflops_per_device", "mfu", "lower_bound_ms", "gap",
      "schedule", "virtual_stages", "microbatch_group_size" (interleaved: megatron-core's
      micro-batch group size per virtual stage the plan was timed and sized with, = pp, its
-     default; null otherwise), "dp", "tp" (null when per-stage), "pp", "micro_batch_size",
+     default; null otherwise), "dp", "tp" (null when per-stage), "pp", "ep" (expert-parallel
+     degree, 1 for a dense model and in older plans), "moe" (the model has experts),
+     "micro_batch_size",
      "num_microbatches", "global_batch_size", "seq_length", "num_layers",
      "stages": [{"index", "device_type", "tp", "dp", "layers", "forward_ms", "backward_ms",
                  "send_forward_ms", "send_backward_ms", "allreduce_ms", "optimizer_ms",
-                 "overhead_ms", "memory_bytes", "memory_capacity_bytes",
+                 "overhead_ms", "memory_bytes", "memory_capacity_bytes", "expert_allreduce_ms"
+                 (a model with experts: the part of allreduce_ms over expert-DP),
                  "devices": [[{"node", "local_device"}, ...tp], ...dp],
                  "chunk_layers", "chunk_forward_ms", "chunk_backward_ms" (V entries each),
                  "provenance": {"decoder"|"embedding"|"output"|"optimizer": {"source", "record"}}
@@ -70,7 +73,7 @@ parameters' all-gather; ``optimizer_ms`` is then the step on the rank's 1/dp sha
 ``overlap_grad_reduce`` / ``overlap_param_gather`` stage 0's figure (non-interleaved plans) is
 the part its last backward / first forward does not hide (``comm.dp_sync_ms``).
 
-Rank order: Megatron's default order tp-cp-ep-dp-pp (ep = 1):
+Rank order: Megatron's default order tp-cp-ep-dp-pp:
 ``rank = stage * (tp * cp * dp) + (dp_rank * cp + cp_rank) * tp + tp_rank`` (uniform TP).
 
 Context parallelism (``cp`` > 1; the key is written only then, a plan without it has CP 1):
@@ -78,6 +81,11 @@ every stage holds dp x cp TP groups, ``devices[dp_rank * cp + cp_rank][tp_rank]`
 figures are per CP rank (seq / cp tokens: forward / backward with the ring attention,
 activations, sends); ``allreduce_ms`` and ``optimizer_ms`` are over DP x CP, as Megatron
 reduces the gradients and shards the distributed optimizer.
+
+Expert parallelism (``ep`` > 1, planned at CP 1): the dense grid is unchanged; the experts'
+grid is ETP (= tp) x EP x expert-DP, an EP group being ``ep`` consecutive DP ranks of a stage
+(TP-strided), expert-DP = dp / ep; ``expert_allreduce_ms`` is the part of ``allreduce_ms``
+that synchronises the routed experts' gradients over expert-DP.
 """
 
 from __future__ import annotations
@@ -145,6 +153,7 @@ class StagePlan:
     optimizer_ms: float = 0.0   # optimizer step after the DP all-reduce (measured; 0: none)
     overhead_ms: float = 0.0    # the per-iteration overhead (calibrated; 0: none)
     cp: int = 1                 # context parallelism (the plan's)
+    expert_allreduce_ms: float = 0.0   # EP > 1: the experts' sync over expert-DP (in allreduce_ms)
 
     @property
     def post_pipeline_ms(self) -> float:
@@ -204,7 +213,8 @@ def _runner_up_text(s: dict) -> str:
         tp = "per-stage" if r["tp"] is None else r["tp"]
         what = (f"{r['schedule']}" + (f" (V={r['virtual_stages']})"
                                       if r["virtual_stages"] > 1 else "")
-                + f", pp={r['pp']}, dp={r['dp']}, tp={tp}, micro-batch "
+                + f", pp={r['pp']}, dp={r['dp']}, tp={tp}"
+                + (f", ep={r['ep']}" if r.get("ep", 1) > 1 else "") + ", micro-batch "
                 f"{r['micro_batch_size']}, {_stages_text(r, 'runner_up')}: "
                 f"{s['runner_up_ms']:.2f} ms ({100 * margin:+.2f}%)")
     if state == "timed out":
@@ -284,6 +294,8 @@ class Plan:
     # send call, receive ready) ms and their source (``callcosts.EngineCalls``)
     engine_calls: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
     engine_calls_source: str = "none"
+    ep: int = 1                    # expert-parallel degree (Megatron's expert grid: ETP = tp)
+    moe: bool = False              # the model has routed experts (the flags then carry EP)
 
     # ------------------------------------------------------------------ shape
     @property
@@ -349,7 +361,7 @@ class Plan:
             args += ["--pipeline-model-parallel-layout", self.pipeline_layout()]
         args += ["--micro-batch-size", str(self.micro_batch_size),
                  "--global-batch-size", str(self.global_batch_size)]
-        return args
+        return args + self._expert_args()
 
     def mindspeed_llm_args(self) -> list[str]:
         """argv tokens for MindSpeed-LLM.
@@ -372,7 +384,11 @@ class Plan:
             args += ["--num-layer-list", ",".join(str(n) for n in self.layers_per_stage)]
         args += ["--micro-batch-size", str(self.micro_batch_size),
                  "--global-batch-size", str(self.global_batch_size)]
-        return args
+        return args + self._expert_args()
+
+    def _expert_args(self) -> list[str]:
+        """``--expert-model-parallel-size`` of a MoE model's plan (nothing for a dense one)."""
+        return ["--expert-model-parallel-size", str(self.ep)] if self.moe or self.ep > 1 else []
 
     @property
     def executable(self) -> bool:
@@ -465,6 +481,7 @@ class Plan:
             "provenance": {kind: {"source": src, "record": rec}
                            for kind, src, rec in s.provenance},
             "memory": dict(s.memory_parts),
+            **({"expert_allreduce_ms": _r(s.expert_allreduce_ms)} if self.moe else {}),
         } for s in self.stages]
         out = {
             "format_version": PLAN_FORMAT_VERSION,
@@ -475,7 +492,7 @@ class Plan:
             "mfu": _r(self.mfu), "lower_bound_ms": _r(self.lower_bound_ms), "gap": _r(self.gap),
             "schedule": self.schedule, "virtual_stages": self.virtual_stages,
             "microbatch_group_size": self.microbatch_group_size, "dp": self.dp,
-            "tp": self.tp if uniform else None, "pp": self.pp,
+            "tp": self.tp if uniform else None, "pp": self.pp, "ep": self.ep, "moe": self.moe,
             "micro_batch_size": self.micro_batch_size,
             "num_microbatches": self.num_microbatches,
             "global_batch_size": self.global_batch_size, "seq_length": self.seq_length,
@@ -521,7 +538,8 @@ class Plan:
                 chunk_backward_ms=tuple(s.get("chunk_backward_ms", ())),
                 provenance=tuple((k, v["source"], v["record"])
                                  for k, v in s.get("provenance", {}).items()),
-                memory_parts=tuple(s.get("memory", {}).items()), cp=d.get("cp", 1))
+                memory_parts=tuple(s.get("memory", {}).items()), cp=d.get("cp", 1),
+                expert_allreduce_ms=s.get("expert_allreduce_ms", 0.0))
                 for s in d["stages"])
             group = d.get("microbatch_group_size")
             want = len(stages) if d["virtual_stages"] > 1 else None
@@ -548,7 +566,7 @@ class Plan:
                 baselines=tuple(dict(e) for e in d.get("baselines", ())),
                 training=d.get("training", {}),
                 iteration_overhead=dict(d.get("iteration_overhead") or {}),
-                cp=d.get("cp", 1))
+                cp=d.get("cp", 1), ep=int(d.get("ep", 1)), moe=bool(d.get("moe", False)))
         except (ValueError, KeyError, TypeError) as exc:
             raise PoseidonError(f"plan JSON: malformed ({type(exc).__name__}: {exc})") from None
 
@@ -561,6 +579,7 @@ class Plan:
                                       else "")
                 + f", pp={self.pp}, dp={self.dp}, tp={tp}"
                 + (f", cp={self.cp}" if self.cp > 1 else "")
+                + (f", ep={self.ep}" if self.moe or self.ep > 1 else "")
                 + f", micro-batch {self.micro_batch_size}"
                 f" x {self.num_microbatches} (global {self.global_batch_size}, seq "
                 f"{self.seq_length})")
@@ -577,7 +596,9 @@ class Plan:
                     else "(DP gradient all-reduce)").replace(
                         "DP", "DP x CP" if self.cp > 1 else "DP", 1)
                  + (f"; per CP rank: seq {self.seq_length // self.cp} tokens"
-                    if self.cp > 1 else ""),
+                    if self.cp > 1 else "")
+                 + (f"; with EP {self.ep} the routed experts' over expert-DP "
+                    f"({self.dp // self.ep} ranks) added" if self.ep > 1 else ""),
                  f"{'stage':>5} {'type':<10} {'tp':>3} {'dp':>3} {'layers':>6} {'fwd ms':>9} "
                  f"{'bwd ms':>9} {'send ms':>8} {'allred ms':>9} {'optim ms':>8} {'memory GiB':>15}  nodes"]
         for s in self.stages:
@@ -587,6 +608,7 @@ class Plan:
                 f"{s.forward_ms:>9.2f} {s.backward_ms:>9.2f} {s.send_forward_ms:>8.2f} "
                 f"{s.allreduce_ms:>9.2f} {s.optimizer_ms:>8.2f} {s.memory_bytes / gib:>6.1f} / {s.memory_capacity_bytes / gib:>6.1f}"
                 f"  {node_ranges(nodes)}")
+        lines += self._layer_memory_lines()
         lines += self._provenance_lines()
         used = self.world_size
         lines.append("")
@@ -623,6 +645,24 @@ class Plan:
             if s.get("layout_status", "off") != "off":
                 lines.append(_layout_text(s))
         return "\n".join(lines) + "\n"
+
+    def _layer_memory_lines(self) -> list[str]:
+        """A model with experts: each stage's memory by layer kind (the plan JSON's
+        ``<kind>_layers`` / ``<kind>_layers_bytes``), e.g. ``stage 0: dense 3 layers 2.1 GiB,
+        moe 2 layers 30.4 GiB``; nothing for a dense model."""
+        gib = 1024 ** 3
+        out = []
+        for s in self.stages:
+            parts = dict(s.memory_parts)
+            kinds = [k[:-len("_layers")] for k in parts if k.endswith("_layers")]
+            if kinds:
+                out.append(f"  stage {s.index}: " + ", ".join(
+                    f"{k} {parts[k + '_layers']} layers {parts.get(k + '_layers_bytes', 0) / gib:.1f} GiB"
+                    for k in kinds))
+        if out:
+            out.insert(0, "memory by layer kind (weights, gradients, optimizer state, "
+                          "activations of those layers):")
+        return out
 
     def _overhead_line(self) -> str:
         """The per-iteration overhead's provenance line of the table."""

@@ -123,11 +123,15 @@ class ProfileKey:
     dtype: str = "bf16"        # the training setup the layer ran under
     attention: str = "flash"
     recompute: str = "none"
+    # expert-parallel degree the layer ran at (a MoE layer profiled as one EP rank runs it:
+    # its num_experts / ep local experts, the tokens routed to them); 1 for every other record
+    # and for records of DBs written before EP (the JSON field is written only when > 1)
+    ep: int = 1
 
     def sort_key(self) -> tuple:
         return (self.model_signature, self.device_type, self.layer_kind, self.tp,
                 self.micro_batch_size, self.seq_length, self.dtype, self.attention,
-                self.recompute)
+                self.recompute, self.ep)
 
     @property
     def setup(self) -> TrainingSetup:
@@ -136,7 +140,9 @@ class ProfileKey:
 
     def describe(self) -> str:
         """Short human form, e.g. ``A100 decoder tp1 mbs2 seq2048 bf16/flash/none``."""
-        return (f"{self.device_type} {self.layer_kind} tp{self.tp} mbs{self.micro_batch_size} "
+        return (f"{self.device_type} {self.layer_kind} tp{self.tp}"
+                + (f" ep{self.ep}" if self.ep != 1 else "")
+                + f" mbs{self.micro_batch_size} "
                 f"seq{self.seq_length} {self.dtype}/{self.attention}/{self.recompute}")
 
 
@@ -164,7 +170,8 @@ _KEY_FIELDS: dict[str, type] = {
     "seq_length": int, "model_signature": str,
 }
 _VALUE_FIELDS = ("forward_ms", "backward_ms", "activation_bytes", "param_bytes")
-_RECORD_FIELDS = set(_KEY_FIELDS) | set(_VALUE_FIELDS) | set(SETUP_CHOICES) | {"source", "env", "optimizer_ms"}
+_RECORD_FIELDS = (set(_KEY_FIELDS) | set(_VALUE_FIELDS) | set(SETUP_CHOICES)
+                  | {"source", "env", "optimizer_ms", "ep"})
 _RANK = {"estimated": 0, "calibrated": 1, "measured": 2}
 
 
@@ -179,6 +186,7 @@ def profile_to_record(profile: LayerProfile) -> dict[str, Any]:
         "dtype": key.dtype, "attention": key.attention, "recompute": key.recompute,
         **({"env": dict(profile.env)} if profile.env else {}),
         **({"optimizer_ms": profile.optimizer_ms} if profile.optimizer_ms else {}),
+        **({"ep": key.ep} if key.ep != 1 else {}),
     }
 
 
@@ -222,7 +230,10 @@ def profile_from_record(record: object, where: str) -> LayerProfile:
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                             for k, v in env.items()):
         raise bad("env", "an object of strings", env)
-    key = ProfileKey(**{f: record[f] for f in _KEY_FIELDS}, **setup)
+    ep = record.get("ep", 1)
+    if isinstance(ep, bool) or not isinstance(ep, int) or not 1 <= ep <= MAX_KEY_INT:
+        raise bad("ep", f"an integer in [1, {MAX_KEY_INT}]", ep)
+    key = ProfileKey(**{f: record[f] for f in _KEY_FIELDS}, **setup, ep=ep)
     return LayerProfile(key=key, forward_ms=float(record["forward_ms"]),
                         backward_ms=float(record["backward_ms"]),
                         activation_bytes=record["activation_bytes"],
@@ -249,9 +260,9 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _family(key: ProfileKey) -> tuple:
     """What a key shares with the records an estimate of it may be scaled from: everything but
-    TP, micro-batch and sequence."""
+    TP, micro-batch and sequence (an estimate is scaled from records of its own EP degree)."""
     return (key.device_type, key.layer_kind, key.model_signature, key.dtype, key.attention,
-            key.recompute)
+            key.recompute, key.ep)
 
 
 def _wins(new: LayerProfile, old: LayerProfile | None) -> bool:

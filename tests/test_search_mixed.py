@@ -80,7 +80,7 @@ def _brute_force(inst):
                         stage_types=types_, stage_tps=tps, layers=layers, dp=cfg.dp,
                         micro_batch_size=cfg.micro_batch_size,
                         num_microbatches=cfg.num_microbatches, schedule=cfg.schedule,
-                        virtual_stages=1)
+                        virtual_stages=1, ep=cfg.ep)
                 except PoseidonError:
                     break         # the devices do not hold these options
                 if any(s.memory_bytes > s.memory_capacity_bytes for s in stages):

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 PLAN_VALUE_FLAGS: tuple[str, ...] = (
     "--tensor-model-parallel-size",
     "--pipeline-model-parallel-size",
+    "--expert-model-parallel-size",
     "--pipeline-model-parallel-layout",
     "--decoder-first-pipeline-num-layers",
     "--decoder-last-pipeline-num-layers",

@@ -69,6 +69,12 @@ cdef struct ConfigData:
     double oge[MAXO]
     double ogo[MAXO]
     double oog[MAXO]               # optimizer ms per gradient byte (R = all-reduce + G * oog + X)
+    # ---- expert parallelism (EP > 1): a layer's routed-expert gradient bytes per option (oxg,
+    #      uniform model) or per option and kind (kxg, NULL: none); synced over dp / ep ranks
+    #      (comm.expert_sync_ms) and stepped at ep / d (comm.expert_optimizer_ms)
+    int ep
+    double oxg[MAXO]
+    const double* kxg
     double overhead_ms             # X: the per-iteration overhead, in every stage's R
     int sharded                    # 1: distributed optimizer (DP sync = reduce-scatter of the
     #                                gradients + all-gather of the parameters; step / d)

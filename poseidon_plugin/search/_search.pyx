@@ -341,7 +341,8 @@ cdef class ConfigInstance:
                  lmax, ndev, type_off, intra, inter, node_of, local_of, og=None,
                  double overhead_ms=0.0, bint sharded=False, double wpg=0.5,
                  bint overlap_grad=False, bint overlap_param=False, double gpp=4.0,
-                 double bucket=0.0, kinds=None, lmax_from=None):
+                 double bucket=0.0, kinds=None, lmax_from=None, int ep=1, xg=None,
+                 kxg=None):
         cdef ConfigData* I = &self.data
         cdef int N = structure.N, V = structure.V, O = len(opt_type), T = len(ndev), o, x, k
         if N > MAXN or V > MAXV or O > MAXO or T > MAXT:
@@ -370,6 +371,11 @@ cdef class ConfigInstance:
             I.oge[o] = ge[o]
             I.ogo[o] = go[o]
             I.oog[o] = og[o] if og is not None else 0.0
+            I.oxg[o] = xg[o] if xg is not None else 0.0
+        I.ep = ep
+        I.kxg = NULL
+        if ep < 1 or dp % ep:
+            raise ValueError("ConfigInstance: ep must divide dp")
         for k in range(T):
             I.ndev[k] = ndev[k]
             I.type_off[k] = type_off[k]
@@ -449,6 +455,12 @@ cdef class ConfigInstance:
             I.kog = _dbl_ptr(karr[3])
             I.kpre = _int_ptr(kp)
             I.lmax_from = _int_ptr(lf)
+            if kxg is not None:
+                kx = np.ascontiguousarray(kxg, dtype=np.float64).reshape(-1)
+                if kx.shape[0] != O * K:
+                    raise ValueError("ConfigInstance: kxg must have O*K entries")
+                self._keep = self._keep + (kx,)
+                I.kxg = _dbl_ptr(kx)
         I.lmax = _int_ptr(arrays[0])
         I.suffix_lmax = _int_ptr(arrays[1])
         I.suf_omax = _int_ptr(arrays[2])
@@ -595,7 +607,7 @@ cdef void _set_stage(const ConfigData* I, SearchState* S, int x, int o, int l,
     (the embedding on chunk 0 of stage 0, the output layer on chunk V-1 of the last stage)."""
     cdef int V = I.V, cc, nb, a, k, c, L1 = I.L + 1
     cdef bint overlap
-    cdef double G, F = 0.0, gw, pw, opt, optk = 0.0, gk, gx = 0.0
+    cdef double G, F = 0.0, gw, pw, opt, optk = 0.0, gk, gx = 0.0, Ge = 0.0, ek, esync = 0.0
     if I.K > 1:
         # the layers [a, a + l) the stage holds (V = 1), each kind at its own costs, as
         # costs.stage_costs(layer_kinds="per-kind"): the embedding / output layer's optimizer
@@ -613,11 +625,18 @@ cdef void _set_stage(const ConfigData* I, SearchState* S, int x, int o, int l,
             gk = c * I.kgl[o * I.K + k]
             G += gk
             optk += (gk * I.kog[o * I.K + k] / I.d) if I.sharded else gk * I.kog[o * I.K + k]
+            if I.kxg != NULL and I.kxg[o * I.K + k] != 0.0:
+                # the kind's routed experts (costs.stage_costs: comm.expert_optimizer_ms)
+                ek = c * I.kxg[o * I.K + k]
+                Ge += ek
+                optk += (ek * I.kog[o * I.K + k] * I.ep / I.d) if I.sharded \
+                    else ek * I.kog[o * I.K + k]
     else:
         for cc in range(V):
             S.fc[x * V + cc] = _chunk_layers(l, V, cc) * I.of_[o]
             S.bc[x * V + cc] = _chunk_layers(l, V, cc) * I.ob_[o]
         G = l * I.ogl[o]
+        Ge = l * I.oxg[o]
     if x == 0:
         S.fc[0] += I.oef[o]
         S.bc[0] += I.oeb[o]
@@ -648,13 +667,19 @@ cdef void _set_stage(const ConfigData* I, SearchState* S, int x, int o, int l,
             opt += (gx * I.oog[o] / I.d) if I.sharded else gx * I.oog[o]
     else:
         opt = (G * I.oog[o] / I.d) if I.sharded else G * I.oog[o]
-    S.R[x] = ((_dp_sync_ms(G, G * I.wpg, I.d, ring, I.latency_ms, I.sharded, nb, gw, pw)
-               if I.d > 1 else 0.0)
+        if Ge != 0.0:
+            opt = opt + ((Ge * I.oog[o] * I.ep / I.d) if I.sharded else Ge * I.oog[o])
+    if Ge != 0.0 and I.d // I.ep > 1:
+        # the experts' gradients over expert-DP (comm.expert_sync_ms: not overlapped)
+        esync = _dp_sync_ms(Ge, Ge * I.wpg, I.d // I.ep, ring, I.latency_ms, I.sharded, 1,
+                            0.0, 0.0)
+    S.R[x] = (((_dp_sync_ms(G, G * I.wpg, I.d, ring, I.latency_ms, I.sharded, nb, gw, pw)
+                if I.d > 1 else 0.0) + esync)
               + opt
               + I.overhead_ms)
     # the bounds' R: with the overlap, stage 0's exposed sync is not monotone in its layers
     # (a longer backward hides more), so it is left out there (a lower bound, monotone in l)
-    S.Rb[x] = (opt + I.overhead_ms) if overlap else S.R[x]
+    S.Rb[x] = ((0.0 + esync) + opt + I.overhead_ms) if overlap else S.R[x]
 
 
 cdef inline int _ridge_stage(const ConfigData* I, int x) noexcept nogil:

@@ -25,6 +25,7 @@ def _stage_plans(cm: CostModel, cfg: OuterConfig, opts, layers, stages, placemen
                   allreduce_ms=st.allreduce_ms, memory_bytes=int(st.memory_bytes),
                   memory_capacity_bytes=int(st.memory_capacity_bytes),
                   optimizer_ms=st.optimizer_ms, overhead_ms=st.overhead_ms,
+                  expert_allreduce_ms=st.expert_allreduce_ms,
                   devices=tuple(tuple(DeviceSlot(n, d) for (n, d) in grp)
                                 for grp in placements[s].slots),
                   chunk_layers=chunk_layers(int(layers[s]), cfg.virtual_stages),
@@ -90,7 +91,8 @@ def build_plan(cm: CostModel, cfg: OuterConfig, opts, layers, *, global_batch_si
                       if cfg.virtual_stages > 1 else 0.0),
         training=cm.training.to_dict(), iteration_overhead=overhead_provenance(cm),
         engine_calls=cm.engine_calls(cfg.micro_batch_size).as_tuple(),
-        engine_calls_source=cm.engine_calls(cfg.micro_batch_size).source)
+        engine_calls_source=cm.engine_calls(cfg.micro_batch_size).source,
+        ep=cfg.ep, moe=bool(getattr(cm.model, "num_experts", 0)))
 
 
 def overhead_provenance(cm: CostModel) -> dict:

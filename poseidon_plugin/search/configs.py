@@ -37,13 +37,15 @@ class OuterConfig:
     tp: int                       # 0 = per-stage TP
     options: tuple[tuple[int, int], ...]   # (type index, tp) a stage may use
     cp: int = 1                   # context parallelism: each rank holds seq / cp tokens
+    ep: int = 1                   # expert-parallel degree (1: every expert on every device)
 
     @property
     def key(self) -> tuple:
-        """Deterministic order between configurations (the tie-break of equal plans)."""
+        """Deterministic order between configurations (the tie-break of equal plans); CP
+        and EP only where > 1 (a dense CP-1 configuration's key is as before)."""
         return (SCHEDULES.index(self.schedule), self.virtual_stages,
                 self.micro_batch_size, self.dp, self.tp, self.num_stages) \
-            + ((self.cp,) if self.cp > 1 else ())
+            + ((self.cp,) if self.cp > 1 else ()) + (("ep", self.ep) if self.ep > 1 else ())
 
     @property
     def dp_cp(self) -> int:
@@ -108,6 +110,18 @@ def _divisors(x: int) -> list[int]:
     return [d for d in range(1, x + 1) if x % d == 0]
 
 
+def ep_candidates(model, dp: int, allowed=None) -> tuple[int, ...]:
+    """Expert-parallel degrees a configuration of DP degree ``dp`` may use (Megatron's rules
+    with expert-TP = TP: a stage's TP x DP devices form the expert grid ETP x EP x expert-DP,
+    so EP divides DP, and EP divides the routed experts): (1,) for a model without experts;
+    only those in ``allowed`` when given."""
+    experts = int(getattr(model, "num_experts", 0) or 0)
+    if experts <= 0:
+        return (1,)
+    return tuple(e for e in _divisors(dp)
+                 if experts % e == 0 and (allowed is None or e in allowed))
+
+
 def _option_groups(tps: list[tuple[int, ...]], tp_mode: str) -> list[tuple[int, tuple]]:
     """(tp, stage options) per TP group: one group per TP degree (uniform TP, tp > 0) or one
     group with every (type, tp) pair (per-stage TP, tp = 0)."""
@@ -163,9 +177,12 @@ def enumerate_with_exclusions(cm: CostModel, options: SearchOptions
                                     _option_groups(tps, options.tp_mode)] if c == 1 else
                                    [(c, t, opts) for t, opts in _cp_option_groups(
                                        cluster, cm.type_names, uniform_groups, c)])
-                    for c, t, opts in groups:
-                        if not opts:
-                            continue
+                    # expert parallelism: every EP degree valid for this DP (CP 1 only: a CP
+                    # configuration keeps EP 1, ``ep_candidates``)
+                    groups = [(c, e, t, opts) for c, t, opts in groups if opts
+                              for e in (ep_candidates(model, d, options.expert_parallel)
+                                        if c == 1 else (1,))]
+                    for c, e, t, opts in groups:
                         cap = 0
                         for k in range(len(tps)):
                             tk = [tt for (kk, tt) in opts if kk == k]
@@ -177,7 +194,7 @@ def enumerate_with_exclusions(cm: CostModel, options: SearchOptions
                                     validate_schedule(sched, n, m, v)
                                 except PoseidonError:
                                     continue
-                            cfg = OuterConfig(sched, v, b, d, m, n, t, opts, c)
+                            cfg = OuterConfig(sched, v, b, d, m, n, t, opts, c, e)
                             if rules:
                                 hit = rules.violation(Shape.of_config(cfg))
                                 if hit is not None:
@@ -211,12 +228,29 @@ class OptionCosts:
     # are then each option's minimum over the kinds (per-layer lower bounds for the bounds),
     # the embedding / output figures and og the first kind's (as ``CostModel.stage_costs``)
     kinds: tuple[tuple[tuple[float, float, float, float], ...], ...] = ()
+    # expert parallelism (EP > 1): one layer's routed-expert gradient bytes per option (xg), and
+    # per option, per kind (kxg, a model of several kinds); () when no option has any
+    xg: tuple[float, ...] = ()
+    kxg: tuple[tuple[float, ...], ...] = ()
 
     @classmethod
     def of_config(cls, cm: CostModel, cfg: OuterConfig) -> "OptionCosts":
+        """The option costs of ``cfg``: they depend only on its options, micro-batch size, CP
+        and EP, so configurations sharing those share one value (memoised on ``cm``)."""
+        memo = cm.__dict__.setdefault("_option_costs_memo", {})
+        key = (cfg.options, cfg.micro_batch_size, cfg.cp, cfg.ep)
+        hit = memo.get(key)
+        if hit is None:
+            hit = memo[key] = cls._of_config(cm, cfg)
+        return hit
+
+    @classmethod
+    def _of_config(cls, cm: CostModel, cfg: OuterConfig) -> "OptionCosts":
         cm = cm.at_cp(cfg.cp)
+        ep = cfg.ep
         if cm.per_kind:
-            kcs = [cm.kind_layer_costs(k, t, cfg.micro_batch_size) for (k, t) in cfg.options]
+            kcs = [cm.kind_layer_costs(k, t, cfg.micro_batch_size, ep) for (k, t) in cfg.options]
+            kxg = tuple(tuple(lc.expert_grad_bytes for lc in kc) for kc in kcs)
             lcs = [kc[0] for kc in kcs]
             kinds = tuple(tuple((lc.forward_ms, lc.backward_ms, lc.grad_bytes,
                                  lc.optimizer_ms_per_grad_byte) for lc in kc) for kc in kcs)
@@ -229,8 +263,10 @@ class OptionCosts:
                        gl=tuple(min(x[2] for x in kk) for kk in kinds),
                        ge=tuple(lc.embedding_grad_bytes for lc in lcs),
                        go=tuple(lc.output_grad_bytes for lc in lcs),
-                       og=tuple(lc.optimizer_ms_per_grad_byte for lc in lcs), kinds=kinds)
-        lcs = [cm.layer_costs(k, t, cfg.micro_batch_size) for (k, t) in cfg.options]
+                       og=tuple(lc.optimizer_ms_per_grad_byte for lc in lcs), kinds=kinds,
+                       kxg=kxg if any(any(x) for x in kxg) else ())
+        lcs = [cm.layer_costs(k, t, cfg.micro_batch_size, ep) for (k, t) in cfg.options]
+        xg = tuple(lc.expert_grad_bytes for lc in lcs)
         return cls(f=tuple(lc.forward_ms for lc in lcs), b=tuple(lc.backward_ms for lc in lcs),
                    ef=tuple(lc.embedding_forward_ms for lc in lcs),
                    eb=tuple(lc.embedding_backward_ms for lc in lcs),
@@ -239,7 +275,8 @@ class OptionCosts:
                    gl=tuple(lc.grad_bytes for lc in lcs),
                    ge=tuple(lc.embedding_grad_bytes for lc in lcs),
                    go=tuple(lc.output_grad_bytes for lc in lcs),
-                   og=tuple(lc.optimizer_ms_per_grad_byte for lc in lcs))
+                   og=tuple(lc.optimizer_ms_per_grad_byte for lc in lcs),
+                   xg=xg if any(xg) else ())
 
     @property
     def min_layer_fb(self) -> float:
@@ -263,7 +300,7 @@ def layer_limits_from(cm: CostModel, cfg: OuterConfig) -> np.ndarray:
             out[o, x, :] = cm.max_layers_row(
                 capacity_bytes=cm.capacity_bytes[k], stage=x, num_stages=n, tp=t, dp=cfg.dp_cp,
                 micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
-                schedule=cfg.schedule, type_index=k)
+                schedule=cfg.schedule, type_index=k, ep=cfg.ep)
     return np.minimum(out, max(limit, 0))
 
 
@@ -291,7 +328,7 @@ def layer_limits(cm: CostModel, cfg: OuterConfig) -> np.ndarray:
             dp=cfg.dp_cp,
             micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
             schedule=cfg.schedule, virtual_stages=cfg.virtual_stages, limit=limit,
-            type_index=k)
+            type_index=k, ep=cfg.ep)
     return out
 
 
@@ -462,11 +499,23 @@ def root_bound(cm: CostModel, cfg: OuterConfig, costs: OptionCosts | None = None
     Python, the reference the tests compare it with."""
     cm = cm.at_cp(cfg.cp)
     costs = OptionCosts.of_config(cm, cfg) if costs is None else costs
-    base, types = _root_inputs(cm, cfg, costs)
     n = cfg.num_stages
-    t = _roots.root_core(types, n, cfg.num_microbatches, cfg.virtual_stages,
-                         cm.model.num_layers, base, _fill_extra(costs),
-                         stage_min_send_ms(cm, cfg) if n > 1 else 0.0)
+    # what does not depend on N, shared by the configurations that differ only in it (the
+    # expert-parallel degrees multiply them): the types' capacities, the fill's extra work,
+    # the fastest stage-to-stage send
+    memo = cm.__dict__.setdefault("_root_parts_memo", {})
+    key = (cfg.options, cfg.micro_batch_size, cfg.cp, cfg.ep, cfg.dp, cfg.num_microbatches,
+           id(costs))
+    parts = memo.get(key)
+    if parts is None or parts[0] is not costs:
+        parts = memo[key] = (costs, _capacity_types(cm, cfg, costs), _fill_extra(costs),
+                             stage_min_send_ms(cm, cfg))
+    _, types, extra, minsend = parts
+    L, m = cm.model.num_layers, cfg.num_microbatches
+    minfb = costs.min_layer_fb
+    base = max(m * math.ceil(L / n) * minfb, L * minfb)
+    t = _roots.root_core(types, n, m, cfg.virtual_stages, L, base, extra,
+                         minsend if n > 1 else 0.0)
     return t + cm.iteration_overhead_ms
 
 

@@ -175,6 +175,11 @@ class SearchDriver:
             CostModel(cluster, model, profiles, seq_length=options.seq_length,
                       training=options.training))
         self.configs, excluded = enumerate_with_exclusions(self.ctx.cm, options)
+        if options.expert_parallel is not None and not self.configs and model.num_experts:
+            eps = ", ".join(str(e) for e in options.expert_parallel)
+            raise PoseidonError(f"expert parallelism (--ep / expert_parallel) {eps}: no "
+                                f"configuration allows it (EP must divide the DP degree and "
+                                f"the {model.num_experts} experts)")
         self.deadline = (None if options.time_budget_s is None
                          else time.monotonic() + options.time_budget_s)
         self.workers = options.num_workers

@@ -48,7 +48,7 @@ def time_assignment(cm: CostModel, cfg: OuterConfig, stage_opts, layers):
         stage_types=[cfg.options[o][0] for o in stage_opts],
         stage_tps=[cfg.options[o][1] for o in stage_opts], layers=list(layers), dp=cfg.dp_cp,
         micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
-        schedule=cfg.schedule, virtual_stages=cfg.virtual_stages)
+        schedule=cfg.schedule, virtual_stages=cfg.virtual_stages, ep=cfg.ep)
     wrap = cm.wrap_send_ms(placements, cfg.micro_batch_size) if cfg.virtual_stages > 1 else 0.0
     F, B, Pf, Pb, R = simulator_arrays(stages, cfg.virtual_stages, wrap)
     t = iteration_time_ms(F, B, Pf, Pb, R, cfg.num_microbatches, cfg.schedule,
@@ -213,7 +213,9 @@ class SearchContext:
             lmax=self.lmax(cfg) if lmax is None else lmax,
             ndev=[p.size for p in cm.pools], type_off=type_off, intra=list(cm.intra_gbps),
             inter=list(cm.inter_gbps), node_of=node_of, local_of=local_of, kinds=kinds,
-            lmax_from=lmax_from)
+            lmax_from=lmax_from, ep=cfg.ep, xg=costs.xg or None,
+            kxg=(np.ascontiguousarray(np.array(costs.kxg, dtype=np.float64))
+                 if costs.kxg else None))
 
     # ------------------------------------------------------------------ searching
     def run(self, cfg: OuterConfig, *, pruning: str, blocks: bool, threshold_ms: float,

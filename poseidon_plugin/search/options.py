@@ -92,7 +92,9 @@ class SearchOptions:
     Megatron flags, and configurations its validation refused at launch);
     ``context_parallel``: the CP degrees searched (None: CP 1 only; ``poseidon plan --cp N``
     fixes one, ``--search-cp`` gives every power of two dividing the sequence into 2 x CP
-    chunks, ``search_cp_degrees``).
+    chunks, ``search_cp_degrees``);
+    ``expert_parallel``: the expert-parallel degrees allowed (None: every valid one; a model
+    without experts has EP 1 only).
     """
 
     global_batch_size: int
@@ -115,6 +117,7 @@ class SearchOptions:
     runner_up: bool = True
     rules: FrameworkRules = FrameworkRules()
     context_parallel: tuple[int, ...] | None = None
+    expert_parallel: tuple[int, ...] | None = None
     progress: bool = field(default=False, compare=False)
     # a time budget shorter than the first constructed plan is overrun until it (True), or the
     # construction stops at the budget after 64 configurations (False: the baselines' searches)
@@ -163,6 +166,9 @@ class SearchOptions:
                         f"CP degrees (--cp / context_parallel): CP {c} needs the sequence "
                         f"length ({self.seq_length}) divisible by 2 x CP = {2 * c}")
             set_(self, "context_parallel", tuple(sorted(set(cps))))
+        if self.expert_parallel is not None:
+            set_(self, "expert_parallel", _int_tuple(
+                "expert-parallel degrees (--ep / expert_parallel)", self.expert_parallel))
         if (isinstance(self.warmup_samples, bool) or not isinstance(self.warmup_samples, int)
                 or not 0 <= self.warmup_samples <= MAX_WARMUP_SAMPLES):
             raise PoseidonError(f"warm-up samples (--warmup-samples / warmup_samples): "
@@ -220,7 +226,18 @@ class SearchOptions:
         return replace(self, **changes)
 
     def check_against(self, cluster, model) -> None:
-        """Errors that need the cluster and the model: some allowed TP degree must be valid."""
+        """Errors that need the cluster and the model: some allowed TP degree must be valid;
+        an expert-parallel degree > 1 needs a model with experts, dividing their count."""
+        if self.expert_parallel is not None:
+            experts = int(getattr(model, "num_experts", 0) or 0)
+            bad = [e for e in self.expert_parallel if e > 1]
+            if bad and experts <= 0:
+                raise PoseidonError(f"expert parallelism (--ep / expert_parallel) {bad[0]}: "
+                                    f"{model.name} has no experts (EP is 1)")
+            if experts > 0 and not any(experts % e == 0 for e in self.expert_parallel):
+                raise PoseidonError(f"expert parallelism (--ep / expert_parallel): none of "
+                                    f"{sorted(self.expert_parallel)} divides the {experts} "
+                                    f"experts of {model.name}")
         if self.tp_degrees is None:
             return
         from .configs import tp_candidates

@@ -209,11 +209,11 @@ def identity(cfg, tp_mode: str) -> tuple:
 
 
 def describe(cfg, names, opts, layers, tp_mode: str) -> dict:
-    """The JSON form of a runner-up plan (``search.runner_up``)."""
+    """The JSON form of a runner-up plan (``search.runner_up``; ``ep`` only when > 1)."""
     return {"schedule": cfg.schedule, "virtual_stages": cfg.virtual_stages,
             "pp": cfg.num_stages, "dp": cfg.dp, **({"cp": cfg.cp} if cfg.cp > 1 else {}),
             "tp": cfg.tp if tp_mode == "uniform" else None,
             "micro_batch_size": cfg.micro_batch_size,
             "stage_types": [names[cfg.options[o][0]] for o in opts],
             "stage_tps": [cfg.options[o][1] for o in opts],
-            "layers": list(layers)}
+            "layers": list(layers), **({"ep": cfg.ep} if cfg.ep > 1 else {})}
