@@ -42,10 +42,11 @@ class OuterConfig:
     @property
     def key(self) -> tuple:
         """Deterministic order between configurations (the tie-break of equal plans); CP
-        and EP only where > 1 (a dense CP-1 configuration's key is as before)."""
+        and EP only where one is > 1 (then both: the key stays comparable), so a CP-1, EP-1
+        configuration's key is as before."""
         return (SCHEDULES.index(self.schedule), self.virtual_stages,
                 self.micro_batch_size, self.dp, self.tp, self.num_stages) \
-            + ((self.cp,) if self.cp > 1 else ()) + (("ep", self.ep) if self.ep > 1 else ())
+            + ((self.cp, self.ep) if self.cp > 1 or self.ep > 1 else ())
 
     @property
     def dp_cp(self) -> int:

@@ -21,6 +21,8 @@ Why this finds the optimum, and what each cut proves: ``docs/search.md``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import math
 import random
@@ -605,10 +607,12 @@ class SearchDriver:
         from .polish import polish
 
         if self._by_shape is None:
-            self._by_shape = {c.key[:-1] + (c.num_stages,): c for c in self.configs}
+            self._by_shape = {c: c for c in self.configs}
 
         def resize(c: OuterConfig, n: int) -> OuterConfig | None:
-            return self._by_shape.get(c.key[:-1] + (n,))
+            # the configuration that differs from c only in its pipeline depth (its CP, EP,
+            # micro-batches and options kept)
+            return self._by_shape.get(dataclasses.replace(c, num_stages=n))
 
         res = polish(self.ctx, cand.cfg, cand.opts, cand.layers, cand.time_ms,
                      deadline=deadline, allowed=self.in_space, resize=resize,
