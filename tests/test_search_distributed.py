@@ -215,3 +215,19 @@ def test_a_rank_lost_under_torchrun_ends_with_an_error(mode, what):
     proc, out, took = _torchrun(2, ["tests/dist_search_probe.py", mode], stall_s=3.0)
     assert proc.returncode != 0
     assert what in out, out[-3000:]
+
+
+def test_emulated_launch_on_two_hosts_shares_the_search(tmp_path):
+    """A --poseidon-auto dry run whose two ranks sit on two (emulated) hosts: each host's
+    first rank searches a share; rank 0 broadcasts the merged plan as usual."""
+    from test_launch_e2e import GPT_ARGS, ok, torchrun
+
+    emu = tmp_path / "emu.yaml"
+    emu.write_text("device_types:\n  emu-fast: {speed: 1.0, memory_gib: 16}\n"
+                   "  emu-slow: {speed: 0.5, memory_gib: 16}\n"
+                   "ranks: [emu-slow, emu-fast]\nhosts: [host-a, host-b]\n")
+    args = [*GPT_ARGS, "--train-iters", "2", "--poseidon-dry-run", "--poseidon-emulate",
+            str(emu)]
+    proc, out, _ = torchrun(2, args, {"POSEIDON_PROFILE_DIR": str(tmp_path / "profiles")})
+    assert proc.returncode == 0, ok(proc, out)
+    assert "search: shared by 2 searchers (one per host)" in out, out[-3000:]

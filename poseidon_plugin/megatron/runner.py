@@ -624,10 +624,15 @@ def _rank0_calibrate_cluster(ctx: LaunchContext) -> None:
 def _all_ranks_share_plan(ctx: LaunchContext) -> None:
     """Rank 0 searches; every rank receives the plan (checksummed), renumbers, rewrites argv."""
     payload: tuple[str, str] | None = None
+    from .search_transport import launch_searchers
+    group = launch_searchers(ctx.boot, ctx.topo, ctx.rank)   # one searcher per host (> 1 host)
     if ctx.rank == 0:
-        payload = ctx.guarded("search", lambda: _rank0_search_plan(ctx))
+        payload = ctx.guarded("search", lambda: _rank0_search_plan(ctx, group))
     else:
         ctx.boot.phase("search")
+        if group is not None:
+            with group:
+                ctx.guarded("search-share", group.serve)
     text, digest = ctx.guarded("plan-broadcast",
                                lambda: ctx.boot.broadcast_object(payload, "plan-broadcast"))
     if plan_checksum(text) != digest:
@@ -646,10 +651,19 @@ def _all_ranks_share_plan(ctx: LaunchContext) -> None:
     ctx.guarded("plan-verified", lambda: ctx.boot.barrier("plan-verified"))
 
 
-def _rank0_search_plan(ctx: LaunchContext) -> tuple[str, str]:
-    """The plan's JSON and its checksum (what rank 0 broadcasts)."""
+def _rank0_search_plan(ctx: LaunchContext, group=None) -> tuple[str, str]:
+    """The plan's JSON and its checksum (what rank 0 broadcasts); ``group``: the hosts'
+    searchers (search/distributed.py) the search is shared with."""
     from ..search import search_plan
 
+    if group is not None:
+        log.info("search: shared by %d searchers (one per host)", group.size)
+        with group:
+            return _rank0_search_plan_with(ctx, group.search)
+    return _rank0_search_plan_with(ctx, search_plan)
+
+
+def _rank0_search_plan_with(ctx: LaunchContext, search_plan) -> tuple[str, str]:
     t0 = time.perf_counter()
     options = _search_options(ctx)
     path = previous_plan_path(ctx.cache_path, ctx.cluster, ctx.model, options)

@@ -100,3 +100,20 @@ def searchers_from_environ(workers: int | None = None, timeout_s: float = 120.0)
     store = TorchStore(default_store(), "poseidon-search/")
     return _Group(Searchers(store, rank, world, workers=workers,
                             names=lambda r: f"rank {r}"), owns)
+
+
+def launch_searchers(boot: Any, topo: Any, rank: int) -> Searchers | None:
+    """A ``--poseidon-auto`` launch on more than one host: one searcher per host (its lowest
+    launch rank; launch rank 0 coordinates), on the launch's store. None on the other ranks,
+    on one host, or with POSEIDON_DISTRIBUTED_SEARCH=0."""
+    if os.environ.get("POSEIDON_DISTRIBUTED_SEARCH", "1").strip() == "0":
+        return None
+    first: dict[str, int] = {}
+    for info in sorted(topo.infos, key=lambda i: i.rank):
+        first.setdefault(info.host, info.rank)
+    ranks = sorted(first.values())
+    if len(ranks) < 2 or rank not in ranks:
+        return None
+    return Searchers(TorchStore(boot.store, f"{boot.prefix}/search/"), ranks.index(rank),
+                     len(ranks), names=lambda s: topo.describe(ranks[s]),
+                     join_s=boot.timeout_s)

@@ -132,14 +132,18 @@ class Searchers:
     manager: the coordinator's exit tells the others to stop serving.
 
     ``names``: how an error names searcher r (e.g. its launch rank and host); ``workers``:
-    search threads here when the options leave them open (None: one per core)."""
+    search threads here when the options leave them open (None: one per core); ``join_s``: how
+    long a searcher may take to join (default ``stall_s``; a launch's coordinator joins after
+    its calibration)."""
 
     def __init__(self, store: Store, rank: int, size: int, *, stall_s: float | None = None,
-                 workers: int | None = None, names: Callable[[int], str] | None = None) -> None:
+                 workers: int | None = None, names: Callable[[int], str] | None = None,
+                 join_s: float | None = None) -> None:
         if not 0 <= rank < size:
             raise PoseidonError(f"searcher {rank} of {size}: no such searcher")
         self.store, self.rank, self.size = store, rank, size
         self.stall_s = stall_seconds() if stall_s is None else stall_s
+        self.join_s = self.stall_s if join_s is None else max(join_s, self.stall_s)
         self.workers = workers
         self.names = names or (lambda r: f"search process {r}")
         self._idle = getattr(store, "idle", None) or (lambda: time.sleep(POLL_S))
@@ -208,13 +212,14 @@ class Searchers:
                 continue
             hb = self.store.get(f"hb/{r}")
             old, since = self._seen.get(r, (None, self._t_start))
+            limit = self.join_s if hb is None else self.stall_s
             if hb != old:
                 self._seen[r] = (hb, now)
-            elif now - since > self.stall_s:
+            elif now - since > limit:
                 what = "never joined" if hb is None else "stopped answering"
                 self.error = self.error or (
                     f"distributed search: {self.names(r)} {what} (no heartbeat for "
-                    f"{self.stall_s:g} s; POSEIDON_SEARCH_STALL_S sets how long to wait)")
+                    f"{limit:g} s; POSEIDON_SEARCH_STALL_S sets how long to wait)")
 
     def check(self) -> None:
         if self.error:
@@ -279,6 +284,10 @@ class Searchers:
                 self.store.set(f"job/{n}/error/{self.rank}", str(e).encode())
                 if not isinstance(e, InfeasibleError):
                     log.error("distributed search, job %d: %s", n, e)
+            except Exception as e:   # a bug: searcher 0 names it at once, then it propagates
+                self.store.set(f"job/{n}/error/{self.rank}",
+                               f"{type(e).__name__}: {e}".encode())
+                raise
 
     def _local(self, options):
         if options.workers is None and self.workers is not None:
