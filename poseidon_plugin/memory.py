@@ -227,7 +227,8 @@ def stage_params(model, *, layers: int, stage: int, num_stages: int, tp: int,
                  ep: int = 1) -> float:
     """Parameters held by one device of ``stage`` (embedding on stage 0, output on the last;
     routed experts / EP)."""
-    params = layers * model.layer_param_split().per_device(tp, ep)
+    # (a stage priced by its layers' kinds asks with layers = 0: skip the per-layer envelope)
+    params = layers * model.layer_param_split().per_device(tp, ep) if layers else 0.0
     word_embedding = model.hidden_size * model.vocab_size
     if stage == 0:
         params += word_embedding / tp + (model.embedding_params() - word_embedding)
