@@ -94,3 +94,37 @@ def test_training_reaches_lm_loss(release):
     pp = int(re.search(r"--pipeline-model-parallel-size (\d+)", flags).group(1))
     if pp > 1:  # MindSpeed-LLM took the plan's split
         assert re.search(r"--num-layer-list [0-9,]+|--pipeline-model-parallel-layout \S+", flags)
+
+
+EP_RELEASE = "26.1.0"
+
+
+def test_expert_parallel_dry_run():
+    """A MoE model with --expert-model-parallel-size 2 (megatron-core's alltoall dispatcher,
+    no linear biases: MindSpeed's MoE refuses them) is planned, MindSpeed-LLM's own
+    validate_args accepts the plan (rank 0 judges it), and the flags carry EP 2. One release
+    (the cheap check; the EP flag path is the backend's, not the release's)."""
+    reason = fw.mindspeed_llm_skip_reason(EP_RELEASE)
+    if reason:
+        pytest.skip(reason)
+    from pathlib import Path
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="msllm-ep-"))
+    args = [*ARGS, "--train-iters", "2", "--num-experts", "4", "--moe-router-topk", "2",
+            "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+            "--disable-bias-linear", "--poseidon-auto", "--poseidon-dry-run",
+            "--poseidon-emulate", EMULATE4, "--poseidon-backend", "mindspeed-llm",
+            "--poseidon-tp", "1", "--poseidon-max-virtual-stages", "1"]
+    proc, out, _ = launch(EP_RELEASE, args, _env(tmp))
+    assert proc.returncode == 0, ok(proc, out)
+    assert "Poseidon plan (mindspeed-llm)" in out and "lm loss" not in out
+    flags = out.split("\nflags:\n", 1)[1].splitlines()[0].split()
+    script = out.split("\ncommand line the script runs with:\n", 1)[1].splitlines()[0].split()
+    from poseidon_plugin.megatron.argv import flag_value
+
+    assert flag_value(flags, "--expert-model-parallel-size") == "2", flags
+    assert script.count("--expert-model-parallel-size") == 1
+    assert flag_value(script, "--expert-model-parallel-size") == "2", script
+    dp = int(re.search(r"Plan for .*?, dp=(\d+),", out).group(1))
+    assert dp % 2 == 0, flags   # EP divides DP

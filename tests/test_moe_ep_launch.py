@@ -223,3 +223,59 @@ def test_megatron_builds_one_ep_ranks_local_experts(tmp_path):
     # ... and the record keeps what one rank of EP 8 holds: E / EP = 1 expert
     assert rows[8][2] == size[8] - expert
     assert all(rows[ep][2] == size[ep] for ep in (1, 2, 4))
+
+
+# ------------------------------------------------------------------ end to end, EP = 2
+
+EP_ARGS = ("--num-layers 8 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 "
+           "--seq-length 64 --max-position-embeddings 64 --disable-bias-linear "
+           "--untie-embeddings-and-output-weights --num-experts 8 --moe-router-topk 2 "
+           "--moe-ffn-hidden-size 64 --moe-layer-freq [0]*2+[1]*6 "
+           "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall "
+           "--micro-batch-size 1 --global-batch-size 8 --lr 2e-3 --lr-decay-style constant "
+           "--mock-data --tokenizer-type NullTokenizer --vocab-size 256 --log-interval 1 "
+           "--eval-iters 0 --eval-interval 1000 --bf16 --num-workers 0 --seed 1234").split()
+
+
+@pytest.mark.integration
+def test_emulated_moe_training_with_expert_parallelism(tmp_path):
+    pytest.importorskip("megatron.core")
+    from test_launch_e2e import EMULATE4, ok, torchrun
+
+    plan_file = tmp_path / "plan.json"
+    proc, out, took = torchrun(4, [*EP_ARGS, "--train-iters", "6", "--poseidon-auto",
+                                   "--poseidon-emulate", EMULATE4,
+                                   "--poseidon-save-plan", str(plan_file)],
+                               {"POSEIDON_PROFILE_DIR": str(tmp_path / "profiles")}, timeout=480)
+    assert proc.returncode == 0, ok(proc, out)
+    print(f"EP launch took {took:.1f} s")
+    plan = json.loads(plan_file.read_text())
+    assert plan["ep"] == 2 and plan["dp"] % 2 == 0, {k: plan[k] for k in ("ep", "dp", "pp")}
+    assert sum(s["layers"] for s in plan["stages"]) == 8
+    # Megatron ran what the plan says: EP 2 on the command line and in its own arguments
+    flags = out.split("\nflags:\n", 1)[1].splitlines()[0].split()
+    line = out.split("\ncommand line the script runs with:\n", 1)[1].splitlines()[0].split()
+    assert A.flag_value(flags, "--expert-model-parallel-size") == "2", flags
+    assert line.count("--expert-model-parallel-size") == 1
+    assert A.flag_value(line, "--expert-model-parallel-size") == "2"
+    assert re.search(r"expert_model_parallel_size \.+ 2\b", out), out[-3000:]
+    # the MoE layer was profiled as one rank of EP 2 (4 of the 8 experts), the records say so
+    assert "as one rank of EP 2 runs it: 4 local expert(s) of 8" in out
+    (cache,) = glob.glob(str(tmp_path / "profiles" / "profiles-*.json"))
+    recs = [r for r in json.loads(open(cache).read())["records"] if r["layer_kind"] == "decoder"]
+    moe = [r for r in recs if "-moe-e8-k2" in r["model_signature"]]
+    assert moe and all(r.get("ep") == 2 for r in moe), moe
+    assert all(r.get("ep", 1) == 1 for r in recs if r not in moe)
+    # Megatron's training log: every iteration, a finite loss
+    losses = [float(m.group(1)) for m in re.finditer(r"iteration\s+\d+/\s*\d+ \|.*?lm loss: "
+                                                     r"([0-9.eE+-]+)", out)]
+    assert len(losses) >= 5 and all(math.isfinite(x) for x in losses), out[-4000:]
+    # the live calibration: predicted vs measured, and per stage the measured / planned
+    # forward / backward ratios and the measured times
+    (cal,) = [l[l.index("calibration:"):] for l in out.splitlines() if "calibration: iteration" in l]
+    print(re.search(r"Plan for .*", out).group(0))
+    print(cal)
+    assert re.search(r"predicted [0-9.]+ ms, measured [0-9.]+ ms", cal), cal
+    for s in range(plan["pp"]):
+        assert re.search(rf"\bs{s} x[0-9.]+/x[0-9.]+", cal), cal
+        assert re.search(rf"\bs{s} F [0-9.]+/B [0-9.]+", cal), cal
