@@ -589,10 +589,15 @@ def _cmd_profile(ns) -> int:
                                  tps=tuple(ns.tp), setup=setup, device=ns.device,
                                  iters=ns.iters, timeout_s=ns.timeout,
                                  eps=tuple(sorted(set(ns.ep))))
-    records = offline.profile_layers(req, procs)
+    calls: list = []
+    records = offline.profile_layers(req, procs, calls)
     if records is None:   # a torchrun rank other than 0: rank 0 writes
         return 0
-    stored, total = offline.write_profiles(records, ns.out)
+    stored, total = offline.write_profiles(records, ns.out, calls)
+    for c in calls:
+        print(f"p2p call {c.device_type} {c.link} {c.message_bytes} bytes: send "
+              f"{c.send_call_ms:.3f} ms, receive ready {c.recv_ready_ms:.3f} ms, latency "
+              f"{c.latency_ms:.3f} ms")
     from .megatron.profile_gather import kind_signatures
 
     kind_of = {sig: name for name, sig in kind_signatures(req.model).items() if name}

@@ -11,6 +11,7 @@ import re
 
 import pytest
 
+from poseidon_plugin.model import get_model
 from poseidon_plugin.profiles import ProfileDB
 from test_launch_e2e import ok, torchrun
 from test_profile_command import CLUSTER, TINY, poseidon
@@ -46,6 +47,12 @@ def test_two_processes_measure_tp_2_and_the_plan_uses_it(tmp_path):
     assert 0.45 * one.param_bytes < two.param_bytes < 0.55 * one.param_bytes
     assert two.activation_bytes < one.activation_bytes
     assert out.count("cpu decoder tp") == 2   # rank 0 alone prints the records
+    # ranks 0 -> 1's per-call p2p costs at the activation size (b x seq x hidden bf16)
+    (call,) = ProfileDB.load(str(tmp_path / "db.json")).p2p_calls()
+    assert (call.device_type, call.link) == ("cpu", "intra-node")
+    assert call.message_bytes == 2 * 1 * 128 * get_model(TINY).hidden_size
+    assert call.send_call_ms > 0 and call.recv_ready_ms > 0 and call.latency_ms >= 0
+    assert out.count("p2p call cpu intra-node") == 1
 
     (tmp_path / "c.yaml").write_text(CLUSTER)
     proc = poseidon("plan", "--cluster", "c.yaml", "--model", TINY, "--global-batch-size", "4",
@@ -60,6 +67,9 @@ def test_two_processes_measure_tp_2_and_the_plan_uses_it(tmp_path):
     assert stage["provenance"]["decoder"] == {
         "source": "measured", "record": "cpu decoder tp2 mbs1 seq128 bf16/unfused/none"}
     assert stage["memory"]["activations_source"] == "measured"
+    # the search charged them (named in the plan's timing model)
+    tm = json.loads((tmp_path / "plan.json").read_text())["timing_model"]
+    assert tm["send_call_ms"] == pytest.approx(call.send_call_ms, abs=1e-6)
 
 
 def test_a_rank_that_never_answers_is_named(tmp_path):

@@ -30,6 +30,7 @@ EP, so a 256-expert layer is measurable on one device.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -198,9 +199,11 @@ def _setup_device(kind: str, req: ProfileRequest, procs: Processes) -> tuple[Any
     return torch.device("npu", local), torch.npu.get_device_name(local)  # type: ignore
 
 
-def profile_layers(req: ProfileRequest, procs: Processes | None = None) -> list | None:
+def profile_layers(req: ProfileRequest, procs: Processes | None = None,
+                   calls_out: list | None = None) -> list | None:
     """Measured ``LayerProfile`` records of ``req`` (each TP degree and micro-batch size), on
-    rank 0; None on the other ranks of a torchrun launch."""
+    rank 0; None on the other ranks of a torchrun launch. ``calls_out`` (several processes):
+    rank 0 appends the ``callcosts.P2PCall`` records of ranks 0 -> 1 (``_p2p_calls``)."""
     procs = procs or Processes.from_environ()
     tps = check_tps(req.tps, procs, req.model)
     check_eps(req)
@@ -234,7 +237,7 @@ def profile_layers(req: ProfileRequest, procs: Processes | None = None) -> list 
                 finally:
                     dist.destroy_process_group()
         else:
-            gathered = _profile_group(req, tps, args, kind, device, procs, kinds)
+            gathered = _profile_group(req, tps, args, kind, device, procs, kinds, calls_out)
     if procs.rank != 0:
         return None
     aggs, stragglers = profiler.aggregate(dict(enumerate(gathered)),
@@ -287,9 +290,9 @@ def layer_kinds(req: ProfileRequest, backend: Sequence[str]) -> tuple:
 
 
 def _profile_group(req: ProfileRequest, tps: Sequence[int], args: Any, kind: str, device: Any,
-                   procs: Processes, kinds: Sequence = ()) -> list:
+                   procs: Processes, kinds: Sequence = (), calls_out: list | None = None) -> list:
     """Every rank's timings (the launch's bootstrap and TP-group profiling, see the module
-    docstring), gathered on every rank."""
+    docstring), gathered on every rank; with ``calls_out``, then ``_p2p_calls``."""
     import torch.distributed as dist
 
     from . import bootstrap, group_profile, profiler
@@ -299,21 +302,49 @@ def _profile_group(req: ProfileRequest, tps: Sequence[int], args: Any, kind: str
     try:
         turns = profiler.Turns(procs.local_rank, procs.local_world_size) if kind == "cpu" else None
         # TP all-reduces on NCCL / HCCL, as training runs them (gloo on the CPU)
-        return group_profile.profile_and_gather(boot, args, tps, req.micro_batch_sizes,
-                                                device=device, iters=req.iters, seed=req.seed,
-                                                backend=bootstrap.device_backend(kind),
-                                                turns=turns, kinds=kinds or None)
+        gathered = group_profile.profile_and_gather(boot, args, tps, req.micro_batch_sizes,
+                                                    device=device, iters=req.iters,
+                                                    seed=req.seed,
+                                                    backend=bootstrap.device_backend(kind),
+                                                    turns=turns, kinds=kinds or None)
+        if calls_out is not None:
+            calls_out.extend(_p2p_calls(req, boot, kind, device, procs))
+        return gathered
     finally:
         boot.finish_probe()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def write_profiles(records: Sequence, out: str) -> tuple[int, int]:
-    """Merge ``records`` into the DB at ``out`` (created if absent); (stored, total records)."""
+def _p2p_calls(req: ProfileRequest, boot: Any, kind: str, device: Any,
+               procs: Processes) -> list:
+    """Ranks 0 -> 1's per-call p2p costs (``callcost_profile.p2p_call_records``) for each
+    micro-batch size's activation message (b x seq x hidden bf16 bytes), on the device's
+    backend as training sends them (gloo on the CPU); link ``intra-node`` when torchrun put
+    both on one node. Rank 0 gets the records, the others []."""
+    from . import bootstrap
+    from .callcost_profile import p2p_call_records
+
+    sizes = {2 * b * req.seq_length * req.model.hidden_size:
+             b * req.seq_length * req.model.hidden_size for b in req.micro_batch_sizes}
+    link = "intra-node" if procs.local_world_size >= 2 else "inter-node"
+    backend = bootstrap.device_backend(kind)
+
+    def measure() -> list:
+        with (boot.device_group(backend) if backend != "gloo" else contextlib.nullcontext()):
+            return p2p_call_records(req.device_type, link, sizes, device=device)
+
+    return bootstrap.run_guarded(boot, "p2p-calls", measure)
+
+
+def write_profiles(records: Sequence, out: str, calls: Sequence = ()) -> tuple[int, int]:
+    """Merge ``records`` (and the ``callcosts.P2PCall`` records ``calls``) into the DB at
+    ``out`` (created if absent); (stored layer records, total layer records)."""
     from ..profiles import ProfileDB
 
     db = ProfileDB(out)
+    for c in calls:
+        db.put_p2p_call(c)
     stored = sum(bool(db.put(r)) for r in records)
     db.save(out)
     return stored, len(db)
