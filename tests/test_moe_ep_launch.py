@@ -225,6 +225,33 @@ def test_megatron_builds_one_ep_ranks_local_experts(tmp_path):
     assert all(rows[ep][2] == size[ep] for ep in (1, 2, 4))
 
 
+@pytest.mark.integration
+def test_poseidon_profile_writes_a_moe_record_per_ep(tmp_path):
+    """``poseidon profile --ep 1 2 4`` on one CPU process: the dense kind once (EP 1), the MoE
+    kind once per EP, keyed by it, each with one EP rank's experts (8, 4, 2 of 8)."""
+    pytest.importorskip("megatron.core")
+    from poseidon_plugin.profiles import ProfileDB
+
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    db = str(tmp_path / "db.json")
+    proc = subprocess.run([sys.executable, "-m", "poseidon_plugin", "profile", "--model",
+                           TINY_MOE, "--seq-length", "128", "--device-type", "cpu", "--device",
+                           "cpu", "--micro-batch-sizes", "1", "--iters", "2", "--ep", "1", "2",
+                           "4", "-o", db], capture_output=True, text=True, cwd=tmp_path,
+                          env=env, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(one rank of EP 2)" in proc.stdout and "(one rank of EP 4)" in proc.stdout
+    from poseidon_plugin.megatron.profile_gather import kind_signatures
+
+    sigs = kind_signatures(load_model(TINY_MOE))
+    recs = {(r.key.model_signature, r.key.ep): r for r in ProfileDB.load(db).profiles()}
+    assert set(recs) == {(sigs["dense"], 1), (sigs["moe"], 1), (sigs["moe"], 2),
+                         (sigs["moe"], 4)}
+    p = {ep: recs[(sigs["moe"], ep)].param_bytes for ep in (1, 2, 4)}
+    assert p[1] - p[2] == 2 * (p[2] - p[4]) > 0   # 4 experts fewer, then 2 fewer
+    assert all(recs[k].source == "measured" and recs[k].forward_ms > 0 for k in recs)
+
+
 # ------------------------------------------------------------------ end to end, EP = 2
 
 EP_ARGS = ("--num-layers 8 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 "
