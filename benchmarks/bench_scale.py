@@ -96,7 +96,10 @@ def run_one(case: str, budget: float, workers: int | None) -> dict:
         c = driver.configs[i]
         f = driver.found.get(c)
         holding.append(dict(config=f"{c.schedule} V={c.virtual_stages} pp={c.num_stages} "
-                                   f"dp={c.dp} tp={c.tp} b={c.micro_batch_size}",
+                                   f"dp={c.dp} tp={c.tp} "
+                                   + (f"cp={c.cp} " if c.cp > 1 else "")
+                                   + (f"ep={c.ep} " if c.ep > 1 else "")
+                                   + f"b={c.micro_batch_size}",
                             root_ms=driver.roots[i], proven_ms=driver.lbs[i],
                             found_ms=None if f is None else f.time_ms,
                             nodes=driver.work.get(i, 0)))
