@@ -91,8 +91,9 @@ def run_one(case: str, budget: float, workers: int | None) -> dict:
         done.set()
         poll.join()
     s = p.search
-    holding = []      # the configurations whose proven bound is the lowest: they hold the gap
-    for i in sorted(range(len(driver.configs)), key=lambda i: driver.lbs[i])[:4]:
+    holding = []      # the lowest proven bounds (most nodes first): what holds the gap
+    for i in sorted(range(len(driver.configs)),
+                    key=lambda i: (driver.lbs[i], -driver.work.get(i, 0)))[:4]:
         c = driver.configs[i]
         f = driver.found.get(c)
         holding.append(dict(config=f"{c.schedule} V={c.virtual_stages} pp={c.num_stages} "
