@@ -35,12 +35,17 @@ SMALL = os.path.join(ROOT, "examples/clusters/small-two-type.yaml")
 TINY = os.path.join(ROOT, "examples/models/tiny-gpt.yaml")
 SMALL_TEXT = open(SMALL, encoding="utf-8").read()
 TINY_TEXT = open(TINY, encoding="utf-8").read()
+# refusing an oversized input must not expand it first: those failures took minutes and GBs
+# (MemoryError); a wide deadline detects them on a loaded host without timing the refusal
+FAULT_DEADLINE_S = 30.0
+
 PLAN = ["plan", "--cluster", SMALL, "--model", TINY, "--global-batch-size", "16",
         "--seq-length", "128", "--workers", "1", "--no-baselines"]
 
 
-def one_line_error(capsys, argv, pattern=None, max_s=10.0):
-    """Run ``cli.main(argv)``: exit 2, one line ``poseidon: error: ...``, within ``max_s``."""
+def one_line_error(capsys, argv, pattern=None, max_s=60.0):
+    """Run ``cli.main(argv)``: exit 2, one line ``poseidon: error: ...``, within ``max_s`` (a
+    fault-detection deadline, not a benchmark: CI hosts are loaded)."""
     start = time.perf_counter()
     rc = cli.main(list(argv))
     took = time.perf_counter() - start
@@ -81,7 +86,7 @@ def test_yaml_nested_100k_deep_is_refused_without_recursion(tmp_path, body):
                                                            "name: " + body))
     start = time.perf_counter()
     err = spec_error(load_cluster, path)
-    assert time.perf_counter() - start < 2.0
+    assert time.perf_counter() - start < FAULT_DEADLINE_S
     assert err.field == "line 4"
     assert f"nested at most {MAX_SPEC_DEPTH} deep" in err.expected
 
@@ -108,7 +113,7 @@ def test_yaml_alias_bomb_is_refused_before_expansion(tmp_path):
     assert len(bomb) < 1000
     start = time.perf_counter()
     err = spec_error(load_cluster, path)
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < FAULT_DEADLINE_S
     assert "aliases expanded" in err.expected and "alias bomb" in str(err)
     assert len(str(err)) < 300
 
@@ -143,9 +148,9 @@ def test_50_mb_cluster_file_is_refused_at_once(tmp_path, capsys):
     with open(path, "w", encoding="utf-8") as f:
         f.write(SMALL_TEXT)
         f.write("# " + "x" * (50 << 20) + "\n")
-    err = one_line_error(capsys, [*PLAN[:2], str(path), *PLAN[3:], "--time-budget", "30"],
+    err = one_line_error(capsys, [*PLAN[:2], str(path), *PLAN[3:], "--time-budget", "600"],
                          r"expected a cluster YAML file of at most 2 MiB, got '50\.0 MiB'",
-                         max_s=3.0)
+                         max_s=FAULT_DEADLINE_S)
     assert str(MAX_SPEC_BYTES >> 20) + " MiB" in err
 
 
@@ -254,7 +259,7 @@ def test_cluster_sizes_and_numbers_are_bounded(changes, field, phrase):
     start = time.perf_counter()
     with pytest.raises(SpecError) as info:
         cluster_from_dict(_cluster(**changes), source="c.yaml")
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < FAULT_DEADLINE_S
     assert info.value.field == field
     assert phrase in info.value.expected
     assert len(str(info.value)) < 300
@@ -266,7 +271,7 @@ def test_largest_allowed_cluster_loads_fast():
                                    nodes__1__count=MAX_NODES // 2,
                                    nodes__0__devices_per_node=8, nodes__1__devices_per_node=8))
     assert c.total_devices == MAX_DEVICES
-    assert time.perf_counter() - start < 5.0
+    assert time.perf_counter() - start < FAULT_DEADLINE_S
 
 
 @pytest.mark.parametrize("field, value, phrase", [
@@ -335,8 +340,8 @@ def test_profile_records_are_validated_on_load(tmp_path, capsys, patch, pattern)
     ZeroDivisionError), 'profile times of 1e300' (was: 300-digit time, 0 tokens/s),
     'activation_bytes 1e30' (was: silently accepted)."""
     path = _db(tmp_path, _db_payload(**patch))
-    one_line_error(capsys, [*PLAN, "--profiles", path, "--time-budget", "5"], pattern,
-                   max_s=5.0)
+    one_line_error(capsys, [*PLAN, "--profiles", path, "--time-budget", "600"], pattern,
+                   max_s=FAULT_DEADLINE_S)
 
 
 def test_profile_faster_than_the_peak_is_refused(tmp_path, capsys):
@@ -376,7 +381,7 @@ def test_profile_db_nested_100k_deep(tmp_path, capsys):
     """Row 'profile DB nested 100k-200k deep': was a RecursionError traceback."""
     path = _db(tmp_path, '{"version": 1, "records": ' + "[" * 100_000 + "]" * 100_000 + "}")
     one_line_error(capsys, [*PLAN, "--profiles", path], r"db\.json: .*nested too deeply",
-                   max_s=3.0)
+                   max_s=FAULT_DEADLINE_S)
 
 
 @pytest.mark.parametrize("text, pattern", [
