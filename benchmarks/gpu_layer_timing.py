@@ -3,7 +3,7 @@ micro-batches 1 and 2 -- the profiler (``time_layer``: device events, back to ba
 after 20 untimed micro-batches, 8 micro-batches back to back with one synchronisation (what
 training does), and device events with no synchronisation inside -- plus the profiler's
 optimizer step. Writes diag.json to $OUT (or here). This is how the per-phase synchronisation
-the profiler used to do was found 9 % slow on an H200 (README, "On a real GPU").
+the profiler used to do was found 9 % slow on an H200 (docs/fidelity.md, "On a real GPU").
 
     PYTHONPATH=$PWD python benchmarks/gpu_layer_timing.py   # megatron-core and a CUDA GPU
 """

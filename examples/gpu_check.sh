@@ -28,7 +28,7 @@
 #   run(command="GPU_CHECK_COPY_TO=$OUT GPU_CHECK_PROFILE_TIMEOUT=100 GPU_CHECK_TRAIN_TIMEOUT=150
 #                bash examples/gpu_check.sh", carry=[".whl", <the four built .so files>], timeout_s=300)
 # (carrying the Cython modules built here skips the build there). On an H200 (2026-11-26) the
-# profile step took ~30 s and the training ~50 s; results in the README, "On a real GPU".
+# profile step took ~30 s and the training ~50 s; results in docs/fidelity.md, "On a real GPU".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

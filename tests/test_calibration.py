@@ -324,7 +324,7 @@ def test_windows_follow_the_run_length():
 
 
 # -- the adaptive warm-up ----------------------------------------------------------------------
-# the H100 MoE run of the README (run.log, "elapsed time per iteration", iterations 1-19)
+# the H100 MoE run of docs/fidelity.md (run.log, "elapsed time per iteration", iterations 1-19)
 MOE_H100_PERIODS = [2911.3, 1947.8, 922.4, 857.3, 771.7, 647.2, 729.5, 582.6, 644.8, 493.4,
                     477.6, 556.5, 604.9, 648.3, 594.0, 623.3, 550.7, 710.8, 545.4]
 

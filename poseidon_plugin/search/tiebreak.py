@@ -4,7 +4,7 @@ With a tolerance t > 0 (``--tie-tolerance``) the search, once it knows the faste
 T*), returns the **preferred** plan among those no slower than T* x (1 + t): a stated few per
 cent traded for a simpler plan. The preference reads no times. It was built to make noisy
 launches agree on near-ties and does not: the preferred plan tends to sit at the window's
-edge, where noise moves it in and out (``tests/test_plan_stability.py``; the README's "Plan
+edge, where noise moves it in and out (``tests/test_plan_stability.py``; docs/usage.md's "Plan
 stability"). What keeps a relaunch on its plan is ``SearchDriver.keep``. The order:
 
 1. the configuration (``preference``): fewer pipeline stages, then no interleaving (smaller
