@@ -251,6 +251,58 @@ def test_ep_safe_exhaustive_and_brute_force_agree(inst):
             plan.predicted_iteration_time_ms, rel=1e-6)
 
 
+mixed_ep_st = st.tuples(st.lists(type_st, min_size=1, max_size=2),
+                        st.lists(st.sampled_from([0, 1]), min_size=2, max_size=5).filter(
+                            lambda p: 0 in p and 1 in p),
+                        st.sampled_from([256, 2048, 8192]), st.sampled_from([4, 8]),
+                        st.lists(st.sampled_from(("1f1b", "eager-1f1b", "gpipe")),
+                                 min_size=1, max_size=2, unique=True))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(mixed_ep_st)
+def test_per_kind_root_bound_below_each_configurations_optimum(inst):
+    """Dense + MoE layers at EP 1, 2 and 4: the root bound, whose work bound sums each
+    option's cheapest layers by the kinds' counts (a MoE layer's all-to-alls included), is at
+    most every configuration's exhaustive optimum, and at least the bound that prices every
+    layer at its cheapest kind."""
+    from poseidon_plugin.search.configs import _work_base, root_bound
+    types, pattern, mff, gbs, scheds = inst
+    cluster, model = make_cluster(types), _moe_model(pattern, mff)
+    cm = CostModel(cluster, model, None, seq_length=128)
+    assert cm.per_kind
+    ctx = SearchContext(cm)
+    L = model.num_layers
+    for cfg in enumerate_configs(cm, _options(gbs, scheds, "none")):
+        costs = ctx.option_costs(cfg)
+        j, minfb = math.ceil(L / cfg.num_stages), costs.min_layer_fb
+        assert _work_base(cm, cfg, costs) >= max(
+            cfg.num_microbatches * j * minfb, L * minfb) * (1 - 1e-12)
+        exact = ctx.run(cfg, pruning="none", blocks=False, threshold_ms=math.inf).best
+        if exact is not None:
+            assert root_bound(cm, cfg) <= exact[0] * (1 + 1e-9), cfg
+
+
+def test_per_kind_work_bound_prices_the_moe_layers():
+    """A stage holding more layers than there are dense ones holds a MoE layer: its all-to-alls
+    (EP 4 over a slow link) enter the work bound, which the cheapest-kind price missed."""
+    from poseidon_plugin.search.configs import _work_base
+    cluster, model = make_cluster([(100.0, 4, 2, 0.05)]), _moe_model([0, 1, 1, 1], 8192)
+    cm = CostModel(cluster, model, None, seq_length=128)
+    ctx = SearchContext(cm)
+    cfgs = [c for c in enumerate_configs(cm, _options(8, ("gpipe",), "none"))
+            if c.num_stages == 1 and c.ep == 4]
+    assert cfgs
+    for cfg in cfgs:
+        costs = ctx.option_costs(cfg)
+        fb = [[x[0] + x[1] for x in kk] for kk in costs.kinds]
+        m = cfg.num_microbatches
+        want = min(m * (k[0] + 3 * k[1]) for k in fb)     # 1 dense + 3 MoE layers, one stage
+        assert all(k[1] > k[0] for k in fb)                 # MoE dearer than dense here
+        assert _work_base(cm, cfg, costs) == pytest.approx(want, rel=1e-12)
+        assert _work_base(cm, cfg, costs) > m * 4 * costs.min_layer_fb
+
+
 @pytest.mark.parametrize("types,pattern", [
     ([(100.0, 4, 2, 0.3)], [1, 1, 1, 1]),
     ([(100.0, 4, 2, 0.3), (150.0, 2, 1, 1.0)], [0, 1, 1, 1])])

@@ -513,8 +513,7 @@ def root_bound(cm: CostModel, cfg: OuterConfig, costs: OptionCosts | None = None
                              stage_min_send_ms(cm, cfg))
     _, types, extra, minsend = parts
     L, m = cm.model.num_layers, cfg.num_microbatches
-    minfb = costs.min_layer_fb
-    base = max(m * math.ceil(L / n) * minfb, L * minfb)
+    base = _work_base(cm, cfg, costs)
     t = _roots.root_core(types, n, m, cfg.virtual_stages, L, base, extra,
                          minsend if n > 1 else 0.0)
     return t + cm.iteration_overhead_ms
@@ -523,9 +522,38 @@ def root_bound(cm: CostModel, cfg: OuterConfig, costs: OptionCosts | None = None
 def _root_inputs(cm: CostModel, cfg: OuterConfig, costs: OptionCosts
                  ) -> tuple[float, list[_TypeCapacity]]:
     """The work bound (``root_bound``'s base) and the usable types' capacities."""
+    return _work_base(cm, cfg, costs), _capacity_types(cm, cfg, costs)
+
+
+def _work_base(cm: CostModel, cfg: OuterConfig, costs: OptionCosts) -> float:
+    """The work bound: some stage holds j >= ceil(L / N) layers, each micro-batch's f + b of
+    them on one option, M times; and the L layers' f + b on one device. One kind: the cheapest
+    layer's f + b times j (times L). Several kinds (``costs.kinds``): per option the sum of
+    the j (L) cheapest layers by the kinds' counts, the least over the options: a MoE layer's
+    all-to-alls are then priced in every stage that must hold one (with each layer at its
+    cheapest kind, the dense layers' cost, DeepSeek-V3's EP 8 / 16 roots equalled EP 1's)."""
     L, n, m = cm.model.num_layers, cfg.num_stages, cfg.num_microbatches
-    minfb = costs.min_layer_fb
-    return (max(m * math.ceil(L / n) * minfb, L * minfb), _capacity_types(cm, cfg, costs))
+    j = math.ceil(L / n)
+    if not costs.kinds:
+        minfb = costs.min_layer_fb
+        return max(m * j * minfb, L * minfb)
+    counts = cm.model.kind_counts
+    if len(counts) != len(costs.kinds[0]):
+        minfb = costs.min_layer_fb
+        return max(m * j * minfb, L * minfb)
+
+    def cheapest(kk, want: int) -> float:
+        total, left = 0.0, want
+        for fb, cnt in sorted(zip((x[0] + x[1] for x in kk), counts)):
+            take = min(cnt, left)
+            total += take * fb
+            left -= take
+            if left <= 0:
+                break
+        return total
+
+    return max(m * min(cheapest(kk, j) for kk in costs.kinds),
+               min(cheapest(kk, L) for kk in costs.kinds))
 
 
 def _fill_extra(costs: OptionCosts) -> float:
