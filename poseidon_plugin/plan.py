@@ -387,8 +387,13 @@ class Plan:
         return args + self._expert_args()
 
     def _expert_args(self) -> list[str]:
-        """``--expert-model-parallel-size`` of a MoE model's plan (nothing for a dense one)."""
-        return ["--expert-model-parallel-size", str(self.ep)] if self.moe or self.ep > 1 else []
+        """``--expert-model-parallel-size`` of a MoE model's plan (nothing for a dense one), and
+        ``--sequence-parallel`` where it runs at TP > 1: megatron-core refuses MoE with TP > 1
+        without sequence parallelism (the all-to-all pricing assumes it: tokens / TP per rank)."""
+        if not (self.moe or self.ep > 1):
+            return []
+        sp = ["--sequence-parallel"] if self.tp > 1 else []
+        return ["--expert-model-parallel-size", str(self.ep)] + sp
 
     @property
     def executable(self) -> bool:

@@ -324,8 +324,9 @@ def test_a_fixed_ep_is_kept_and_an_impossible_one_refused():
     model = _moe_model([0, 1, 1, 1], 2048)
     plan = search_plan(cluster, model, _options(8, ("1f1b",), "safe", eps=(4,)))
     assert plan.ep == 4 and plan.dp % 4 == 0
-    assert plan.megatron_args()[-2:] == ["--expert-model-parallel-size", "4"]
-    assert plan.mindspeed_llm_args()[-2:] == ["--expert-model-parallel-size", "4"]
+    for args in (plan.megatron_args(), plan.mindspeed_llm_args()):
+        assert args[args.index("--expert-model-parallel-size") + 1] == "4"
+        assert ("--sequence-parallel" in args) == (plan.tp > 1)
     # EP 4 needs DP >= 4: a global batch of 2 has none
     with pytest.raises(PoseidonError, match="expert parallelism .* 4: no configuration"):
         search_plan(cluster, model, _options(2, ("1f1b",), "safe", eps=(4,)))
@@ -373,3 +374,20 @@ def test_cli_ep_flag(capsys, tmp_path):
     out, err = capsys.readouterr()
     assert rc != 0 and out == "" and len(err.strip().splitlines()) == 1
     assert "has no experts" in err
+
+
+
+def test_moe_plan_flags_carry_sequence_parallel_at_tp_above_1():
+    """megatron-core refuses MoE at TP > 1 without --sequence-parallel: a MoE plan's flags carry
+    it there (and not at TP 1, nor for a dense model)."""
+    plan = search_plan(_cluster(), _moe_model([0, 1, 1, 1], 2048),
+                       _options(8, ("1f1b",), "safe", eps=(2,)))
+    at = {tp: dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, tp=tp)
+                                                     for s in plan.stages)) for tp in (1, 2)}
+    for tp, p in at.items():
+        for args in (p.megatron_args(), p.mindspeed_llm_args()):
+            assert args[args.index("--tensor-model-parallel-size") + 1] == str(tp)
+            assert args[args.index("--expert-model-parallel-size") + 1] == "2"
+            assert ("--sequence-parallel" in args) == (tp > 1)
+    dense = dataclasses.replace(at[2], moe=False, ep=1)
+    assert "--sequence-parallel" not in dense.megatron_args()
