@@ -195,6 +195,7 @@ PLAN_ARGS = ["--cluster", "examples/clusters/paper-setting1.yaml", "--model", "l
              "--global-batch-size", "128", "--seq-length", "4096", "--json", "--no-runner-up"]
 
 
+@pytest.mark.integration   # torchrun, torch.distributed's store: not in the torch-free core venv
 def test_cli_distributed_under_torchrun_matches_one_process():
     one = subprocess.run([sys.executable, "-m", "poseidon_plugin", "plan", *PLAN_ARGS],
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT},
@@ -209,6 +210,7 @@ def test_cli_distributed_under_torchrun_matches_one_process():
     assert sb["exhaustive"] == sa["exhaustive"]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("mode,what", [("never", "rank 1 stopped answering"),
                                        ("die", "rank 1 stopped answering")])
 def test_a_rank_lost_under_torchrun_ends_with_an_error(mode, what):
@@ -217,6 +219,7 @@ def test_a_rank_lost_under_torchrun_ends_with_an_error(mode, what):
     assert what in out, out[-3000:]
 
 
+@pytest.mark.integration
 def test_emulated_launch_on_two_hosts_shares_the_search(tmp_path):
     """A --poseidon-auto dry run whose two ranks sit on two (emulated) hosts: each host's
     first rank searches a share; rank 0 broadcasts the merged plan as usual."""
