@@ -7,17 +7,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from test_launch_e2e import free_port  # noqa: E402
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
 
 
 def _worker(rank, world, port, out):
@@ -40,7 +37,7 @@ def _worker(rank, world, port, out):
 def test_p2p_call_records_between_processes(tmp_path, world):
     import torch.multiprocessing as mp
 
-    mp.start_processes(_worker, args=(world, _port(), str(tmp_path)), nprocs=world,
+    mp.start_processes(_worker, args=(world, free_port(), str(tmp_path)), nprocs=world,
                        join=True, start_method="spawn")
     got = [json.load(open(tmp_path / f"{r}.json")) for r in range(world)]
     assert all(g == [] for g in got[1:])

@@ -21,6 +21,7 @@ from poseidon_plugin.search import SearchOptions, enumerate_configs, search_plan
 from poseidon_plugin.simulator import iteration_time_ms
 from poseidon_plugin.simulator.schedules import validate_schedule
 from poseidon_plugin.training import TrainingSetup
+from test_search import layer_splits
 
 SEQ = 128
 
@@ -140,11 +141,7 @@ def _brute_force(cluster, model, gbs, cps, schedules=("1f1b",)):
                     except PoseidonError:
                         continue
                 for types in itertools.product(ks, repeat=n):
-                    for cuts in itertools.combinations(range(1, L), n - 1):
-                        bounds = (0,) + cuts + (L,)
-                        layers = [bounds[i + 1] - bounds[i] for i in range(n)]
-                        if min(layers) < v:
-                            continue
+                    for layers in layer_splits(L, n, v):
                         try:
                             stages, places, _ = cm.stage_costs(
                                 stage_types=list(types), stage_tps=[t] * n, layers=layers,

@@ -21,6 +21,7 @@ from poseidon_plugin.profiles import LayerProfile, ProfileDB, ProfileKey, lookup
 from poseidon_plugin.search import SearchContext, SearchOptions, enumerate_configs, search_plan
 from poseidon_plugin.simulator import iteration_time_ms
 from poseidon_plugin.training import TrainingSetup
+from test_search import layer_splits
 
 SMALL = "examples/clusters/small-two-type.yaml"
 TINY = "examples/models/tiny-gpt.yaml"
@@ -117,9 +118,7 @@ def _brute_force(cluster, model, db, gbs, training=None):
     for cfg in enumerate_configs(cm, opts_):
         n, L = cfg.num_stages, model.num_layers
         for opts in itertools.product(range(len(cfg.options)), repeat=n):
-            for cuts in itertools.combinations(range(1, L), n - 1):
-                bounds = (0,) + cuts + (L,)
-                layers = [bounds[i + 1] - bounds[i] for i in range(n)]
+            for layers in layer_splits(L, n):
                 try:
                     stages, _, _ = cm.stage_costs(
                         stage_types=[cfg.options[o][0] for o in opts],

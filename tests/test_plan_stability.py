@@ -27,7 +27,7 @@ from poseidon_plugin.search import SearchContext, SearchOptions, enumerate_confi
 from poseidon_plugin.search.driver import SearchDriver
 from poseidon_plugin.search.tiebreak import TieBreaker, preference
 
-from test_search import SCHEDS, make_instance, type_st
+from test_search import SCHEDS, layer_splits, make_instance, type_st
 
 
 def _options(gbs, scheds, tp_mode, tol, **kw):
@@ -60,11 +60,7 @@ def _every_plan(cluster, model, options):
         for opts in itertools.product(range(len(cfg.options)), repeat=n):
             types = [cfg.options[o][0] for o in opts]
             tps = [cfg.options[o][1] for o in opts]
-            for cuts in itertools.combinations(range(1, L), n - 1):
-                bounds = (0,) + cuts + (L,)
-                layers = [bounds[i + 1] - bounds[i] for i in range(n)]
-                if min(layers) < v:
-                    continue
+            for layers in layer_splits(L, n, v):
                 try:
                     stages, _, _ = cm.stage_costs(
                         stage_types=types, stage_tps=tps, layers=layers, dp=cfg.dp,

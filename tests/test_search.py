@@ -24,6 +24,16 @@ from poseidon_plugin.simulator import iteration_time_ms
 SCHEDS = ("1f1b", "eager-1f1b", "interleaved-1f1b")
 
 
+
+def layer_splits(num_layers: int, num_stages: int, min_layers: int = 1):
+    """Every split of ``num_layers`` consecutive layers into ``num_stages`` stages of at least
+    ``min_layers`` each, as per-stage counts (the brute forces' enumeration)."""
+    for cuts in itertools.combinations(range(1, num_layers), num_stages - 1):
+        bounds = (0, *cuts, num_layers)
+        layers = [bounds[i + 1] - bounds[i] for i in range(num_stages)]
+        if min(layers) >= min_layers:
+            yield layers
+
 def make_cluster(draw_types):
     """A random cluster: one (peak TFLOP/s, devices per node, nodes, memory GiB) per type."""
     types, nodes, inter = {}, [], {}
@@ -101,11 +111,7 @@ def _brute_force(cluster, model, gbs, scheds, tp_mode):
                                virtual_stages=v)
             except PoseidonError:
                 continue
-            for cuts in itertools.combinations(range(1, L), n - 1):
-                bounds = (0,) + cuts + (L,)
-                layers = [bounds[i + 1] - bounds[i] for i in range(n)]
-                if min(layers) < v:
-                    continue
+            for layers in layer_splits(L, n, v):
                 stages, _, _ = cm.stage_costs(
                     stage_types=types, stage_tps=tps, layers=layers, dp=cfg.dp,
                     micro_batch_size=cfg.micro_batch_size,

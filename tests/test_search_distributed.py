@@ -166,23 +166,16 @@ def test_bad_stall_setting(monkeypatch):
 
 # ---------------------------------------------------------------- real processes (torchrun)
 import json  # noqa: E402
-import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from test_launch_e2e import TORCHRUN, free_port  # noqa: E402
 
 
 def _torchrun(nproc: int, args: list[str], stall_s: float = 30.0, timeout: float = 240):
     cmd = [TORCHRUN, "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), *args]
+           "--master-port", str(free_port()), *args]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1",
            "POSEIDON_SEARCH_STALL_S": str(stall_s)}
     t0 = time.monotonic()

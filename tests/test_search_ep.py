@@ -25,7 +25,7 @@ from poseidon_plugin.profiles import (LayerProfile, ProfileDB, ProfileKey, profi
 from poseidon_plugin.search import SearchContext, SearchOptions, enumerate_configs, search_plan
 from poseidon_plugin.search.configs import ep_candidates
 from poseidon_plugin.training import TrainingSetup
-from test_search import make_cluster
+from test_search import layer_splits, make_cluster
 
 
 # --------------------------------------------------------------------------- formulas
@@ -191,11 +191,7 @@ def _brute_force(cluster, model, options):
         for opts in itertools.product(range(len(cfg.options)), repeat=n):
             types_ = [cfg.options[o][0] for o in opts]
             tps = [cfg.options[o][1] for o in opts]
-            for cuts in itertools.combinations(range(1, L), n - 1):
-                bounds = (0,) + cuts + (L,)
-                layers = [bounds[i + 1] - bounds[i] for i in range(n)]
-                if min(layers) < v:
-                    continue
+            for layers in layer_splits(L, n, v):
                 try:
                     stages, _, _ = cm.stage_costs(
                         stage_types=types_, stage_tps=tps, layers=layers, dp=cfg.dp,

@@ -15,7 +15,7 @@ from poseidon_plugin.costs import CostModel
 from poseidon_plugin.errors import InfeasibleError, PoseidonError
 from poseidon_plugin.model import model_from_dict
 from poseidon_plugin.search import SearchContext, SearchOptions, enumerate_configs, search_plan
-from test_search import make_cluster
+from test_search import layer_splits, make_cluster
 
 SCHEDS = ("1f1b", "eager-1f1b", "gpipe")
 
@@ -72,9 +72,7 @@ def _brute_force(inst):
         for opts in itertools.product(range(len(cfg.options)), repeat=n):
             types_ = [cfg.options[o][0] for o in opts]
             tps = [cfg.options[o][1] for o in opts]
-            for cuts in itertools.combinations(range(1, L), n - 1):
-                bounds = (0,) + cuts + (L,)
-                layers = [bounds[i + 1] - bounds[i] for i in range(n)]
+            for layers in layer_splits(L, n):
                 try:
                     stages, _, _ = cm.stage_costs(
                         stage_types=types_, stage_tps=tps, layers=layers, dp=cfg.dp,
