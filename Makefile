@@ -2,6 +2,7 @@
 #   make demo   - create .venv, build, run the emulated 4-rank --poseidon-auto launch
 #   make test   - create .venv, build, run the test suite
 #   make bench  - simulator and search benchmarks (tables for the README)
+#   make docs   - the documentation site (mkdocs.yml, docs/) into site/, built with --strict
 #   make test-py310 - the torch-free core's tests on Python 3.10 (.venv310; CI runs it too)
 #   make test-mcore-versions - the profiler on Megatron-LM core 0.12.1 / 0.15.3 / 0.19.0 trees,
 #                              and core_v0.19.0's own pretrain_gpt.py planned and trained (launcher
@@ -33,7 +34,7 @@ FRAMEWORKS ?= ../shared/frameworks
 MCORE_DIR := .mcore
 MCORE_PY := $(MCORE_DIR)/venv/bin/python
 
-.PHONY: all venv build test test-core test-py310 test-mcore-versions demo bench validate clean
+.PHONY: all venv build test test-core test-py310 test-mcore-versions demo bench validate docs clean
 
 all: build
 
@@ -119,6 +120,17 @@ bench: build
 
 validate: build
 	$(PY) -m poseidon_plugin.cli validate
+
+# The documentation site: mkdocs in its own small environment (any Python 3.8+), --strict so a
+# broken link, a broken anchor or a page left out of mkdocs.yml's nav fails the build.
+DOCS_VENV := .venv-docs
+$(DOCS_VENV)/.stamp:
+	@[ -x $(DOCS_VENV)/bin/python ] || $(or $(PYTHON312),python3) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/pip install -q "mkdocs>=1.5"
+	touch $@
+
+docs: $(DOCS_VENV)/.stamp
+	$(DOCS_VENV)/bin/mkdocs build --strict
 
 clean:
 	rm -rf build *.egg-info poseidon_plugin/*/*.so poseidon_plugin/*/*.c $(VENV)/.stamp-build $(MCORE_DIR) $(MSLLM_DIR)
