@@ -228,3 +228,17 @@ def test_command_check_catches_a_bad_flag():
     assert errors[0] is not None and "--jsn" in errors[0]
     assert errors[1] is None
     assert errors[2] is not None and "two" in errors[2]
+
+
+def _section(text: str, title: str) -> str:
+    m = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert m, f"no section '## {title}'"
+    return m.group(1)
+
+
+def test_site_landing_page_keeps_the_readme_figures():
+    """docs/index.md (the site's landing page) repeats the README's headline figures: the same
+    rows, the links aside (the README's docs/X.md is the site's X.md)."""
+    readme = _section((ROOT / "README.md").read_text(encoding="utf-8"), "Headline figures")
+    index = _section((ROOT / "docs" / "index.md").read_text(encoding="utf-8"), "Headline figures")
+    assert re.sub(r"(\]\(|\[)docs/", r"\1", readme) == index
