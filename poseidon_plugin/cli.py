@@ -530,10 +530,31 @@ def _load_profiles(ns, cluster, model, options):
     return db
 
 
+MAX_GANTT_BOXES = 1 << 17   # forward/backward boxes drawn by --gantt (2 x PP x V x M): what
+                            # GANTT_RESERVE_S covers; a plan with more is drawn for fewer M
+
+
+def gantt_microbatches(pp: int, virtual_stages: int, num_microbatches: int) -> int:
+    """The micro-batches ``--gantt`` draws: all of them while the chart has at most
+    ``MAX_GANTT_BOXES`` boxes, else the most that fit, a multiple of PP (the schedule's warm-up,
+    steady state and cool-down all show; interleaving needs it); 0: not even PP fit."""
+    per_microbatch = 2 * pp * virtual_stages
+    if per_microbatch * num_microbatches <= MAX_GANTT_BOXES:
+        return num_microbatches
+    fit = MAX_GANTT_BOXES // per_microbatch // pp * pp
+    return min(fit, num_microbatches)
+
+
 def _draw_plan_gantt(plan, path: str) -> None:
     from .gantt import draw_gantt, plan_stage_labels
     from .simulator import simulate_pipeline
 
+    m = gantt_microbatches(plan.pp, plan.virtual_stages, plan.num_microbatches)
+    if m == 0:
+        sys.stderr.write(f"poseidon: note: --gantt {path}: not drawn: PP={plan.pp} x "
+                         f"V={plan.virtual_stages} is more than the {MAX_GANTT_BOXES} boxes a "
+                         f"chart draws even for {plan.pp} micro-batches\n")
+        return
     F, B, Pf, Pb, R = plan.simulator_inputs()
     if plan.schedule == "interleaved-1f1b":
         # the search timed it as megatron-core runs it (bundled p2p calls): draw that schedule
@@ -541,15 +562,49 @@ def _draw_plan_gantt(plan, path: str) -> None:
 
         from .simulator.engine import EngineCosts, simulate_engine
         timeline = simulate_engine(EngineCosts.from_profiles(F, B, Pf, R, np.zeros(len(R))),
-                                   plan.num_microbatches, plan.schedule, plan.virtual_stages)
+                                   m, plan.schedule, plan.virtual_stages)
         timeline = timeline.with_label("predicted (as megatron-core runs it)")
     else:
-        timeline = simulate_pipeline(F, B, Pf, Pb, R, plan.num_microbatches, plan.schedule,
+        timeline = simulate_pipeline(F, B, Pf, Pb, R, m, plan.schedule,
                                      plan.virtual_stages).with_label("predicted")
+    shown = (f"M={m}" if m == plan.num_microbatches else
+             f"drawn for M={m} (the plan's M={plan.num_microbatches})")
     title = (f"{plan.model_name} on {plan.cluster_name}: {plan.schedule}, PP={plan.pp}, "
-             f"DP={plan.dp}, M={plan.num_microbatches}")
+             f"DP={plan.dp}, {shown}")
     draw_gantt([timeline], path, title=title, stage_labels=plan_stage_labels(plan))
+    if m < plan.num_microbatches:
+        sys.stderr.write(f"poseidon: note: --gantt {path}: drawn as a pipeline of {m} "
+                         f"micro-batches, not the plan's {plan.num_microbatches} (at most "
+                         f"{MAX_GANTT_BOXES} boxes; the steady state repeats)\n")
     sys.stderr.write(f"poseidon: wrote {path}\n")
+
+
+MAX_PROFILE_REPETITIONS = 10_000   # timed repetitions of one `poseidon profile` run: --iters x
+                                   # (micro-batch sizes x TP x EP degrees); the default is 5 x 1
+
+
+def _check_profile_sizes(ns) -> None:
+    """``poseidon profile``'s integers, bounded before anything is built: the sequence length and
+    the micro-batch sizes as ``poseidon plan`` bounds them (``search/options.py``), ``--iters`` as
+    the launch's ``--poseidon-profile-iters``, and the run's total timed repetitions (``--tp``:
+    ``check_tps``)."""
+    from .megatron.options import MAX_PROFILE_ITERS
+    from .search.options import MAX_GLOBAL_BATCH_SIZE, MAX_SEQ_LENGTH
+
+    for name, values, limit in (("--micro-batch-sizes", ns.micro_batch_sizes,
+                                 MAX_GLOBAL_BATCH_SIZE),
+                                ("--seq-length", [ns.seq_length], MAX_SEQ_LENGTH),
+                                ("--iters", [ns.iters], MAX_PROFILE_ITERS),
+                                ("--ep", ns.ep, None)):
+        if any(v < 1 for v in values):
+            raise PoseidonError(f"{name}: expected integers >= 1, got {values}")
+        if limit is not None and any(v > limit for v in values):
+            raise PoseidonError(f"{name}: expected integers <= {limit}, got {values}")
+    configs = len(set(ns.micro_batch_sizes)) * len(set(ns.tp)) * len(set(ns.ep))
+    if configs * ns.iters > MAX_PROFILE_REPETITIONS:
+        raise PoseidonError(f"--iters {ns.iters} x {configs} configurations (micro-batch sizes x "
+                            f"--tp x --ep) = {configs * ns.iters} timed repetitions; expected at "
+                            f"most {MAX_PROFILE_REPETITIONS}: fewer --iters or fewer sizes")
 
 
 def _cmd_profile(ns) -> int:
@@ -568,11 +623,7 @@ def _cmd_profile(ns) -> int:
                               ("--device-type", ns.device_type)) if v is None]
     if missing:
         raise PoseidonError(f"poseidon profile needs {', '.join(missing)} (or --merge DB...)")
-    for name, values in (("--micro-batch-sizes", ns.micro_batch_sizes),
-                         ("--seq-length", [ns.seq_length]), ("--iters", [ns.iters]),
-                         ("--ep", ns.ep)):
-        if any(v < 1 for v in values):
-            raise PoseidonError(f"{name}: expected integers >= 1, got {values}")
+    _check_profile_sizes(ns)
     from .model import get_model
 
     model = get_model(ns.model)

@@ -62,11 +62,13 @@ from .layers import (
 from .specfile import load_yaml_mapping, require_mapping
 
 _NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+MAX_SEQ_LENGTH = 1 << 24   # tokens per sequence: a model's seq_length, `poseidon plan` and
+                           # `poseidon profile`'s --seq-length (SearchOptions), the launch's
 # field -> the largest value accepted (llama3-405b: 126 layers, hidden 16384, vocab 128256)
 _LIMITS: dict[str, int] = {
     "num_layers": 4096, "hidden_size": 1 << 20, "ffn_hidden_size": 1 << 22,
     "num_attention_heads": 1 << 16, "num_query_groups": 1 << 16, "vocab_size": 1 << 24,
-    "seq_length": 1 << 24, "num_experts": 1 << 16, "moe_top_k": 1 << 16, "kv_channels": 1 << 16,
+    "seq_length": MAX_SEQ_LENGTH, "num_experts": 1 << 16, "moe_top_k": 1 << 16, "kv_channels": 1 << 16,
     "moe_ffn_hidden_size": 1 << 22, "moe_shared_expert_intermediate_size": 1 << 22,
     "first_k_dense_replace": 4096, "moe_layer_freq": 4096, "mtp_num_layers": 64,
     "q_lora_rank": 1 << 16, "kv_lora_rank": 1 << 16, "qk_head_dim": 1 << 16,

@@ -68,14 +68,32 @@ def _line(mark) -> str:
     return f"line {mark.line + 1}" if mark is not None else "<file>"
 
 
-class _BoundedLoader(_Parser, Composer, SafeConstructor, Resolver):
+class _NoSexagesimal:
+    """An implicit int / float pattern that leaves out YAML 1.1's base-60 numbers: ``1:30`` is
+    the string "1:30" (a field check refuses it by name), not 90."""
+
+    def __init__(self, pattern) -> None:
+        self.pattern = pattern
+
+    def match(self, value: str):
+        return None if ":" in value else self.pattern.match(value)
+
+
+class _Resolver(Resolver):
+    yaml_implicit_resolvers = {
+        first: [(tag, _NoSexagesimal(rx) if tag.endswith((":int", ":float")) else rx)
+                for tag, rx in resolvers]
+        for first, resolvers in Resolver.yaml_implicit_resolvers.items()}
+
+
+class _BoundedLoader(_Parser, Composer, SafeConstructor, _Resolver):
     """A safe loader that bounds nesting depth and refuses duplicate mapping keys."""
 
     def __init__(self, text: str) -> None:
         _Parser.__init__(self, text)
         Composer.__init__(self)
         SafeConstructor.__init__(self)
-        Resolver.__init__(self)
+        _Resolver.__init__(self)
         self._depth = 0
 
     # the Python composer (libyaml's own would recurse in C without a bound)

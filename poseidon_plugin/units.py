@@ -68,7 +68,7 @@ def parse_quantity(value: object, kind: Quantity, *, source: str, field: str,
         number = float(value)
     elif isinstance(value, str):
         match = _NUMBER_UNIT.match(value)
-        if match is None:
+        if match is None or (match.group(2) or "").startswith(":"):   # "1:30": no base 60
             raise SpecError(source, field, what, value)
         number = float(match.group(1))
         unit = match.group(2)

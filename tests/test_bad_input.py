@@ -565,3 +565,199 @@ def test_launch_yaml_files_use_the_bounded_loader(tmp_path, loader):
     assert "aliases expanded" in spec_error(load, bomb).expected
     dup = write(tmp_path, "dup.yaml", "name: a\nname: b\n")
     assert "unique keys" in spec_error(load, dup).expected
+
+
+# ------------------------------------------------------------------ command-line arguments (issue 31)
+
+PROFILE = ["profile", "-o", "db.json", "--model", TINY, "--device-type", "cpu", "--device", "cpu"]
+
+
+@pytest.fixture
+def no_profiling(monkeypatch):
+    """The profiler must not start: any call fails the test."""
+    from poseidon_plugin.megatron import offline
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the profiler ran before its arguments were checked")
+
+    monkeypatch.setattr(offline, "profile_layers", boom)
+
+
+@pytest.mark.parametrize("extra, pattern", [
+    (["--seq-length", "99999999999"], r"--seq-length: expected integers <= 16777216"),
+    (["--seq-length", "128", "--iters", "1000000000000"], r"--iters: expected integers <= 1000"),
+    (["--seq-length", "128", "--micro-batch-sizes", "1000000000"],
+     r"--micro-batch-sizes: expected integers <= 131072"),
+    (["--seq-length", "128", "--iters", "1000", "--micro-batch-sizes", *map(str, range(1, 12))],
+     r"--iters 1000 x 11 configurations .* = 11000 timed repetitions; expected at most 10000"),
+])
+def test_profile_sizes_are_bounded_up_front(tmp_path, capsys, no_profiling, extra, pattern):
+    """Row 13: `poseidon profile --seq-length 99999999999` was a traceback at 802 MB after 15 s,
+    `--iters 1e12` ran for ever: refused before the model is built."""
+    argv = [*PROFILE, *extra]
+    argv[2] = str(tmp_path / "db.json")
+    one_line_error(capsys, argv, pattern)
+
+
+def test_plan_and_profile_share_the_sequence_bound(tmp_path, capsys, no_search, no_profiling):
+    from poseidon_plugin.search.options import MAX_SEQ_LENGTH
+
+    too_long = str(MAX_SEQ_LENGTH + 1)
+    plan = [*PLAN]
+    plan[plan.index("--seq-length") + 1] = too_long
+    one_line_error(capsys, plan, rf"expected an integer <= {MAX_SEQ_LENGTH}\b")
+    one_line_error(capsys, [*PROFILE[:2], str(tmp_path / "db.json"), *PROFILE[3:],
+                            "--seq-length", too_long], rf"expected integers <= {MAX_SEQ_LENGTH}\b")
+
+
+@pytest.fixture
+def no_validate_run(monkeypatch):
+    """`poseidon validate` must not start a measured run: any call fails the test."""
+    from poseidon_plugin.fidelity import harness
+
+    def boom(*args, **kwargs):
+        raise AssertionError("validate ran its cases before its arguments were checked")
+
+    monkeypatch.setattr(harness, "run_cases", boom)
+
+
+@pytest.mark.parametrize("args, pattern", [
+    (["--layer-ms", "nan", "nan"], r"--layer-ms: expected milliseconds > 0 and <= 1000, got 'nan'"),
+    (["--layer-ms", "-1", "1e300"], r"--layer-ms: expected milliseconds > 0 .* got '-1'"),
+    (["--layer-ms", "4", "1e300"], r"--layer-ms: expected milliseconds > 0 .* got '1e300'"),
+    (["--layer-ms", "inf", "8"], r"--layer-ms: .* got 'inf'"),
+    (["--iterations", "1000000000"], r"--iterations: expected an integer in \[1, 1000\]"),
+    (["--iterations", "0"], r"--iterations: expected an integer in \[1, 1000\]"),
+    (["--discard", "-1"], r"--discard: expected an integer >= 0 and below --iterations"),
+    (["--iterations", "5", "--discard", "5"], r"--discard: .* below --iterations \(5\), got 5"),
+    (["--json", "{tmp}"], r"--json \S+: cannot write \(is a directory\)"),
+    (["--json", "{tmp}/missing/x.json"], r"--json \S+: cannot write \(no such directory"),
+    (["--profile-db", "{tmp}"], r"--profile-db \S+: cannot write \(is a directory\)"),
+    (["--gantt", "{tmp}/x.txt"], r"--gantt \S+x\.txt: expected a file name ending in \.png or \.svg"),
+    (["--gantt", "{tmp}/missing/x.png"], r"--gantt \S+: cannot write \(no such directory"),
+])
+def test_validate_arguments_are_checked_before_any_run(tmp_path, capsys, no_validate_run, args,
+                                                       pattern):
+    """Row 14 (and 15's `--gantt x.txt`): `--layer-ms nan nan` printed a table of meaningless
+    numbers (exit 0), `-1 1e300` was an OverflowError, `--json DIR` an IsADirectoryError after
+    every run, `--iterations 1e9` had no bound, `--gantt x.txt` was refused after the runs."""
+    argv = ["validate", "--cases", "pp2-1f1b-m4", *[a.replace("{tmp}", str(tmp_path))
+                                                    for a in args]]
+    one_line_error(capsys, argv, pattern)
+
+
+@pytest.mark.parametrize("flag, value, pattern", [
+    ("--poseidon-pruning", "bogus", r"--poseidon-pruning: expected one of safe, ridge, none, "
+                                    r"got 'bogus'"),
+    ("--poseidon-schedules", "1f1b,gpipe", r"--poseidon-schedules: Megatron can run .* got gpipe"),
+    ("--poseidon-schedules", "nonsense", r"--poseidon-schedules: .* got nonsense"),
+    ("--poseidon-schedules", ",", r"--poseidon-schedules: expected at least one schedule"),
+])
+def test_launch_search_flags_are_refused_as_the_launch_starts(flag, value, pattern):
+    """Row 15: a bad --poseidon-pruning / --poseidon-schedules was refused only after the
+    discovery and the profiling (where the search options are built)."""
+    from poseidon_plugin.megatron.options import extract_options
+
+    with pytest.raises(PoseidonError, match=pattern):
+        extract_options(["--poseidon-auto", flag, value])
+    with pytest.raises(PoseidonError, match=pattern):
+        extract_options(["--poseidon-auto", f"{flag}={value}"])
+    extract_options(["--poseidon-auto", "--poseidon-pruning", "ridge", "--poseidon-schedules",
+                     "1f1b,interleaved-1f1b"])   # good values pass
+
+
+LAUNCH_ENV = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+
+
+def test_launch_save_plan_path_is_checked_at_the_start(tmp_path):
+    """--poseidon-save-plan to a directory was an IsADirectoryError after the search."""
+    script = write(tmp_path, "train.py", "raise SystemExit('the script must not run')\n")
+    env = dict(os.environ, **LAUNCH_ENV,
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "poseidon_plugin.launch", script,
+                           "--poseidon-auto", "--poseidon-save-plan", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"--poseidon-save-plan {tmp_path}: cannot write (is a directory)" in proc.stderr
+
+
+@pytest.mark.parametrize("field, value, pattern", [
+    ("seq_length", 99_999_999_999, r"seq_length: expected an integer <= 16777216"),
+    ("global_batch_size", 10**9, r"--global-batch-size / global_batch_size\): expected an "
+                                 r"integer <= 131072"),
+])
+def test_launch_sequence_and_batch_are_bounded_before_discovery(monkeypatch, field, value,
+                                                                pattern):
+    """Row 13 for the launch: the script's --global-batch-size (and every search option) is
+    bounded as `poseidon plan` bounds it when the model is read (before the rendezvous, the
+    discovery and the profiling), not when the search starts; --seq-length by the model's
+    bound (the same MAX_SEQ_LENGTH)."""
+    from argparse import Namespace
+
+    from poseidon_plugin.megatron import bootstrap, framework_state, profiler, runner
+    from poseidon_plugin.megatron.options import extract_options
+
+    args = Namespace(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=128,
+                     vocab_size=128, global_batch_size=16, micro_batch_size=1)
+    setattr(args, field, value)
+    monkeypatch.setattr(runner, "require_megatron", lambda *a, **k: None)
+    monkeypatch.setattr(profiler, "parse_megatron_args", lambda script, argv: args)
+    monkeypatch.setattr(framework_state, "hold", lambda a: None)
+    opts, rest = extract_options(["--poseidon-auto"])
+    env = bootstrap.LaunchEnv.from_environ(LAUNCH_ENV)
+    ctx = runner.LaunchContext("train.py", rest, opts, env, 0.0)
+    with pytest.raises(PoseidonError, match=pattern):
+        runner._all_ranks_read_model(ctx)
+    setattr(args, field, 128 if field == "seq_length" else 16)
+    runner._all_ranks_read_model(ctx)   # sane values pass
+    assert ctx.seq_length == 128 and ctx.global_batch_size == 16
+
+
+@pytest.mark.parametrize("text, field", [
+    (SMALL_TEXT.replace("latency_ms: 0.01", "latency_ms: 1:30"), "links.latency_ms"),
+    (SMALL_TEXT.replace("memory_gib: 16,", "memory_gib: 1:30,"), "device_types.fast.memory_gib"),
+    (SMALL_TEXT.replace("cross_type_gbps: 50", "cross_type_gbps: 1:30.5"),
+     "links.cross_type_gbps"),
+])
+def test_sexagesimal_cluster_numbers_are_refused(tmp_path, text, field):
+    """`latency_ms: 1:30` read as 90 ms (YAML 1.1 base-60 ints): now the string '1:30', which
+    the field check refuses by name."""
+    err = spec_error(load_cluster, write(tmp_path, "c.yaml", text))
+    assert err.field == field and "1:30" in str(err), str(err)
+
+
+def test_sexagesimal_model_numbers_are_refused(tmp_path):
+    text = TINY_TEXT.replace("num_layers: 8", "num_layers: 1:30")
+    err = spec_error(load_model, write(tmp_path, "m.yaml", text))
+    assert err.field == "num_layers" and "'1:30'" in str(err)
+    assert load_yaml_mapping(write(tmp_path, "t.yaml", "a: 12\nb: 0.5\nc: 1_000\n"),
+                             "model") == {"a": 12, "b": 0.5, "c": 1000}
+
+
+def test_gantt_microbatches_are_bounded():
+    """--gantt on global batch 131,072 drew for 50 s and 753 MB outside --time-budget: the
+    chart draws at most MAX_GANTT_BOXES boxes (fewer micro-batches, a multiple of PP)."""
+    assert cli.gantt_microbatches(4, 1, 64) == 64
+    for pp, v, m in ((8, 1, 131072), (63, 2, 4096), (4, 2, 1 << 20)):
+        k = cli.gantt_microbatches(pp, v, m)
+        assert 0 < k < m and k % pp == 0
+        assert 2 * pp * v * k <= cli.MAX_GANTT_BOXES < 2 * pp * v * (k + pp)
+    assert cli.gantt_microbatches(1000, 1, 100_000) == 0
+
+
+def test_gantt_of_a_huge_batch_is_drawn_downsampled(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")
+    monkeypatch.setattr(cli, "MAX_GANTT_BOXES", 16)
+    path, out = str(tmp_path / "g.svg"), str(tmp_path / "plan.json")
+    argv = [*PLAN, "--gantt", path, "--out", out]
+    argv[argv.index("--global-batch-size") + 1] = "256"
+    assert cli.main(argv) == 0
+    _, err = capsys.readouterr()
+    plan = json.load(open(out, encoding="utf-8"))
+    pp, v, m = plan["pp"], plan["virtual_stages"], plan["num_microbatches"]
+    drawn = cli.gantt_microbatches(pp, v, m)
+    assert 0 < drawn < m, (pp, v, m)
+    assert (f"poseidon: note: --gantt {path}: drawn as a pipeline of {drawn} micro-batches, "
+            f"not the plan's {m}") in err, err
+    assert f"M={drawn} (the plan's M={m})" in open(path, encoding="utf-8").read()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 import time
 from typing import Sequence
@@ -15,6 +17,55 @@ from .report import draw_case, format_table, store_call_records, write_json
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2 (the CLI prints it), not usage + error
         raise PoseidonError(f"validate: {message}")
+
+
+# bounds of the emulated runs (a typo of a few zeros is refused, not run for days)
+MAX_ITERATIONS = 1000       # measured iterations per case (default 30: ~1 s per case)
+MAX_LAYER_MS = 1000.0       # emulated ms per layer at speed 1 (default 4 / 8); a case sleeps
+                            # ~ layers x M x (fwd + bwd) / speed per iteration
+
+
+def _layer_ms(text: str) -> float:
+    """argparse type of ``--layer-ms``: a finite number of milliseconds in (0, MAX_LAYER_MS]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or not 0.0 < value <= MAX_LAYER_MS:
+        raise argparse.ArgumentTypeError(f"expected milliseconds > 0 and <= {MAX_LAYER_MS:g}, "
+                                         f"got {text!r}")
+    return value
+
+
+def _check_output(flag: str, path: str, suffixes: tuple[str, ...] = ()) -> None:
+    """An output path refused before any run: a directory, a missing parent, no permission, a
+    suffix the writer refuses (the CLI's rule for ``poseidon plan --out / --gantt``)."""
+    from ..cli import _check_writable
+
+    if suffixes and os.path.splitext(path)[1].lower() not in suffixes:
+        raise PoseidonError(f"{flag} {path}: expected a file name ending in "
+                            f"{' or '.join(suffixes)}")
+    _check_writable(flag, path)
+
+
+def _check_args(ns: argparse.Namespace) -> None:
+    """Every number and output path of ``poseidon validate``, before torch or any run."""
+    if not 1 <= ns.iterations <= MAX_ITERATIONS:
+        raise PoseidonError(f"--iterations: expected an integer in [1, {MAX_ITERATIONS}], got "
+                            f"{ns.iterations}")
+    if not 0 <= ns.discard < ns.iterations:
+        raise PoseidonError(f"--discard: expected an integer >= 0 and below --iterations "
+                            f"({ns.iterations}), got {ns.discard}")
+    if ns.gantt:
+        _check_output("--gantt", ns.gantt, (".png", ".svg"))
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise PoseidonError("--gantt needs matplotlib: pip install matplotlib")
+    if ns.json:
+        _check_output("--json", ns.json)
+    if ns.profile_db:
+        _check_output("--profile-db", ns.profile_db)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="training iterations measured per case (default: %(default)s)")
     p.add_argument("--discard", type=int, default=5, metavar="N",
                    help="first iterations left out of the mean (default: %(default)s)")
-    p.add_argument("--layer-ms", type=float, nargs=2, default=None, metavar=("FWD", "BWD"),
+    p.add_argument("--layer-ms", type=_layer_ms, nargs=2, default=None, metavar=("FWD", "BWD"),
                    help="emulated forward and backward milliseconds per layer on a device of "
                    f"speed 1 (default: {Emulation.forward_ms_per_layer} "
                    f"{Emulation.backward_ms_per_layer})")
@@ -61,6 +112,7 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
         for c in cases:
             print(c.describe())
         return 0
+    _check_args(ns)
     emu = Emulation()
     if ns.layer_ms:
         emu = Emulation(forward_ms_per_layer=ns.layer_ms[0], backward_ms_per_layer=ns.layer_ms[1])

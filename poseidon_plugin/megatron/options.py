@@ -126,6 +126,25 @@ _SPEC: dict[str, tuple[str, str]] = {
 }
 
 
+def _check_search_flags(values: dict[str, object]) -> None:
+    """--poseidon-pruning and --poseidon-schedules refused as the launch starts (not after the
+    discovery and the profiling, where the search options are built)."""
+    from ..search.options import PRUNING_MODES
+    from ..simulator.schedules import LAUNCHABLE_SCHEDULES
+
+    pruning = values.get("pruning", "safe")
+    if pruning not in PRUNING_MODES:
+        raise PoseidonError(f"--poseidon-pruning: expected one of {', '.join(PRUNING_MODES)}, "
+                            f"got {pruning!r}")
+    if "schedules" in values and not values["schedules"]:
+        raise PoseidonError("--poseidon-schedules: expected at least one schedule")
+    bad = [s for s in values.get("schedules", ()) if s not in LAUNCHABLE_SCHEDULES]  # type: ignore[attr-defined]
+    if bad:
+        raise PoseidonError(f"--poseidon-schedules: Megatron can run "
+                            f"{', '.join(LAUNCHABLE_SCHEDULES)}; got {', '.join(bad)} (other "
+                            "schedules can only be planned offline: poseidon plan)")
+
+
 def extract_options(argv: list[str]) -> tuple[PoseidonOptions, list[str]]:
     """Split ``argv`` (without the program name) into Poseidon options and the rest, in order.
 
@@ -193,6 +212,7 @@ def extract_options(argv: list[str]) -> tuple[PoseidonOptions, list[str]]:
             if raw not in BACKENDS:
                 raise PoseidonError(f"{name}: expected one of {', '.join(BACKENDS)}, got {raw!r}")
             values[fld] = raw
+    _check_search_flags(values)
     opts = replace(PoseidonOptions(), **values, present=tuple(present))  # type: ignore[arg-type]
     if opts.any_present and not opts.auto and (opts.dry_run or opts.emulate_file):
         # --poseidon-dry-run / --poseidon-emulate alone imply the automatic plan

@@ -231,6 +231,9 @@ def plan_and_apply(script: str, argv: list[str], opts: PoseidonOptions) -> AutoR
 def _all_ranks_start(script: str, argv: list[str], opts: PoseidonOptions) -> LaunchContext:
     argvmod.check_refused(argv)
     env = bootstrap.LaunchEnv.from_environ()
+    if opts.save_plan and env.rank == 0:   # rank 0 writes it after the search
+        from ..cli import _check_writable
+        _check_writable("--poseidon-save-plan", opts.save_plan)
     _setup_logging(env.rank)
     _enable_stack_dumps()
     return LaunchContext(script, list(argv), opts, env, time.perf_counter())
@@ -352,6 +355,8 @@ def _all_ranks_read_model(ctx: LaunchContext) -> None:
     ctx.global_batch_size = int(gbs)
     ctx.micro_batch_sizes = tuple(mbs_list)
     ctx.expert_parallel = _expert_parallel(ctx)
+    _search_options(ctx)   # the batch, the sequence (their bounds) and the search flags refused
+                           # here, before the discovery and the profiling
 
 
 def launch_rules(ctx: LaunchContext) -> Any:

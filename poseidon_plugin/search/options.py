@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ..errors import PoseidonError
+from ..model import MAX_SEQ_LENGTH
 from ..simulator.schedules import LAUNCHABLE_SCHEDULES, SCHEDULES
 from ..training import TrainingSetup
 from .rules import FrameworkRules
@@ -32,7 +33,6 @@ contiguous ``blocks`` orders lose 2.1 %), contiguous blocks beyond."""
 # upper bounds that keep the search's arrays and loops finite (a typo of a few zeros is refused,
 # not searched for minutes): sequences per iteration, tokens per sequence, interleaving depth
 MAX_GLOBAL_BATCH_SIZE = 1 << 17
-MAX_SEQ_LENGTH = 1 << 24
 MAX_VIRTUAL_STAGES = 4096
 MAX_WARMUP_SAMPLES = 1_000_000   # ~30 s of sampling on 2 cores for the tiny example
 MAX_PLAN_WINDOW = 0.2     # a plan may be kept / preferred at most 20 % over the fastest
