@@ -136,7 +136,7 @@ def test_anchors_follow_github_and_mkdocs():
 # ---- commands --------------------------------------------------------------------------------
 
 def commands(text: str) -> list[tuple[int, list[str]]]:
-    """Every ``poseidon ...`` (or ``python -m poseidon_plugin.cli ...``) command in the code
+    """Every ``poseidon ...`` (or ``-m poseidon_plugin[.cli] ...``) command in the code
     blocks of a page: (line number, the arguments after the program name). Continuation lines
     are joined, comments and what follows a pipe or a redirection dropped."""
     _, blocks = _split(text)
@@ -157,7 +157,8 @@ def commands(text: str) -> list[tuple[int, list[str]]]:
                 prog = None
                 if w.split("/")[-1] == "poseidon":
                     prog = k + 1
-                elif w == "-m" and words[k + 1:k + 2] == ["poseidon_plugin.cli"]:
+                elif w == "-m" and words[k + 1:k + 2] in (["poseidon_plugin"],
+                                                          ["poseidon_plugin.cli"]):
                     prog = k + 2
                 if prog is None:
                     continue
@@ -220,14 +221,16 @@ def test_command_check_catches_a_bad_flag():
             " | head\n"
             "python -m poseidon_plugin.cli profile --model llama3-8b -o db.json --tp two\n"
             "echo poseidon: INFO: not a command\n"
+            "torchrun --nproc-per-node 2 -m poseidon_plugin profile -o db.json --tp 1 2\n"
             "```\n")
     found = commands(text)
-    assert [n for n, _ in found] == [2, 4, 5]
+    assert [n for n, _ in found] == [2, 4, 5, 7]
     assert found[0][1][-1] == "--jsn" and found[1][1][-1] == "64"
     errors = [parse_error(args) for _, args in found]
     assert errors[0] is not None and "--jsn" in errors[0]
     assert errors[1] is None
     assert errors[2] is not None and "two" in errors[2]
+    assert found[3][1][:1] == ["profile"] and errors[3] is None
 
 
 def _section(text: str, title: str) -> str:
@@ -242,3 +245,68 @@ def test_site_landing_page_keeps_the_readme_figures():
     readme = _section((ROOT / "README.md").read_text(encoding="utf-8"), "Headline figures")
     index = _section((ROOT / "docs" / "index.md").read_text(encoding="utf-8"), "Headline figures")
     assert re.sub(r"(\]\(|\[)docs/", r"\1", readme) == index
+
+
+# ---- the launch's --poseidon-* options -------------------------------------------------------
+
+_POSEIDON_FLAG = re.compile(r"--poseidon-[a-z0-9-]*[a-z0-9]")
+
+
+def unknown_launch_flags(text: str) -> list[str]:
+    """The ``--poseidon-*`` names a page mentions (prose, tables, code) that the launch does not
+    know."""
+    from poseidon_plugin.megatron.options import _SPEC
+
+    return sorted({f for f in _POSEIDON_FLAG.findall(text) if f not in _SPEC})
+
+
+def launch_lines(text: str) -> list[tuple[int, list[str]]]:
+    """The code-block lines (continuations joined) that pass ``--poseidon-*`` options."""
+    _, blocks = _split(text)
+    out = []
+    for start, lines in blocks:
+        i = 0
+        while i < len(lines):
+            n, line = start + i, lines[i]
+            while line.rstrip().endswith("\\") and i + 1 < len(lines):
+                i += 1
+                line = line.rstrip()[:-1] + " " + lines[i].strip()
+            i += 1
+            if "--poseidon-" not in line:
+                continue
+            try:
+                out.append((n, shlex.split(line, comments=True)))
+            except ValueError:
+                continue
+    return out
+
+
+def launch_error(words: list[str]) -> str | None:
+    from poseidon_plugin.megatron.options import extract_options
+
+    try:
+        extract_options(words)
+    except PoseidonError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_launch_options_shown_exist(page):
+    text = page.read_text(encoding="utf-8")
+    assert unknown_launch_flags(text) == []
+    bad = [f"{page.name}:{n}: {err}" for n, words in launch_lines(text)
+           if (err := launch_error(words)) is not None]
+    assert bad == []
+
+
+def test_launch_option_check_catches_a_bad_option():
+    text = ("Use `--poseidon-dry-run` or --poseidon-dryrun.\n\n```bash\n"
+            "torchrun ... -m poseidon_plugin.launch pretrain_gpt.py <your args> --poseidon-auto \\\n"
+            "    --poseidon-pruning fastest\n"
+            "torchrun ... pretrain_gpt.py --poseidon-auto --poseidon-time-budget 30\n```\n")
+    assert unknown_launch_flags(text) == ["--poseidon-dryrun"]
+    found = launch_lines(text)
+    assert [n for n, _ in found] == [4, 6]
+    assert "--poseidon-pruning" in launch_error(found[0][1])
+    assert launch_error(found[1][1]) is None
