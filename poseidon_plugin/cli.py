@@ -623,6 +623,12 @@ def _cmd_profile(ns) -> int:
                               ("--device-type", ns.device_type)) if v is None]
     if missing:
         raise PoseidonError(f"poseidon profile needs {', '.join(missing)} (or --merge DB...)")
+    from .errors import short_repr
+    from .profiles import key_string_error
+
+    why = key_string_error(ns.device_type)   # the DB loader's rule, before any profiling
+    if why is not None:
+        raise PoseidonError(f"--device-type: expected {why}, got {short_repr(ns.device_type)}")
     _check_profile_sizes(ns)
     from .model import get_model
 

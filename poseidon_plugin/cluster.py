@@ -83,7 +83,8 @@ def default_reserve_gib(memory_gib: float) -> float:
     """``DEFAULT_RESERVE_GIB``, at most an eighth of the device's memory."""
     return min(DEFAULT_RESERVE_GIB, memory_gib / 8)
 
-MAX_DEVICE_TYPES = 32            # entries of device_types
+MAX_DEVICE_TYPES = 16            # entries of device_types: the search's typed core holds
+                                 # at most 16 (``MAXT`` in search/_search.pxd)
 MAX_DEVICES_PER_NODE = 4096
 MAX_NODES = 1 << 17              # 131072 nodes
 MAX_DEVICES = 1 << 20            # 1048576 devices (the search is exercised up to 10k)

@@ -95,7 +95,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .costs import chunk_layers, simulator_arrays
-from .errors import PoseidonError
+from .errors import PoseidonError, short_repr
 from .simulator.schedules import LAUNCHABLE_SCHEDULES as EXECUTABLE_SCHEDULES
 
 PLAN_FORMAT_VERSION = 1
@@ -118,6 +118,127 @@ def _timing_from_json(tm) -> dict[str, Any]:
     if any(not (c >= 0.0) or c == float("inf") for c in calls):
         raise ValueError(f"timing_model: expected finite costs >= 0 ms, got {calls}")
     return {"engine_calls": calls, "engine_calls_source": str(tm.get("source", "none"))}
+
+
+_MISSING = object()
+_INT_MAX = 1 << 62          # plan integers: counts, indices, bytes
+
+
+class _Bad(Exception):
+    """A plan JSON field of the wrong shape: (field path, expected, got)."""
+
+
+def _field(d: dict, key: str, where: str, kind: str, default: Any = _MISSING) -> Any:
+    """``d[key]`` checked against ``kind``: int / pos (an integer >= 1) / ms (a finite number
+    >= 0) / num (a number) / str / bool / dict / list; a missing key is ``default`` (required
+    when none). Raises ``_Bad`` naming the field."""
+    path = f"{where}.{key}" if where else key
+    value = d.get(key, _MISSING)
+    if value is _MISSING:
+        if default is _MISSING:
+            raise _Bad(path, "a value", "missing")
+        return default
+    if kind in ("int", "pos"):
+        lo = 1 if kind == "pos" else 0
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= _INT_MAX:
+            raise _Bad(path, f"an integer >= {lo}", value)
+    elif kind == "num":     # a figure the plan reports (not computed with)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _Bad(path, "a number", value)
+    elif kind == "ms":
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not 0 <= value < float("inf")):
+            raise _Bad(path, "a finite number >= 0", value)
+    elif not isinstance(value, {"str": str, "bool": bool, "dict": dict, "list": list}[kind]):
+        raise _Bad(path, {"str": "a string", "bool": "true or false", "dict": "an object",
+                          "list": "a list"}[kind], value)
+    return value
+
+
+def _slots(items: Any, where: str) -> None:
+    if not isinstance(items, list):
+        raise _Bad(where, "a list", items)
+    for i, x in enumerate(items):
+        if not isinstance(x, dict):
+            raise _Bad(f"{where}[{i}]", "an object {node, local_device}", x)
+        _field(x, "node", f"{where}[{i}]", "int")
+        _field(x, "local_device", f"{where}[{i}]", "int")
+
+
+def check_plan_dict(d: Any) -> None:
+    """The structure ``Plan.from_json`` reads, checked up front: PoseidonError naming the first
+    field of the wrong shape (a kept or cached plan is read before any search; its fields are
+    then used deep inside it)."""
+    try:
+        _check_plan_dict(d)
+    except _Bad as bad:
+        path, expected, got = bad.args
+        got = got if isinstance(got, str) and got == "missing" else short_repr(got)
+        raise PoseidonError(f"plan JSON: {path}: expected {expected}, got {got}") from None
+
+
+def _check_plan_dict(d: Any) -> None:
+    if not isinstance(d, dict):
+        raise _Bad("(top level)", "an object", d)
+    _field(d, "schedule", "", "str")
+    for key in ("virtual_stages", "dp", "micro_batch_size", "num_microbatches",
+                "global_batch_size", "seq_length"):
+        _field(d, key, "", "pos")
+    _field(d, "predicted_iteration_time_ms", "", "ms")
+    for key in ("predicted_tokens_per_s", "model_tflops_per_device", "mfu", "lower_bound_ms",
+                "gap", "wrap_send_ms"):
+        _field(d, key, "", "num", 0.0)
+    for key in ("model_name", "cluster_name"):
+        _field(d, key, "", "str", "")
+    _field(d, "num_layers", "", "int", 0)
+    for key in ("cp", "ep"):
+        _field(d, key, "", "pos", 1)
+    _field(d, "moe", "", "bool", False)
+    if d.get("microbatch_group_size") is not None:
+        _field(d, "microbatch_group_size", "", "pos")
+    _field(d, "search", "", "dict", {})
+    _field(d, "training", "", "dict", {})
+    if d.get("iteration_overhead") is not None:
+        _field(d, "iteration_overhead", "", "dict")
+    for i, e in enumerate(_field(d, "baselines", "", "list", [])):
+        if not isinstance(e, dict):
+            raise _Bad(f"baselines[{i}]", "an object", e)
+    _slots(d.get("unused_devices", []), "unused_devices")
+    stages = _field(d, "stages", "", "list")
+    if not stages:
+        raise _Bad("stages", "at least one stage", stages)
+    for i, s in enumerate(stages):
+        where = f"stages[{i}]"
+        if not isinstance(s, dict):
+            raise _Bad(where, "an object", s)
+        _field(s, "index", where, "int")
+        _field(s, "device_type", where, "str")
+        _field(s, "tp", where, "pos")
+        _field(s, "dp", where, "pos")
+        _field(s, "layers", where, "int")
+        for key in ("forward_ms", "backward_ms", "send_forward_ms", "send_backward_ms",
+                    "allreduce_ms"):
+            _field(s, key, where, "ms")
+        for key in ("optimizer_ms", "overhead_ms", "expert_allreduce_ms"):
+            _field(s, key, where, "ms", 0.0)
+        _field(s, "memory_bytes", where, "int")
+        _field(s, "memory_capacity_bytes", where, "int")
+        groups = _field(s, "devices", where, "list")
+        for j, grp in enumerate(groups):
+            _slots(grp, f"{where}.devices[{j}]")
+        for key, kind in (("chunk_layers", "int"), ("chunk_forward_ms", "ms"),
+                          ("chunk_backward_ms", "ms")):
+            items = _field(s, key, where, "list", [])
+            for j, x in enumerate(items):
+                _field({f"{key}[{j}]": x}, f"{key}[{j}]", where, kind)
+        for kind_name, v in _field(s, "provenance", where, "dict", {}).items():
+            if not isinstance(v, dict):
+                raise _Bad(f"{where}.provenance.{kind_name}", "an object {source, record}", v)
+            _field(v, "source", f"{where}.provenance.{kind_name}", "str")
+            _field(v, "record", f"{where}.provenance.{kind_name}", "str")
+        for part, v in _field(s, "memory", where, "dict", {}).items():
+            if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+                raise _Bad(f"{where}.memory.{part}", "a number or a string", v)
 
 
 @dataclass(frozen=True)
@@ -529,6 +650,13 @@ class Plan:
     def from_json(cls, text: str) -> "Plan":
         try:
             d = json.loads(text)
+        except RecursionError:
+            raise PoseidonError("plan JSON: malformed (nested too deeply)") from None
+        except ValueError as exc:
+            raise PoseidonError(f"plan JSON: malformed ({type(exc).__name__}: "
+                                f"{str(exc)[:200]})") from None
+        check_plan_dict(d)
+        try:
             stages = tuple(StagePlan(
                 index=s["index"], device_type=s["device_type"], tp=s["tp"], dp=s["dp"],
                 layers=s["layers"], forward_ms=s["forward_ms"], backward_ms=s["backward_ms"],

@@ -8,6 +8,11 @@ record, naming it and the field:
     db.json: record (A100, decoder, tp=2, micro-batch 1, seq 4096): forward_ms 1e-06 implies
     1.3e+08 TFLOP/s per device, above A100's peak_tflops (312); a wrong record or a wrong peak
 
+A measured record absurdly slow for its layer (below ``MIN_PEAK_FRACTION`` of the peak, or
+``MIN_TFLOPS`` with no peak stated: slower than any device, e.g. 3.5e6 ms for a small layer, a
+unit slip) is refused likewise: the search would route around that type, and an estimate scaled
+from its rate would be meaningless.
+
 Only records the search can use are checked (measured, this model's signature, a device type of
 the cluster). The bound is the FLOPs of ``model`` (``ModelSpec.layer_forward_flops``, the output
 GEMM) at 100 % of the peak; the backward pass does twice the forward FLOPs.
@@ -18,6 +23,10 @@ from __future__ import annotations
 from .errors import ProfileDBError
 
 _SLACK = 1.01  # the FLOP count is a model of the layer; allow 1 % above the peak
+# slower than this is no real measurement: a layer on a CPU, timed with all its framework
+# overhead, reaches >= 1e-5 of an accelerator's peak; 3.5e6 ms for tiny-gpt's layer is 3e-10
+MIN_PEAK_FRACTION = 1e-8
+MIN_TFLOPS = 1e-6        # 1 MFLOP/s: the floor where the cluster file states no peak
 
 
 def _forward_flops(model, key) -> float | None:
@@ -36,22 +45,27 @@ def _check_one(profile, cluster, model, source: str) -> None:
     if flops is None:
         return
     peak = cluster.device_types[key.device_type].peak_tflops
-    if peak is None:        # no stated peak: the type's speed is calibrated from its records
-        return
+    floor = MIN_TFLOPS if peak is None else max(MIN_TFLOPS, MIN_PEAK_FRACTION * peak)
     for field, ms, factor in (("forward_ms", profile.forward_ms, 1.0),
                               ("backward_ms", profile.backward_ms, 2.0)):
         tflops = factor * flops / (ms * 1e-3) / 1e12
-        if tflops > _SLACK * peak:
-            raise ProfileDBError(
-                f"{source}: record ({key.device_type}, {key.layer_kind}, tp={key.tp}, "
+        what = (f"{source}: record ({key.device_type}, {key.layer_kind}, tp={key.tp}, "
                 f"micro-batch {key.micro_batch_size}, seq {key.seq_length}): {field} {ms:g} "
-                f"implies {tflops:.3g} TFLOP/s per device, above {key.device_type}'s "
-                f"peak_tflops ({peak:g}); a wrong record or a wrong peak")
+                f"implies {tflops:.3g} TFLOP/s per device")
+        # no stated peak: the type's speed is calibrated from its records (no upper bound)
+        if peak is not None and tflops > _SLACK * peak:
+            raise ProfileDBError(f"{what}, above {key.device_type}'s peak_tflops ({peak:g}); "
+                                 "a wrong record or a wrong peak")
+        if tflops < floor:
+            bound = (f"{MIN_PEAK_FRACTION:g} of {key.device_type}'s peak_tflops ({peak:g})"
+                     if peak is not None and floor > MIN_TFLOPS else f"{MIN_TFLOPS:g} TFLOP/s")
+            raise ProfileDBError(f"{what}, below {bound}: implausibly slow for this layer; a "
+                                 "wrong record (a unit slip?)")
 
 
 def check_profiles(db, cluster, model, source: str | None = None) -> None:
     """ProfileDBError for the first measured record of ``model`` on ``cluster`` that beats the
-    device type's peak."""
+    device type's peak or is absurdly slow for its layer."""
     signature = model.signature()
     where = source or db.path or "<profile DB>"
     for profile in db.profiles():

@@ -33,7 +33,10 @@ The key is the device type, layer kind, TP, micro-batch, sequence, the model's s
 ``env`` (optional) says what measured it: device name, driver, torch and megatron-core versions.
 
 Merge rule (``put``, ``merge`` and duplicate keys in a file): measured beats calibrated beats
-estimated whatever the order; between two records of the same source the later one wins.
+estimated whatever the order; between two records of the same source the later one wins (a
+re-profile, a later ``--merge`` input). In one file, two records of one key and source with
+different values are refused (which one the plan used would depend on their order); identical
+ones are kept once. ``save`` never writes a DB its own loader would refuse.
 
 Provenance (``source``): ``measured`` -- a profiled layer; ``calibrated`` -- the estimator on a
 device type whose speed was set from measured layers; ``estimated`` -- the estimator on the
@@ -203,10 +206,8 @@ def profile_from_record(record: object, where: str) -> LayerProfile:
                 raise bad(field, "an integer >= 1", value)
             if value > MAX_KEY_INT:
                 raise bad(field, f"an integer <= {MAX_KEY_INT}", value)
-        elif not isinstance(value, str) or not value:
-            raise bad(field, "a non-empty string", value)
-        elif len(value) > MAX_KEY_CHARS:
-            raise bad(field, f"a string of at most {MAX_KEY_CHARS} characters", value)
+        elif key_string_error(value) is not None:
+            raise bad(field, key_string_error(value), value)
     if record["layer_kind"] not in LAYER_KINDS:
         raise bad("layer_kind", "one of " + ", ".join(LAYER_KINDS), record["layer_kind"])
     for field in ("forward_ms", "backward_ms", "optimizer_ms"):
@@ -240,6 +241,27 @@ def profile_from_record(record: object, where: str) -> LayerProfile:
                         param_bytes=record["param_bytes"], source=source,
                         env=tuple(sorted(env.items())),
                         optimizer_ms=float(record.get("optimizer_ms", 0.0)))
+
+
+def _values(p: LayerProfile) -> tuple:
+    """What a record says about its key (``env`` aside: the same times measured twice)."""
+    return (p.forward_ms, p.backward_ms, p.activation_bytes, p.param_bytes, p.optimizer_ms)
+
+
+def _values_text(p: LayerProfile) -> str:
+    return (f"forward {p.forward_ms:g} ms, backward {p.backward_ms:g} ms, activations "
+            f"{p.activation_bytes} B, params {p.param_bytes} B"
+            + (f", optimizer {p.optimizer_ms:g} ms" if p.optimizer_ms else ""))
+
+
+def key_string_error(value: object) -> str | None:
+    """Why ``value`` cannot be a string field of a record's key (device type, layer kind, model
+    signature), as the loader says it; None when it can."""
+    if not isinstance(value, str) or not value:
+        return "a non-empty string"
+    if len(value) > MAX_KEY_CHARS:
+        return f"a string of at most {MAX_KEY_CHARS} characters"
+    return None
 
 
 class _DuplicateKey(Exception):
@@ -382,6 +404,9 @@ class ProfileDB:
             raise ProfileDBError("profile DB has no path to save to")
         directory = os.path.dirname(os.path.abspath(target))
         text = self.to_json()
+        # what the loader would refuse is never written (it would poison the DB for every
+        # later run): ProfileDBError naming the record instead
+        ProfileDB.from_json(text, source=f"{target} (not written)")
         tmp = None
         try:
             os.makedirs(directory, exist_ok=True)
@@ -434,8 +459,18 @@ class ProfileDB:
             raise ProfileDBError(f"{source}: overheads: expected a list, got "
                                  f"{short_repr(overheads)}")
         db = cls()
+        first: dict[ProfileKey, tuple[int, LayerProfile]] = {}
         for i, record in enumerate(records):
-            db.put(profile_from_record(record, f"{source}: records[{i}]"))
+            profile = profile_from_record(record, f"{source}: records[{i}]")
+            seen = first.setdefault(profile.key, (i, profile))
+            if seen[0] != i and seen[1].source == profile.source \
+                    and _values(seen[1]) != _values(profile):
+                raise ProfileDBError(
+                    f"{source}: records[{seen[0]}] and records[{i}] both give "
+                    f"({profile.key.describe()}, {profile.source}), with different values "
+                    f"({_values_text(seen[1])} vs {_values_text(profile)}); the plan would "
+                    "depend on their order: keep one")
+            db.put(profile)
         for i, record in enumerate(overheads):
             db.put_overhead(overhead_from_record(record, f"{source}: overheads[{i}]"))
         for name, parse, put in (("op_overheads", op_overhead_from_record, db.put_op_overhead),
@@ -642,8 +677,9 @@ def scaled_text(profile: LayerProfile) -> str:
     first = profile.scaled_from[0]
     seq = f" seq{first.seq_length}" if first.seq_length != profile.key.seq_length else ""
     mbs = ",".join(str(k.micro_batch_size) for k in profile.scaled_from)
-    return (f"from measured tp{first.tp} mbs{mbs}{seq} (rate {profile.rate_tflops:.1f} "
-            "TFLOP/s)")
+    rate = profile.rate_tflops
+    return (f"from measured tp{first.tp} mbs{mbs}{seq} (rate "
+            f"{f'{rate:.1f}' if rate >= 0.1 else f'{rate:.2g}'} TFLOP/s)")
 
 
 def provenance_entry(profile: LayerProfile) -> tuple[str, str, str]:

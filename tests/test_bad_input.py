@@ -12,6 +12,7 @@ import copy
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -761,3 +762,275 @@ def test_gantt_of_a_huge_batch_is_drawn_downsampled(tmp_path, capsys, monkeypatc
     assert (f"poseidon: note: --gantt {path}: drawn as a pipeline of {drawn} micro-batches, "
             f"not the plan's {m}") in err, err
     assert f"M={drawn} (the plan's M={m})" in open(path, encoding="utf-8").read()
+
+
+# ------------------------------------------------------------------ issue 31
+
+def _types_cluster(tmp_path, n: int) -> str:
+    """The small cluster with ``n`` device types, one node of 4 devices each."""
+    data = yaml.safe_load(SMALL_TEXT)
+    fast = data["device_types"]["fast"]
+    data["device_types"] = {f"t{i}": dict(fast, peak_tflops=100 + i) for i in range(n)}
+    data["nodes"] = [{"device_type": f"t{i}", "devices_per_node": 4, "count": 1}
+                     for i in range(n)]
+    data["links"]["inter_node_gbps"] = {f"t{i}": 100 for i in range(n)}
+    return write(tmp_path, f"types{n}.yaml", yaml.safe_dump(data))
+
+
+def test_seventeen_device_types_are_refused_at_load(tmp_path, capsys, no_search):
+    """Issue 31 row 1: 17-32 device types loaded, then the search's root core raised
+    'root_core: expected 1 to 16 device types' (a traceback)."""
+    assert MAX_DEVICE_TYPES == 16
+    path = _types_cluster(tmp_path, MAX_DEVICE_TYPES + 1)
+    one_line_error(capsys, [*PLAN[:2], path, *PLAN[3:]],
+                   r"types17\.yaml: device_types: expected at most 16 device types, got "
+                   r"'17 types'")
+    assert len(load_cluster(_types_cluster(tmp_path, MAX_DEVICE_TYPES)).type_names) == 16
+
+
+def test_the_search_core_holds_the_cluster_limit_of_device_types():
+    """The loader's limit is the typed search core's (``MAXT``): one more type is refused there."""
+    from poseidon_plugin.search import _roots
+
+    one = (1.0, 1, 4, ((1.0, 1),))
+    with pytest.raises(ValueError, match="device types"):
+        _roots.root_core([one] * (MAX_DEVICE_TYPES + 1), 2, 4, 1, 4, 0.0, 0.0, 0.0)
+    _roots.root_core([one] * MAX_DEVICE_TYPES, 2, 4, 1, 4, 0.0, 0.0, 0.0)
+
+
+def _saved_plan(tmp_path, capsys) -> dict:
+    out = tmp_path / "plan.json"
+    assert cli.main([*PLAN, "--out", str(out)]) == 0
+    capsys.readouterr()
+    return json.loads(out.read_text())
+
+
+def _patched(plan: dict, path: str, value) -> dict:
+    plan = copy.deepcopy(plan)
+    node = plan
+    *head, last = path.split(".")
+    for part in head:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    node[int(last) if isinstance(node, list) else last] = value
+    return plan
+
+
+@pytest.mark.parametrize("path, value, pattern", [
+    ("stages.0.provenance", [], r"stages\[0\]\.provenance: expected an object, got \[\]"),
+    ("stages.0.memory", "x", r"stages\[0\]\.memory: expected an object, got 'x'"),
+    ("stages.0.layers", None, r"stages\[0\]\.layers: expected an integer >= 0, got None"),
+    ("stages.1.devices", [[{"node": "0"}]],
+     r"stages\[1\]\.devices\[0\]\[0\]\.node: expected an integer >= 0, got '0'"),
+    ("stages", [], r"stages: expected at least one stage, got \[\]"),
+    ("dp", 2.5, r"dp: expected an integer >= 1, got 2\.5"),
+    ("stages.0.forward_ms", float("nan"),
+     r"stages\[0\]\.forward_ms: expected a finite number >= 0"),
+])
+def test_keep_plan_of_the_wrong_shape_is_refused_before_the_search(tmp_path, capsys, path,
+                                                                    value, pattern):
+    """Issue 31 row 3: a --keep plan with 'provenance': [] / 'memory': 'x' / 'layers': null
+    was an AttributeError / AttributeError / TypeError traceback (the last after the whole
+    search)."""
+    plan = _saved_plan(tmp_path, capsys)
+    bad = write(tmp_path, "bad.json", json.dumps(_patched(plan, path, value)))
+    import poseidon_plugin.search as search
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the search ran before the kept plan was checked")
+
+    search_plan = search.search_plan
+    search.search_plan = boom
+    try:
+        one_line_error(capsys, [*PLAN, "--keep", bad], r"--keep \S+bad\.json: plan JSON: "
+                       + pattern)
+    finally:
+        search.search_plan = search_plan
+
+
+@pytest.mark.parametrize("body", ["[" * 200_000 + "]" * 200_000,
+                                  '{"a": ' * 200_000 + "1" + "}" * 200_000])
+def test_keep_plan_nested_200k_deep(tmp_path, capsys, no_search, body):
+    """Issue 31 row 3: a --keep plan nested 200k deep was a RecursionError traceback."""
+    bad = write(tmp_path, "deep.json", body)
+    one_line_error(capsys, [*PLAN, "--keep", bad],
+                   r"--keep \S+deep\.json: plan JSON: malformed \(nested too deeply\)",
+                   max_s=FAULT_DEADLINE_S)
+
+
+def test_a_valid_keep_plan_still_passes_the_check(tmp_path, capsys):
+    from poseidon_plugin.plan import Plan, check_plan_dict
+
+    plan = _saved_plan(tmp_path, capsys)
+    check_plan_dict(plan)
+    assert Plan.from_json(json.dumps(plan)).to_dict()["stages"] == plan["stages"]
+
+
+@pytest.mark.parametrize("text", [
+    "[" * 200_000 + "]" * 200_000,
+    '{"stages": [{"layers": null}]}',
+    b"\xff\xfe not utf-8",
+    "layers-null",
+])
+def test_launch_damaged_cached_plan_is_moved_aside(tmp_path, capsys, caplog, text):
+    """Issue 31 row 4: a damaged plan-<hash>.json beside the profile cache crashed every later
+    --poseidon-auto launch; now it is moved aside with a warning and the launch plans afresh
+    (as a damaged profile cache is)."""
+    from poseidon_plugin.megatron.runner import _load_previous
+
+    if text == "layers-null":
+        text = json.dumps(_patched(_saved_plan(tmp_path, capsys), "stages.0.layers", None))
+    path = write(tmp_path, "plan-0123456789abcdef.json", text)
+    with caplog.at_level(logging.WARNING, logger="poseidon"):
+        assert _load_previous(path) is None
+    assert not os.path.exists(path)
+    assert len(list(tmp_path.glob("plan-0123456789abcdef.json.corrupt-*"))) == 1
+    assert "is unreadable, planning afresh" in caplog.text
+    assert _load_previous(path) is None          # the next launch: no file, no warning
+
+
+def test_launch_cached_plan_that_is_fine_is_read(tmp_path, capsys):
+    from poseidon_plugin.megatron.runner import _load_previous
+
+    plan = _saved_plan(tmp_path, capsys)
+    path = write(tmp_path, "plan-x.json", json.dumps(plan))
+    assert _load_previous(path).to_dict()["stages"] == plan["stages"]
+    assert os.path.exists(path)
+
+
+@pytest.mark.integration
+def test_launch_save_plan_into_a_missing_directory_is_refused_before_profiling(tmp_path):
+    """Issue 31 row 5: --poseidon-save-plan into a missing directory was a traceback after the
+    profiling and the search; now one line before any profiling (as --out is checked)."""
+    from tests.test_launch_e2e import GPT_ARGS, _single, write_emulation
+
+    emu = write_emulation(tmp_path / "emu.yaml", ["emu-fast"])
+    target = tmp_path / "missing" / "plan.json"
+    proc = _single([*GPT_ARGS, "--poseidon-emulate", emu, "--poseidon-dry-run",
+                    "--poseidon-save-plan", str(target)], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert re.search(r"error: --poseidon-save-plan \S+plan\.json: cannot write \(no such "
+                     r"directory: \S+missing\)", proc.stderr), proc.stderr[-3000:]
+    assert "profiling:" not in proc.stderr and "search:" not in proc.stderr
+    assert not list(tmp_path.glob("profiles-*.json"))
+
+
+def _conflicting_payload(second_forward_factor=2.0):
+    """The valid DB with its first record repeated, the repeat's forward time scaled."""
+    payload = _db_payload()
+    twin = dict(payload["records"][0])
+    twin["forward_ms"] = twin["forward_ms"] * second_forward_factor
+    payload["records"].append(twin)
+    return payload
+
+
+def test_conflicting_duplicate_records_are_refused(tmp_path, capsys):
+    """Issue 31 row 10: two records of one key with different values were accepted, the last
+    winning (the plan depended on the records' order)."""
+    path = _db(tmp_path, _conflicting_payload())
+    one_line_error(capsys, [*PLAN, "--profiles", path],
+                   r"db\.json: records\[0\] and records\[6\] both give \(fast decoder tp1 mbs1 "
+                   r"seq128 bf16/flash/none, measured\), with different values \(forward "
+                   r"\S+ ms, .* vs forward \S+ ms, .*\); the plan would depend on their order")
+
+
+def test_identical_duplicates_and_sources_of_one_key_still_load(tmp_path):
+    db = ProfileDB.load(_db(tmp_path, _conflicting_payload(1.0)))
+    assert len(db) == 6
+    payload = _conflicting_payload(3.0)
+    payload["records"][-1]["source"] = "estimated"      # the merge rule decides: measured
+    db = ProfileDB.load(_db(tmp_path, payload, "mixed.json"))
+    first = payload["records"][0]
+    (kept,) = [p for p in db.profiles() if p.key.device_type == first["device_type"]
+               and p.key.layer_kind == first["layer_kind"]]
+    assert kept.source == "measured" and kept.forward_ms == first["forward_ms"]
+
+
+def test_profile_merge_of_bad_inputs_gives_the_same_errors(tmp_path, capsys):
+    """``poseidon profile --merge``: a conflicting DB is refused in one line, nothing written;
+    the same DB merged twice is fine."""
+    good = _db(tmp_path, _db_payload(), "good.json")
+    bad = _db(tmp_path, _conflicting_payload(), "bad.json")
+    out = tmp_path / "merged.json"
+    one_line_error(capsys, ["profile", "--merge", good, bad, "-o", str(out)],
+                   r"bad\.json: records\[0\] and records\[6\] both give")
+    assert not out.exists()
+    empty = _db(tmp_path, _db_payload(device_type=""), "empty.json")
+    one_line_error(capsys, ["profile", "--merge", empty, "-o", str(out)],
+                   r"empty\.json: records\[0\]\.device_type: expected a non-empty string")
+    assert cli.main(["profile", "--merge", good, good, "-o", str(out)]) == 0
+    assert len(ProfileDB.load(str(out))) == 6
+
+
+@pytest.mark.parametrize("field", ["forward_ms", "backward_ms"])
+def test_absurdly_slow_measured_record_is_refused(tmp_path, capsys, field):
+    """Issue 31 row 11: a measured record of 3.5e6 ms for a tiny layer was accepted (and a note
+    then spoke of estimates 'scaled from that rate')."""
+    payload = _db_payload()
+    payload["records"][3][field] = 3.5e6                  # slow's decoder
+    path = _db(tmp_path, payload)
+    one_line_error(capsys, [*PLAN, "--profiles", path],
+                   rf"db\.json: record \(slow, decoder, tp=1, micro-batch 1, seq 128\): "
+                   rf"{field} 3\.5e\+06 implies \S+ TFLOP/s per device, below 1e-06 TFLOP/s: "
+                   r"implausibly slow")
+
+
+def test_slow_but_real_records_pass_the_floor():
+    """A CPU-speed record (1e-4 of the peak, far slower than the device) is still accepted:
+    the floor is for absurd records, not for slow machines."""
+    cluster = load_cluster(SMALL)
+    model = load_model(TINY)
+    payload = _db_payload()
+    for rec in payload["records"]:
+        rec["forward_ms"] *= 1e4
+        rec["backward_ms"] *= 1e4
+    check_profiles(ProfileDB.from_json(json.dumps(payload)), cluster, model)
+
+
+def test_scaled_note_names_a_tiny_rate_truthfully():
+    from poseidon_plugin.profiles import scaled_text
+
+    model = load_model(TINY)
+    cluster = load_cluster(SMALL)
+    key = profile_key(model, "fast", "decoder", 1, 1, 128)
+    p = estimate_profile(cluster, model, key)
+    import dataclasses
+    text = scaled_text(dataclasses.replace(p, scaled_from=(key,), rate_tflops=6e-8))
+    assert "(rate 6e-08 TFLOP/s)" in text
+    text = scaled_text(dataclasses.replace(p, scaled_from=(key,), rate_tflops=41.26))
+    assert "(rate 41.3 TFLOP/s)" in text
+
+
+def test_profile_device_type_is_checked_before_profiling(tmp_path, capsys, monkeypatch):
+    """Issue 31 row 12: `poseidon profile --device-type ''` exited 0 and wrote a record its own
+    loader refused (every later use of the DB failed)."""
+    from poseidon_plugin.megatron import offline
+
+    def boom(*args, **kwargs):
+        raise AssertionError("profiled before --device-type was checked")
+
+    monkeypatch.setattr(offline, "profile_layers", boom)
+    out = tmp_path / "db.json"
+    for value, got in (("", "''"), ("x" * 2000, "'xxx")):
+        one_line_error(capsys, ["profile", "--model", TINY, "--seq-length", "128",
+                                "--device-type", value, "-o", str(out)],
+                       rf"--device-type: expected a (non-empty string|string of at most \d+ "
+                       rf"characters), got {got}")
+    assert not out.exists()
+
+
+def test_a_db_the_loader_would_refuse_is_never_written(tmp_path):
+    import dataclasses
+
+    db = ProfileDB.from_json(json.dumps(_db_payload()))
+    first = db.profiles()[0]
+    bad = dataclasses.replace(first, key=dataclasses.replace(first.key, device_type=""))
+    db.put(bad)
+    out = tmp_path / "db.json"
+    with pytest.raises(ProfileDBError, match=r"db\.json \(not written\): records\[0\]\."
+                                             r"device_type: expected a non-empty string"):
+        db.save(str(out))
+    assert not out.exists()
+    db = ProfileDB.from_json(json.dumps(_db_payload()))
+    db.save(str(out))
+    assert len(ProfileDB.load(str(out))) == 6

@@ -724,16 +724,27 @@ def previous_plan_path(cache_path: str, cluster: Cluster, model: ModelSpec,
 
 
 def _load_previous(path: str) -> Plan | None:
-    """The plan a previous identical launch ran, or None (none yet; unreadable: a warning)."""
+    """The plan a previous identical launch ran, or None (none yet; unreadable: a warning). A
+    damaged file is moved aside, as a damaged profile cache is (``profile_gather.load_cache``),
+    so that it cannot fail the next launch either."""
     from ..plan import Plan
 
     try:
         with open(path, encoding="utf-8") as f:
-            return Plan.from_json(f.read())
+            return Plan.from_json(f.read(64 << 20))
     except FileNotFoundError:
         return None
-    except (OSError, PoseidonError) as e:
+    except OSError as e:
         log.warning("previous plan %s is unreadable (%s); planning afresh", path, e)
+        return None
+    except (PoseidonError, ValueError) as e:   # ValueError: not UTF-8
+        aside = f"{path}.corrupt-{int(time.time())}"
+        try:
+            os.replace(path, aside)
+        except OSError:
+            aside = "(could not move it)"
+        log.warning("previous plan %s is unreadable, planning afresh: %s; old file kept as %s",
+                    path, str(e)[:300], aside)
         return None
 
 
@@ -809,8 +820,12 @@ def _ep_option(expert_parallel: tuple[int, ...] | None) -> dict[str, Any]:
 def _rank0_report(ctx: LaunchContext) -> None:
     """``--poseidon-save-plan`` and what the user reads: the plan, the rank map, the flags."""
     if ctx.opts.save_plan:
-        with open(ctx.opts.save_plan, "w", encoding="utf-8") as f:
-            f.write(ctx.plan_text)
+        try:
+            with open(ctx.opts.save_plan, "w", encoding="utf-8") as f:
+                f.write(ctx.plan_text)
+        except OSError as e:   # checked before profiling; removed since
+            raise PoseidonError(f"--poseidon-save-plan {ctx.opts.save_plan}: cannot write "
+                                f"({e.strerror})") from None
     dry = " -- dry run: exiting before any model is built" if ctx.opts.dry_run else ""
     lines = ["", "=" * 78, f"Poseidon plan ({ctx.backend})", "=" * 78, ctx.plan.table(),
              "", "rank -> stage:"]
