@@ -1034,3 +1034,31 @@ def test_a_db_the_loader_would_refuse_is_never_written(tmp_path):
     db = ProfileDB.from_json(json.dumps(_db_payload()))
     db.save(str(out))
     assert len(ProfileDB.load(str(out))) == 6
+
+
+@pytest.mark.integration
+def test_launch_with_a_damaged_cached_plan_plans_afresh(tmp_path):
+    """Issue 31 row 4 through a real (emulated, one-process) launch: the second launch finds
+    its plan-<hash>.json damaged ('layers': null, which crashed every later launch), warns,
+    moves it aside and writes a fresh plan."""
+    import glob
+
+    from tests.test_launch_e2e import GPT_ARGS, _single, write_emulation
+
+    emu = write_emulation(tmp_path / "emu.yaml", ["emu-fast"])
+    args = [*GPT_ARGS, "--poseidon-emulate", emu, "--poseidon-dry-run"]
+    proc = _single(args, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (plan,) = glob.glob(str(tmp_path / "plan-*.json"))
+    data = json.loads(open(plan).read())
+    data["stages"][0]["layers"] = None
+    with open(plan, "w") as f:
+        json.dump(data, f)
+    proc = _single(args, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert re.search(r"previous plan \S+plan-\w+\.json is unreadable, planning afresh: plan "
+                     r"JSON: stages\[0\]\.layers: expected an integer >= 0, got None; old file "
+                     r"kept as \S+\.corrupt-\d+", proc.stderr), proc.stderr[-3000:]
+    assert len(glob.glob(plan + ".corrupt-*")) == 1
+    assert json.loads(open(plan).read())["stages"][0]["layers"] >= 0   # a fresh plan
