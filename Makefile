@@ -17,7 +17,7 @@ PIP   := $(VENV)/bin/pip
 PYTHON312 ?= $(shell for p in python3.12 $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 /usr/bin/python3.12 /usr/local/bin/python3.12; do \
 	if $$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then echo $$p; break; fi; done)
 
-PYX := $(wildcard poseidon_plugin/*/*.pyx poseidon_plugin/*/*.pxd)
+PYX := $(wildcard poseidon_plugin/*.pyx poseidon_plugin/*.pxd poseidon_plugin/*/*.pyx poseidon_plugin/*/*.pxd)
 
 # Python 3.10 (MindSpeed-LLM / CANN's Python): the torch-free core is tested on it as well.
 PYTHON310 ?= $(shell for p in python3.10 $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.10*/bin/python3.10 /usr/bin/python3.10 /usr/local/bin/python3.10; do \
@@ -133,4 +133,4 @@ docs: $(DOCS_VENV)/.stamp
 	$(DOCS_VENV)/bin/mkdocs build --strict
 
 clean:
-	rm -rf build *.egg-info poseidon_plugin/*/*.so poseidon_plugin/*/*.c $(VENV)/.stamp-build $(MCORE_DIR) $(MSLLM_DIR)
+	rm -rf build *.egg-info poseidon_plugin/*.so poseidon_plugin/*.c poseidon_plugin/*/*.so poseidon_plugin/*/*.c $(VENV)/.stamp-build $(MCORE_DIR) $(MSLLM_DIR)

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from poseidon_plugin.simulator import _core
+from poseidon_plugin import _core
 from poseidon_plugin.simulator import reference as ref
 from poseidon_plugin.simulator import SCHEDULES, iteration_time_ms, normalize_inputs
 from _machine import cpu_model  # noqa: E402  (benchmarks/ is on sys.path when run as a script)

@@ -58,7 +58,7 @@ if ! "$PY" -c "import megatron.core" 2>/dev/null; then
     exit 3
   fi
 fi
-if ! "$PY" -c "import poseidon_plugin.simulator._core, poseidon_plugin.search._search" 2>/dev/null; then
+if ! "$PY" -c "import poseidon_plugin._core, poseidon_plugin.search._search" 2>/dev/null; then
   echo "== building the Cython core in place"
   "$PY" setup.py -q build_ext --inplace -j "$(nproc 2>/dev/null || echo 2)" > build-ext.log 2>&1 || {
     echo "could not build the Cython core (build-ext.log)" >&2; tail -20 build-ext.log >&2; exit 3; }

@@ -1,5 +1,5 @@
 """Megatron's per-op and per-p2p-call costs: measured at profiling time, kept in the profile DB,
-charged by the search's simulator (``simulator._core.EngineDAG``: ``engine.py``'s semantics).
+charged by the search's simulator (``poseidon_plugin._core.EngineDAG``: ``engine.py``'s semantics).
 
 The simulator's compute ops are the layers' profiled forward / backward; megatron-core runs each
 inside its ``forward_step`` / ``backward_step`` (the op overhead), and between ops its blocking

@@ -102,6 +102,9 @@ PLAN_FORMAT_VERSION = 1
 TIMING_MODEL = "engine"
 """How the search times a plan: ``engine`` = ``_core.EngineDAG`` (as megatron-core executes the
 schedule: blocking, bundled p2p calls); ``Plan.rederived_iteration_time_ms`` uses the same."""
+NEAR_TIE = 0.02
+"""A runner-up margin (``search/runnerup.py``) below this is reported as a near-tie (the
+profiler's CI target; the previous-plan rule's default window)."""
 
 
 def _timing_from_json(tm) -> dict[str, Any]:
@@ -323,8 +326,6 @@ def _proof_text(state: str) -> str:
 def _runner_up_text(s: dict) -> str:
     """The table's line on the runner-up (``search/runnerup.py``): the fastest plan of any
     other configuration, its margin, and whether that is a near-tie."""
-    from .search.runnerup import NEAR_TIE
-
     state, q = s["runner_up_status"], s.get("runner_up_queries", 0)
     if state == "none":
         return "runner-up: none (no other configuration has a plan that fits)"
@@ -355,8 +356,6 @@ def _runner_up_text(s: dict) -> str:
 def _layout_text(s: dict) -> str:
     """The table's line on the closest other layout of the plan's configuration
     (``RunnerUp.layout``): another device type on at least one stage."""
-    from .search.runnerup import NEAR_TIE
-
     state = s["layout_status"]
     head = "other layout (this configuration, another device type on some stage"
     if state == "none":

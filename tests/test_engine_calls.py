@@ -29,7 +29,7 @@ from poseidon_plugin.plan import Plan
 from poseidon_plugin.profiles import ProfileDB
 from poseidon_plugin.search import SearchOptions, search_plan
 from poseidon_plugin.simulator import iteration_time_ms
-from poseidon_plugin.simulator._core import get_dag
+from poseidon_plugin._core import get_dag
 from poseidon_plugin.simulator.engine import EngineCosts, simulate_engine
 
 SMALL = "examples/clusters/small-two-type.yaml"

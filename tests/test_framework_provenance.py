@@ -213,8 +213,8 @@ def test_each_record_names_the_device_of_its_own_ranks():
     ("torch_npu", "cannot import torch_npu (--poseidon-auto): install Ascend's PyTorch adapter"),
     ("mindspeed", "cannot import mindspeed (--poseidon-auto): MindSpeed is not installed"),
     ("torch", "cannot import torch (--poseidon-auto): PyTorch is not installed: pip install torch"),
-    ("poseidon_plugin.simulator._core", "Poseidon's own module poseidon_plugin.simulator._core is "
-                                        "missing (--poseidon-auto): its compiled core is not built"),
+    ("poseidon_plugin._core", "Poseidon's own module poseidon_plugin._core is "
+                              "missing (--poseidon-auto): its compiled core is not built"),
 ])
 def test_a_missing_module_is_named_with_its_fix(name, expected):
     e = ModuleNotFoundError(f"No module named '{name}'", name=name)

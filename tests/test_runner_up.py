@@ -15,11 +15,11 @@ from poseidon_plugin.cli import main as cli_main
 from poseidon_plugin.cluster import load_cluster
 from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.model import get_model
-from poseidon_plugin.plan import Plan
+from poseidon_plugin.plan import NEAR_TIE, Plan
 from poseidon_plugin.search import SearchContext, SearchOptions, search_plan
 from poseidon_plugin.costs import CostModel
 from poseidon_plugin.search.driver import SearchDriver
-from poseidon_plugin.search.runnerup import NEAR_TIE, RunnerUp
+from poseidon_plugin.search.runnerup import RunnerUp
 
 from test_plan_stability import SMALL, _enumerated, _every_plan
 from test_search import SCHEDS, make_instance, type_st

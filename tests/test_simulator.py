@@ -300,7 +300,7 @@ def test_core_checks_lengths():
 def test_core_rejects_orders_that_deadlock_or_miss_ops(monkeypatch):
     """The DAG build's own checks (the schedules never trigger them): device 0 running B(0)
     before F(0) waits on itself through device 1; a device with an op missing."""
-    from poseidon_plugin.simulator import _core
+    from poseidon_plugin import _core
     from poseidon_plugin.simulator.schedules import Op
 
     fwd, bwd = Op(False, 0, 0), Op(True, 0, 0)
@@ -355,7 +355,7 @@ def test_engine_dag_equals_engine_model_and_bounds_paper_dag(n, v, k, schedule, 
     """``get_dag(..., engine=True)`` (the C sweep the search uses) gives exactly
     ``engine.simulate_engine``'s time with zero call / op overheads (megatron-core's blocking
     p2p calls), is never below the paper's DAG, equals it for 1f1b, and its copy agrees."""
-    from poseidon_plugin.simulator._core import EngineDAG, get_dag as core_dag
+    from poseidon_plugin._core import EngineDAG, get_dag as core_dag
     from poseidon_plugin.simulator.engine import EngineCosts, simulate_engine
     if schedule == "1f1b":
         v = 1

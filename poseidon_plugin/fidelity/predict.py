@@ -1,6 +1,6 @@
 """The three predictions of a case's iteration time from its stage profiles (no torch).
 
-(a) the search's own model: the DAG the search times plans with (``simulator._core``'s
+(a) the search's own model: the DAG the search times plans with (``poseidon_plugin._core``'s
 ``get_dag(..., engine=True, calls=...)``), charged with megatron's per-op and per-call costs the
 way the search charges them from a profile DB (``search_calls``: the stages' measured costs as
 ``callcosts`` records, one per emulated device type, then ``callcosts.engine_calls``), the link

@@ -24,10 +24,10 @@ Method and proofs: ``docs/search.md``.
 from .baselines import (baseline_entries, baseline_plans, baseline_results, explain_infeasible,
                         skipped_baseline_entries)
 from .build import build_plan
-from .configs import OuterConfig, enumerate_configs, root_bound, tp_candidates
+from .configs import OuterConfig, enumerate_configs, root_bound
 from .driver import SearchDriver, SearchStats, search_plan
 from .instance import SearchContext
-from .options import SearchOptions
+from .options import SearchOptions, tp_candidates
 
 __all__ = ["SearchOptions", "SearchStats", "SearchDriver", "SearchContext", "OuterConfig",
            "search_plan", "baseline_plans", "build_plan", "enumerate_configs", "root_bound",

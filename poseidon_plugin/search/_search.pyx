@@ -13,7 +13,7 @@ layer count l. Placement is the deterministic per-type cursor of ``placement.py`
 the next d*t devices of its type (cursor aligned up to a multiple of t inside a node so that no
 TP group spans nodes); DP replica r of the stage is the TP group starting at start + r*t.
 
-Iteration time: the simulator's ``PipelineDAG`` (``simulator/_core.pyx``), exactly the DAG
+Iteration time: the simulator's ``PipelineDAG`` (``poseidon_plugin/_core.pyx``), exactly the DAG
 semantics of the simulator. :func:`replay_assignment` evaluates one given assignment through the
 same cost and bound code (the tests' check of the bound's validity), outside the recursion.
 
@@ -31,7 +31,7 @@ import threading
 import numpy as np
 cimport numpy as cnp
 
-from poseidon_plugin.simulator._core cimport PipelineDAG
+from poseidon_plugin._core cimport PipelineDAG
 from poseidon_plugin.search._bounds cimport (bound, capacity, cap_path, later_costs, low_bound,
                                              rt_limit, rt_cut, pair_prefix)
 

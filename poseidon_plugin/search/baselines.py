@@ -19,8 +19,9 @@ from ..costs import CostModel, chunk_layers
 from ..errors import InfeasibleError, PoseidonError
 from ..plan import Plan
 from .build import build_plan
-from .configs import OuterConfig, tp_candidates
+from .configs import OuterConfig
 from .instance import SearchContext
+from .options import tp_candidates
 
 GIB = 1024 ** 3
 

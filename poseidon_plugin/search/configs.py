@@ -22,7 +22,7 @@ from ..costs import CostModel
 from ..errors import PoseidonError
 from ..simulator.schedules import SCHEDULES, op_orders, validate_schedule
 from . import _roots, _search
-from .options import SearchOptions
+from .options import SearchOptions, tp_candidates
 from .rules import Shape, excluded_line
 
 
@@ -69,20 +69,6 @@ class OuterConfig:
 
 
 # --------------------------------------------------------------------------- enumeration
-
-def tp_candidates(cluster, model, type_name: str, allowed=None) -> tuple[int, ...]:
-    """TP degrees a stage of this type may use: powers of two dividing every node's device
-    count, the attention heads and the query groups (and in ``allowed`` when given)."""
-    sizes = [n.num_devices for n in cluster.nodes_of_type(type_name)]
-    out = []
-    t = 1
-    while sizes and t <= min(sizes):
-        if (all(s % t == 0 for s in sizes) and model.num_attention_heads % t == 0
-                and model.num_query_groups % t == 0 and (allowed is None or t in allowed)):
-            out.append(t)
-        t *= 2
-    return tuple(out)
-
 
 def cp_candidates(cluster, seq_length: int, allowed=None) -> tuple[int, ...]:
     """CP degrees a search tries: ``allowed`` (None: 1 only), those dividing the sequence into

@@ -18,7 +18,7 @@ import numpy as np
 from ..comm import send_ms
 from ..costs import CostModel, simulator_arrays
 from ..plan import TIMING_MODEL
-from ..simulator._core import get_dag
+from .._core import get_dag
 from ..simulator.pipeline import iteration_time_ms
 from . import _search
 from .configs import (OptionCosts, OuterConfig, bound_structure, layer_limits,

@@ -4,7 +4,8 @@ The CLI (``poseidon plan``), the launch runner (``--poseidon-auto``) and the bas
 ``SearchOptions`` value and pass it down; nothing re-threads keyword arguments. A bad value is a
 ``PoseidonError`` naming the CLI flag and the field (``--pruning / pruning: ...``).
 
-Checks that need the cluster and the model (is any allowed TP degree valid there?) are done by
+Checks that need the cluster and the model (is any allowed TP degree valid there?
+``tp_candidates``, which ``configs`` enumerates with too) are done by
 ``SearchOptions.check_against`` when the search starts.
 """
 
@@ -70,6 +71,20 @@ def _int_tuple(name: str, values: object) -> tuple[int, ...]:
     if not out or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in out):
         raise PoseidonError(f"{name}: expected integers >= 1, got {list(out)!r}")
     return out
+
+
+def tp_candidates(cluster, model, type_name: str, allowed=None) -> tuple[int, ...]:
+    """TP degrees a stage of this type may use: powers of two dividing every node's device
+    count, the attention heads and the query groups (and in ``allowed`` when given)."""
+    sizes = [n.num_devices for n in cluster.nodes_of_type(type_name)]
+    out = []
+    t = 1
+    while sizes and t <= min(sizes):
+        if (all(s % t == 0 for s in sizes) and model.num_attention_heads % t == 0
+                and model.num_query_groups % t == 0 and (allowed is None or t in allowed)):
+            out.append(t)
+        t *= 2
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -240,8 +255,6 @@ class SearchOptions:
                                     f"experts of {model.name}")
         if self.tp_degrees is None:
             return
-        from .configs import tp_candidates
-
         valid = sorted({t for n in cluster.type_names for t in tp_candidates(cluster, model, n)})
         if not set(self.tp_degrees) & set(valid):
             raise PoseidonError(f"TP degrees (--tp / tp_degrees): none of "

@@ -42,8 +42,6 @@ import numpy as np
 
 RUNNER_SHARE = 0.25   # the runner-up may take this share of the search's own time ...
 RUNNER_MIN_S = 1.0    # ... or this long, whichever is more (within a time budget)
-NEAR_TIE = 0.02       # a margin below this is a near-tie (the profiler's CI target; the
-                      # previous-plan rule's default window)
 EPS = 1e-9
 MILESTONES = (0.005, 0.01, 0.02, 0.05, 0.10, 0.20, 0.50, math.inf)   # the rounds' caps over
                       # the lowest bound of the other configurations (the last: no cap)

@@ -1,4 +1,4 @@
-"""Thin Python API over the Cython DAG simulator (`_core`).
+"""Thin Python API over the Cython DAG simulator (``poseidon_plugin._core``).
 
 Semantics (the contract the tests hold it to; the DAG is spelled out in ``_core.pyx``): one
 pipeline of N stages (devices), M micro-batches; per-stage ``forward_ms[s]``,
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from poseidon_plugin.simulator import _core
+from poseidon_plugin import _core
 from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.simulator.schedules import SCHEDULES, validate_schedule
 from poseidon_plugin.simulator.timeline import Timeline

@@ -1,7 +1,10 @@
 # cython: language_level=3
 """Hot path of the simulator: the pipeline DAG's longest path as one ``nogil`` sweep.
 
-The DAG (the simulator semantics in ``pipeline.py``): compute ops F/B of every
+The simulator's Cython core (``poseidon_plugin._core``); its Python side (op orders, validated
+API, engine model, reference) is the ``poseidon_plugin.simulator`` package.
+
+The DAG (the simulator semantics in ``simulator/pipeline.py``): compute ops F/B of every
 (device s, chunk c, micro-batch m); op weight = its compute time. Cross-device edges follow the
 *virtual stage* v = c*N + s: F(v-1, m) -> F(v, m) weighted Pf[(v-1) mod N]; B(v+1, m) -> B(v, m)
 weighted Pb[v mod N]; F(last v, m) -> B(last v, m) weighted 0. Consecutive ops of one device's

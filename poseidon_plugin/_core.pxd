@@ -3,8 +3,8 @@
 
 Usage from another .pyx::
 
-    from poseidon_plugin.simulator._core cimport PipelineDAG
-    from poseidon_plugin.simulator._core import get_dag   # cached per (schedule, N, M, V)
+    from poseidon_plugin._core cimport PipelineDAG
+    from poseidon_plugin._core import get_dag   # cached per (schedule, N, M, V)
 
     cdef PipelineDAG dag = get_dag("1f1b", N, M, 1)
     cdef double t
