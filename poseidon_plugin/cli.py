@@ -15,6 +15,7 @@ import sys
 import time
 
 from .errors import PoseidonError
+from .errors import check_writable as _check_writable   # the name cli's callers use
 from .search.options import PRUNING_MODES, TYPE_ORDERS, SearchOptions
 from .simulator.schedules import LAUNCHABLE_SCHEDULES, SCHEDULES
 
@@ -70,20 +71,6 @@ def _timeout_seconds(text: str) -> float:
     from .megatron.options import timeout_seconds
 
     return timeout_seconds("--timeout", text)
-
-
-def _check_writable(flag: str, path: str) -> None:
-    """PoseidonError unless ``path`` can be written: checked before the search, so a typo in an
-    output path costs nothing. An existing file is left untouched."""
-    if os.path.isdir(path):
-        raise PoseidonError(f"{flag} {path}: cannot write (is a directory)")
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        why = "not a directory" if os.path.exists(directory) else "no such directory"
-        raise PoseidonError(f"{flag} {path}: cannot write ({why}: {directory})")
-    target = path if os.path.exists(path) else directory
-    if not os.access(target, os.W_OK):
-        raise PoseidonError(f"{flag} {path}: cannot write (permission denied)")
 
 
 def _check_gantt_path(path: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import reprlib
 
 _SHORT = reprlib.Repr()
@@ -22,6 +23,21 @@ def short_repr(value: object) -> str:
 
 class PoseidonError(Exception):
     """A user mistake or an impossible request; the CLI prints it on one line and exits 2."""
+
+
+def check_writable(flag: str, path: str) -> None:
+    """PoseidonError unless ``path`` can be written: checked before the search or run, so a typo
+    in an output path costs nothing. An existing file is left untouched. (The CLI, ``poseidon
+    validate`` and the launch's ``--poseidon-save-plan`` share it.)"""
+    if os.path.isdir(path):
+        raise PoseidonError(f"{flag} {path}: cannot write (is a directory)")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        why = "not a directory" if os.path.exists(directory) else "no such directory"
+        raise PoseidonError(f"{flag} {path}: cannot write ({why}: {directory})")
+    target = path if os.path.exists(path) else directory
+    if not os.access(target, os.W_OK):
+        raise PoseidonError(f"{flag} {path}: cannot write (permission denied)")
 
 
 class SpecError(PoseidonError):

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Sequence
 
-from ..errors import PoseidonError
+from ..errors import PoseidonError, check_writable
 from .cases import Emulation, select_cases
 from .report import draw_case, format_table, store_call_records, write_json
 
@@ -40,12 +40,10 @@ def _layer_ms(text: str) -> float:
 def _check_output(flag: str, path: str, suffixes: tuple[str, ...] = ()) -> None:
     """An output path refused before any run: a directory, a missing parent, no permission, a
     suffix the writer refuses (the CLI's rule for ``poseidon plan --out / --gantt``)."""
-    from ..cli import _check_writable
-
     if suffixes and os.path.splitext(path)[1].lower() not in suffixes:
         raise PoseidonError(f"{flag} {path}: expected a file name ending in "
                             f"{' or '.join(suffixes)}")
-    _check_writable(flag, path)
+    check_writable(flag, path)
 
 
 def _check_args(ns: argparse.Namespace) -> None:
