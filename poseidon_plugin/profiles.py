@@ -828,7 +828,9 @@ def scaled_estimate_note(plan, db: ProfileDB | None, model, seq_length: int,
     hits: dict[tuple[str, int], list[int]] = {}
     for st in plan.stages:
         src = {kind: source for kind, source, _ in st.provenance}.get("decoder")
-        if src not in ("measured", None) and st.device_type in measured:
+        # only a scaled decoder (provenance "scaled") is "scaled from that type's measured
+        # rate"; an estimate not scaled from them (e.g. another EP degree) is not
+        if src == "scaled" and st.device_type in measured:
             hits.setdefault((st.device_type, st.tp), []).append(st.index)
     if not hits:
         return None

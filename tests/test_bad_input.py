@@ -1062,3 +1062,23 @@ def test_launch_with_a_damaged_cached_plan_plans_afresh(tmp_path):
                      r"kept as \S+\.corrupt-\d+", proc.stderr), proc.stderr[-3000:]
     assert len(glob.glob(plan + ".corrupt-*")) == 1
     assert json.loads(open(plan).read())["stages"][0]["layers"] >= 0   # a fresh plan
+
+
+@pytest.mark.parametrize("src, noted", [("scaled", True), ("calibrated", False),
+                                        ("estimated", False), ("measured", False)])
+def test_scaled_note_only_for_decoders_scaled_from_the_records(src, noted):
+    """Issue 31 row 11: the note said a stage's decoder was 'scaled from that type's measured
+    rate' for any non-measured decoder of a measured type, scaled or not."""
+    from types import SimpleNamespace
+
+    from poseidon_plugin.profiles import scaled_estimate_note
+
+    db = ProfileDB.from_json(json.dumps(_db_payload()))        # fast and slow at tp 1 mbs 1
+    st = SimpleNamespace(index=0, device_type="fast", tp=2,
+                         provenance=(("decoder", src, "fast decoder tp2 ..."),))
+    note = scaled_estimate_note(SimpleNamespace(stages=[st], micro_batch_size=1), db,
+                                load_model(TINY), 128)
+    assert (note is not None) == noted, note
+    if noted:
+        assert note.startswith("stage(s) 0 run fast at TP 2, measured only at TP 1: its decoder "
+                               "is scaled from that type's measured rate")
