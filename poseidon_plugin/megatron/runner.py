@@ -362,10 +362,21 @@ def _all_ranks_read_model(ctx: LaunchContext) -> None:
 def launch_rules(ctx: LaunchContext) -> Any:
     """What the framework refuses with the script's flags (``search/rules.py``), for the model
     (MoE layers at TP > 1 need ``--sequence-parallel``)."""
-    from ..search.rules import FrameworkRules
+    from ..search.rules import FrameworkRules, Rule
 
-    return FrameworkRules.from_argv(ctx.argv, num_layers=ctx.model.num_layers,
-                                    moe=any(k.is_moe for k in ctx.model.layer_kinds))
+    rules = FrameworkRules.from_argv(ctx.argv, num_layers=ctx.model.num_layers,
+                                     moe=any(k.is_moe for k in ctx.model.layer_kinds))
+    if ctx.backend == "mindspeed-llm" and ctx.emu is not None:
+        rules = FrameworkRules(rules.rules + (Rule("no_interleaving", 1, EMULATED_MSLLM_VPP),))
+    return rules
+
+
+# MindSpeed-LLM v26.1.0 (megatron-core 0.12.1) trained an interleaved plan (pp=2, V=2, layout
+# 'Et|t*3|t|t*3L') to a NaN loss at its first step under CPU emulation (gloo), every run; the
+# same layout on megatron-core 0.19 and the non-interleaved plans train. Not seen on an NPU (none
+# here), so only emulated launches leave interleaving out.
+EMULATED_MSLLM_VPP = ("MindSpeed-LLM's interleaved schedule gives NaN losses under CPU emulation "
+                      "(gloo); an emulated launch plans without it")
 
 
 def _expert_parallel(ctx: LaunchContext) -> tuple[int, ...] | None:
