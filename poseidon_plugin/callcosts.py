@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from .errors import ProfileDBError, check_record_fields, record_field_error
+from .safeio import name_problem
 
 LINK_KINDS: tuple[str, ...] = ("intra-node", "inter-node", "cross-type")
 MAX_CALL_MS = 3.6e6
@@ -78,6 +79,9 @@ def _name(record: dict, name: str, where: str) -> str:
     v = record.get(name)
     if not isinstance(v, str) or not v or len(v) > 1024:
         raise record_field_error(where, name, "a non-empty string", v)
+    why = name_problem(v, type_name=True) if name == "device_type" else None   # the YAML rule
+    if why is not None:
+        raise record_field_error(where, name, why, v)
     return v
 
 

@@ -16,6 +16,8 @@ import time
 
 from .errors import PoseidonError
 from .errors import check_writable as _check_writable   # the name cli's callers use
+from .safeio import (bound_line, check_distinct, check_type_name, open_input,
+                     write_atomic)
 from .search.options import PRUNING_MODES, TYPE_ORDERS, SearchOptions
 from .simulator.schedules import LAUNCHABLE_SCHEDULES, SCHEDULES
 
@@ -331,6 +333,9 @@ def _plan(ns, search_plan) -> int:
     for flag, path in (("--out", ns.out), ("--gantt", ns.gantt)):
         if path:
             _check_writable(flag, path)
+    check_distinct((("--out", ns.out), ("--gantt", ns.gantt)),
+                   (("--cluster", ns.cluster), ("--model", _model_file(ns.model)),
+                    ("--profiles", ns.profiles), ("--keep", ns.keep)))
     if ns.gantt:
         _check_gantt_path(ns.gantt)
     previous = _read_previous_plan(ns.keep) if ns.keep else None
@@ -340,7 +345,7 @@ def _plan(ns, search_plan) -> int:
     model = get_model(ns.model)
     model_note = model.planning_note()   # mixed layer kinds, MTP: what is not yet costed
     if model_note:
-        sys.stderr.write(f"poseidon: warning: {model_note}\n")
+        sys.stderr.write(f"poseidon: warning: {bound_line(model_note)}\n")
     options = options.replace(rules=framework_rules(ns.megatron_args, model.num_layers,
                                                     moe=model.is_moe))
     profiles = None
@@ -358,19 +363,18 @@ def _plan(ns, search_plan) -> int:
     plan = search_plan(cluster, model, budget.search_options(options), profiles,
                        previous=previous, seeds=seeds)
     for line in plan.search.get("excluded", ()):
-        sys.stderr.write(f"poseidon: note: {line}\n")
+        sys.stderr.write(f"poseidon: note: {bound_line(line)}\n")
     plan = plan.with_baselines(_baselines(results, plan))
     from .profiles import scaled_estimate_note
     note = scaled_estimate_note(plan, profiles, model, options.seq_length, options.training)
     if note:
-        sys.stderr.write(f"poseidon: note: {note}\n")
+        sys.stderr.write(f"poseidon: note: {bound_line(note)}\n")
     text = plan.to_json()
     if ns.gantt:
         _draw_plan_gantt(plan, ns.gantt)
     if ns.out:
         try:
-            with open(ns.out, "w", encoding="utf-8") as f:
-                f.write(text)
+            write_atomic(ns.out, text)
         except OSError as exc:
             raise PoseidonError(f"--out {ns.out}: cannot write ({exc.strerror})") from None
     if ns.json:
@@ -400,19 +404,29 @@ def framework_rules(text: str, num_layers: int, moe: bool = False):
     return FrameworkRules.from_argv(tokens, num_layers=num_layers, moe=moe and bool(tokens))
 
 
+def _model_file(name: str) -> str | None:
+    """``--model``'s file (None for a preset name)."""
+    from .model import PRESETS
+
+    return None if name in PRESETS else name
+
+
 def _read_previous_plan(path: str):
     """``--keep FILE``: the plan JSON read back, or a one-line error naming the file."""
     from .plan import Plan
 
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read(64 << 20)
+        with open_input(path, "--keep") as f:   # a FIFO: refused, not waited on
+            text = f.read(64 << 20).decode("utf-8")
     except OSError as exc:
         raise PoseidonError(f"--keep {path}: cannot read ({exc.strerror})") from None
     except UnicodeDecodeError:
         raise PoseidonError(f"--keep {path}: not UTF-8 text") from None
     try:
-        return Plan.from_json(text)
+        plan = Plan.from_json(text)
+        for i, stage in enumerate(plan.stages):   # echoed in notes: the cluster YAML's rule
+            check_type_name(stage.device_type, f"stages[{i}].device_type")
+        return plan
     except PoseidonError as exc:
         raise PoseidonError(f"--keep {path}: {exc}") from None
 
@@ -513,7 +527,7 @@ def _load_profiles(ns, cluster, model, options):
                             f"plan{why}; profile this model and setup with `poseidon profile`, "
                             f"or pass --allow-estimates")
     if warning:
-        sys.stderr.write(f"poseidon: warning: {warning}\n")
+        sys.stderr.write(f"poseidon: warning: {bound_line(warning)}\n")
     return db
 
 
@@ -617,6 +631,7 @@ def _cmd_profile(ns) -> int:
     if why is not None:
         raise PoseidonError(f"--device-type: expected {why}, got {short_repr(ns.device_type)}")
     _check_profile_sizes(ns)
+    check_type_name(ns.device_type, "--device-type")   # the cluster YAML's name rule
     from .model import get_model
 
     model = get_model(ns.model)
@@ -700,7 +715,86 @@ def _glue_megatron_args(argv: list[str]) -> list[str]:
     return out
 
 
+class _StdoutError(PoseidonError):
+    """Standard output cannot be written (full, closed, a closed pipe)."""
+
+    def __init__(self, exc: OSError) -> None:
+        super().__init__(f"cannot write to standard output: {exc.strerror or exc}")
+        self.broken_pipe = isinstance(exc, BrokenPipeError)
+
+
+class _Stdout:
+    """``sys.stdout`` during ``main``: a write or flush that fails raises ``_StdoutError`` (one
+    line, exit 2; a closed pipe: quiet), a closed standard output (None) fails its first write
+    (after ``--out`` and ``--gantt`` are written)."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def _call(self, name: str, *args):
+        if self.stream is None:
+            import errno
+            raise _StdoutError(OSError(errno.EBADF, "it is closed"))
+        try:
+            return getattr(self.stream, name)(*args)
+        except OSError as exc:
+            raise _StdoutError(exc) from None
+
+    def write(self, text: str) -> int:
+        return self._call("write", text)
+
+    def flush(self) -> None:
+        if self.stream is not None:   # nothing written, nothing to fail
+            self._call("flush")
+
+    def isatty(self) -> bool:
+        return self.stream is not None and self.stream.isatty()
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
+def _robust_streams() -> None:
+    """A character the terminal's encoding lacks (a cluster name under an ASCII locale) is
+    written as a backslash escape, not a UnicodeEncodeError."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(errors="backslashreplace")
+        except (AttributeError, ValueError, OSError):   # None (closed), not a TextIOWrapper
+            pass
+    if sys.stderr is None:   # closed: nothing can be reported
+        sys.stderr = open(os.devnull, "w", encoding="utf-8")
+
+
+def _silence_stdout(stream) -> None:
+    """After a failed write: the unwritten buffer goes to /dev/null (else the interpreter's
+    exit flush fails again and prints a traceback-like message)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+    except (AttributeError, ValueError, OSError):   # None, or not a file (pytest's capture)
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
+    _robust_streams()
+    stdout, sys.stdout = sys.stdout, _Stdout(sys.stdout)
+    try:
+        rc = _main(argv)
+        sys.stdout.flush()
+        return rc
+    except _StdoutError as exc:
+        _silence_stdout(stdout)
+        if exc.broken_pipe:   # `poseidon plan ... | head`: the reader left; quietly
+            return 141        # as a process killed by SIGPIPE reports (128 + 13)
+        sys.stderr.write(f"poseidon: error: {exc}\n")
+        return 2
+    finally:
+        sys.stdout = stdout
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = _glue_megatron_args(list(sys.argv[1:] if argv is None else argv))
     try:
         lead = next((i for i, a in enumerate(argv) if a not in _VERBOSE), len(argv))
@@ -722,6 +816,8 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "validate":
             return _cmd_validate(ns)
         raise PoseidonError("expected a command: plan, profile or validate (see poseidon --help)")
+    except _StdoutError:
+        raise
     except (PoseidonError, ImportError) as exc:
         if not isinstance(exc, PoseidonError):   # one line: what is missing and the fix
             from .megatron.imports import explain
@@ -729,7 +825,7 @@ def main(argv: list[str] | None = None) -> int:
             command = next((a for a in argv if a in ("plan", "profile", "validate")), "")
             exc = explain(exc, needed_by=f"poseidon {command}".strip())
         _leave_the_report_to_rank0(argv)
-        msg = " ".join(str(exc).split())
+        msg = bound_line(" ".join(str(exc).split()))   # a name from a file: escaped
         sys.stderr.write(f"poseidon: error: {msg}\n")
         return 2
     except KeyboardInterrupt:

@@ -43,6 +43,7 @@ from typing import Any, Mapping
 
 from .comm import send_ms
 from .errors import SpecError
+from .safeio import NAME_MAX_CHARS, name_problem  # NAME_MAX_CHARS: cluster and type names
 from .specfile import load_yaml_mapping, require_mapping
 from .units import BYTES_PER_GIB, parse_quantity, positive_quantity
 
@@ -88,7 +89,6 @@ MAX_DEVICE_TYPES = 16            # entries of device_types: the search's typed c
 MAX_DEVICES_PER_NODE = 4096
 MAX_NODES = 1 << 17              # 131072 nodes
 MAX_DEVICES = 1 << 20            # 1048576 devices (the search is exercised up to 10k)
-NAME_MAX_CHARS = 200             # cluster and device type names
 # field -> (lowest, highest) in the field's unit; a value outside is refused (keeps every product
 # of the cost model finite and every printed figure meaningful)
 _RANGES: dict[str, tuple[float, float]] = {
@@ -242,13 +242,11 @@ def _in_range(value: object, kind, source: str, field: str, key: str) -> float:
     return number
 
 
-def _name(value: object, source: str, field: str) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise SpecError(source, field, "a non-empty string", value)
-    if len(value) > NAME_MAX_CHARS or not value.isprintable():
-        raise SpecError(source, field, f"a printable name of at most {NAME_MAX_CHARS} "
-                        "characters", value)
-    return value
+def _name(value: object, source: str, field: str, type_name: bool = False) -> str:
+    why = name_problem(value, type_name)   # the rule JSON-loaded device types follow too
+    if why is not None:
+        raise SpecError(source, field, why, value)
+    return value  # type: ignore[return-value]
 
 
 def _check_totals(nodes: int, devices: int, source: str, path: str) -> None:
@@ -312,7 +310,7 @@ def cluster_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Cluste
                         f"{len(raw_types)} types")
     device_types: dict[str, DeviceType] = {}
     for type_name, spec in raw_types.items():
-        _name(type_name, source, "device_types (a type name)")
+        _name(type_name, source, "device_types (a type name)", type_name=True)
         device_types[type_name] = _device_type(type_name, spec, source)
 
     raw_nodes = data["nodes"]

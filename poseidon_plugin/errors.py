@@ -31,6 +31,11 @@ def check_writable(flag: str, path: str) -> None:
     validate`` and the launch's ``--poseidon-save-plan`` share it.)"""
     if os.path.isdir(path):
         raise PoseidonError(f"{flag} {path}: cannot write (is a directory)")
+    if os.path.exists(path) and not os.path.isfile(path):   # written by os.replace: a file
+        from .safeio import file_kind
+
+        raise PoseidonError(f"{flag} {path}: cannot write "
+                            f"({file_kind(os.stat(path).st_mode)}, not a regular file)")
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         why = "not a directory" if os.path.exists(directory) else "no such directory"

@@ -20,6 +20,7 @@ from typing import Sequence
 import numpy as np
 
 from poseidon_plugin.errors import PoseidonError
+from poseidon_plugin.safeio import atomic_output
 from poseidon_plugin.simulator.timeline import Timeline
 
 _FORWARD = ("#9ecae1", "#4292c6", "#c6dbef", "#2171b5")   # one shade per chunk
@@ -69,10 +70,13 @@ def draw_gantt(timelines: Sequence[Timeline], path: str, title: str = "",
         _draw_one(ax, tl, rows, span)
     axes[-1].set_xlabel("time (ms)", fontsize=8)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with plt.rc_context({"svg.fonttype": "none"}):   # SVG text as text, not glyph paths
-        fig.savefig(path, dpi=_DPI, **({"pil_kwargs": {"compress_level": 2}}
-                                        if ext == ".png" else {}))
-    plt.close(fig)
+    try:
+        with atomic_output(path) as tmp, plt.rc_context({"svg.fonttype": "none"}):
+            # SVG text as text, not glyph paths; written atomically (temporary file, replace)
+            fig.savefig(tmp, dpi=_DPI, format=ext[1:], **({"pil_kwargs": {"compress_level": 2}}
+                                                          if ext == ".png" else {}))
+    finally:
+        plt.close(fig)
     return path
 
 

@@ -35,6 +35,7 @@ from typing import Any, Iterable, Literal
 
 from .errors import (ProfileDBError, check_record_fields, record_choice,
                      record_field_error)
+from .safeio import name_problem
 
 OverheadSource = Literal["calibrated", "estimated"]
 OVERHEAD_SOURCES: tuple[str, ...] = ("calibrated", "estimated")
@@ -107,6 +108,11 @@ def overhead_from_record(record: object, where: str) -> IterationOverhead:
         v = record[field]
         if not isinstance(v, str) or not v or len(v) > 1024:
             raise bad(field, "a non-empty string of at most 1024 characters", v)
+    for name in record["device_types"].split(","):   # each by the cluster YAML's rule
+        why = name_problem(name, type_name=True)
+        if why is not None:
+            raise bad("device_types", f"comma-separated device types ({why})",
+                      record["device_types"])
     seq = record["seq_length"]
     if isinstance(seq, bool) or not isinstance(seq, int) or not 1 <= seq <= 1 << 24:
         raise bad("seq_length", "an integer in [1, 16777216]", seq)

@@ -86,7 +86,6 @@ import json
 import math
 import os
 import statistics
-import tempfile
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Iterator, Literal, get_args
@@ -100,6 +99,7 @@ from .errors import (ProfileDBError, SpecError, check_record_fields, record_choi
                      record_field_error, short_repr)
 from .overhead import (SETUP_CHOICES, IterationOverhead, OverheadKey, overhead_from_record,
                        overhead_to_record, wins as _overhead_wins)
+from .safeio import name_problem, open_input, write_atomic
 from .training import TrainingSetup
 
 LayerKind = Literal["decoder", "embedding", "output"]
@@ -208,6 +208,9 @@ def profile_from_record(record: object, where: str) -> LayerProfile:
                 raise bad(field, f"an integer <= {MAX_KEY_INT}", value)
         elif key_string_error(value) is not None:
             raise bad(field, key_string_error(value), value)
+    why = name_problem(record["device_type"], type_name=True)   # the cluster YAML's rule
+    if why is not None:
+        raise bad("device_type", why, record["device_type"])
     if record["layer_kind"] not in LAYER_KINDS:
         raise bad("layer_kind", "one of " + ", ".join(LAYER_KINDS), record["layer_kind"])
     for field in ("forward_ms", "backward_ms", "optimizer_ms"):
@@ -407,22 +410,12 @@ class ProfileDB:
         # what the loader would refuse is never written (it would poison the DB for every
         # later run): ProfileDBError naming the record instead
         ProfileDB.from_json(text, source=f"{target} (not written)")
-        tmp = None
         try:
             os.makedirs(directory, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".profiles-", suffix=".tmp", dir=directory)
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write(text)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, target)
-            tmp = None
+            write_atomic(target, text)
         except OSError as exc:
             raise ProfileDBError(f"{target}: cannot write profile DB: {exc.strerror or exc}") \
                 from None
-        finally:
-            if tmp is not None and os.path.exists(tmp):
-                os.unlink(tmp)
         if self.path is None:
             self.path = target
 
@@ -486,7 +479,7 @@ class ProfileDB:
     @classmethod
     def load(cls, path: str) -> "ProfileDB":
         try:
-            with open(path, "rb") as handle:
+            with open_input(path, "profile DB") as handle:   # a FIFO: refused, not waited on
                 data = handle.read(MAX_DB_BYTES + 1)
         except OSError as exc:
             raise ProfileDBError(f"{path}: cannot read profile DB: {exc.strerror or exc}") \

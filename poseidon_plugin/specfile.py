@@ -35,6 +35,7 @@ from yaml.reader import ReaderError
 from yaml.resolver import Resolver
 
 from .errors import SpecError
+from .safeio import NotRegularFile, open_input
 
 MAX_SPEC_BYTES = 2 << 20        # 2 MiB: a 40k-node cluster listed one node per line fits
 MAX_SPEC_DEPTH = 32             # a cluster file nests 4 deep, a model file 1
@@ -162,10 +163,13 @@ def _expanded_values(root: Node) -> int:
 def _read_text(path: str, what: str) -> str:
     """The file's text: at most ``MAX_SPEC_BYTES``, UTF-8 (a BOM is allowed)."""
     try:
-        with open(path, "rb") as handle:
+        with open_input(path) as handle:   # a FIFO or a device: refused, not waited on
             data = handle.read(MAX_SPEC_BYTES + 1)
     except OSError as exc:
         raise SpecError(path, "<file>", f"a readable {what} YAML file", exc.strerror) from None
+    except NotRegularFile as exc:
+        raise SpecError(path, "<file>", f"a readable {what} YAML file (a regular file)",
+                        exc.kind) from None
     if len(data) > MAX_SPEC_BYTES:
         try:
             size = os.path.getsize(path)

@@ -162,11 +162,13 @@ def test_a_file_just_under_the_size_limit_loads(tmp_path):
 
 
 def test_endless_input_is_bounded(tmp_path):
-    """A character device (no size) is read only up to the limit."""
+    """A character device (no size, endless) is refused by its kind before it is read (issue
+    31 row 6: an input must be a regular file)."""
     if not os.path.exists("/dev/zero"):
         pytest.skip("no /dev/zero")
     err = spec_error(load_cluster, "/dev/zero")
-    assert "at most 2 MiB" in err.expected
+    assert err.expected == "a readable cluster YAML file (a regular file)"
+    assert err.got == "a character device"
 
 
 def test_non_utf8_yaml_names_the_line(tmp_path, capsys):
@@ -1082,3 +1084,272 @@ def test_scaled_note_only_for_decoders_scaled_from_the_records(src, noted):
     if noted:
         assert note.startswith("stage(s) 0 run fast at TP 2, measured only at TP 1: its decoder "
                                "is scaled from that type's measured rate")
+
+
+# ------------------------------------------------------------------ issue 31: files and the terminal
+
+@pytest.fixture
+def plan_json(tmp_path_factory, capsys):
+    """A plan JSON of ``PLAN`` (for --keep)."""
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    assert cli.main([*PLAN, "--json", "--out", str(path)]) == 0
+    capsys.readouterr()
+    return str(path)
+
+
+@pytest.fixture
+def db_json(tmp_path):
+    return _db(tmp_path, _db_payload(), name="profiles.json")
+
+
+@pytest.mark.parametrize("victim", ["--cluster", "--model", "--keep", "--profiles"])
+def test_out_naming_an_input_is_refused(tmp_path, capsys, plan_json, db_json, victim):
+    """Row 2: ``--out`` naming an input file overwrote it with the plan (exit 0, data lost)."""
+    cluster, model = write(tmp_path, "c.yaml", SMALL_TEXT), write(tmp_path, "m.yaml", TINY_TEXT)
+    paths = {"--cluster": cluster, "--model": model, "--keep": plan_json, "--profiles": db_json}
+    argv = [*PLAN, "--keep", plan_json, "--profiles", db_json, "--allow-estimates"]
+    argv[argv.index("--cluster") + 1], argv[argv.index("--model") + 1] = cluster, model
+    before = open(paths[victim], "rb").read()
+    # a symbolic link to the input is the same file
+    link = str(tmp_path / "link.json")
+    os.symlink(paths[victim], link)
+    for out in (paths[victim], link):
+        err = one_line_error(capsys, [*argv, "--out", out])
+        assert f"the same file as the input {victim}" in err, err
+    assert open(paths[victim], "rb").read() == before
+
+
+def test_out_and_gantt_naming_one_file_are_refused(tmp_path, capsys, no_search):
+    """Row 2: ``--out x.svg --gantt x.svg`` wrote the chart, then the JSON over it."""
+    path = str(tmp_path / "x.svg")
+    one_line_error(capsys, [*PLAN, "--out", path, "--gantt", path],
+                   r"--gantt \S+x\.svg: the same file as --out ")
+    assert not os.path.exists(path)
+
+
+def test_hard_linked_input_is_the_same_file(tmp_path, capsys, no_search):
+    cluster = write(tmp_path, "c.yaml", SMALL_TEXT)
+    os.link(cluster, tmp_path / "hard.json")
+    argv = list(PLAN)
+    argv[argv.index("--cluster") + 1] = cluster
+    one_line_error(capsys, [*argv, "--out", str(tmp_path / "hard.json")], "--cluster")
+    assert open(cluster, encoding="utf-8").read() == SMALL_TEXT
+
+
+def test_outputs_are_replaced_not_rewritten_in_place(tmp_path, capsys):
+    """Row 2: --out and --gantt are written to a temporary file and renamed over the old one
+    (os.replace): a reader never sees a torn file, and a hard link to the old file keeps the
+    old contents (an in-place write would have changed it)."""
+    pytest.importorskip("matplotlib")
+    out, gantt = tmp_path / "plan.json", tmp_path / "plan.svg"
+    for path in (out, gantt):
+        path.write_text("old")
+        os.link(path, str(path) + ".old")
+    assert cli.main([*PLAN, "--out", str(out), "--gantt", str(gantt)]) == 0
+    capsys.readouterr()
+    assert json.loads(out.read_text())["stages"]
+    assert gantt.read_text().lstrip().startswith("<?xml")
+    for path in (out, gantt):
+        assert open(str(path) + ".old").read() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "plan.json", "plan.json.old", "plan.svg", "plan.svg.old"]   # no temporary file left
+
+
+def test_atomic_write_leaves_the_old_file_on_failure(tmp_path, monkeypatch):
+    from poseidon_plugin import safeio
+
+    path = tmp_path / "db.json"
+    path.write_text("old")
+    os.chmod(path, 0o640)
+
+    def fail(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safeio.os, "replace", fail)
+    with pytest.raises(OSError):
+        safeio.write_atomic(str(path), "new")
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["db.json"]
+    monkeypatch.undo()
+    safeio.write_atomic(str(path), "new")
+    assert path.read_text() == "new" and os.stat(path).st_mode & 0o777 == 0o640
+
+
+def test_launch_plan_files_are_written_atomically(tmp_path):
+    """Row 2: the launch's cached plan (and --poseidon-save-plan, the same helper)."""
+    from poseidon_plugin.megatron import runner
+
+    path = tmp_path / "plan-x.json"
+    path.write_text("old")
+    os.link(path, tmp_path / "keep")
+    runner._save_previous(str(path), "new")
+    assert path.read_text() == "new" and (tmp_path / "keep").read_text() == "old"
+
+
+def test_out_to_a_device_is_refused_before_the_search(capsys, no_search):
+    """An existing non-regular output (os.replace would replace /dev/null itself, as root)."""
+    one_line_error(capsys, [*PLAN, "--out", "/dev/null"],
+                   r"--out /dev/null: cannot write \(a character device, not a regular file\)")
+
+
+@pytest.fixture
+def alarm():
+    """A read that blocks (a FIFO without a writer) fails the test instead of hanging it."""
+    import signal
+
+    def timeout(signum, frame):
+        raise TimeoutError("blocked on an input")
+
+    old = signal.signal(signal.SIGALRM, timeout)
+    signal.alarm(20)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize("flag", ["--cluster", "--model", "--keep", "--profiles"])
+def test_fifo_input_is_refused_not_waited_on(tmp_path, capsys, alarm, no_search, flag):
+    """Row 6: a FIFO with no writer as an input hung forever (--time-budget ignored)."""
+    fifo = str(tmp_path / "in.yaml")
+    os.mkfifo(fifo)
+    argv = list(PLAN)
+    if flag in argv:
+        argv[argv.index(flag) + 1] = fifo
+    else:
+        argv += [flag, fifo]
+    one_line_error(capsys, argv, r"in\.yaml.*(FIFO \(named pipe\)|a FIFO)")
+
+
+def test_fifo_merge_input_is_refused(tmp_path, capsys, alarm):
+    fifo = str(tmp_path / "db.json")
+    os.mkfifo(fifo)
+    one_line_error(capsys, ["profile", "--merge", fifo, "-o", str(tmp_path / "out.json")],
+                   r"db\.json: cannot read \(a FIFO \(named pipe\), not a regular file\)")
+    assert not os.path.exists(tmp_path / "out.json")
+
+
+@pytest.mark.parametrize("path, kind", [("/dev/zero", "a character device"),
+                                        (".", "a directory")])
+def test_device_and_directory_inputs_name_their_kind(capsys, no_search, path, kind):
+    one_line_error(capsys, [*PLAN, "--profiles", path], re_escape(kind))
+
+
+def re_escape(text):
+    import re
+    return re.escape(text)
+
+
+def _run_cli(args, stdout=None, env=None, shell_tail=""):
+    """``python -m poseidon_plugin ARGS`` in a subprocess (the real interpreter exit: its
+    final flush of stdout is part of what is tested)."""
+    import shlex
+    cmd = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "poseidon_plugin", *args])
+    full_env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
+    return subprocess.run(["bash", "-c", cmd + shell_tail], stdout=stdout,
+                          stderr=subprocess.PIPE, env=full_env, timeout=120, text=True)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+@pytest.mark.parametrize("tail, message", [
+    (" > /dev/full", "cannot write to standard output: No space left on device"),
+    (" >&-", "cannot write to standard output: "),
+])
+def test_stdout_full_or_closed_is_one_line(tail, message):
+    """Row 7: stdout full (OSError traceback) or closed (AttributeError on None)."""
+    r = _run_cli(PLAN, shell_tail=tail)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("poseidon: error: " + message), r.stderr
+
+
+def test_stdout_closed_pipe_is_quiet():
+    """Row 7: the reader of a pipe left (``| head``): no traceback, no message."""
+    r_fd, w_fd = os.pipe()
+    os.close(r_fd)
+    try:
+        r = _run_cli(PLAN, stdout=w_fd)
+    finally:
+        os.close(w_fd)
+    assert r.stderr == "" and r.returncode == 141
+
+
+def test_non_ascii_names_on_an_ascii_stdout(tmp_path):
+    """Row 8: a non-ASCII cluster name under PYTHONIOENCODING=ascii: UnicodeEncodeError."""
+    data = yaml.safe_load(SMALL_TEXT)
+    data["name"] = "集群-ü"
+    cluster = write(tmp_path, "c.yaml", yaml.safe_dump(data, allow_unicode=True))
+    argv = list(PLAN)
+    argv[argv.index("--cluster") + 1] = cluster
+    r = _run_cli(argv, stdout=subprocess.PIPE, env={"PYTHONIOENCODING": "ascii"})
+    assert r.returncode == 0, r.stderr
+    assert "on \\u96c6\\u7fa4-\\xfc:" in r.stdout
+
+
+ESC = "\x1b]0;pwned\x07\x1b[2J"
+
+
+def _no_raw_controls(err):
+    assert "\x1b" not in err and "\x07" not in err, repr(err)
+
+
+@pytest.mark.parametrize("name", [ESC + "A2-2", "a,b --tp 8", "A2 2"])
+def test_profile_db_device_type_follows_the_yaml_name_rule(tmp_path, capsys, name):
+    """Row 9: a profile DB's device_type was echoed raw (YAML names are checked, JSON ones were
+    not); a name with commas or spaces broke the table and the comma lists."""
+    path = _db(tmp_path, _db_payload(device_type=name))
+    err = one_line_error(capsys, [*PLAN, "--profiles", path], r"records\[0\]\.device_type: "
+                         "expected a (printable name|device type name without spaces or commas)")
+    _no_raw_controls(err)
+
+
+def test_keep_plan_stage_type_follows_the_name_rule(tmp_path, capsys, plan_json):
+    data = json.load(open(plan_json, encoding="utf-8"))
+    data["stages"][0]["device_type"] = ESC + "fast"
+    keep = write(tmp_path, "keep.json", json.dumps(data))
+    err = one_line_error(capsys, [*PLAN, "--keep", keep],
+                         r"--keep \S+: stages\[0\]\.device_type: expected a printable name")
+    _no_raw_controls(err)
+
+
+@pytest.mark.parametrize("name", [ESC, "a,b --tp 8"])
+def test_profile_device_type_flag_follows_the_name_rule(tmp_path, capsys, name):
+    out = str(tmp_path / "db.json")
+    err = one_line_error(capsys, ["profile", "--model", TINY, "--seq-length", "128",
+                                  "--device-type", name, "-o", out], r"--device-type: expected a ")
+    assert not os.path.exists(out)
+    _no_raw_controls(err)
+
+
+def test_cluster_device_type_name_without_commas_or_spaces():
+    data = yaml.safe_load(SMALL_TEXT)
+    name = next(iter(data["device_types"]))
+    data["device_types"]["a,b --tp 8"] = data["device_types"].pop(name)
+    with pytest.raises(SpecError, match="a device type name without spaces or commas"):
+        cluster_from_dict(data, source="c.yaml")
+
+
+def test_paths_echoed_in_errors_are_escaped(tmp_path, capsys, no_search):
+    err = one_line_error(capsys, [*PLAN, "--keep", str(tmp_path / (ESC + "x.json"))])
+    _no_raw_controls(err)
+    assert "\\x1b]0;pwned\\x07" in err
+
+
+def test_previous_plan_line_is_bounded(tmp_path, capsys, plan_json):
+    """A --keep plan of 3000 stages printed every stage's type on one 24 KB line."""
+    data = json.load(open(plan_json, encoding="utf-8"))
+    data["stages"] = [dict(data["stages"][0], index=i) for i in range(3000)]
+    keep = write(tmp_path, "keep.json", json.dumps(data))
+    assert cli.main([*PLAN, "--keep", keep]) == 0
+    out, err = capsys.readouterr()
+    line = next(x for x in out.splitlines() if x.startswith("previous plan:"))
+    assert len(line) < 400 and "(2992 more)" in line, line[:500]
+    assert max(len(x) for x in (out + err).splitlines()) < 2100
+
+
+def test_bound_line_and_bounded_join():
+    from poseidon_plugin.safeio import bound_line, bounded_join
+
+    assert bounded_join("abc", ",", 2) == "a,b,... (1 more)"
+    assert bounded_join("ab", ",", 2) == "a,b"
+    text = bound_line("x" * 5000 + "\x1b", 100)
+    assert text == "x" * 100 + "... (4904 more characters)"
+    assert bound_line("a\x1bb\n") == "a\\x1bb\\n"

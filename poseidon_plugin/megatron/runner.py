@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 from ..errors import DistributedError, PoseidonError
+from ..safeio import NotRegularFile, open_input, write_atomic
 from . import argv as argvmod
 from . import (bootstrap, discovery, emulation, framework_state, group_profile, profile_gather,
                profiler, renumber)
@@ -741,11 +742,11 @@ def _load_previous(path: str) -> Plan | None:
     from ..plan import Plan
 
     try:
-        with open(path, encoding="utf-8") as f:
-            return Plan.from_json(f.read(64 << 20))
+        with open_input(path) as f:   # a FIFO planted there: a warning, not a hang
+            return Plan.from_json(f.read(64 << 20).decode("utf-8"))
     except FileNotFoundError:
         return None
-    except OSError as e:
+    except (OSError, NotRegularFile) as e:
         log.warning("previous plan %s is unreadable (%s); planning afresh", path, e)
         return None
     except (PoseidonError, ValueError) as e:   # ValueError: not UTF-8
@@ -762,11 +763,8 @@ def _load_previous(path: str) -> Plan | None:
 def _save_previous(path: str, text: str) -> None:
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except OSError as e:
+        write_atomic(path, text)
+    except (OSError, PoseidonError) as e:
         log.warning("could not keep the plan for the next launch in %s: %s", path, e)
 
 
@@ -832,8 +830,7 @@ def _rank0_report(ctx: LaunchContext) -> None:
     """``--poseidon-save-plan`` and what the user reads: the plan, the rank map, the flags."""
     if ctx.opts.save_plan:
         try:
-            with open(ctx.opts.save_plan, "w", encoding="utf-8") as f:
-                f.write(ctx.plan_text)
+            write_atomic(ctx.opts.save_plan, ctx.plan_text)
         except OSError as e:   # checked before profiling; removed since
             raise PoseidonError(f"--poseidon-save-plan {ctx.opts.save_plan}: cannot write "
                                 f"({e.strerror})") from None

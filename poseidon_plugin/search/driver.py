@@ -34,6 +34,7 @@ from functools import partial
 from ..costs import CostModel
 from ..errors import InfeasibleError, PoseidonError
 from ..plan import Plan
+from ..safeio import bounded_join
 from .configs import OuterConfig, enumerate_with_exclusions
 from .instance import SearchContext
 from .progress import SearchProgress, Snapshot
@@ -492,7 +493,7 @@ class SearchDriver:
                 break
             return cfg, opts, layers
         raise ValueError(f"{prev.schedule} pp={n} dp={prev.dp} mbs={prev.micro_batch_size} "
-                         f"on {','.join(s.device_type for s in prev.stages)} is not in this "
+                         f"on {bounded_join(s.device_type for s in prev.stages)} is not in this "
                          f"search's space")
 
     def order_configs(self) -> None:
