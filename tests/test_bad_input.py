@@ -710,6 +710,7 @@ def test_launch_sequence_and_batch_are_bounded_before_discovery(monkeypatch, fie
     opts, rest = extract_options(["--poseidon-auto"])
     env = bootstrap.LaunchEnv.from_environ(LAUNCH_ENV)
     ctx = runner.LaunchContext("train.py", rest, opts, env, 0.0)
+    ctx.backend = "megatron"   # set by _all_ranks_setup_device, which this test skips
     with pytest.raises(PoseidonError, match=pattern):
         runner._all_ranks_read_model(ctx)
     setattr(args, field, 128 if field == "seq_length" else 16)
