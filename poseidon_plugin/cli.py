@@ -531,8 +531,9 @@ def _load_profiles(ns, cluster, model, options):
     return db
 
 
-MAX_GANTT_BOXES = 1 << 17   # forward/backward boxes drawn by --gantt (2 x PP x V x M): what
-                            # GANTT_RESERVE_S covers; a plan with more is drawn for fewer M
+MAX_GANTT_BOXES = 1 << 15   # forward/backward boxes drawn by --gantt (2 x PP x V x M), within
+# GANTT_RESERVE_S: a plan with more is drawn for fewer M (a 14-inch chart shows no more). PP 2,
+# M 65,536 on a 2-core host at load ~25: 27 CPU-s and 763 MB unbounded, ~2 CPU-s and 163 MB
 
 
 def gantt_microbatches(pp: int, virtual_stages: int, num_microbatches: int) -> int:
