@@ -233,8 +233,8 @@ def _all_ranks_start(script: str, argv: list[str], opts: PoseidonOptions) -> Lau
     argvmod.check_refused(argv)
     env = bootstrap.LaunchEnv.from_environ()
     if opts.save_plan and env.rank == 0:   # rank 0 writes it after the search
-        from ..cli import _check_writable
-        _check_writable("--poseidon-save-plan", opts.save_plan)
+        from ..errors import check_writable
+        check_writable("--poseidon-save-plan", opts.save_plan)
     _setup_logging(env.rank)
     _enable_stack_dumps()
     return LaunchContext(script, list(argv), opts, env, time.perf_counter())
