@@ -609,6 +609,22 @@ def _check_profile_sizes(ns) -> None:
                             f"most {MAX_PROFILE_REPETITIONS}: fewer --iters or fewer sizes")
 
 
+def _out_of_memory(exc: BaseException, ns) -> PoseidonError | None:
+    """A device or host allocation failure while profiling as one line (the sizes to lower);
+    None for any other error."""
+    import re
+
+    text = str(exc)
+    if not (isinstance(exc, MemoryError) or "out of memory" in text.lower()
+            or "can't allocate memory" in text):
+        return None
+    tried = re.search(r"(?:tried|Tried) to allocate ([0-9.]+ ?\w+)", text)
+    what = f" (tried to allocate {tried.group(1)})" if tried else ""
+    return PoseidonError(f"out of memory profiling --seq-length {ns.seq_length} at micro-batch "
+                         f"sizes {_words(ns.micro_batch_sizes)} on --device {ns.device}{what}: "
+                         f"profile a shorter sequence or smaller micro-batches")
+
+
 def _cmd_profile(ns) -> int:
     from .megatron import offline
     from .megatron.profile_tps import Processes, check_tps
@@ -650,7 +666,10 @@ def _cmd_profile(ns) -> int:
                                  iters=ns.iters, timeout_s=ns.timeout,
                                  eps=tuple(sorted(set(ns.ep))))
     calls: list = []
-    records = offline.profile_layers(req, procs, calls)
+    try:
+        records = offline.profile_layers(req, procs, calls)
+    except (MemoryError, RuntimeError) as exc:   # torch's OutOfMemoryError is a RuntimeError
+        raise _out_of_memory(exc, ns) or exc from None
     if records is None:   # a torchrun rank other than 0: rank 0 writes
         return 0
     stored, total = offline.write_profiles(records, ns.out, calls)

@@ -1354,3 +1354,38 @@ def test_bound_line_and_bounded_join():
     text = bound_line("x" * 5000 + "\x1b", 100)
     assert text == "x" * 100 + "... (4904 more characters)"
     assert bound_line("a\x1bb\n") == "a\\x1bb\\n"
+
+
+@pytest.mark.parametrize("exc", [
+    RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+                 "allocate memory: you tried to allocate 8589934592 bytes. Error code 12"),
+    MemoryError(),
+])
+def test_profile_out_of_memory_is_one_line(tmp_path, capsys, monkeypatch, exc):
+    """Row 13 within the bounds: `poseidon profile --seq-length 16777216` on CPU was an
+    allocator traceback; now one line naming the sizes to lower."""
+    from poseidon_plugin.megatron import offline
+
+    def oom(*args, **kwargs):
+        raise exc
+
+    monkeypatch.setattr(offline, "profile_layers", oom)
+    argv = [*PROFILE, "--seq-length", "16777216"]
+    argv[2] = str(tmp_path / "db.json")
+    err = one_line_error(capsys, argv, r"out of memory profiling --seq-length 16777216 at "
+                                       r"micro-batch sizes 1 on --device cpu")
+    assert ("tried to allocate 8589934592 bytes" in err) == isinstance(exc, RuntimeError)
+    assert not os.path.exists(argv[2])
+
+
+def test_profile_other_errors_are_not_called_out_of_memory(tmp_path, monkeypatch):
+    from poseidon_plugin.megatron import offline
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("something else broke")
+
+    monkeypatch.setattr(offline, "profile_layers", broken)
+    argv = [*PROFILE, "--seq-length", "128"]
+    argv[2] = str(tmp_path / "db.json")
+    with pytest.raises(RuntimeError, match="something else broke"):
+        cli.main(argv)
