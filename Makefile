@@ -1,6 +1,8 @@
 # Poseidon plugin: set-up, tests, demo and benchmarks.
 #   make demo   - create .venv, build, run the emulated 4-rank --poseidon-auto launch
-#   make test   - create .venv, build, run the test suite
+#   make test   - create .venv, build, run the fast tier of the test suite (-m "not slow")
+#   make test-slow - the slow tier (-m slow: multi-rank training launches, the heaviest searches);
+#                    CI runs make test and make test-slow, so every test runs there
 #   make bench  - simulator and search benchmarks (tables for the README)
 #   make docs   - the documentation site (mkdocs.yml, docs/) into site/, built with --strict
 #   make test-py310 - the torch-free core's tests on Python 3.10 (.venv310; CI runs it too)
@@ -34,7 +36,7 @@ FRAMEWORKS ?= ../shared/frameworks
 MCORE_DIR := .mcore
 MCORE_PY := $(MCORE_DIR)/venv/bin/python
 
-.PHONY: all venv build test test-core test-py310 test-mcore-versions demo bench validate docs clean
+.PHONY: all venv build test test-slow test-core test-py310 test-mcore-versions demo bench validate docs clean
 
 all: build
 
@@ -72,13 +74,17 @@ $(MSLLM_DIR)/venv/.stamp: $(VENV)/.stamp-deps
 	$(PIP) --python $(MSLLM_PY) install -q $(MSLLM_DEPS)
 	touch $@
 
+TEST_ENV = POSEIDON_FRAMEWORKS=$(abspath $(FRAMEWORKS)) \
+	$(if $(wildcard $(FRAMEWORKS)),POSEIDON_MSLLM_PYTHON=$(abspath $(MSLLM_PY)))
+
 test: build $(if $(wildcard $(FRAMEWORKS)),$(MSLLM_DIR)/venv/.stamp)
-	POSEIDON_FRAMEWORKS=$(abspath $(FRAMEWORKS)) \
-	$(if $(wildcard $(FRAMEWORKS)),POSEIDON_MSLLM_PYTHON=$(abspath $(MSLLM_PY))) \
-	  $(PY) -m pytest -q tests
+	$(TEST_ENV) $(PY) -m pytest -q tests -m "not slow"
+
+test-slow: build $(if $(wildcard $(FRAMEWORKS)),$(MSLLM_DIR)/venv/.stamp)
+	$(TEST_ENV) $(PY) -m pytest -q tests -m slow
 
 test-core: build
-	$(PY) -m pytest -q tests -m "not integration"
+	$(PY) -m pytest -q tests -m "not integration and not slow"
 
 $(VENV310)/.stamp-deps: setup.py
 	@if [ -z "$(PYTHON310)" ]; then echo "error: Python 3.10 not found (tried python3.10 and pyenv); install it or set PYTHON310=/path/to/python3.10" >&2; exit 2; fi

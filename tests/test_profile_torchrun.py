@@ -73,12 +73,13 @@ def test_two_processes_measure_tp_2_and_the_plan_uses_it(tmp_path):
 
 
 def test_a_rank_that_never_answers_is_named(tmp_path):
-    proc, out, took = profile(tmp_path, 2, "--tp", "1", "2", "--timeout", "3",
-                              env={"POSEIDON_FAULT_INJECT": "profiling:1:hang"}, timeout=120)
+    # the 3 s wait is the product's (named in the error); the start-up's wall time is not
+    # asserted: a hang still fails at the subprocess timeout
+    proc, out, _ = profile(tmp_path, 2, "--tp", "1", "2", "--timeout", "3",
+                           env={"POSEIDON_FAULT_INJECT": "profiling:1:hang"}, timeout=300)
     assert proc.returncode != 0
     assert re.search(r"poseidon: error: timed out after 3 s waiting for 1 rank\(s\) at "
                      r"'profiling-tp1': rank 1 \(last seen entering 'profiling'", out), out[-4000:]
-    assert took < 60
     assert not (tmp_path / "db.json").exists()
 
 

@@ -1307,18 +1307,22 @@ def test_rounds_stop_at_gap_milestones_without_moving_the_grid(monkeypatch):
     assert caps[:4] == pytest.approx([100.0 * 1.02 ** k for k in (1, 2, 3, 4)])
 
 
-def test_budget_jump_to_a_milestone_only_when_its_round_is_predicted_to_fit():
+def test_budget_jump_to_a_milestone_only_when_its_round_is_predicted_to_fit(monkeypatch):
     """``_jump_cap``: with three completed rounds whose times grow as exp(-16 sqrt(gap)) the
     predicted time of the U (1 - m) round is exp(-16 sqrt(m)) scaled from the last one; the
     cap jumps to the smallest m whose prediction x JUMP_SAFETY fits in the time left, and
-    stays put without a budget, with fewer than three rounds, or when nothing fits."""
-    import time as _time
+    stays put without a budget, with fewer than three rounds, or when nothing fits. The
+    driver's clock is frozen: the time left is exactly what the test sets (on a loaded host a
+    real clock moves between setting the deadline and reading it)."""
+    import types
 
     from poseidon_plugin.search import driver as drv
 
     cluster, model = _small()
     d = drv.SearchDriver(cluster, model, SearchOptions(global_batch_size=8, seq_length=128,
                                                        progress=False))
+    now = 1000.0
+    monkeypatch.setattr(drv, "time", types.SimpleNamespace(monotonic=lambda: now))
     u = 1000.0
     d.threshold = u
     t_of = lambda m: 100.0 * math.exp(-16.0 * math.sqrt(m))      # seconds at gap m
@@ -1329,15 +1333,15 @@ def test_budget_jump_to_a_milestone_only_when_its_round_is_predicted_to_fit():
     assert d._jump_cap(cap) == cap                                # no budget: the grid
     for m in (0.005, 0.01, 0.02, 0.05):
         need = t_of(m) * drv.JUMP_SAFETY
-        d.pass_deadline = _time.monotonic() + need * 1.01         # m's round just fits
+        d.pass_deadline = now + need * 1.01                       # m's round just fits
         assert d._jump_cap(cap) == pytest.approx(u * (1 - m)), m
-        d.pass_deadline = _time.monotonic() + need * 0.97         # it does not: a larger m
+        d.pass_deadline = now + need * 0.97                       # it does not: a larger m
         got = d._jump_cap(cap)
         assert got < u * (1 - m) * (1 - 1e-9) or got == cap, m
-    d.pass_deadline = _time.monotonic() + 0.5 * t_of(0.05)        # nothing fits
+    d.pass_deadline = now + 0.5 * t_of(0.05)                      # nothing fits
     assert d._jump_cap(cap) == cap
     d._round_times = d._round_times[-2:]                          # two rounds: no fit
-    d.pass_deadline = _time.monotonic() + 1e6
+    d.pass_deadline = now + 1e6
     assert d._jump_cap(cap) == cap
 
 
