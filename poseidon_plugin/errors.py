@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import reprlib
+import stat
 
 _SHORT = reprlib.Repr()
 _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 3, 100, 100, 40
@@ -21,6 +22,16 @@ def short_repr(value: object) -> str:
     return text if len(text) <= _SHORT_MAX else text[:_SHORT_MAX - 3] + "..."
 
 
+def file_kind(mode: int) -> str:
+    """What a ``st_mode`` names, in words ("a directory", "a FIFO (named pipe)", ...)."""
+    for test, words in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                        (stat.S_ISSOCK, "a socket"), (stat.S_ISREG, "a regular file")):
+        if test(mode):
+            return words
+    return "not a regular file"
+
+
 class PoseidonError(Exception):
     """A user mistake or an impossible request; the CLI prints it on one line and exits 2."""
 
@@ -32,8 +43,6 @@ def check_writable(flag: str, path: str) -> None:
     if os.path.isdir(path):
         raise PoseidonError(f"{flag} {path}: cannot write (is a directory)")
     if os.path.exists(path) and not os.path.isfile(path):   # written by os.replace: a file
-        from .safeio import file_kind
-
         raise PoseidonError(f"{flag} {path}: cannot write "
                             f"({file_kind(os.stat(path).st_mode)}, not a regular file)")
     directory = os.path.dirname(os.path.abspath(path))

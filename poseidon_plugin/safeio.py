@@ -12,20 +12,10 @@ import stat
 import tempfile
 from typing import BinaryIO, Iterable, Iterator
 
-from .errors import PoseidonError, short_repr
+from .errors import PoseidonError, file_kind, short_repr
 
 NAME_MAX_CHARS = 200   # cluster, model and device type names
 MAX_ECHO_CHARS = 2000  # one warning or note line echoed to the terminal
-
-
-def file_kind(mode: int) -> str:
-    """What a ``st_mode`` names, in words ("a directory", "a FIFO (named pipe)", ...)."""
-    for test, words in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                        (stat.S_ISSOCK, "a socket"), (stat.S_ISREG, "a regular file")):
-        if test(mode):
-            return words
-    return "not a regular file"
 
 
 class NotRegularFile(PoseidonError):
