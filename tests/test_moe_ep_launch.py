@@ -82,7 +82,8 @@ def test_offline_plan_and_launch_agree_on_moe_at_tp_above_1():
     assert framework_rules("--bf16 --sequence-parallel", 8, moe=True).tp_allowed(2)
     assert framework_rules("", 8, moe=True).tp_allowed(2)
     assert framework_rules("--bf16", 8, moe=False).tp_allowed(2)
-    launch = runner.launch_rules(SimpleNamespace(argv=["--bf16"], model=load_model(TINY_MOE)))
+    launch = runner.launch_rules(SimpleNamespace(argv=["--bf16"], model=load_model(TINY_MOE),
+                                                 backend="megatron"))
     assert launch.tp_lines([1, 2]) == offline.tp_lines([1, 2]) != []
 
 

@@ -300,7 +300,8 @@ def test_moe_at_tp_above_1_without_sequence_parallelism_is_tp_1_only():
     mixed = load_model(TINY_MOE)
 
     def launch_tp_ok(model, argv):   # what the launch profiles and plans (runner.launch_rules)
-        return runner.launch_rules(SimpleNamespace(argv=argv, model=model)).tp_allowed(2)
+        return runner.launch_rules(SimpleNamespace(argv=argv, model=model, backend="megatron")
+                                   ).tp_allowed(2)
 
     assert not launch_tp_ok(mixed, [])
     assert launch_tp_ok(mixed, ["--sequence-parallel"])
