@@ -1197,8 +1197,11 @@ def alarm():
     """A read that blocks (a FIFO without a writer) fails the test instead of hanging it."""
     import signal
 
+    class Blocked(BaseException):   # not an OSError (TimeoutError is): no loader catches it
+        pass
+
     def timeout(signum, frame):
-        raise TimeoutError("blocked on an input")
+        raise Blocked("blocked on an input")
 
     old = signal.signal(signal.SIGALRM, timeout)
     signal.alarm(20)
@@ -1389,3 +1392,22 @@ def test_profile_other_errors_are_not_called_out_of_memory(tmp_path, monkeypatch
     argv[2] = str(tmp_path / "db.json")
     with pytest.raises(RuntimeError, match="something else broke"):
         cli.main(argv)
+
+
+def test_launch_provenance_index_fifo_is_skipped(tmp_path, alarm):
+    """Row 6 in launch mode: a FIFO in place of the profile dir's cache-versions.json hung
+    every launch; now it is read as no index (and, not a regular file, never replaced)."""
+    from poseidon_plugin.megatron import profile_gather
+    from poseidon_plugin.megatron.profile_gather import CacheKey
+    from poseidon_plugin.megatron.provenance import Component
+
+    fifo = tmp_path / profile_gather.PROVENANCE_FILE
+    os.mkfifo(fifo)
+    key = CacheKey(("impl:local",), (Component("megatron-core", "0.19.2"),))
+    profile_gather.note_provenance(str(tmp_path), key, cached=False)
+    assert profile_gather.provenance_changes(str(tmp_path), key) == []
+    assert os.path.exists(fifo) and not os.path.isfile(fifo)
+    # a regular index is still written atomically and read back
+    os.unlink(fifo)
+    profile_gather.note_provenance(str(tmp_path), key, cached=False)
+    assert json.loads(fifo.read_text())[key.base]["megatron-core"]["version"] == "0.19.2"

@@ -21,6 +21,7 @@ from ..cluster import Cluster, DeviceType
 from ..errors import ProfileDBError
 from ..model import ModelSpec
 from ..profiles import LayerProfile, ProfileDB, ProfileKey
+from ..safeio import NotRegularFile, open_input, write_atomic
 from ..training import TrainingSetup
 from . import provenance
 from .options import default_profile_dir
@@ -69,6 +70,7 @@ def versions_tag(extra: Sequence[str] = (), backend: str = "megatron") -> str:
 
 
 PROVENANCE_FILE = "cache-versions.json"
+MAX_PROVENANCE_BYTES = 16 << 20   # the index of the versions each cache was measured with
 """Beside the cache files: per launch (``CacheKey.base``) the versions its last cache was
 measured with, so a change of any of them is said in one line."""
 
@@ -79,10 +81,10 @@ def provenance_changes(profile_dir: str | None, key: CacheKey) -> list[str]:
     import json
 
     try:
-        with open(os.path.join(profile_dir or default_profile_dir(), PROVENANCE_FILE),
-                  encoding="utf-8") as f:
-            before = json.load(f).get(key.base)
-    except (OSError, ValueError, AttributeError):
+        with open_input(os.path.join(profile_dir or default_profile_dir(), PROVENANCE_FILE)) \
+                as f:   # a FIFO there: skipped, not waited on
+            before = json.loads(f.read(MAX_PROVENANCE_BYTES)).get(key.base)
+    except (OSError, ValueError, AttributeError, NotRegularFile):
         return []
     if not isinstance(before, dict):
         return []
@@ -104,22 +106,18 @@ def remember_provenance(profile_dir: str | None, key: CacheKey) -> None:
     directory = profile_dir or default_profile_dir()
     path = os.path.join(directory, PROVENANCE_FILE)
     try:
-        with open(path, encoding="utf-8") as f:
-            index = json.load(f)
+        with open_input(path) as f:
+            index = json.loads(f.read(MAX_PROVENANCE_BYTES))
         if not isinstance(index, dict):
             index = {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, NotRegularFile):
         index = {}
     index[key.base] = {c.name: {"version": c.version, **({"path": c.path} if c.path else {})}
                        for c in key.components}
     try:
         os.makedirs(directory, exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(index, f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
-    except OSError as e:
+        write_atomic(path, json.dumps(index, indent=2, sort_keys=True) + "\n")
+    except (OSError, NotRegularFile) as e:
         log.debug("could not record the profile cache's versions in %s: %s", path, e)
 
 
