@@ -171,14 +171,29 @@ def _write_inputs(directory: str, files: dict) -> list[str]:
             "--time-budget", "5", "--no-baselines", "--json", "--workers", "1"]
 
 
-def _check_outcome(rc: int, out: str, err: str, done) -> None:
+def _no_peak_types(cluster_text: bytes) -> set[str] | None:
+    """The device types of a cluster file without a peak_tflops (None: not readable here)."""
+    try:
+        doc = yaml.safe_load(cluster_text)
+        return {str(name) for name, body in doc["device_types"].items()
+                if not isinstance(body, dict) or body.get("peak_tflops") is None}
+    except Exception:    # a mutated file our loader reads and PyYAML's safe_load does not
+        return None
+
+
+def _check_outcome(rc: int, out: str, err: str, done, files: dict | None = None) -> None:
     assert "Traceback" not in err and "Traceback" not in out, (done, err[-3000:])
     if rc == 0:
         plan = json.loads(out)
         t = plan["predicted_iteration_time_ms"]
         assert math.isfinite(t) and t > 0, (done, t)
         assert plan["predicted_tokens_per_s"] > 0, (done, plan["predicted_tokens_per_s"])
-        assert 0 < plan["mfu"] <= 1.0, (done, plan["mfu"])
+        assert 0 <= plan["mfu"] <= 1.0, (done, plan["mfu"])
+        if plan["mfu"] == 0 and files is not None:
+            # MFU 0 is "n/a": only where a stage's type has no peak to measure against
+            missing = _no_peak_types(files["cluster"])
+            if missing is not None:
+                assert missing & {s["device_type"] for s in plan["stages"]}, (done, missing)
         return
     assert rc == 2, (done, rc, err[-3000:])
     # one error line, last; before it only warning lines (an input can earn a warning, e.g. a
@@ -205,7 +220,7 @@ def test_fuzz_cli_subprocess(case):
                                   timeout=90)
         except subprocess.TimeoutExpired:
             pytest.fail(f"hang (> 90 s with --time-budget 5): {done}")
-    _check_outcome(proc.returncode, proc.stdout, proc.stderr, done)
+    _check_outcome(proc.returncode, proc.stdout, proc.stderr, done, files)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
@@ -217,4 +232,4 @@ def test_fuzz_cli_in_process(case):
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             rc = cli.main(argv)   # anything but a PoseidonError propagates and fails the test
-    _check_outcome(rc, out.getvalue(), err.getvalue(), done)
+    _check_outcome(rc, out.getvalue(), err.getvalue(), done, files)
