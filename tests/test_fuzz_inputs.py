@@ -12,11 +12,16 @@ never a traceback, a hang (the CLI runs with ``--time-budget 5`` under a 90 s ti
 nonsense figure. ``test_fuzz_cli_subprocess`` runs the real command (``python -m
 poseidon_plugin.cli``); ``test_fuzz_cli_in_process`` runs more examples through ``cli.main``
 and also fails on any exception that is not a ``PoseidonError``.
+
+Plan JSON is mutated the same way: ``poseidon plan --keep`` on it gives a plan or one error
+line; the launch's cached plan (``plan-<hash>.json``) is read as a plan or as none (the damaged
+file moved aside) and the search then keeps it, replaces it or plans afresh.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import copy
 import io
 import json
@@ -233,3 +238,123 @@ def test_fuzz_cli_in_process(case):
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             rc = cli.main(argv)   # anything but a PoseidonError propagates and fails the test
     _check_outcome(rc, out.getvalue(), err.getvalue(), done, files)
+
+
+# ---------------------------------------------------------------------------------------------
+# plan JSON: ``poseidon plan --keep PLAN`` and the launch's cached plan (issue 31 item 3)
+# ---------------------------------------------------------------------------------------------
+
+PLAN_ARGS = ["--global-batch-size", "16", "--seq-length", "128", "--time-budget", "5",
+             "--no-baselines", "--workers", "1"]
+
+
+@functools.lru_cache(maxsize=1)
+def _valid_plan_text() -> str:
+    """A plan ``poseidon plan`` wrote for tiny-gpt on the small cluster (its JSON, as --out
+    writes it)."""
+    with tempfile.TemporaryDirectory() as d:
+        cluster, model, out = (os.path.join(d, n) for n in ("c.yaml", "m.yaml", "plan.json"))
+        for path, text in ((cluster, SMALL_TEXT), (model, TINY_TEXT)):
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert cli.main(["plan", "--cluster", cluster, "--model", model, *PLAN_ARGS,
+                             "--out", out]) == 0
+        with open(out, encoding="utf-8") as f:
+            return f.read()
+
+
+@st.composite
+def mutated_plans(draw):
+    """(plan JSON bytes, what was done): the valid plan with 1-3 structured mutations (wrong
+    types, signs, NaN/inf, huge values, deleted or wrapped fields, deep nesting) or one
+    raw-text damage."""
+    text = _valid_plan_text()
+    doc = json.loads(text)
+    done = []
+    if draw(st.integers(0, 4)) == 0:
+        op, seed = draw(st.sampled_from(TEXT_OPS)), draw(st.integers(0, 2**16))
+        done.append(("plan", op, seed))
+        return _damage_text(text, op, random.Random(seed)), done
+    for _ in range(draw(st.integers(1, 3))):
+        op = draw(st.sampled_from(OPS))
+        paths = list(_paths(doc))
+        if op == "scale":
+            paths = [p for p in paths if _is_number(_get(doc, p))] or paths
+        if not paths:
+            break
+        path = draw(st.sampled_from(paths))
+        value = draw(st.sampled_from(VALUES))
+        factor = draw(st.sampled_from(FACTORS))
+        _mutate(doc, path, op, value, factor)
+        done.append(("plan", path, op, value if op != "scale" else factor))
+    nested = "[" * 3000 + "]" * 3000
+    out = json.dumps(doc).replace(f'"{DEEP}"', nested)
+    return out.encode(), done
+
+
+def _check_plan_outcome(rc: int, out: str, err: str, done) -> None:
+    """--keep: a plan (exit 0, the kept one or the fastest) or one error line naming the
+    problem (exit 2), warnings before it allowed; never a traceback."""
+    assert "Traceback" not in err and "Traceback" not in out, (done, err[-3000:])
+    if rc == 0:
+        assert out.startswith("Plan for ") and "predicted iteration" in out, (done, out[:500])
+        return
+    assert rc == 2, (done, rc, err[-3000:])
+    *warnings, error = err.splitlines()
+    assert error.startswith("poseidon: error: "), (done, err[-3000:])
+    assert all(w.startswith("poseidon: warning: ") for w in warnings), (done, err[-3000:])
+    assert len(error) < 1000, (done, len(error))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(mutated_plans())
+def test_fuzz_keep_plan_json(case):
+    """``poseidon plan --keep`` on a damaged plan JSON: a plan or one clean error line."""
+    text, done = case
+    with tempfile.TemporaryDirectory() as d:
+        cluster, model, kept = (os.path.join(d, n) for n in ("c.yaml", "m.yaml", "kept.json"))
+        for path, data in ((cluster, SMALL_TEXT.encode()), (model, TINY_TEXT.encode()),
+                           (kept, text)):
+            with open(path, "wb") as f:
+                f.write(data)
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = cli.main(["plan", "--cluster", cluster, "--model", model, *PLAN_ARGS,
+                           "--keep", kept])
+    _check_plan_outcome(rc, out.getvalue(), err.getvalue(), done)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(mutated_plans())
+def test_fuzz_launch_cached_plan(case):
+    """The launch's cached plan (``plan-<hash>.json`` beside the profile cache) damaged: the
+    launch reads it as a plan or as none (a damaged file moved aside), and the search then
+    keeps it or plans afresh; nothing but a plan comes out, and a file it could not read is no
+    longer in the way of the next launch."""
+    from poseidon_plugin.cluster import load_cluster
+    from poseidon_plugin.megatron.runner import _load_previous
+    from poseidon_plugin.model import load_model
+    from poseidon_plugin.search import SearchOptions, search_plan
+
+    text, done = case
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "plan-0123456789abcdef.json")
+        with open(path, "wb") as f:
+            f.write(text)
+        previous = _load_previous(path)
+        if previous is None:   # unreadable: moved aside, so the next launch does not read it
+            assert not os.path.exists(path), done
+            assert any(n.startswith("plan-0123456789abcdef.json.corrupt-")
+                       for n in os.listdir(d)), done
+        cluster = load_cluster(os.path.join(ROOT, "examples", "clusters", "small-two-type.yaml"))
+        model = load_model(os.path.join(ROOT, "examples", "models", "tiny-gpt.yaml"))
+        plan = search_plan(cluster, model, SearchOptions(
+            global_batch_size=16, seq_length=128, workers=1, time_budget_s=5,
+            keep_tolerance=0.02, runner_up=False), previous=previous)
+    assert plan.predicted_iteration_time_ms > 0, done
+    state = plan.search["previous_plan"]
+    if previous is None:
+        assert state == "none", (done, state)
+    else:
+        assert state in ("kept", "replaced") or state.startswith("unusable: "), (done, state)
