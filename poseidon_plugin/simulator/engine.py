@@ -45,7 +45,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import PoseidonError
-from .schedules import Op, interleaved_table, op_orders, validate_schedule
+from .schedules import Op, interleaved_table, stage_op_order, validate_schedule
 from .timeline import Timeline
 
 
@@ -119,8 +119,7 @@ def device_program(schedule: str, n: int, m: int, s: int, v: int = 1,
     blocking receive before each op that takes its input from another device and one blocking
     send after each op whose output goes to one (what the search charges them with when
     per-call costs are measured, so every schedule pays for its calls)."""
-    orders = op_orders(schedule, n, m, v)
-    ops = orders[s]
+    ops = stage_op_order(schedule, n, m, s, v)   # this device's only (not every device's)
     snd = (lambda op: [k for k in [_send_of(n, v, s, op)] if k is not None])
     rcv = (lambda op: [k for k in [_recv_of(n, v, s, op)] if k is not None])
     prog: list[tuple] = []
