@@ -436,15 +436,21 @@ def test_search_sizes_are_bounded(field, value, phrase):
         SearchOptions(**kwargs)
 
 
+def forbid(monkeypatch, module, name: str, what: str) -> None:
+    """``module.name`` must not run (the arguments are checked before it): a call fails the
+    test, naming ``what`` ran too early."""
+    def boom(*args, **kwargs):
+        raise AssertionError(f"{what} ran before its inputs were checked")
+
+    monkeypatch.setattr(module, name, boom)
+
+
 @pytest.fixture
 def no_search(monkeypatch):
     """The search must not start: any call fails the test."""
     import poseidon_plugin.search as search
 
-    def boom(*args, **kwargs):
-        raise AssertionError("the search ran before the output path was checked")
-
-    monkeypatch.setattr(search, "search_plan", boom)
+    forbid(monkeypatch, search, "search_plan", "the search")
 
 
 @pytest.mark.parametrize("flag", ["--gantt", "--out"])
@@ -580,10 +586,7 @@ def no_profiling(monkeypatch):
     """The profiler must not start: any call fails the test."""
     from poseidon_plugin.megatron import offline
 
-    def boom(*args, **kwargs):
-        raise AssertionError("the profiler ran before its arguments were checked")
-
-    monkeypatch.setattr(offline, "profile_layers", boom)
+    forbid(monkeypatch, offline, "profile_layers", "the profiler")
 
 
 @pytest.mark.parametrize("extra, pattern", [
@@ -618,10 +621,7 @@ def no_validate_run(monkeypatch):
     """`poseidon validate` must not start a measured run: any call fails the test."""
     from poseidon_plugin.fidelity import harness
 
-    def boom(*args, **kwargs):
-        raise AssertionError("validate ran its cases before its arguments were checked")
-
-    monkeypatch.setattr(harness, "run_cases", boom)
+    forbid(monkeypatch, harness, "run_cases", "validate's measured runs")
 
 
 @pytest.mark.parametrize("args, pattern", [
@@ -830,7 +830,8 @@ def _patched(plan: dict, path: str, value) -> dict:
      r"stages\[0\]\.forward_ms: expected a finite number >= 0"),
 ])
 def test_keep_plan_of_the_wrong_shape_is_refused_before_the_search(tmp_path, capsys, path,
-                                                                    value, pattern):
+                                                                    value, pattern,
+                                                                    monkeypatch):
     """Issue 31 row 3: a --keep plan with 'provenance': [] / 'memory': 'x' / 'layers': null
     was an AttributeError / AttributeError / TypeError traceback (the last after the whole
     search)."""
@@ -838,16 +839,9 @@ def test_keep_plan_of_the_wrong_shape_is_refused_before_the_search(tmp_path, cap
     bad = write(tmp_path, "bad.json", json.dumps(_patched(plan, path, value)))
     import poseidon_plugin.search as search
 
-    def boom(*args, **kwargs):
-        raise AssertionError("the search ran before the kept plan was checked")
-
-    search_plan = search.search_plan
-    search.search_plan = boom
-    try:
-        one_line_error(capsys, [*PLAN, "--keep", bad], r"--keep \S+bad\.json: plan JSON: "
-                       + pattern)
-    finally:
-        search.search_plan = search_plan
+    forbid(monkeypatch, search, "search_plan", "the search")   # (after the plan was saved)
+    one_line_error(capsys, [*PLAN, "--keep", bad], r"--keep \S+bad\.json: plan JSON: "
+                   + pattern)
 
 
 @pytest.mark.parametrize("body", ["[" * 200_000 + "]" * 200_000,
@@ -1004,15 +998,9 @@ def test_scaled_note_names_a_tiny_rate_truthfully():
     assert "(rate 41.3 TFLOP/s)" in text
 
 
-def test_profile_device_type_is_checked_before_profiling(tmp_path, capsys, monkeypatch):
+def test_profile_device_type_is_checked_before_profiling(tmp_path, capsys, no_profiling):
     """Issue 31 row 12: `poseidon profile --device-type ''` exited 0 and wrote a record its own
     loader refused (every later use of the DB failed)."""
-    from poseidon_plugin.megatron import offline
-
-    def boom(*args, **kwargs):
-        raise AssertionError("profiled before --device-type was checked")
-
-    monkeypatch.setattr(offline, "profile_layers", boom)
     out = tmp_path / "db.json"
     for value, got in (("", "''"), ("x" * 2000, "'xxx")):
         one_line_error(capsys, ["profile", "--model", TINY, "--seq-length", "128",

@@ -139,8 +139,34 @@ def commands(text: str) -> list[tuple[int, list[str]]]:
     """Every ``poseidon ...`` (or ``-m poseidon_plugin[.cli] ...``) command in the code
     blocks of a page: (line number, the arguments after the program name). Continuation lines
     are joined, comments and what follows a pipe or a redirection dropped."""
-    _, blocks = _split(text)
     out = []
+    for n, line in code_lines(text):
+        try:
+            words = shlex.split(line, comments=True)
+        except ValueError:
+            continue
+        for k, w in enumerate(words):
+            prog = None
+            if w.split("/")[-1] == "poseidon":
+                prog = k + 1
+            elif w == "-m" and words[k + 1:k + 2] in (["poseidon_plugin"],
+                                                      ["poseidon_plugin.cli"]):
+                prog = k + 2
+            if prog is None:
+                continue
+            args = []
+            for a in words[prog:]:
+                if a in _SHELL_STOP:
+                    break
+                args.append(a)
+            out.append((n, args))
+            break
+    return out
+
+
+def code_lines(text: str):
+    """(line number, line) of every code-block line of a page, continuation lines joined."""
+    _, blocks = _split(text)
     for start, lines in blocks:
         i = 0
         while i < len(lines):
@@ -149,27 +175,7 @@ def commands(text: str) -> list[tuple[int, list[str]]]:
                 i += 1
                 line = line.rstrip()[:-1] + " " + lines[i].strip()
             i += 1
-            try:
-                words = shlex.split(line, comments=True)
-            except ValueError:
-                continue
-            for k, w in enumerate(words):
-                prog = None
-                if w.split("/")[-1] == "poseidon":
-                    prog = k + 1
-                elif w == "-m" and words[k + 1:k + 2] in (["poseidon_plugin"],
-                                                          ["poseidon_plugin.cli"]):
-                    prog = k + 2
-                if prog is None:
-                    continue
-                args = []
-                for a in words[prog:]:
-                    if a in _SHELL_STOP:
-                        break
-                    args.append(a)
-                out.append((n, args))
-                break
-    return out
+            yield n, line
 
 
 def parse_error(args: list[str]) -> str | None:
@@ -262,22 +268,14 @@ def unknown_launch_flags(text: str) -> list[str]:
 
 def launch_lines(text: str) -> list[tuple[int, list[str]]]:
     """The code-block lines (continuations joined) that pass ``--poseidon-*`` options."""
-    _, blocks = _split(text)
     out = []
-    for start, lines in blocks:
-        i = 0
-        while i < len(lines):
-            n, line = start + i, lines[i]
-            while line.rstrip().endswith("\\") and i + 1 < len(lines):
-                i += 1
-                line = line.rstrip()[:-1] + " " + lines[i].strip()
-            i += 1
-            if "--poseidon-" not in line:
-                continue
-            try:
-                out.append((n, shlex.split(line, comments=True)))
-            except ValueError:
-                continue
+    for n, line in code_lines(text):
+        if "--poseidon-" not in line:
+            continue
+        try:
+            out.append((n, shlex.split(line, comments=True)))
+        except ValueError:
+            continue
     return out
 
 

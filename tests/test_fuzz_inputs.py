@@ -110,6 +110,22 @@ def _damage_text(text: str, op: str, rnd: random.Random) -> bytes:
     return data.rstrip(b"\n") + b"\nzz: " + b"[" * depth + b"]" * depth + b"\n"
 
 
+def _mutate_some(draw, doc, name: str, done: list) -> None:
+    """1-3 structured mutations of ``doc`` in place, each recorded in ``done``."""
+    for _ in range(draw(st.integers(1, 3))):
+        op = draw(st.sampled_from(OPS))
+        paths = list(_paths(doc))
+        if op == "scale":   # numbers scaled stay numbers: more runs reach the search
+            paths = [p for p in paths if _is_number(_get(doc, p))] or paths
+        if not paths:
+            break
+        path = draw(st.sampled_from(paths))
+        value = draw(st.sampled_from(VALUES))
+        factor = draw(st.sampled_from(FACTORS))
+        _mutate(doc, path, op, value, factor)
+        done.append((name, path, op, value if op != "scale" else factor))
+
+
 @st.composite
 def mutated_inputs(draw):
     """({"cluster"|"model"|"profiles": file bytes}, what was done): one file damaged by 1-3
@@ -137,18 +153,7 @@ def mutated_inputs(draw):
         raw = (target, op, seed)
         done.append((target, op, seed))
     else:
-        for _ in range(draw(st.integers(1, 3))):
-            op = draw(st.sampled_from(OPS))
-            paths = list(_paths(docs[target]))
-            if op == "scale":   # numbers scaled stay numbers: more runs reach the search
-                paths = [p for p in paths if _is_number(_get(docs[target], p))] or paths
-            if not paths:
-                break
-            path = draw(st.sampled_from(paths))
-            value = draw(st.sampled_from(VALUES))
-            factor = draw(st.sampled_from(FACTORS))
-            _mutate(docs[target], path, op, value, factor)
-            done.append((target, path, op, value if op != "scale" else factor))
+        _mutate_some(draw, docs[target], target, done)
     texts = {
         "cluster": yaml.safe_dump(docs["cluster"], sort_keys=False),
         "model": yaml.safe_dump(docs["model"], sort_keys=False),
@@ -244,22 +249,19 @@ def test_fuzz_cli_in_process(case):
 # plan JSON: ``poseidon plan --keep PLAN`` and the launch's cached plan (issue 31 item 3)
 # ---------------------------------------------------------------------------------------------
 
-PLAN_ARGS = ["--global-batch-size", "16", "--seq-length", "128", "--time-budget", "5",
-             "--no-baselines", "--workers", "1"]
+def _valid_files() -> dict:
+    """The unmutated inputs (file bytes by name), as ``_write_inputs`` takes them."""
+    return {"cluster": SMALL_TEXT.encode(), "model": TINY_TEXT.encode(),
+            "profiles": json.dumps(_db_payload()).encode()}
 
 
 @functools.lru_cache(maxsize=1)
 def _valid_plan_text() -> str:
-    """A plan ``poseidon plan`` wrote for tiny-gpt on the small cluster (its JSON, as --out
-    writes it)."""
+    """The plan ``poseidon plan`` writes (--out) for the unmutated inputs."""
     with tempfile.TemporaryDirectory() as d:
-        cluster, model, out = (os.path.join(d, n) for n in ("c.yaml", "m.yaml", "plan.json"))
-        for path, text in ((cluster, SMALL_TEXT), (model, TINY_TEXT)):
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text)
+        out = os.path.join(d, "plan.json")
         with contextlib.redirect_stdout(io.StringIO()):
-            assert cli.main(["plan", "--cluster", cluster, "--model", model, *PLAN_ARGS,
-                             "--out", out]) == 0
+            assert cli.main([*_write_inputs(d, _valid_files()), "--out", out]) == 0
         with open(out, encoding="utf-8") as f:
             return f.read()
 
@@ -276,35 +278,10 @@ def mutated_plans(draw):
         op, seed = draw(st.sampled_from(TEXT_OPS)), draw(st.integers(0, 2**16))
         done.append(("plan", op, seed))
         return _damage_text(text, op, random.Random(seed)), done
-    for _ in range(draw(st.integers(1, 3))):
-        op = draw(st.sampled_from(OPS))
-        paths = list(_paths(doc))
-        if op == "scale":
-            paths = [p for p in paths if _is_number(_get(doc, p))] or paths
-        if not paths:
-            break
-        path = draw(st.sampled_from(paths))
-        value = draw(st.sampled_from(VALUES))
-        factor = draw(st.sampled_from(FACTORS))
-        _mutate(doc, path, op, value, factor)
-        done.append(("plan", path, op, value if op != "scale" else factor))
+    _mutate_some(draw, doc, "plan", done)
     nested = "[" * 3000 + "]" * 3000
     out = json.dumps(doc).replace(f'"{DEEP}"', nested)
     return out.encode(), done
-
-
-def _check_plan_outcome(rc: int, out: str, err: str, done) -> None:
-    """--keep: a plan (exit 0, the kept one or the fastest) or one error line naming the
-    problem (exit 2), warnings before it allowed; never a traceback."""
-    assert "Traceback" not in err and "Traceback" not in out, (done, err[-3000:])
-    if rc == 0:
-        assert out.startswith("Plan for ") and "predicted iteration" in out, (done, out[:500])
-        return
-    assert rc == 2, (done, rc, err[-3000:])
-    *warnings, error = err.splitlines()
-    assert error.startswith("poseidon: error: "), (done, err[-3000:])
-    assert all(w.startswith("poseidon: warning: ") for w in warnings), (done, err[-3000:])
-    assert len(error) < 1000, (done, len(error))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
@@ -312,17 +289,16 @@ def _check_plan_outcome(rc: int, out: str, err: str, done) -> None:
 def test_fuzz_keep_plan_json(case):
     """``poseidon plan --keep`` on a damaged plan JSON: a plan or one clean error line."""
     text, done = case
+    files = _valid_files()
     with tempfile.TemporaryDirectory() as d:
-        cluster, model, kept = (os.path.join(d, n) for n in ("c.yaml", "m.yaml", "kept.json"))
-        for path, data in ((cluster, SMALL_TEXT.encode()), (model, TINY_TEXT.encode()),
-                           (kept, text)):
-            with open(path, "wb") as f:
-                f.write(data)
+        argv = _write_inputs(d, files)
+        kept = os.path.join(d, "kept.json")
+        with open(kept, "wb") as f:
+            f.write(text)
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            rc = cli.main(["plan", "--cluster", cluster, "--model", model, *PLAN_ARGS,
-                           "--keep", kept])
-    _check_plan_outcome(rc, out.getvalue(), err.getvalue(), done)
+            rc = cli.main([*argv, "--keep", kept])
+    _check_outcome(rc, out.getvalue(), err.getvalue(), done, files)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
