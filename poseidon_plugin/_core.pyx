@@ -21,11 +21,9 @@ int indices (``OpLink``). Evaluation is then a branch-light sweep over a contigu
 See ``_core.pxd`` for the C API.
 """
 
-from functools import lru_cache
-
 import numpy as np
 
-from libc.stdlib cimport malloc, free, realloc
+from libc.stdlib cimport malloc, calloc, free, realloc
 from libc.string cimport memcpy
 
 from poseidon_plugin.errors import PoseidonError
@@ -51,6 +49,365 @@ cdef inline double _sweep(const OpLink* lk, int total, const double* w, double* 
     return best
 
 
+# ------------------------------------------------------------------ op orders as op ids ------
+# The devices' op orders of ``simulator/schedules.py`` written straight into int arrays of op
+# ids (``PipelineDAG._build``'s numbering: id = (is_backward * N V + c N + s) * M + mb), with no
+# Python object per op: a huge M (131,072 micro-batches) built its orders as millions of
+# ``Op`` tuples. ``order_ids`` is the Python view; tests/test_core_orders.py checks it against
+# ``schedules.op_orders`` and the engine programs below against ``engine.device_program``.
+
+cdef enum:
+    _GPIPE = 0
+    _ONE_F_ONE_B = 1
+    _EAGER = 2
+    _INTERLEAVED = 3
+
+
+cdef int _kind_of(str schedule, int v) except -1:
+    if schedule == "gpipe":
+        return _GPIPE
+    if schedule == "1f1b" or (schedule == "interleaved-1f1b" and v == 1):
+        return _ONE_F_ONE_B
+    if schedule == "eager-1f1b":
+        return _EAGER
+    if schedule == "interleaved-1f1b":
+        return _INTERLEAVED
+    raise PoseidonError(f"schedule: unknown {schedule!r}")
+
+
+cdef int* _interleaved_table(int m, int v, int g) except NULL:
+    """``schedules.interleaved_table`` as two int arrays in one block: [0, M V) micro-batch,
+    [M V, 2 M V) chunk (the caller frees it)."""
+    cdef int* t = <int*> malloc(2 * <size_t> m * v * sizeof(int) + sizeof(int))
+    if not t:
+        raise MemoryError()
+    cdef int first, last, c, mb, k = 0, total = m * v
+    first = 0
+    while first < m:
+        last = m if first + g >= m else first + g
+        for c in range(v):
+            for mb in range(first, last):
+                t[k] = mb
+                t[total + k] = c
+                k += 1
+        first += g
+    return t
+
+
+cdef inline int _fid(int n, int m, int s, int c, int mb) noexcept nogil:
+    return (c * n + s) * m + mb
+
+
+cdef inline int _bid(int n, int m, int v, int s, int c, int mb) noexcept nogil:
+    return (n * v + c * n + s) * m + mb
+
+
+cdef void _order_into(int kind, int n, int m, int v, int s, const int* table,
+                      int* out) noexcept nogil:
+    """Device s's 2 M V op ids in execution order (``schedules.stage_op_order``)."""
+    cdef int k, w, i = 0, total
+    if kind == _GPIPE:
+        for k in range(m):
+            out[i] = _fid(n, m, s, 0, k)
+            i += 1
+        for k in range(m):
+            out[i] = _bid(n, m, 1, s, 0, k)
+            i += 1
+        return
+    if kind == _ONE_F_ONE_B or kind == _EAGER:
+        w = n - 1 - s if kind == _ONE_F_ONE_B else 2 * (n - 1 - s) + 1
+        if w > m:
+            w = m
+        for k in range(w):
+            out[i] = _fid(n, m, s, 0, k)
+            i += 1
+        for k in range(m - w):
+            if kind == _EAGER:
+                out[i] = _bid(n, m, 1, s, 0, k)
+                out[i + 1] = _fid(n, m, s, 0, w + k)
+            else:
+                out[i] = _fid(n, m, s, 0, w + k)
+                out[i + 1] = _bid(n, m, 1, s, 0, k)
+            i += 2
+        for k in range(m - w, m):
+            out[i] = _bid(n, m, 1, s, 0, k)
+            i += 1
+        return
+    total = m * v
+    w = 2 * (n - 1 - s) + (v - 1) * n
+    if w > total:
+        w = total
+    for k in range(w):
+        out[i] = _fid(n, m, s, table[total + k], table[k])
+        i += 1
+    for k in range(total - w):
+        out[i] = _fid(n, m, s, table[total + w + k], table[w + k])
+        out[i + 1] = _bid(n, m, v, s, v - 1 - table[total + k], table[k])
+        i += 2
+    for k in range(total - w, total):
+        out[i] = _bid(n, m, v, s, v - 1 - table[total + k], table[k])
+        i += 1
+
+
+cdef int _orders_into(str schedule, int n, int m, int v, int* seq) except -1:
+    """Every device's order, device s at seq[s * 2 M V]."""
+    cdef int kind = _kind_of(schedule, v), s, per = 2 * m * v
+    cdef int* table = NULL
+    if kind == _INTERLEAVED:
+        table = _interleaved_table(m, v, n)
+    try:
+        with nogil:
+            for s in range(n):
+                _order_into(kind, n, m, v, s, table, seq + <size_t> s * per)
+    finally:
+        free(table)
+    return 0
+
+
+def order_ids(str schedule, int num_stages, int num_microbatches, int virtual_stages=1):
+    """(N, 2 M V) int32 array: row s is device s's op ids in execution order
+    (``schedules.op_orders`` without an object per op). Decode an id with ``decode_ids``."""
+    n, m, v = _schedules.validate_schedule(schedule, num_stages, num_microbatches,
+                                           virtual_stages)
+    out = np.empty((n, 2 * m * v), dtype=np.intc)
+    cdef int[:, ::1] o = out
+    _orders_into(schedule, n, m, v, &o[0, 0])
+    return out
+
+
+def decode_ids(ids, int num_stages, int num_microbatches, int virtual_stages=1):
+    """(is_backward, chunk, device, micro-batch) arrays of op ids (``order_ids``)."""
+    a = np.asarray(ids, dtype=np.int64)
+    n, m, nv = num_stages, num_microbatches, num_stages * virtual_stages
+    vs = (a // m) % nv
+    return a >= nv * m, vs // n, vs % n, a % m
+
+
+# ------------------------------------------------------------------ engine programs in C -----
+# ``EngineDAG``'s nodes built from the devices' programs (``engine.device_program``: compute ops
+# and blocking calls) without a Python object per op or per message. A message is named by its
+# sender's op id (each op sends at most one). Per device the program is emitted as a chain of
+# nodes; a receive node's dependency is first the message (negative: -(id + 1)), resolved once
+# every chain is built to the sender's node before the call that posts it (``walk_programs``'s
+# "post"). A Kahn sweep over the chains then gives a topological order (and finds a deadlock),
+# the DAG levels, and a stable counting sort by level the final slots.
+
+cdef struct _Nodes:
+    int* prev
+    int* dep
+    int* w
+    int* e
+    int size
+    int cap
+
+
+cdef int _nodes_grow(_Nodes* x) except -1:
+    cdef int cap = x.cap * 2 if x.cap else 1024
+    cdef int* p = <int*> realloc(x.prev, cap * sizeof(int))
+    if p:
+        x.prev = p
+    cdef int* d = <int*> realloc(x.dep, cap * sizeof(int))
+    if d:
+        x.dep = d
+    cdef int* ww = <int*> realloc(x.w, cap * sizeof(int))
+    if ww:
+        x.w = ww
+    cdef int* ee = <int*> realloc(x.e, cap * sizeof(int))
+    if ee:
+        x.e = ee
+    if not p or not d or not ww or not ee:
+        raise MemoryError()
+    x.cap = cap
+    return 0
+
+
+cdef struct _Emit:
+    int n, m, v, nv, L, s
+    int FO, BO, SC, RR          # weight slots of the four call costs
+    bint fo, bo, sc, rr         # which are > 0
+    int last                    # slot of the device's last node (0: none yet)
+    int* post                   # message -> slot before the call that sent it (-1: not sent)
+
+
+cdef inline int _push(_Nodes* x, int prev, int dep, int w, int e) except -1:
+    if x.size == x.cap:
+        _nodes_grow(x)
+    x.prev[x.size] = prev
+    x.dep[x.size] = dep
+    x.w[x.size] = w
+    x.e[x.size] = e
+    x.size += 1
+    return x.size           # its slot
+
+
+cdef inline int _send_msg(_Emit* st, int op) noexcept nogil:
+    """The message op sends (its own id), -1: none (the pipeline's last F / first B)."""
+    cdef int half = st.nv * st.m, vs
+    if op < half:
+        vs = op // st.m
+        return op if vs < st.nv - 1 else -1
+    vs = (op - half) // st.m
+    return op if vs > 0 else -1
+
+
+cdef inline int _recv_msg(_Emit* st, int op) noexcept nogil:
+    """The message op needs (its sender's op id), -1: none."""
+    cdef int half = st.nv * st.m, vs
+    if op < half:
+        vs = op // st.m
+        return op - st.m if vs > 0 else -1
+    vs = (op - half) // st.m
+    return op + st.m if vs < st.nv - 1 else -1
+
+
+cdef inline int _edge_of(_Emit* st, int msg) noexcept nogil:
+    """Weight slot of a message's link time (``engine.link_index``): an activation from device
+    a uses Pf[a]; a gradient from device a uses Pb[(a - 1) mod N] (the wrap-around is N-1)."""
+    cdef int half = st.nv * st.m, a, lo
+    if msg < half:
+        a = (msg // st.m) % st.n
+        lo = a
+        return 0 if lo >= st.L else 1 + 2 * st.nv + lo
+    a = ((msg - half) // st.m) % st.n
+    lo = a - 1 if a > 0 else st.n - 1
+    return 0 if lo >= st.L else 1 + 2 * st.nv + st.L + lo
+
+
+cdef int _op(_Nodes* x, _Emit* st, int op) except -1:
+    cdef int half = st.nv * st.m
+    cdef bint isb = op >= half
+    cdef int vs = (op // st.m) % st.nv
+    st.last = _push(x, st.last, 0, 1 + (st.nv if isb else 0) + vs, 0)
+    if (st.bo if isb else st.fo):
+        st.last = _push(x, st.last, 0, st.BO if isb else st.FO, 0)
+    return 0
+
+
+cdef int _call(_Nodes* x, _Emit* st, int s0, int s1, int r0, int r1) except -1:
+    """A blocking call sending messages s0, s1 and receiving r0, r1 (-1: none)."""
+    if s0 < 0 and s1 < 0 and r0 < 0 and r1 < 0:
+        return 0
+    cdef int t_slot = st.last
+    if s0 >= 0:
+        st.post[s0] = st.last
+    if s1 >= 0:
+        st.post[s1] = st.last
+    if r0 >= 0:
+        st.last = _push(x, st.last, -(r0 + 1), 0, _edge_of(st, r0))
+    if r1 >= 0:
+        st.last = _push(x, st.last, -(r1 + 1), 0, _edge_of(st, r1))
+    if (r0 >= 0 or r1 >= 0) and st.rr:
+        st.last = _push(x, st.last, 0, st.RR, 0)
+    if (s0 >= 0 or s1 >= 0) and st.sc:
+        if r0 >= 0 or r1 >= 0:
+            st.last = _push(x, st.last, t_slot, 0, st.SC)
+        else:
+            st.last = _push(x, st.last, 0, st.SC, 0)
+    return 0
+
+
+cdef int _program(_Nodes* x, _Emit* st, int kind, bint unbundled, const int* ops,
+                  const int* table) except -1:
+    """Device st.s's program (``engine.device_program``) as nodes; ``ops``: its op order."""
+    cdef int n = st.n, m = st.m, v = st.v, s = st.s, per = 2 * m * v
+    cdef int i, k, w, r, total, j, f, b, nf, nb, msg
+    cdef bint all_warm
+    if unbundled:
+        for i in range(per):
+            _call(x, st, -1, -1, _recv_msg(st, ops[i]), -1)
+            _op(x, st, ops[i])
+            _call(x, st, _send_msg(st, ops[i]), -1, -1, -1)
+        return 0
+    if kind == _ONE_F_ONE_B:
+        # forwards F(0, k) and backwards B(0, k) in micro-batch order
+        w = n - 1 - s
+        if w > m:
+            w = m
+        r = m - w
+        for i in range(w):
+            f = _fid(n, m, s, 0, i)
+            _call(x, st, -1, -1, _recv_msg(st, f), -1)
+            _op(x, st, f)
+            _call(x, st, _send_msg(st, f), -1, -1, -1)
+        if r > 0:
+            _call(x, st, -1, -1, _recv_msg(st, _fid(n, m, s, 0, w)), -1)
+        for i in range(r):
+            f = _fid(n, m, s, 0, w + i)
+            b = _bid(n, m, 1, s, 0, i)
+            _op(x, st, f)
+            _call(x, st, _send_msg(st, f), -1, _recv_msg(st, b), -1)
+            _op(x, st, b)
+            nf = _recv_msg(st, _fid(n, m, s, 0, w + i + 1)) if i < r - 1 else -1
+            _call(x, st, _send_msg(st, b), -1, nf, -1)
+        for i in range(r, m):
+            b = _bid(n, m, 1, s, 0, i)
+            _call(x, st, -1, -1, _recv_msg(st, b), -1)
+            _op(x, st, b)
+            _call(x, st, _send_msg(st, b), -1, -1, -1)
+        return 0
+    # interleaved: virtual micro-batch k runs F(table[k]) and B(reversed chunk)
+    total = m * v
+    w = 2 * (n - 1 - s) + (v - 1) * n
+    if w > total:
+        w = total
+    all_warm = w == total
+    _call(x, st, -1, -1, _recv_msg(st, _fid(n, m, s, table[total], table[0])), -1)
+    for k in range(w):
+        f = _fid(n, m, s, table[total + k], table[k])
+        _op(x, st, f)
+        nf = _recv_f(st, table, k) if k != total - 1 else -1
+        if k == w - 1 and not all_warm:
+            b = _bid(n, m, v, s, v - 1 - table[total], table[0])
+            _call(x, st, _send_msg(st, f), -1, nf, _recv_msg(st, b))
+        else:
+            _call(x, st, _send_msg(st, f), -1, nf, -1)
+    r = total - w
+    for k in range(r):
+        f = _fid(n, m, s, table[total + w + k], table[w + k])
+        b = _bid(n, m, v, s, v - 1 - table[total + k], table[k])
+        _op(x, st, f)
+        _op(x, st, b)
+        nf = _recv_f(st, table, w + k) if k != r - 1 else -1
+        _call(x, st, _send_msg(st, f), _send_msg(st, b), nf, _recv_b(st, table, k))
+    if all_warm:
+        b = _bid(n, m, v, s, v - 1 - table[total], table[0])
+        _call(x, st, -1, -1, _recv_msg(st, b), -1)
+    for k in range(r, total):
+        b = _bid(n, m, v, s, v - 1 - table[total + k], table[k])
+        _op(x, st, b)
+        nb = _recv_b(st, table, k) if k != total - 1 else -1
+        _call(x, st, _send_msg(st, b), -1, nb, -1)
+    return 0
+
+
+cdef inline int _recv_f(_Emit* st, const int* table, int k) noexcept nogil:
+    """What the call after forward k receives (``device_program``'s recv_f): the next
+    forward's input, or on device 0 the activation device N-1 made N-1 virtual micro-batches
+    earlier (sent by its F of that chunk), none after the last chunk."""
+    cdef int n = st.n, m = st.m, v = st.v, total = m * v, j
+    if st.s > 0:
+        return _recv_msg(st, _fid(n, m, st.s, table[total + k + 1], table[k + 1])) \
+            if k + 1 < total else -1
+    j = k - (n - 1)
+    if j < 0 or table[total + j] == v - 1:
+        return -1
+    return _fid(n, m, n - 1, table[total + j], table[j])
+
+
+cdef inline int _recv_b(_Emit* st, const int* table, int k) noexcept nogil:
+    cdef int n = st.n, m = st.m, v = st.v, total = m * v, j, bc
+    if st.s < n - 1:
+        return _recv_msg(st, _bid(n, m, v, st.s, v - 1 - table[total + k + 1], table[k + 1])) \
+            if k + 1 < total else -1
+    j = k - (n - 1)
+    if j < 0:
+        return -1
+    bc = v - 1 - table[total + j]
+    if bc == 0:
+        return -1
+    return _bid(n, m, v, 0, bc, table[j])
+
+
 cdef class PipelineDAG:
     """Precomputed DAG structure of one (schedule, N, M, V); evaluate it for many weights."""
 
@@ -66,7 +423,10 @@ cdef class PipelineDAG:
         free(self._w)
         free(self._fin)
 
-    def __init__(self, str schedule, int num_stages, int num_microbatches, int virtual_stages=1):
+    def __init__(self, str schedule, int num_stages, int num_microbatches, int virtual_stages=1,
+                 list orders=None):
+        """``orders`` (tests only): per device a list of ``schedules.Op`` to build from instead
+        of the schedule's own orders (``order_ids``)."""
         n, m, v = _schedules.validate_schedule(schedule, num_stages, num_microbatches,
                                                virtual_stages)
         self.schedule = schedule
@@ -74,10 +434,9 @@ cdef class PipelineDAG:
         self.num_microbatches = m
         self.virtual_stages = v
         self.num_links = n if schedule == "interleaved-1f1b" else n - 1
-        orders = _schedules.op_orders(schedule, n, m, v)
         self._build(orders)
 
-    def _build(self, list orders):
+    def _build(self, list orders=None):
         """Flatten the devices' op orders into ``_links`` in a topological order sorted by
         DAG level (stable): a Kahn-style sweep over the fixed orders, then a counting sort by
         level (hops from the start), so ops of one level are independent and the sweep's CPU
@@ -112,16 +471,19 @@ cdef class PipelineDAG:
         cdef int* ptr = slot + total        # per device: next position
         cdef int* work = ptr + n            # stack of devices to advance (<= n + total)
         try:
+            if orders is None:
+                _orders_into(self.schedule, n, m, v, seq)
+            else:
+                for s in range(n):
+                    if len(orders[s]) != per:
+                        raise PoseidonError(f"internal: device {s} has {len(orders[s])} ops, "
+                                            f"expected {per}")
+                    for k, op in enumerate(orders[s]):
+                        seq[s * per + k] = ((nv if op.is_backward else 0) + op.chunk * n + s) \
+                            * m + op.microbatch
             for s in range(n):
-                if len(orders[s]) != per:
-                    raise PoseidonError(f"internal: device {s} has {len(orders[s])} ops, "
-                                        f"expected {per}")
-                k = 0
-                for op in orders[s]:
-                    idx = ((nv if op.is_backward else 0) + op.chunk * n + s) * m + op.microbatch
-                    seq[s * per + k] = idx
-                    posn[idx] = k
-                    k += 1
+                for k in range(per):
+                    posn[seq[s * per + k]] = k
             for i in range(total):
                 placed[i] = 0
                 waiter[i] = -1
@@ -218,6 +580,14 @@ cdef class PipelineDAG:
         perm = np.lexsort((ps, st)).astype(np.int64)
         perm.setflags(write=False)
         self.stage_major = perm
+
+    @property
+    def nbytes(self):
+        """Bytes this DAG holds (its links, workspace and per-op arrays; ``DagCache``)."""
+        return (self.num_ops * (sizeof(OpLink) + sizeof(double)) + self._wlen * sizeof(double)
+                + sum(a.nbytes for a in (self.op_stage, self.op_chunk, self.op_microbatch,
+                                         self.op_is_backward, self.op_position,
+                                         self.stage_major)))
 
     def __repr__(self):
         return (f"PipelineDAG(schedule={self.schedule!r}, num_stages={self.num_stages}, "
@@ -457,9 +827,6 @@ cdef class EngineDAG(PipelineDAG):
     def __init__(self, str schedule, int num_stages, int num_microbatches,
                  int virtual_stages=1, tuple calls=None):
         super().__init__(schedule, num_stages, num_microbatches, virtual_stages)
-        from poseidon_plugin.simulator.engine import device_program, walk_programs
-        cdef int n = self.num_stages, m = self.num_microbatches, v = self.virtual_stages
-        cdef int nv = n * v, L = self.num_links
         fo, bo, sc, rr = _call_costs(calls)
         self.calls = (fo, bo, sc, rr)
         # four constant slots after the inputs: op overheads (F, B), send call, receive ready
@@ -470,65 +837,19 @@ cdef class EngineDAG(PipelineDAG):
             raise MemoryError()
         self._w = w2
         self._w[base], self._w[base + 1], self._w[base + 2], self._w[base + 3] = fo, bo, sc, rr
-        FO, BO, SC, RR = base, base + 1, base + 2, base + 3
-        unbundled = schedule not in ("1f1b", "interleaved-1f1b")
-        progs = [device_program(schedule, n, m, s, v, unbundled) for s in range(n)]
-        # nodes in a topological order: (prev slot, dep slot, weight index, edge weight index)
-        nodes = []
-        last = [0] * n
-        sent = {}          # message -> slot whose finish is the sender's call time
-        for event, s, x in walk_programs(progs):
-            if event == "post":
-                sent[x] = last[s]
-            elif x[0] == "op":
-                op = x[1]
-                nodes.append((last[s], 0, 1 + (nv if op.is_backward else 0) + op.chunk * n + s,
-                              0))
-                last[s] = len(nodes)
-                if (bo if op.is_backward else fo) > 0.0:    # megatron's step around the model
-                    nodes.append((last[s], 0, BO if op.is_backward else FO, 0))
-                    last[s] = len(nodes)
-            else:
-                t_slot = last[s]               # the call starts here
-                for r in x[2]:
-                    nodes.append((last[s], sent[r], 0, _engine_edge(r, n, nv, L)))
-                    last[s] = len(nodes)
-                if x[2] and rr > 0.0:          # returns rr after max(t, arrivals)
-                    nodes.append((last[s], 0, RR, 0))
-                    last[s] = len(nodes)
-                if x[1] and sc > 0.0:          # and not before t + sc when it also sends
-                    nodes.append((last[s], t_slot, 0, SC) if x[2] else (last[s], 0, SC, 0))
-                    last[s] = len(nodes)
-        # sort by DAG level (stable), as the paper's DAG is: consecutive nodes are independent
-        # and the CPU overlaps them (about 4x faster than the discovery order)
-        level = [0] * (len(nodes) + 1)
-        for i0, (pv, dp, _, _) in enumerate(nodes):
-            level[i0 + 1] = max(level[pv], level[dp]) + 1
-        order = sorted(range(len(nodes)), key=lambda j: level[j + 1])
-        newslot = [0] * (len(nodes) + 1)
-        for new_i, old_i in enumerate(order):
-            newslot[old_i + 1] = new_i + 1
-        nodes = [(newslot[nodes[j][0]], newslot[nodes[j][1]], nodes[j][2], nodes[j][3])
-                 for j in order]
-        last = [newslot[x] for x in last]
-        cdef int i, total = len(nodes)
-        self._enodes = total
-        self._elinks = <OpLink*> malloc(max(total, 1) * sizeof(OpLink))
-        self._elast = <int*> malloc(n * sizeof(int))
-        self._efin = <double*> malloc((total + 1) * sizeof(double))
-        if not self._elinks or not self._elast or not self._efin:
-            raise MemoryError()
-        for i in range(total):
-            self._elinks[i].prev = nodes[i][0]
-            self._elinks[i].dep = nodes[i][1]
-            self._elinks[i].node_w = nodes[i][2]
-            self._elinks[i].edge_w = nodes[i][3]
-        for i in range(n):
-            self._elast[i] = last[i]
-        self._efin[0] = 0.0
+        _engine_build(self, schedule, fo, bo, sc, rr, base)
 
     def __repr__(self):
         return "Engine" + super().__repr__()
+
+    @property
+    def nbytes(self):
+        return PipelineDAG.nbytes.__get__(self) + self._enodes * (sizeof(OpLink) + sizeof(double))
+
+    @property
+    def num_engine_nodes(self):
+        """Nodes of the engine's sweep (ops, their overheads, receives, call returns)."""
+        return self._enodes
 
     cdef _copy_into(self, PipelineDAG other):
         PipelineDAG._copy_into(self, other)
@@ -551,6 +872,153 @@ cdef class EngineDAG(PipelineDAG):
         self._load(F, B, Pf, Pb)
         return _sweep(self._elinks, self._enodes, self._w, self._efin, self._elast,
                       self.num_stages, R)
+
+
+cdef int _engine_build(EngineDAG self, str schedule, double fo, double bo, double sc,
+                       double rr, int base) except -1:
+    """Fill ``_elinks`` / ``_elast`` from the devices' programs (see above)."""
+    cdef int n = self.num_stages, m = self.num_microbatches, v = self.virtual_stages
+    cdef int per = 2 * m * v, total_ops = 2 * n * m * v, kind = _kind_of(schedule, v)
+    cdef bint unbundled = schedule not in ("1f1b", "interleaved-1f1b")
+    cdef _Nodes x
+    cdef _Emit st
+    x.prev = x.dep = x.w = x.e = NULL
+    x.size = x.cap = 0
+    cdef int* ops = <int*> malloc(<size_t> per * sizeof(int) + sizeof(int))
+    cdef int* table = NULL
+    cdef int* beg = <int*> malloc((n + 1) * sizeof(int))
+    cdef int* level = NULL
+    cdef int* order = NULL
+    cdef int* whead = NULL
+    cdef int* wnext = NULL
+    cdef int* ptr = NULL
+    cdef int* stack = NULL
+    cdef int s, i, d, lv, top, cnt, total, maxlv, p, y
+    st.post = <int*> malloc(<size_t> total_ops * sizeof(int) + sizeof(int))
+    try:
+        if not ops or not beg or not st.post:
+            raise MemoryError()
+        if kind == _INTERLEAVED:
+            table = _interleaved_table(m, v, n)
+        st.n, st.m, st.v, st.nv, st.L = n, m, v, n * v, self.num_links
+        st.FO, st.BO, st.SC, st.RR = base, base + 1, base + 2, base + 3
+        st.fo, st.bo, st.sc, st.rr = fo > 0.0, bo > 0.0, sc > 0.0, rr > 0.0
+        for i in range(total_ops):
+            st.post[i] = -1
+        for s in range(n):
+            beg[s] = x.size
+            st.s = s
+            st.last = 0
+            _order_into(kind, n, m, v, s, table, ops)
+            _program(&x, &st, kind, unbundled, ops, table)
+        beg[n] = x.size
+        total = x.size
+        # the receives' dependencies: the sender's slot before the call that posts the message
+        for i in range(total):
+            d = x.dep[i]
+            if d < 0:
+                d = st.post[-d - 1]
+                if d < 0:
+                    raise PoseidonError(f"engine model: the device programs deadlock (a message "
+                                        f"is received but never sent; a bug)")
+                x.dep[i] = d
+        # Kahn's sweep over the chains: a topological order (order), the level of every slot
+        level = <int*> malloc((<size_t> total + 1) * sizeof(int))
+        order = <int*> malloc((<size_t> total + 1) * sizeof(int))
+        whead = <int*> malloc((<size_t> total + 1) * sizeof(int))
+        wnext = <int*> malloc(n * sizeof(int))
+        ptr = <int*> malloc(n * sizeof(int))
+        stack = <int*> malloc(n * sizeof(int))
+        if not level or not order or not whead or not wnext or not ptr or not stack:
+            raise MemoryError()
+        with nogil:
+            level[0] = 0
+            for i in range(1, total + 1):
+                level[i] = -1
+                whead[i] = -1
+            for s in range(n):
+                ptr[s] = beg[s]
+                stack[s] = n - 1 - s
+            top = n
+            cnt = 0
+            maxlv = 0
+            while top > 0:
+                top -= 1
+                s = stack[top]
+                while ptr[s] < beg[s + 1]:
+                    i = ptr[s]
+                    d = x.dep[i]
+                    if level[d] < 0:                  # the sender has not reached its call
+                        wnext[s] = whead[d]
+                        whead[d] = s
+                        break
+                    p = x.prev[i]
+                    lv = (level[p] if level[p] > level[d] else level[d]) + 1
+                    level[i + 1] = lv
+                    if lv > maxlv:
+                        maxlv = lv
+                    order[cnt] = i
+                    cnt += 1
+                    ptr[s] += 1
+                    y = whead[i + 1]
+                    while y >= 0:
+                        stack[top] = y
+                        top += 1
+                        y = wnext[y]
+                    whead[i + 1] = -1
+        if cnt != total:
+            raise PoseidonError("engine model: the device programs deadlock (a bug)")
+        # a stable counting sort by level (consecutive nodes independent: the sweep's CPU
+        # overlaps them): whead becomes the per-level cursor, then slot -> new slot
+        free(whead)
+        whead = <int*> calloc(<size_t> maxlv + 2, sizeof(int))
+        if not whead:
+            raise MemoryError()
+        self._enodes = total
+        self._elinks = <OpLink*> malloc(max(total, 1) * sizeof(OpLink))
+        self._elast = <int*> malloc(n * sizeof(int))
+        self._efin = <double*> malloc((<size_t> total + 1) * sizeof(double))
+        if not self._elinks or not self._elast or not self._efin:
+            raise MemoryError()
+        with nogil:
+            for i in range(total):
+                whead[level[i + 1]] += 1          # levels are 1..maxlv
+            d = 0
+            for lv in range(maxlv + 1):
+                p = whead[lv]
+                whead[lv] = d
+                d += p
+            for i in range(total):               # order[] in topological order -> new slots
+                y = order[i]
+                lv = level[y + 1]
+                level[y + 1] = whead[lv] + 1      # level[] now holds the new slot
+                whead[lv] += 1
+            level[0] = 0
+            for i in range(total):
+                y = level[i + 1] - 1
+                self._elinks[y].prev = level[x.prev[i]]
+                self._elinks[y].dep = level[x.dep[i]]
+                self._elinks[y].node_w = x.w[i]
+                self._elinks[y].edge_w = x.e[i]
+            for s in range(n):
+                self._elast[s] = level[beg[s + 1]] if beg[s + 1] > beg[s] else 0
+            self._efin[0] = 0.0
+    finally:
+        free(x.prev)
+        free(x.dep)
+        free(x.w)
+        free(x.e)
+        free(ops)
+        free(table)
+        free(beg)
+        free(st.post)
+        free(level)
+        free(order)
+        free(whead)
+        free(wnext)
+        free(ptr)
+        free(stack)
+    return 0
 
 
 def _engine_edge(tuple msg, int n, int nv, int L):
@@ -576,10 +1044,50 @@ def _call_costs(calls) -> tuple:
     return out
 
 
-@lru_cache(maxsize=256)
+DAG_CACHE_BYTES = 1 << 30   # the DAGs kept built (a huge M: hundreds of MB each), see DagCache
+DAG_CACHE_ENTRIES = 256
+
+
+class DagCache:
+    """Least-recently-used DAGs bounded by their bytes (``nbytes``) and their count: a DAG of
+    131,072 micro-batches holds ~0.3 GB, and 256 of them (an lru of 256 by count) held 5.8 GB.
+    The newest DAG always stays, however large (it is the one being timed)."""
+
+    def __init__(self, max_bytes: int = DAG_CACHE_BYTES, max_entries: int = DAG_CACHE_ENTRIES):
+        from collections import OrderedDict
+        self.max_bytes, self.max_entries = max_bytes, max_entries
+        self._d = OrderedDict()
+        self.bytes = 0
+
+    def get(self, key, build):
+        got = self._d.get(key)
+        if got is not None:
+            self._d.move_to_end(key)
+            return got
+        got = build()
+        self._d[key] = got
+        self.bytes += got.nbytes
+        while len(self._d) > 1 and (self.bytes > self.max_bytes
+                                    or len(self._d) > self.max_entries):
+            _, old = self._d.popitem(last=False)
+            self.bytes -= old.nbytes
+        return got
+
+    def clear(self):
+        self._d.clear()
+        self.bytes = 0
+
+    def __len__(self):
+        return len(self._d)
+
+
+_DAGS = DagCache()
+
+
 def get_dag(str schedule, int num_stages, int num_microbatches, int virtual_stages=1,
             bint engine=False, tuple calls=None):
-    """The cached DAG of (schedule, N, M, V). ``engine``: the timing of how megatron-core runs
+    """The cached DAG of (schedule, N, M, V) (``DagCache``: bounded by bytes). ``engine``: the
+    timing of how megatron-core runs
     it (an ``EngineDAG`` for interleaved-1f1b; 1f1b is the same either way, and eager-1f1b /
     gpipe are not run by megatron-core, so they keep the paper's DAG). ``calls`` (engine only):
     megatron's per-op and per-call overheads ``(op forward, op backward, send call, receive
@@ -588,6 +1096,13 @@ def get_dag(str schedule, int num_stages, int num_microbatches, int virtual_stag
     gpipe, which megatron-core does not run, with one blocking call per message:
     ``engine.device_program(unbundled=True)``).
     Shared: use ``.copy()`` per thread when calling its ``nogil`` API from several threads."""
+    key = (schedule, num_stages, num_microbatches, virtual_stages, engine, calls)
+    return _DAGS.get(key, lambda: _make_dag(schedule, num_stages, num_microbatches,
+                                            virtual_stages, engine, calls))
+
+
+def _make_dag(str schedule, int num_stages, int num_microbatches, int virtual_stages,
+              bint engine, tuple calls):
     costs = _call_costs(calls)
     if engine and any(costs):
         return EngineDAG(schedule, num_stages, num_microbatches, virtual_stages, costs)

@@ -297,20 +297,17 @@ def test_core_checks_lengths():
 
 
 
-def test_core_rejects_orders_that_deadlock_or_miss_ops(monkeypatch):
+def test_core_rejects_orders_that_deadlock_or_miss_ops():
     """The DAG build's own checks (the schedules never trigger them): device 0 running B(0)
     before F(0) waits on itself through device 1; a device with an op missing."""
     from poseidon_plugin import _core
     from poseidon_plugin.simulator.schedules import Op
 
     fwd, bwd = Op(False, 0, 0), Op(True, 0, 0)
-    monkeypatch.setattr(_core._schedules, "op_orders",
-                        lambda *a, **k: [[bwd, fwd], [fwd, bwd]])
     with pytest.raises(PoseidonError, match="deadlocks: 0 of 4 ops"):
-        _core.PipelineDAG("1f1b", 2, 1, 1)
-    monkeypatch.setattr(_core._schedules, "op_orders", lambda *a, **k: [[fwd, bwd], [fwd]])
+        _core.PipelineDAG("1f1b", 2, 1, 1, [[bwd, fwd], [fwd, bwd]])
     with pytest.raises(PoseidonError, match="device 1 has 1 ops, expected 2"):
-        _core.PipelineDAG("1f1b", 2, 1, 1)
+        _core.PipelineDAG("1f1b", 2, 1, 1, [[fwd, bwd], [fwd]])
 
 
 def test_core_dag_links_follow_the_schedules_orders():

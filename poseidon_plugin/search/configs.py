@@ -623,7 +623,39 @@ def bound_structure(schedule: str, n: int, m: int, v: int) -> "_search.BoundStru
         if cf is not None:
             acnt, t1cnt, clast, loop1 = cf
             return _search.BoundStructure(n, m, v, acnt, t1cnt, clast, loop1=loop1)
-    return bound_structure_from_orders(schedule, n, m, v)
+    return bound_structure_from_ids(schedule, n, m, v)
+
+
+def bound_structure_from_ids(schedule: str, n: int, m: int, v: int) -> "_search.BoundStructure":
+    """``bound_structure_from_orders`` from ``_core.order_ids`` (int arrays, no object per
+    op: a huge M took seconds in Python); tests/test_core_orders.py checks it equal."""
+    from .._core import decode_ids, order_ids
+
+    if v == 1 and schedule == "interleaved-1f1b":   # megatron runs 1F1B then (same orders)
+        acnt, t1cnt, clast, loop1 = _closed_form_structure("1f1b", n, m)
+        return _search.BoundStructure(n, m, v, acnt, t1cnt, clast, loop1=loop1)
+    if v == 1:
+        return bound_structure_from_orders(schedule, n, m, v)
+    ids = order_ids(schedule, n, m, v)
+    acnt = np.zeros(n * v, dtype=np.int32)
+    t1cnt = np.zeros(n * v, dtype=np.int32)
+    clast = None
+    for s in range(n):
+        isb, ch, _, mb = decode_ids(ids[s], n, m, v)
+        first_b = int(np.argmax(isb))
+        if not isb[first_b] or (ch[first_b], mb[first_b]) != (v - 1, 0):
+            raise AssertionError(f"{schedule}: first backward of stage {s} is not (V-1, 0)")
+        t1 = int(np.argmax(~isb & (ch == v - 1) & (mb == 0)))
+        acnt[s * v:(s + 1) * v] += np.bincount(ch[:first_b], minlength=v).astype(np.int32)
+        t1cnt[s * v:(s + 1) * v] += np.bincount(ch[:t1 + 1], minlength=v).astype(np.int32)
+        if not isb[-1] or mb[-1] != m - 1:
+            raise AssertionError(f"{schedule}: last op of stage {s} is not B(., M-1)")
+        if clast is None:
+            clast = int(ch[-1])
+        elif clast != int(ch[-1]):
+            raise AssertionError(f"{schedule}: last chunk differs between stages")
+    return _search.BoundStructure(n, m, v, acnt, t1cnt, clast,
+                                  pair_counts_from_ids(ids, n, m, v), loop1=0)
 
 
 def steady_1f1b(orders) -> bool:
@@ -674,6 +706,28 @@ def bound_structure_from_orders(schedule: str, n: int, m: int, v: int
     return _search.BoundStructure(n, m, v, acnt, t1cnt, clast,
                                   pair_counts(orders, v) if v > 1 else None,
                                   loop1=int(v == 1 and steady_1f1b(orders)))
+
+
+def pair_counts_from_ids(ids: np.ndarray, n: int, m: int, v: int) -> np.ndarray | None:
+    """``pair_counts`` of the orders ``_core.order_ids`` gives (numpy, no object per op)."""
+    from .._core import decode_ids
+
+    isb, ch, _, mb = decode_ids(ids[0], n, m, v)
+    fwd = ~isb
+    c1 = int(np.argmax(fwd & (ch == 1)))
+    head = fwd[:c1] & (ch[:c1] == 0)
+    kstar = int(mb[:c1][head].max())
+    out = np.zeros((n, 3, 2, v), dtype=np.int32)
+    for s in range(n):
+        isb, ch, _, mb = decode_ids(ids[s], n, m, v)
+        fk = int(np.argmax(~isb & (ch == 0) & (mb == kstar)))
+        b0 = int(np.argmax(isb & (ch == 0) & (mb == 0)))
+        if b0 < fk:
+            return None
+        key = isb.astype(np.int64) * v + ch
+        for part, (lo, hi) in enumerate(((0, fk + 1), (fk + 1, b0 + 1), (b0, len(key)))):
+            out[s, part] = np.bincount(key[lo:hi], minlength=2 * v).reshape(2, v)
+    return out
 
 
 def pair_counts(orders, v: int) -> np.ndarray | None:

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
 from ..comm import send_ms
 from ..costs import CostModel, simulator_arrays
 from ..plan import TIMING_MODEL
-from .._core import get_dag
+from .._core import DagCache, get_dag
 from ..simulator.pipeline import iteration_time_ms
 from . import _search
 from .configs import (OptionCosts, OuterConfig, bound_structure, layer_limits,
@@ -29,13 +28,18 @@ ENGINE_TIMING = TIMING_MODEL == "engine"
 calls); the paper's DAG under-predicts interleaved plans by ~4 % (see docs/search.md)."""
 
 
-@lru_cache(maxsize=64)
+_COPIES = DagCache()    # the per-thread workspaces (slot > 0), bounded by bytes as get_dag's
+
+
 def cached_dag(schedule: str, n: int, m: int, v: int, slot: int = 0, calls: tuple | None = None):
     """The simulator's ``PipelineDAG`` of (schedule, N, M, V) and megatron's per-op / per-call
     costs ``calls`` (``CostModel.engine_calls``), built once per process and ``slot`` (each
-    thread of a split search uses its own slot: the DAG's workspace)."""
-    dag = get_dag(schedule, n, m, v, ENGINE_TIMING, calls)
-    return dag if slot == 0 else dag.copy()
+    thread of a split search uses its own slot: the DAG's workspace). Both caches are bounded
+    by bytes (``_core.DagCache``), not by count: a DAG of 131,072 micro-batches holds ~0.3 GB."""
+    if slot == 0:
+        return get_dag(schedule, n, m, v, ENGINE_TIMING, calls)
+    return _COPIES.get((schedule, n, m, v, slot, calls),
+                       lambda: get_dag(schedule, n, m, v, ENGINE_TIMING, calls).copy())
 
 
 def time_assignment(cm: CostModel, cfg: OuterConfig, stage_opts, layers):
