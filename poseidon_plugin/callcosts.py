@@ -24,6 +24,9 @@ How the cost model uses them (``engine_calls``): one value of each for every dev
 cluster's device types' records, the call costs the largest over the types' records of any
 link kind, each interpolated linearly in the message size (the plan's activation bytes) between
 the measured sizes (the nearest outside them). No record: 0 (the timing of DBs written before).
+``EngineCalls.source`` names the records each cost came from (``measured: op_overheads H100
+(forward), H20 (backward); p2p_calls H20 cross-type at 4194304 B (send call), ...``); the plan
+JSON's ``timing_model`` carries it beside the four numbers, which alone re-derive its time.
 """
 
 from __future__ import annotations
@@ -126,13 +129,20 @@ def p2p_call_to_record(c: P2PCall) -> dict[str, Any]:
 
 def _interp(points: list[tuple[int, float]], x: float) -> float:
     """Linear in the message size between measured sizes, the nearest one outside them."""
+    return _interp_from(points, x)[0]
+
+
+def _interp_from(points: list[tuple[int, float]], x: float) -> tuple[float, tuple[int, ...]]:
+    """(``_interp``'s value, the measured sizes it came from: one, or the two around ``x``)."""
     points = sorted(points)
     if x <= points[0][0]:
-        return points[0][1]
+        return points[0][1], (points[0][0],)
     for (x0, y0), (x1, y1) in zip(points, points[1:]):
-        if x <= x1:
-            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    return points[-1][1]
+        if x == x1:
+            return y1, (x1,)
+        if x < x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0), (x0, x1)
+    return points[-1][1], (points[-1][0],)
 
 
 @dataclass(frozen=True)
@@ -167,14 +177,26 @@ def engine_calls(db, type_names: Iterable[str], message_bytes: float) -> EngineC
     calls = [c for c in db.p2p_calls() if c.device_type in names]
     if not ops and not calls:
         return EngineCalls()
-    fo = max((o.forward_ms for o in ops), default=0.0)
-    bo = max((o.backward_ms for o in ops), default=0.0)
+    named: list[str] = []
+    fo = bo = 0.0
+    if ops:
+        of = max(ops, key=lambda o: (o.forward_ms, o.device_type))
+        ob = max(ops, key=lambda o: (o.backward_ms, o.device_type))
+        fo, bo = of.forward_ms, ob.backward_ms
+        named.append(f"op_overheads {of.device_type} (forward), {ob.device_type} (backward)")
     groups: dict[tuple[str, str], list[P2PCall]] = {}
     for c in calls:
         groups.setdefault((c.device_type, c.link), []).append(c)
-    sc = max((_interp([(c.message_bytes, c.send_call_ms) for c in g], message_bytes)
-              for g in groups.values()), default=0.0)
-    rr = max((_interp([(c.message_bytes, c.recv_ready_ms) for c in g], message_bytes)
-              for g in groups.values()), default=0.0)
-    src = ", ".join(sorted({o.device_type for o in ops} | {c.device_type for c in calls}))
-    return EngineCalls(fo, bo, sc, rr, f"measured ({src})")
+    sc = rr = 0.0
+    if groups:
+        def pick(field: str) -> tuple[float, str]:
+            best = max(((_interp_from([(c.message_bytes, getattr(c, field)) for c in g],
+                                      message_bytes), key) for key, g in groups.items()),
+                       key=lambda t: (t[0][0], t[1]))
+            (value, sizes), (dev, link) = best
+            return value, f"{dev} {link} at {'-'.join(map(str, sizes))} B"
+
+        sc, at_sc = pick("send_call_ms")
+        rr, at_rr = pick("recv_ready_ms")
+        named.append(f"p2p_calls {at_sc} (send call), {at_rr} (receive ready)")
+    return EngineCalls(fo, bo, sc, rr, "measured: " + "; ".join(named))

@@ -674,6 +674,10 @@ def _cmd_profile(ns) -> int:
         return 0
     stored, total = offline.write_profiles(records, ns.out, calls)
     for c in calls:
+        if not hasattr(c, "link"):   # callcosts.OpOverhead
+            print(f"op overhead {c.device_type}: forward {c.forward_ms:.3f} ms, backward "
+                  f"{c.backward_ms:.3f} ms (megatron-core's forward_step / backward_step)")
+            continue
         print(f"p2p call {c.device_type} {c.link} {c.message_bytes} bytes: send "
               f"{c.send_call_ms:.3f} ms, receive ready {c.recv_ready_ms:.3f} ms, latency "
               f"{c.latency_ms:.3f} ms")

@@ -34,7 +34,7 @@ SLOW = {
     "tests/test_launch_e2e.py::test_emulated_heterogeneous_training": 82,
     "tests/test_launch_e2e.py::test_dry_run_prints_flags_builds_nothing_and_second_launch_uses_the_cache": 70,
     "tests/test_launch_e2e.py::test_corrupt_profile_cache_is_set_aside_and_reprofiled": 47,
-    "tests/test_launch_e2e.py::test_a_rank_that_never_answers_is_named": 10,
+    "tests/test_launch_e2e.py::test_a_rank_that_never_answers_is_named": 20,   # 2 phases
     "tests/test_launch_e2e.py::test_ranks_the_plan_does_not_use_exit_0_and_megatron_sees_only_the_used_ones": 32,
     "tests/test_mindspeed_llm.py::test_the_real_release_is_imported": 24,
     "tests/test_mindspeed_llm_launch.py::test_dry_run_prints_the_plan_and_exits_0": 104,
@@ -46,7 +46,7 @@ SLOW = {
     "tests/test_validate.py::test_real_validate_run_small": 11,
     "tests/test_moe_ep_launch.py::test_emulated_moe_training_with_expert_parallelism": 55,
     "tests/test_profile_torchrun.py::test_two_processes_measure_tp_2_and_the_plan_uses_it": 19,
-    "tests/test_profile_torchrun.py::test_a_rank_that_never_answers_is_named": 12,
+    "tests/test_profile_torchrun.py::test_a_rank_that_never_answers_is_named": 24,   # 2 phases
     "tests/test_profile_torchrun.py::test_tp_above_the_processes_is_one_error_line": 3,
     "tests/test_profile_kinds.py::test_emulated_launch_profiles_both_kinds_and_the_dry_run_plans": 26,
     "tests/test_search_distributed.py::test_cli_distributed_under_torchrun_matches_one_process": None,   # not measured (a torchrun plan)

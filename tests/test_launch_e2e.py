@@ -181,7 +181,8 @@ def test_dry_run_prints_flags_builds_nothing_and_second_launch_uses_the_cache(tm
     report = tmp_path / "report"
     env = {"POSEIDON_EXAMPLE_REPORT": str(report), "POSEIDON_PROFILE_DIR": str(tmp_path / "profiles")}
     args = [*GPT_ARGS, "--train-iters", "2", "--poseidon-auto", "--poseidon-dry-run",
-            "--poseidon-emulate", EMULATE4, "--pipeline-model-parallel-size", "4"]
+            "--poseidon-emulate", EMULATE4, "--pipeline-model-parallel-size", "4",
+            "--poseidon-save-plan", str(tmp_path / "plan.json")]
     proc, out, _ = torchrun(4, args, env)
     assert proc.returncode == 0, ok(proc, out)
     assert "--tensor-model-parallel-size" in out and "command line the script runs with" in out
@@ -189,9 +190,32 @@ def test_dry_run_prints_flags_builds_nothing_and_second_launch_uses_the_cache(tm
     assert "profiling:" in out
     assert not report.exists()                      # no rank reached the script
     assert "lm loss" not in out and "building GPT model" not in out
+    # megatron's per-op overheads (each emulated type: the median over its ranks) and the p2p
+    # call costs of each link kind the launch has (two types on one host: intra-node of each,
+    # one cross-type pair) at the activation size, in the cache; the search charged them
+    from poseidon_plugin.callcosts import engine_calls
+    from poseidon_plugin.profiles import ProfileDB
+
+    (cache,) = glob.glob(str(tmp_path / "profiles" / "profiles-*.json"))
+    db = ProfileDB.load(cache)
+    assert [(o.device_type, o.source) for o in db.op_overheads()] == [
+        ("emu-fast", "measured"), ("emu-slow", "measured")]
+    assert all(0 < o.forward_ms < 100 and 0 < o.backward_ms < 100 for o in db.op_overheads())
+    act = 2 * 1 * 128 * 128   # bf16 x micro-batch 1 x seq 128 x hidden 128
+    assert sorted(c.key for c in db.p2p_calls()) == [
+        ("emu-fast", "intra-node", act), ("emu-slow", "cross-type", act),
+        ("emu-slow", "intra-node", act)]
+    assert all(c.send_call_ms > 0 and c.recv_ready_ms > 0 for c in db.p2p_calls())
+    assert "megatron's per-op overheads and p2p call costs: 2 op overhead and 3 p2p call" in out
+    tm = json.loads((tmp_path / "plan.json").read_text())["timing_model"]
+    want = engine_calls(db, ["emu-fast", "emu-slow"], act)
+    assert (tm["op_forward_ms"], tm["op_backward_ms"], tm["send_call_ms"],
+            tm["recv_ready_ms"]) == pytest.approx(want.as_tuple(), abs=1e-6)
+    assert tm["source"] == want.source and "p2p_calls emu-" in tm["source"]
     proc2, out2, _ = torchrun(4, args, env)
     assert proc2.returncode == 0, ok(proc2, out2)
     assert "from the cache" in out2 and "profiling:" not in out2
+    assert "megatron's per-op overheads" not in out2   # cached too
     # the same layer costs (the links are probed again each launch, so the sends move a
     # little: a layout one near-tie away may now be faster by a fraction of a per cent): the
     # first launch's plan is within the window of the fastest, and kept
@@ -225,10 +249,11 @@ def test_corrupt_profile_cache_is_set_aside_and_reprofiled(tmp_path):
     json.loads(open(cache).read())  # rewritten, valid
 
 
-def test_a_rank_that_never_answers_is_named(tmp_path):
+@pytest.mark.parametrize("phase", ["profiling", "p2p-calls"])
+def test_a_rank_that_never_answers_is_named(tmp_path, phase):
     emu = write_emulation(tmp_path / "emu.yaml", ["emu-slow", "emu-fast"])
     env = {"POSEIDON_PROFILE_DIR": str(tmp_path / "profiles"),
-           "POSEIDON_FAULT_INJECT": "profiling:1:hang"}
+           "POSEIDON_FAULT_INJECT": f"{phase}:1:hang"}
     args = [*GPT_ARGS, "--train-iters", "2", "--poseidon-auto", "--poseidon-emulate", emu,
             "--poseidon-timeout", "3"]
     # the 3 s wait is the product's (named in the error); the run's own wall time, torch's and
@@ -236,7 +261,7 @@ def test_a_rank_that_never_answers_is_named(tmp_path):
     proc, out, _ = torchrun(2, args, env, timeout=300)
     assert proc.returncode != 0
     assert re.search(r"timed out after 3 s .*rank 1 \(host [^,]+, local rank 1, emu-fast\) "
-                     r"\(last seen entering 'profiling'", out), out[-4000:]
+                     rf"\(last seen entering '{phase}'", out), out[-4000:]
 
 
 def _single(args: list[str], tmp_path) -> subprocess.CompletedProcess:

@@ -53,6 +53,12 @@ def test_profile_on_cpu_then_plan_uses_the_measured_records(tmp_path):
     est = memory.layer_activation_bytes(model, micro_batch_size=1, seq_length=128, tp=1,
                                         setup=TrainingSetup(attention="unfused"))
     assert rec.activation_bytes == pytest.approx(est, rel=0.25)
+    # megatron-core's per-op overheads, measured on this one process (no p2p calls: no peer)
+    (op,) = ProfileDB.load(db).op_overheads()
+    assert op.device_type == "cpu" and op.source == "measured"
+    assert 0 < op.forward_ms < 100 and 0 < op.backward_ms < 100
+    assert ProfileDB.load(db).p2p_calls() == []
+    assert "op overhead cpu: forward" in proc.stdout
 
     (tmp_path / "c.yaml").write_text(CLUSTER)
     proc = poseidon("plan", "--cluster", "c.yaml", "--model", TINY, "--global-batch-size", "4",
@@ -62,6 +68,10 @@ def test_profile_on_cpu_then_plan_uses_the_measured_records(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stderr == ""
     plan = json.loads(proc.stdout)
+    tm = plan["timing_model"]   # the search charged them
+    assert (tm["op_forward_ms"], tm["op_backward_ms"]) == pytest.approx(
+        (op.forward_ms, op.backward_ms), abs=1e-6)
+    assert tm["source"] == "measured: op_overheads cpu (forward), cpu (backward)"
     for st in plan["stages"]:
         assert st["provenance"]["decoder"]["source"] == "measured"
         assert st["memory"]["activations_source"] == "measured"

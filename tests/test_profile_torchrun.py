@@ -1,6 +1,8 @@
 """``poseidon profile`` under torchrun: two CPU processes measure the tiny model's layer at TP 1
 and with a real TP 2 group, rank 0 writes the DB, and ``poseidon plan --profiles`` plans a TP 2
-stage from the measured record; a rank that never answers is named within ``--timeout``; a TP
+stage from the measured record (and charges the per-op overheads and p2p call costs the two
+processes measured); a rank that never answers is named within ``--timeout`` (in the layers'
+and in the p2p calls' phase); a TP
 degree above the processes per node is one error line (integration: torch + megatron-core;
 about 40 s on a 2-core box)."""
 
@@ -53,6 +55,12 @@ def test_two_processes_measure_tp_2_and_the_plan_uses_it(tmp_path):
     assert call.message_bytes == 2 * 1 * 128 * get_model(TINY).hidden_size
     assert call.send_call_ms > 0 and call.recv_ready_ms > 0 and call.latency_ms >= 0
     assert out.count("p2p call cpu intra-node") == 1
+    # megatron-core's per-op overheads (forward_step / backward_step around a zero-time model),
+    # the median over the two processes
+    (op,) = ProfileDB.load(str(tmp_path / "db.json")).op_overheads()
+    assert op.device_type == "cpu" and op.source == "measured"
+    assert 0 < op.forward_ms < 100 and 0 < op.backward_ms < 100
+    assert out.count("op overhead cpu: forward") == 1
 
     (tmp_path / "c.yaml").write_text(CLUSTER)
     proc = poseidon("plan", "--cluster", "c.yaml", "--model", TINY, "--global-batch-size", "4",
@@ -70,16 +78,25 @@ def test_two_processes_measure_tp_2_and_the_plan_uses_it(tmp_path):
     # the search charged them (named in the plan's timing model)
     tm = json.loads((tmp_path / "plan.json").read_text())["timing_model"]
     assert tm["send_call_ms"] == pytest.approx(call.send_call_ms, abs=1e-6)
+    assert (tm["op_forward_ms"], tm["op_backward_ms"]) == pytest.approx(
+        (op.forward_ms, op.backward_ms), abs=1e-6)
+    assert tm["source"] == ("measured: op_overheads cpu (forward), cpu (backward); p2p_calls "
+                            f"cpu intra-node at {call.message_bytes} B (send call), cpu "
+                            f"intra-node at {call.message_bytes} B (receive ready)")
 
 
-def test_a_rank_that_never_answers_is_named(tmp_path):
+@pytest.mark.parametrize("phase, at", [("profiling", "profiling-tp1"),
+                                       ("p2p-calls", "p2p-calls-0")])
+def test_a_rank_that_never_answers_is_named(tmp_path, phase, at):
     # the 3 s wait is the product's (named in the error); the start-up's wall time is not
-    # asserted: a hang still fails at the subprocess timeout
-    proc, out, _ = profile(tmp_path, 2, "--tp", "1", "2", "--timeout", "3",
-                           env={"POSEIDON_FAULT_INJECT": "profiling:1:hang"}, timeout=300)
+    # asserted: a hang still fails at the subprocess timeout. p2p-calls: the per-call costs'
+    # phase, after the layers
+    tps = ("1", "2") if phase == "profiling" else ("1",)
+    proc, out, _ = profile(tmp_path, 2, "--tp", *tps, "--timeout", "3",
+                           env={"POSEIDON_FAULT_INJECT": f"{phase}:1:hang"}, timeout=300)
     assert proc.returncode != 0
-    assert re.search(r"poseidon: error: timed out after 3 s waiting for 1 rank\(s\) at "
-                     r"'profiling-tp1': rank 1 \(last seen entering 'profiling'", out), out[-4000:]
+    assert re.search(rf"poseidon: error: timed out after 3 s waiting for 1 rank\(s\) at "
+                     rf"'{at}': rank 1 \(last seen entering '{phase}'", out), out[-4000:]
     assert not (tmp_path / "db.json").exists()
 
 

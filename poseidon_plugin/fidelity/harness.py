@@ -3,7 +3,9 @@
 ``run_cases`` spawns ``PP x DP`` processes per world size (``torch.multiprocessing``, gloo); each
 worker installs the CPU shims of ``poseidon_plugin.megatron.emulation``, then for every case
 calls ``parallel_state.initialize_model_parallel(pipeline_model_parallel_size=PP, ...)`` and runs
-a ``_StageRun``: engine overheads (the schedule with zero-time layers), a profile like the
+a ``_StageRun``: engine overheads (the schedule with zero-time layers; the emulated model and
+the overheads' medians are ``megatron/op_overhead.py``'s, which the profilers' own op-overhead
+measurement uses too), a profile like the
 plugin's (compute alone, p2p ping-pong and megatron's own p2p call costs, finalize and optimizer),
 then the measured iterations with every op recorded (``megatron.recorder.OpRecorder``). Rank 0
 writes every rank's results to a JSON file; ``report.assemble_case`` turns them into rows.
@@ -41,88 +43,16 @@ def _median(xs: Sequence[float]) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# the emulated model
+# the emulated model (megatron/op_overhead.py: shared with the profilers' op-overhead measurement)
 # ---------------------------------------------------------------------------------------------
 
 
-def _emu_modules(emu: Emulation):
-    """Import torch lazily and build the emulated layer / chunk classes."""
-    import torch
-
-    def pad_to(t0: float, target_s: float) -> None:
-        rest = target_s - (time.perf_counter() - t0)
-        if rest > 0:
-            time.sleep(rest)
-
-    class EmuLinearFn(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, weight, fwd_s, bwd_s):
-            t0 = time.perf_counter()
-            ctx.save_for_backward(x, weight)
-            ctx.bwd_s = bwd_s
-            y = torch.nn.functional.linear(x, weight)
-            pad_to(t0, fwd_s)
-            return y
-
-        @staticmethod
-        def backward(ctx, g):
-            t0 = time.perf_counter()
-            x, weight = ctx.saved_tensors
-            gx = g @ weight
-            gw = (g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]))
-            pad_to(t0, ctx.bwd_s)
-            return gx, gw, None, None
-
-    class EmuLayer(torch.nn.Module):
-        def __init__(self, hidden: int, fwd_ms: float, bwd_ms: float) -> None:
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.randn(hidden, hidden) / math.sqrt(hidden))
-            self.fwd_s, self.bwd_s = fwd_ms / 1e3, bwd_ms / 1e3
-
-        def forward(self, x):
-            return EmuLinearFn.apply(x, self.weight, self.fwd_s, self.bwd_s)
-
-    class EmuChunk(torch.nn.Module):
-        """One model chunk: megatron's schedule calls set_input_tensor, then forward."""
-
-        def __init__(self, config, layers: int, fwd_ms: float, bwd_ms: float,
-                     is_first: bool, is_last: bool) -> None:
-            super().__init__()
-            self.config = config
-            self.layers = torch.nn.ModuleList(
-                EmuLayer(emu.hidden, fwd_ms, bwd_ms) for _ in range(layers))
-            self.is_first, self.is_last = is_first, is_last
-            from megatron.core.enums import ModelType
-
-            self.model_type = ModelType.encoder_or_decoder
-            self.input_tensor = None
-
-        def set_input_tensor(self, tensor) -> None:
-            if isinstance(tensor, (list, tuple)):
-                tensor = tensor[0]
-            self.input_tensor = tensor
-
-        def forward(self, x):
-            h = x if self.is_first else self.input_tensor
-            for layer in self.layers:
-                h = layer(h)
-            return h
-
-    return EmuChunk
-
-
 def _build(case: Case, emu: Emulation, pp_rank: int, zero_time: bool = False):
-    import torch
-    from megatron.core.model_parallel_config import ModelParallelConfig
+    from ..megatron.op_overhead import emulated_chunk_class, schedule_config
 
     v = case.virtual_stages
-    config = ModelParallelConfig(
-        pipeline_model_parallel_size=case.pp,
-        virtual_pipeline_model_parallel_size=v if v > 1 else None,
-        pipeline_dtype=torch.float32)
-    config.hidden_size = emu.hidden
-    config.calculate_per_token_loss = False
-    EmuChunk = _emu_modules(emu)
+    config = schedule_config(emu.hidden, case.pp, v)
+    EmuChunk = emulated_chunk_class()
     speed = case.speed(pp_rank)
     scale = 0.0 if zero_time else 1.0 / speed
     chunks = []
@@ -130,7 +60,8 @@ def _build(case: Case, emu: Emulation, pp_rank: int, zero_time: bool = False):
         chunks.append(EmuChunk(config, n_layers, emu.forward_ms_per_layer * scale,
                                emu.backward_ms_per_layer * scale,
                                is_first=(pp_rank == 0 and c == 0),
-                               is_last=(pp_rank == case.pp - 1 and c == v - 1)))
+                               is_last=(pp_rank == case.pp - 1 and c == v - 1),
+                               hidden=emu.hidden))
     return config, chunks
 
 
@@ -250,27 +181,16 @@ class _StageRun:
         if rest > 0:
             time.sleep(rest)
 
-    def _data(self):
-        import torch
-
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(*self.shape, generator=g)
-        while True:
-            yield x
-
-    @staticmethod
-    def _forward_step_func(data_iterator, model):
-        x = next(data_iterator)
-        out = model(x)
-        return out, (lambda o: (o.float().pow(2).mean(), {}))
-
     def run_iteration(self, chunks, params, rec) -> None:
         """One training iteration: megatron-core's forward/backward, then the optimizer step."""
+        from ..megatron.op_overhead import loss_forward_step, repeat_input
+
         v = self.case.virtual_stages
         if rec is not None:
             rec.begin_iteration()
-        self.fb(forward_step_func=self._forward_step_func,
-                data_iterator=[self._data() for _ in range(v)] if v > 1 else self._data(),
+        self.fb(forward_step_func=loss_forward_step,
+                data_iterator=([repeat_input(self.shape) for _ in range(v)] if v > 1
+                               else repeat_input(self.shape)),
                 model=chunks if v > 1 else chunks[0],
                 num_microbatches=self.case.num_microbatches, seq_length=self.emu.seq_length,
                 micro_batch_size=self.emu.micro_batch_size, forward_only=False)
@@ -282,6 +202,7 @@ class _StageRun:
     def engine_overheads(self) -> dict[str, float]:
         import torch.distributed as dist
 
+        from ..megatron.op_overhead import engine_overheads
         from ..megatron.recorder import OpRecorder
 
         config0, chunks0, params0 = self.make(zero_time=True)
@@ -291,7 +212,7 @@ class _StageRun:
             for _ in range(4):
                 dist.barrier()
                 self.run_iteration(chunks0, params0, rec0)
-        return _overheads(rec0.iterations[1:])
+        return engine_overheads(rec0.iterations[1:])
 
     # -- 2. profile like the plugin: compute alone, p2p ping-pong, tail ----------------------
     def profile(self, config, chunks, params, overhead: dict) -> StageProfile:
@@ -375,24 +296,6 @@ class _StageRun:
 # ---------------------------------------------------------------------------------------------
 
 
-def _overheads(iters) -> dict[str, float]:
-    """Engine costs seen with zero-time layers: the duration of a forward / backward op as
-    megatron runs it (its wrapper around the model) and the gap between consecutive ops (the p2p
-    calls and the schedule's bookkeeping), medians over the recorded ops."""
-    f, b, gap, head, tail = [], [], [], [], []
-    for r in iters:
-        ops = r.ops
-        if not ops:
-            continue
-        head.append(ops[0][3] - r.start_s)
-        tail.append(r.end_s - ops[-1][4])
-        for i, (_, _, bw, t0, t1) in enumerate(ops):
-            (b if bw else f).append(t1 - t0)
-            if i:
-                gap.append(t0 - ops[i - 1][4])
-    med = (lambda xs: _median(xs) * 1e3 if xs else 0.0)
-    return {"forward_ms": med(f), "backward_ms": med(b), "gap_ms": med(gap),
-            "head_ms": med(head), "tail_ms": med(tail)}
 def _p2p_costs(config, pp_group, pp_rank: int, case: Case, shape, reps: int = 8) -> dict:
     """Costs of megatron-core's own blocking p2p calls (``P2PCommunicator``), per link where this
     rank is the sender / receiver (medians over ``reps``):

@@ -30,7 +30,6 @@ EP, so a 256-expert layer is measurable on one device.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import tempfile
@@ -202,8 +201,10 @@ def _setup_device(kind: str, req: ProfileRequest, procs: Processes) -> tuple[Any
 def profile_layers(req: ProfileRequest, procs: Processes | None = None,
                    calls_out: list | None = None) -> list | None:
     """Measured ``LayerProfile`` records of ``req`` (each TP degree and micro-batch size), on
-    rank 0; None on the other ranks of a torchrun launch. ``calls_out`` (several processes):
-    rank 0 appends the ``callcosts.P2PCall`` records of ranks 0 -> 1 (``_p2p_calls``)."""
+    rank 0; None on the other ranks of a torchrun launch. ``calls_out``: rank 0 appends the
+    device type's ``callcosts.OpOverhead`` record (megatron-core's per-op overheads) and, under
+    torchrun, the ``callcosts.P2PCall`` records of each link kind the processes offer
+    (``_engine_costs``)."""
     procs = procs or Processes.from_environ()
     tps = check_tps(req.tps, procs, req.model)
     check_eps(req)
@@ -234,6 +235,8 @@ def profile_layers(req: ProfileRequest, procs: Processes | None = None,
                     gathered = [profiler.profile_rank(
                         args, tps, req.micro_batch_sizes, world_size=1, rank=0, device=device,
                         iters=req.iters, seed=req.seed, kinds=kinds)]
+                    if calls_out is not None:
+                        calls_out.extend(_op_overheads_alone(req, device))
                 finally:
                     dist.destroy_process_group()
         else:
@@ -308,7 +311,7 @@ def _profile_group(req: ProfileRequest, tps: Sequence[int], args: Any, kind: str
                                                     backend=bootstrap.device_backend(kind),
                                                     turns=turns, kinds=kinds or None)
         if calls_out is not None:
-            calls_out.extend(_p2p_calls(req, boot, kind, device, procs))
+            calls_out.extend(_engine_costs(req, boot, kind, device, procs))
         return gathered
     finally:
         boot.finish_probe()
@@ -316,35 +319,55 @@ def _profile_group(req: ProfileRequest, tps: Sequence[int], args: Any, kind: str
             dist.destroy_process_group()
 
 
-def _p2p_calls(req: ProfileRequest, boot: Any, kind: str, device: Any,
-               procs: Processes) -> list:
-    """Ranks 0 -> 1's per-call p2p costs (``callcost_profile.p2p_call_records``) for each
-    micro-batch size's activation message (b x seq x hidden bf16 bytes), on the device's
-    backend as training sends them (gloo on the CPU); link ``intra-node`` when torchrun put
-    both on one node. Rank 0 gets the records, the others []."""
-    from . import bootstrap
-    from .callcost_profile import p2p_call_records
+def _op_overheads_alone(req: ProfileRequest, device: Any) -> list:
+    """One process: this device's megatron-core op overheads as an ``OpOverhead`` record."""
+    from ..callcosts import OpOverhead
+    from .op_overhead import measure_op_overheads
 
-    sizes = {2 * b * req.seq_length * req.model.hidden_size:
-             b * req.seq_length * req.model.hidden_size for b in req.micro_batch_sizes}
-    link = "intra-node" if procs.local_world_size >= 2 else "inter-node"
-    backend = bootstrap.device_backend(kind)
+    ov = measure_op_overheads(device)
+    return [OpOverhead(req.device_type, ov["forward_ms"], ov["backward_ms"])]
 
-    def measure() -> list:
-        with (boot.device_group(backend) if backend != "gloo" else contextlib.nullcontext()):
-            return p2p_call_records(req.device_type, link, sizes, device=device)
 
-    return bootstrap.run_guarded(boot, "p2p-calls", measure)
+def _engine_costs(req: ProfileRequest, boot: Any, kind: str, device: Any,
+                  procs: Processes) -> list:
+    """Every rank's megatron-core op overheads (the device type's record: their median) and the
+    per-call p2p costs of one rank pair per link kind the torchrun group offers (intra-node
+    where a node runs two processes, inter-node where there are two nodes:
+    ``callcost_profile.link_pairs`` on the ranks' hosts), at each micro-batch size's activation
+    message (b x seq x hidden bf16 bytes), on the device's backend as training sends them (gloo
+    on the CPU): ``callcost_profile.measure_engine_costs``. Rank 0 gets the ``OpOverhead`` and
+    ``P2PCall`` records, the others []."""
+    from . import bootstrap, discovery
+    from .callcost_profile import (activation_messages, engine_cost_records, link_pairs,
+                                   measure_engine_costs)
+
+    where = bootstrap.run_guarded(boot, "hosts", lambda: boot.all_gather_object(
+        (bootstrap.hostname(), procs.local_rank), "hosts"))
+    topo = discovery.group_nodes([discovery.DeviceInfo(r, lr, host, req.device_type, 0, kind)
+                                  for r, (host, lr) in enumerate(where)])
+    messages = activation_messages(req.model.hidden_size, [req.seq_length],
+                                   req.micro_batch_sizes)
+    gathered = measure_engine_costs(boot, link_pairs(topo), messages, device=device,
+                                    backend=bootstrap.device_backend(kind))
+    if procs.rank != 0:
+        return []
+    ops, calls = engine_cost_records(gathered, {r: req.device_type for r in range(len(where))})
+    return [*ops, *calls]
 
 
 def write_profiles(records: Sequence, out: str, calls: Sequence = ()) -> tuple[int, int]:
-    """Merge ``records`` (and the ``callcosts.P2PCall`` records ``calls``) into the DB at
-    ``out`` (created if absent); (stored layer records, total layer records)."""
+    """Merge ``records`` (and the ``callcosts.P2PCall`` / ``callcosts.OpOverhead`` records
+    ``calls``) into the DB at ``out`` (created if absent); (stored layer records, total layer
+    records)."""
+    from ..callcosts import OpOverhead
     from ..profiles import ProfileDB
 
     db = ProfileDB(out)
     for c in calls:
-        db.put_p2p_call(c)
+        if isinstance(c, OpOverhead):
+            db.put_op_overhead(c)
+        else:
+            db.put_p2p_call(c)
     stored = sum(bool(db.put(r)) for r in records)
     db.save(out)
     return stored, len(db)

@@ -1,7 +1,8 @@
 """The ``--poseidon-auto`` flow, run on every rank before the user's script builds anything.
 
     options -> refuse -> [emulation] -> bootstrap -> discovery + link probe -> profiling (or cache)
-      -> gather -> search on rank 0, judged by the framework's own validate_args (:mod:`.judge`)
+      -> gather -> megatron's op overheads + p2p call costs (or cache) -> search on rank 0,
+      judged by the framework's own validate_args (:mod:`.judge`)
       -> broadcast plan + checksum -> [dry-run: print, exit 0]
       -> renumber ranks + real process group -> rewrite argv -> the user's script
 
@@ -36,8 +37,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 from ..errors import DistributedError, PoseidonError
 from ..safeio import NotRegularFile, open_input, write_atomic
 from . import argv as argvmod
-from . import (bootstrap, discovery, emulation, framework_state, group_profile, profile_gather,
-               profiler, renumber)
+from . import (bootstrap, callcost_profile, discovery, emulation, framework_state, group_profile,
+               profile_gather, profiler, renumber)
 from . import judge
 from .compat import (CPU_EMULATION_FLAGS, CPU_INCOMPATIBLE_BOOL_FLAGS,
                      MINDSPEED_NPU_KERNEL_FLAGS, missing_kernel_flags,
@@ -466,23 +467,73 @@ def _all_ranks_profile(ctx: LaunchContext) -> None:
     ctx.cache_path = profile_gather.cache_path(ctx.opts.profile_dir, key.tag)
     needed = profile_gather.needed_keys(ctx.cluster, ctx.model, ctx.tps, ctx.micro_batch_sizes,
                                         ctx.profile_seq_length, ctx.training, eps=ctx.eps)
-    cached = False
+    pairs, messages = _engine_cost_needs(ctx)
+    cached = (False, False)
     if ctx.rank == 0:
         ctx.profiles = profile_gather.load_cache(ctx.cache_path, ctx.opts.reprofile)
-        cached = profile_gather.all_measured(ctx.profiles, needed)
-        profile_gather.note_provenance(ctx.opts.profile_dir, key, cached)  # a version changed?
+        cached = (profile_gather.all_measured(ctx.profiles, needed),
+                  callcost_profile.engine_costs_cached(ctx.profiles, ctx.cluster.type_names,
+                                                       pairs, messages))
+        profile_gather.note_provenance(ctx.opts.profile_dir, key, cached[0])  # a version changed?
     cached = ctx.guarded("profile-cache", lambda: ctx.boot.broadcast_object(cached, "profile-cache"))
-    if cached:
+    if cached[0]:
         if ctx.rank == 0:
             log.info("profiles: all %d from the cache %s (no profiling)", len(needed),
                      ctx.cache_path)
-        return
+    else:
+        t0 = time.perf_counter()
+        gathered = _all_ranks_measure(ctx)
+        if ctx.emu is not None:
+            gathered = _all_ranks_remeasure_off_speeds(ctx, gathered)
+        if ctx.rank == 0:
+            _rank0_store_profiles(ctx, gathered, time.perf_counter() - t0)
+    if not cached[1]:
+        _all_ranks_measure_engine_costs(ctx, pairs, messages)
+
+
+def _engine_cost_needs(ctx: LaunchContext) -> tuple[list[tuple[str, str, int, int]],
+                                                    dict[int, int]]:
+    """The rank pairs (one per link kind of the launch: ``callcost_profile.link_pairs``) and
+    the activation messages (each micro-batch size, the whole sequence and seq / CP) whose
+    per-call p2p costs the search charges."""
+    pairs = callcost_profile.link_pairs(ctx.topo)
+    messages = callcost_profile.activation_messages(
+        ctx.model.hidden_size, sorted({ctx.seq_length, ctx.profile_seq_length}),
+        ctx.micro_batch_sizes)
+    return pairs, messages
+
+
+def _all_ranks_measure_engine_costs(ctx: LaunchContext, pairs, messages) -> None:
+    """Megatron-core's per-op overheads on every rank and the per-call p2p costs of ``pairs``
+    (:func:`.callcost_profile.measure_engine_costs`); rank 0 stores them (``op_overheads``:
+    each type's median over its ranks; ``p2p_calls``) in the profile DB and its cache file,
+    where the search reads them."""
     t0 = time.perf_counter()
-    gathered = _all_ranks_measure(ctx)
-    if ctx.emu is not None:
-        gathered = _all_ranks_remeasure_off_speeds(ctx, gathered)
-    if ctx.rank == 0:
-        _rank0_store_profiles(ctx, gathered, time.perf_counter() - t0)
+    gathered = callcost_profile.measure_engine_costs(
+        ctx.boot, pairs, messages, device=_torch_device(ctx.device),
+        backend=bootstrap.device_backend(ctx.device.kind))
+    if ctx.rank != 0:
+        return
+    assert ctx.profiles is not None
+    ops, calls = callcost_profile.engine_cost_records(
+        gathered, {i.rank: i.device_type for i in ctx.topo.infos})
+    for o in ops:
+        ctx.profiles.put_op_overhead(o)
+    for c in calls:
+        ctx.profiles.put_p2p_call(c)
+    try:
+        ctx.profiles.save(ctx.cache_path)
+    except PoseidonError as e:
+        log.warning("could not write the profile cache: %s", e)
+    log.info("megatron's per-op overheads and p2p call costs: %d op overhead and %d p2p call "
+             "record(s) in %.2f s", len(ops), len(calls), time.perf_counter() - t0)
+    for o in ops:
+        log.info("  op overhead %-12s forward %.3f ms  backward %.3f ms", o.device_type,
+                 o.forward_ms, o.backward_ms)
+    for c in calls:
+        log.info("  p2p call %-12s %-10s %9d B  send %.3f ms  receive-ready %.3f ms  "
+                 "latency %.3f ms", c.device_type, c.link, c.message_bytes, c.send_call_ms,
+                 c.recv_ready_ms, c.latency_ms)
 
 
 def _all_ranks_remeasure_off_speeds(ctx: LaunchContext,
