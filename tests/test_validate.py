@@ -246,3 +246,43 @@ def test_call_records_are_stored_in_a_profile_db(tmp_path):
     calls = engine_calls(db, case.devices, 4 * 16 * 2 * 64)
     assert calls.op_forward_ms == pytest.approx(2.3)   # the largest type (mid and slow: 2.3)
     assert calls.send_call_ms == pytest.approx(0.3)
+
+
+def test_calls_from_a_launchs_db_time_the_search_column(tmp_path, capsys):
+    """``poseidon validate --calls-from DB``: the search column charged with a launch's (or
+    ``poseidon profile``'s) own records instead of the run's; a DB without such records, or
+    unreadable, is refused before any run (one line, exit 2)."""
+    from poseidon_plugin import cli
+    from poseidon_plugin.callcosts import OpOverhead, P2PCall, engine_calls
+    from poseidon_plugin.fidelity.cases import Emulation
+    from poseidon_plugin.fidelity.command import with_calls_from
+    from poseidon_plugin.fidelity.report import CaseResult, message_bytes
+    from poseidon_plugin.profiles import ProfileDB
+
+    case = DEFAULT_CASES[3]
+    prof = _profiles(case, {"send_call_ms": 0.1, "recv_ready_ms": 0.2, "latency_ms": 0.05,
+                            "forward_ms": 0.1, "backward_ms": 0.1})
+    own = predict_dag(case, prof).iteration_time_ms
+    res = [CaseResult(case, _row(case.name, 100.0, own, 1.0, 1.0), prof, [], [])]
+    db = ProfileDB(None)
+    db.put_op_overhead(OpOverhead("emu-x", 0.5, 0.7))
+    db.put_op_overhead(OpOverhead("emu-y", 0.2, 0.9))
+    db.put_p2p_call(P2PCall("emu-x", "cross-type", 4096, 0.3, 0.6, 0.02))
+    (got,) = with_calls_from(res, db, Emulation())
+    want = predict_dag(case, prof, message_bytes(Emulation()), calls_db=db).iteration_time_ms
+    assert got.row.dag_ms == pytest.approx(want) and got.row.dag_ms != pytest.approx(own)
+    assert got.row.engine_ms == 1.0 and got.row.measured_ms == 100.0   # only the search column
+    # the DB's types' largest: op forward emu-x's, backward emu-y's
+    calls = engine_calls(db, {"emu-x", "emu-y"}, message_bytes(Emulation()))
+    assert calls.as_tuple() == (0.5, 0.9, 0.3, 0.6)
+    bigger = ProfileDB.from_json(db.to_json())
+    bigger.put_op_overhead(OpOverhead("emu-y", 0.2, 1.9))
+    (slower,) = with_calls_from(res, bigger, Emulation())
+    assert slower.row.dag_ms > got.row.dag_ms
+    empty = tmp_path / "empty.json"
+    empty.write_text('{"version": 1, "records": []}')
+    assert cli.main(["validate", "--calls-from", str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert "has no op_overheads or p2p_calls records" in err and len(err.splitlines()) == 1
+    assert cli.main(["validate", "--calls-from", str(tmp_path / "missing.json")]) == 2
+    assert len(capsys.readouterr().err.splitlines()) == 1

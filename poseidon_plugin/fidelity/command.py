@@ -64,6 +64,34 @@ def _check_args(ns: argparse.Namespace) -> None:
         _check_output("--json", ns.json)
     if ns.profile_db:
         _check_output("--profile-db", ns.profile_db)
+    if ns.calls_from:
+        _calls_db(ns.calls_from)   # unreadable or without records: refused before any run
+
+
+def _calls_db(path: str):
+    """The profile DB of ``--calls-from``: loaded (one-line errors as any profile DB), with at
+    least one ``op_overheads`` or ``p2p_calls`` record."""
+    from ..profiles import ProfileDB
+
+    db = ProfileDB.load(path)
+    if not db.op_overheads() and not db.p2p_calls():
+        raise PoseidonError(f"--calls-from {path}: the profile DB has no op_overheads or "
+                            "p2p_calls records (a launch's profile cache or a poseidon profile "
+                            "DB has them)")
+    return db
+
+
+def with_calls_from(results, db, emu):
+    """``results`` with the search column re-predicted from ``db``'s per-op / per-call records
+    (``predict.search_calls``) instead of the run's own."""
+    import dataclasses
+
+    from .predict import predict_dag
+    from .report import message_bytes
+
+    return [dataclasses.replace(r, row=dataclasses.replace(r.row, dag_ms=predict_dag(
+        r.case, r.profiles, message_bytes(emu), calls_db=db).iteration_time_ms))
+        for r in results]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -93,6 +121,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="store the measured per-op overheads and p2p call costs of each "
                    "emulated device type in this profile DB (op_overheads / p2p_calls records, "
                    "merged into FILE; the search charges them)")
+    p.add_argument("--calls-from", default=None, metavar="DB",
+                   help="time the search column with this profile DB's op_overheads / "
+                   "p2p_calls records (a launch's profile cache, a poseidon profile DB; its "
+                   "types' largest) instead of the run's own measurement")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     return p
 
@@ -122,6 +154,8 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
     t0 = time.time()
     results = run_cases(cases, emu, ns.iterations, ns.discard, gantt_case=None,
                         progress=lambda m: print(f"poseidon validate: {m}", file=sys.stderr))
+    if ns.calls_from:
+        results = with_calls_from(results, _calls_db(ns.calls_from), emu)
     rows = [r.row for r in results]
     print(format_table(rows))
     print(f"({len(rows)} cases, {ns.iterations} iterations each, first {ns.discard} discarded; "

@@ -85,22 +85,32 @@ def call_records(cases_profiles, message_bytes: int) -> tuple[list, list, float 
     return ops, calls, (float(np.median(lat)) if lat else None)
 
 
-def search_calls(case: Case, profiles: Sequence[StageProfile], message_bytes: int
-                 ) -> tuple[EngineCalls, float | None]:
+def search_calls(case: Case, profiles: Sequence[StageProfile], message_bytes: int,
+                 calls_db=None) -> tuple[EngineCalls, float | None]:
     """(the costs the search would charge, the link latency ms or None): the case's
-    ``call_records``, then ``callcosts.engine_calls`` as the cost model calls it."""
+    ``call_records``, then ``callcosts.engine_calls`` as the cost model calls it. ``calls_db``
+    (``poseidon validate --calls-from``): a profile DB's own records instead (written by a launch
+    or ``poseidon profile``), every device type of it standing for every emulated device (the
+    largest of its types' records, as a cluster of those types would be charged), the latency
+    the median of its call records'."""
+    if calls_db is not None:
+        types = ({o.device_type for o in calls_db.op_overheads()}
+                 | {c.device_type for c in calls_db.p2p_calls()})
+        lat = [c.latency_ms for c in calls_db.p2p_calls()]
+        return (engine_calls(calls_db, types, max(int(message_bytes), 1)),
+                float(np.median(lat)) if lat else None)
     ops, calls, latency = call_records([(case, profiles)], message_bytes)
     return engine_calls(_Records(ops, calls), case.devices, max(int(message_bytes), 1)), latency
 
 
-def predict_dag(case: Case, profiles: Sequence[StageProfile], message_bytes: int = 1
-                ) -> Timeline:
+def predict_dag(case: Case, profiles: Sequence[StageProfile], message_bytes: int = 1,
+                calls_db=None) -> Timeline:
     """The search's model (module docstring), labelled "predicted, search's model": its time is
     the search's C sweep; the per-op rows are the paper DAG's (1f1b without measured costs,
     with its critical path) or ``engine.simulate_engine``'s with the same uniform costs and
     the tail as one per-stage term (the same time: the tests hold them equal)."""
     fwd, bwd, send, tail = _profile_arrays(case, profiles)
-    calls, latency = search_calls(case, profiles, message_bytes)
+    calls, latency = search_calls(case, profiles, message_bytes, calls_db)
     if latency is not None and calls:
         send = np.full(send.shape, latency)
     f, b = (fwd[0], bwd[0]) if case.virtual_stages == 1 else (fwd, bwd)
