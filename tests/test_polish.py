@@ -230,3 +230,26 @@ def test_polish_evens_out_the_interleaved_split_of_the_70b_frontier_construction
     slow = [l for o, l in zip(got.opts, got.layers) if cfg.options[o][0] != 0]
     assert sum(l % 2 for l in slow) < sum(l % 2 for o, l in zip(opts, layers)
                                           if cfg.options[o][0] != 0)
+
+
+def test_the_rest_of_construction_and_polish_waits_for_a_large_tree(monkeypatch):
+    """Before the tree the search constructs at most CONSTRUCT_PLANS plans; the rest of the
+    construction and the polish run only once the tree has searched DEFER_NODES nodes (a
+    count, so a small search's statistics stay reproducible). The plan is the same either
+    way, and the exhaustive search's."""
+    import poseidon_plugin.search.driver as drv
+    inst = ([(150.0, 1, 4, 1.0), (80.0, 1, 4, 1.0), (50.0, 1, 4, 0.5)], 10, 8,
+            ["1f1b", "eager-1f1b"], "uniform")
+    quick = _run(inst, "safe")
+    again = _run(inst, "safe")
+    monkeypatch.setattr(drv, "DEFER_NODES", 0)
+    full = _run(inst, "safe")
+    exact = _run(inst, "none")
+    q, f = quick.search, full.search
+    assert q["constructed_plans"] <= drv.CONSTRUCT_PLANS < f["constructed_plans"]
+    assert not q["statistics_depend_on_timing"] and f["statistics_depend_on_timing"]
+    drop = ("seconds", "first_plan_s", "runner_up_s")
+    assert ({k: v for k, v in q.items() if k not in drop}
+            == {k: v for k, v in again.search.items() if k not in drop})
+    strip = lambda p: {k: v for k, v in p.to_dict().items() if k != "search"}
+    assert strip(quick) == strip(full) == strip(exact)

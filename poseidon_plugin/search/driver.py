@@ -4,7 +4,8 @@
 
 1. **order** -- every outer configuration gets its root bound; they are visited cheapest first.
 2. **construct** -- a constructive plan per configuration (``construct.py``), cheapest root
-   bound first, for a few seconds: a good feasible incumbent at any size.
+   bound first, up to 8 plans: a good feasible incumbent at any size (the rest, and most of
+   the polish, deferred until the tree turns out large: ``run_deferred``).
 3. **seed** (per-stage TP only) -- the uniform-TP optimum, a much smaller search, is a valid
    incumbent of the per-stage space.
 4. **warm-up** -- random feasible plans of the most promising configurations seed the
@@ -72,6 +73,14 @@ CONSTRUCT_PLANS = 8  # ... or until this many plans were built,
 CONSTRUCT_AFTER = 1.0  # ... or this long after the first plan (10 % of a budget at most)
 POLISH_CONFIGS = 8   # local search from the best plan of this many configurations (fastest first)
 POLISH_SECONDS = 2.0  # ... for at most this long (or 5 % of a time budget)
+POLISH_QUICK = 2     # before the tree: constructive plans up to CONSTRUCT_PLANS (or the time
+                     # slices) and the polish of this many plans; the rest of both waits until
+DEFER_NODES = 200_000  # the tree has searched this many nodes without finishing (a count:
+                       # load-independent; paper setting 6-288's whole tree is ~55 k nodes), or
+DEFER_S = 2.0          # one configuration's search has run this long (it is stopped, and
+                       # searched again after them). Setting 6-288: construction and polish
+                       # took 2.7 s of a 3.5 s search whose tree needed 0.6 s, its first
+                       # constructed plan the optimum
 POLISH_TREE = 16     # the first this many incumbents the tree finds are polished, each for at
 POLISH_TREE_EVALS = 20_000   # most this many timed plans (a count, not a clock: deterministic)
 _COUNTERS = ("nodes", "plans_simulated", "cut_bound", "cut_memory", "cut_ridge", "cut_devices",
@@ -204,6 +213,9 @@ class SearchDriver:
         self.found: dict[OuterConfig, tuple] = {}   # per configuration: its best plan so far
         self._by_shape: dict[tuple, OuterConfig] | None = None   # polish's grow / shrink
         self._tree_polished = 0             # incumbents from the tree polished so far
+        self._construct_next = 0            # the construction's place in its order (resumed)
+        self._polished: set = set()         # plans the polish left at a local optimum
+        self._deferred = False              # the rest of construction + polish still to run
         self.work: dict[int, int] = {}      # configuration -> nodes of its last search
         self.timed_out = False
         self.pass_deadline = self.deadline   # the current pass's deadline (<= the budget's)
@@ -311,7 +323,7 @@ class SearchDriver:
             self.offer_seeds()
             if not self.exact:
                 self.set_phase("construct")
-                self.construct()
+                self.construct(quick=True)
             if self.options.tp_mode == "per-stage" and not self.exact:
                 self.set_phase("uniform-TP seed")
                 self.seed_from_uniform_tp()
@@ -320,7 +332,8 @@ class SearchDriver:
                 self.warm_up()
             if not self.exact and self.found:
                 self.set_phase("polish")
-                self.polish_found()
+                self.polish_found(quick=True)
+            self._deferred = not self.exact
             self.run_passes()
             if self.share is not None and not self.share.finish():
                 return    # a share searched for a distributed search's coordinator
@@ -519,13 +532,14 @@ class SearchDriver:
         log.debug("%d configurations and their root bounds: %.2f s", n,
                   time.perf_counter() - self.t0)
 
-    def construct(self) -> None:
+    def construct(self, quick: bool = False) -> None:
         """Constructive plans (``construct.construct_plan``) of the configurations in root-bound
         order until one plan is found; then until CONSTRUCT_CONFIGS configurations were tried
         and CONSTRUCT_PLANS plans built, or CONSTRUCT_SECONDS have passed and CONSTRUCT_AFTER
         since the first plan (both at most 10 % of a time budget). Where most configurations
         cannot hold the model (405B: the first plan came from the 571st) the polish then has
-        more than one plan to start from."""
+        more than one plan to start from. ``quick`` (before the tree): stop at CONSTRUCT_PLANS
+        plans (or the time slices); a later call goes on from there (``run_deferred``)."""
         from .construct import construct_plan
 
         t0 = time.monotonic()
@@ -535,10 +549,15 @@ class SearchDriver:
             slice_s = min(slice_s, 0.1 * self.options.time_budget_s)
             after_s = min(after_s, 0.1 * self.options.time_budget_s)
         first_at = None
-        for done, i in enumerate(i for i in self.order if math.isfinite(self.roots[i])):
+        plans0 = self.stats.constructed_plans
+        todo = [i for i in self.order if math.isfinite(self.roots[i])]
+        for done in range(self._construct_next, len(todo)):
+            i = todo[done]
             if self.best is not None:
                 now = time.monotonic()
                 first_at = now if first_at is None else first_at
+                if quick and self.stats.constructed_plans - plans0 >= CONSTRUCT_PLANS:
+                    break
                 if ((done >= CONSTRUCT_CONFIGS
                      and self.stats.constructed_plans >= CONSTRUCT_PLANS)
                         or (now - t0 > slice_s and now - first_at > after_s)):
@@ -549,6 +568,7 @@ class SearchDriver:
                         # constructed, unless a seed (offer_seeds) is a plan already: the
                         # configurations that cannot hold the model are skipped cheaply,
                         # construct.memory_room)
+            self._construct_next = done + 1
             self._done_in_round = done + 1
             self.tick()
             got = construct_plan(self.ctx, self.configs[i], self.in_space)
@@ -559,8 +579,28 @@ class SearchDriver:
             if self.stats.constructed_best_ms is None or t < self.stats.constructed_best_ms:
                 self.stats.constructed_best_ms = t
             self.consider(t, self.configs[i], opts, layers, origin="construction")
-        log.debug("construction: %d plans, best %.3f ms (at %.2f s)",
+        log.debug("construction%s: %d plans, best %.3f ms (at %.2f s)", " (quick)" if quick else "",
                   self.stats.constructed_plans, self.threshold, time.perf_counter() - self.t0)
+
+    def deferral_due(self) -> bool:
+        """The rest of the construction and the polish are due: the tree has searched
+        DEFER_NODES nodes without finishing."""
+        return self._deferred and self.stats.nodes >= DEFER_NODES
+
+    def run_deferred(self) -> None:
+        """The rest of the construction and the polish (``deferral_due``): a search the tree
+        ends quickly does not pay for them, and the rounds below the incumbent do not depend
+        on it (their threshold is the cap). Their slices are time-limited: the statistics then
+        depend on timing."""
+        self._deferred = False
+        self.stats.statistics_depend_on_timing = True
+        phase = self.phase
+        self.set_phase("construct")
+        self.construct()
+        if self.found:
+            self.set_phase("polish")
+            self.polish_found()
+        self.set_phase(phase)
 
     def seed_from_uniform_tp(self) -> None:
         """The uniform-TP space is part of the per-stage one: its optimum is a valid
@@ -583,30 +623,34 @@ class SearchDriver:
         self.consider(sub.best.time_ms, sub.best.cfg, sub.best.opts, sub.best.layers,
                       origin="uniform-TP seed")
 
-    def polish_found(self) -> None:
+    def polish_found(self, quick: bool = False) -> None:
         """Local search from the best plan so far of each of the POLISH_CONFIGS configurations
-        whose best is fastest, for at most POLISH_SECONDS (5 % of a time budget); each one
-        ends at a local optimum, a cap or that deadline, and only improves."""
+        whose best is fastest (POLISH_QUICK when ``quick``), for at most POLISH_SECONDS (5 % of
+        a time budget); each one ends at a local optimum, a cap or that deadline, and only
+        improves. A plan already left at a local optimum is not polished again."""
         slice_s = POLISH_SECONDS * self.phase_share
         if self.options.time_budget_s is not None:
             slice_s = min(slice_s, 0.05 * self.options.time_budget_s)
         end = time.monotonic() + slice_s
         if self.deadline is not None:
             end = min(end, self.deadline)
-        for cand in sorted(self.found.values())[:POLISH_CONFIGS]:
+        for cand in sorted(self.found.values())[:POLISH_QUICK if quick else POLISH_CONFIGS]:
             if time.monotonic() > end:
                 break
             self.polish_plan(cand, end)
         if self.best is not None:
             self.stats.polished_best_ms = self.best.time_ms
-        log.debug("polish: %d plans, %d timed, best %.3f ms (at %.2f s)",
-                  self.stats.polished_plans, self.stats.polish_evals, self.threshold,
-                  time.perf_counter() - self.t0)
+        log.debug("polish%s: %d plans, %d timed, best %.3f ms (at %.2f s)",
+                  " (quick)" if quick else "", self.stats.polished_plans,
+                  self.stats.polish_evals, self.threshold, time.perf_counter() - self.t0)
 
     def polish_plan(self, cand: Incumbent, deadline: float,
                     max_evals: int | None = None) -> None:
         from .polish import polish
 
+        key = (cand.cfg, tuple(cand.opts), tuple(cand.layers))
+        if key in self._polished:
+            return
         if self._by_shape is None:
             self._by_shape = {c: c for c in self.configs}
 
@@ -620,6 +664,9 @@ class SearchDriver:
                      **({} if max_evals is None else {"max_evals": max_evals}))
         self.stats.polished_plans += 1
         self.stats.polish_evals += res.evals
+        if res.complete:
+            self._polished.add(key)
+            self._polished.add((res.cfg, tuple(res.opts), tuple(res.layers)))
         if res.time_ms < cand.time_ms:
             self.consider(res.time_ms, res.cfg, res.opts, res.layers, origin="polish")
 
@@ -776,6 +823,8 @@ class SearchDriver:
                 cap = math.inf
             rounds += 1
             self.stats.rounds += 1
+            if self.deferral_due():
+                self.run_deferred()
             t_round = time.monotonic()
             self.run_round(cap, pass_order, pass_type_order)
             if self.timed_out or self.threshold <= cap or not math.isfinite(cap):
@@ -880,6 +929,25 @@ class SearchDriver:
             self._done_in_round = searched
             self.tick()
 
+        def run_here(run, j: int, thr_j: float, **kw):
+            # in this thread; while the construction and polish are deferred, a search that
+            # runs DEFER_S is stopped, they run, and it is searched again under the threshold
+            # they leave (the stopped search's best plan, a real one, kept)
+            d = self.pass_deadline or 0.0
+            defer = self._deferred
+            if defer:
+                d = min(d, time.monotonic() + DEFER_S) if d else time.monotonic() + DEFER_S
+            res = run(deadline=d, **kw)
+            if defer and res.timed_out and not self._past_pass_deadline():
+                self.stats.add_counters(res.counters())
+                if res.best is not None:
+                    t, opts, layers = res.best
+                    self.consider(t, self.configs[j], opts, layers)
+                self.run_deferred()
+                thr_j = thr_j if self.exact else min(thr_j, self.threshold)
+                res = run(threshold_ms=thr_j, deadline=self.pass_deadline or 0.0, **kw)
+            return res, thr_j
+
         def collect(block: bool) -> None:
             if not running:
                 return
@@ -894,6 +962,8 @@ class SearchDriver:
                 if self._past_pass_deadline():
                     self.timed_out = True
                     break
+                if self.deferral_due():
+                    self.run_deferred()
                 work = self.work.get(i, 0)
                 split = self.workers > 1 and work >= giant
                 inline = self.workers == 1 or work < CONCURRENT_NODES
@@ -910,9 +980,9 @@ class SearchDriver:
                 run = partial(self.ctx.run, cfg, pruning=pruning, blocks=blocks,
                               threshold_ms=thr, deadline=self.pass_deadline or 0.0)
                 if split:
-                    finish(i, run(threads=self.workers), thr)
+                    finish(i, *run_here(run, i, thr, threads=self.workers))
                 elif inline:
-                    finish(i, run(), thr)
+                    finish(i, *run_here(run, i, thr))
                 else:
                     slot = free.pop()
                     if running:
