@@ -33,6 +33,7 @@ SLOW = {
     "tests/test_launch_auto.py::test_one_line_patch_plans_and_trains": 25,
     "tests/test_launch_e2e.py::test_emulated_heterogeneous_training": 82,
     "tests/test_launch_e2e.py::test_dry_run_prints_flags_builds_nothing_and_second_launch_uses_the_cache": 70,
+    "tests/test_launch_e2e.py::test_every_link_kind_gets_its_p2p_call_costs": 52,
     "tests/test_launch_e2e.py::test_corrupt_profile_cache_is_set_aside_and_reprofiled": 47,
     "tests/test_launch_e2e.py::test_a_rank_that_never_answers_is_named": 20,   # 2 phases
     "tests/test_launch_e2e.py::test_ranks_the_plan_does_not_use_exit_0_and_megatron_sees_only_the_used_ones": 32,

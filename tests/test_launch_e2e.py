@@ -229,6 +229,36 @@ def test_dry_run_prints_flags_builds_nothing_and_second_launch_uses_the_cache(tm
     assert layout(out2) == layout(out)
 
 
+def test_every_link_kind_gets_its_p2p_call_costs(tmp_path):
+    """Two emulated hosts, two types: one rank pair per link kind the launch has (intra-node,
+    inter-node, cross-type) measures megatron's per-call p2p costs, every rank its per-op
+    overheads; the cache holds them and the plan's timing model charged them."""
+    from poseidon_plugin.callcosts import engine_calls
+    from poseidon_plugin.profiles import ProfileDB
+
+    emu = tmp_path / "emu.yaml"
+    emu.write_text("device_types:\n  emu-fast: {speed: 1.0, memory_gib: 16}\n"
+                   "  emu-slow: {speed: 0.5, memory_gib: 16}\n"
+                   "ranks: [emu-fast, emu-fast, emu-fast, emu-slow]\n"
+                   "hosts: [node-a, node-a, node-b, node-b]\n")
+    args = [*GPT_ARGS, "--train-iters", "2", "--poseidon-auto", "--poseidon-dry-run",
+            "--poseidon-emulate", str(emu), "--poseidon-tp", "1",
+            "--poseidon-save-plan", str(tmp_path / "plan.json")]
+    proc, out, _ = torchrun(4, args, {"POSEIDON_PROFILE_DIR": str(tmp_path / "profiles")})
+    assert proc.returncode == 0, ok(proc, out)
+    (cache,) = glob.glob(str(tmp_path / "profiles" / "profiles-*.json"))
+    db = ProfileDB.load(cache)
+    act = 2 * 1 * 128 * 128
+    assert sorted(c.key for c in db.p2p_calls()) == [
+        ("emu-fast", "cross-type", act), ("emu-fast", "inter-node", act),
+        ("emu-fast", "intra-node", act)]
+    assert [o.device_type for o in db.op_overheads()] == ["emu-fast", "emu-slow"]
+    tm = json.loads((tmp_path / "plan.json").read_text())["timing_model"]
+    assert tm["source"] == engine_calls(db, ["emu-fast", "emu-slow"], act).source
+    assert tm["send_call_ms"] == pytest.approx(max(c.send_call_ms for c in db.p2p_calls()),
+                                               abs=1e-6)
+
+
 def test_corrupt_profile_cache_is_set_aside_and_reprofiled(tmp_path):
     emu = write_emulation(tmp_path / "emu.yaml", ["emu-slow", "emu-fast"])
     env = {"POSEIDON_PROFILE_DIR": str(tmp_path / "profiles")}
