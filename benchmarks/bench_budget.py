@@ -1,6 +1,7 @@
 """How long a time-limited search takes against its ``--time-budget``; printed as Markdown.
 
-Run: ``.venv/bin/python benchmarks/bench_budget.py [--budgets 0.5 2 5] [--repeats 3]``.
+Run: ``.venv/bin/python benchmarks/bench_budget.py [--budgets 0.5 2 5] [--repeats 3]``;
+``--cli [--cli-budget 10]``: the whole ``poseidon plan`` run instead (see ``CLI_ROWS``).
 
 The wall-time claims the tests no longer assert (a test asserts behaviour; a loaded CI host
 missed these margins): ``search_plan`` on paper setting 6 (LLaMA-3 70B on 288 devices) with a
@@ -10,6 +11,13 @@ excluded), ``over s`` = wall - budget (the start-up work before the deadline is 
 first-plan overrun), ``runner-up`` = its status. The tests check that every runner-up and
 layout query gets a deadline no later than the search's (tests/test_runner_up.py) and that the
 CLI's baselines and search share one budget (tests/test_search_progress.py), not these times.
+
+``--cli``: the whole ``poseidon plan`` command (Python's start, loading, baselines, search,
+runner-up, output) as a subprocess per row of ``CLI_ROWS``: the huge global batch of issue 30
+(paper setting 1, 8B, global batch 131,072: M up to 131,072 micro-batches) and the memory-tight
+405B cluster. Columns: wall s, ``over s`` = wall - budget (the target: <= 1 s), the child's CPU
+seconds, its peak RSS, and ``uptime``'s load before and after (the shared 2-core host's other
+work shows in wall, not in CPU).
 """
 
 from __future__ import annotations
@@ -25,7 +33,63 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
+CLI_ROWS = (
+    ("huge-M", ["--cluster", "examples/clusters/paper-setting1.yaml", "--model", "llama3-8b",
+                "--global-batch-size", "131072", "--seq-length", "4096", "--workers", "1"]),
+    ("memtight-2048", ["--cluster", "benchmarks/clusters/memtight-2048.yaml", "--model",
+                       "llama3-405b", "--global-batch-size", "1024", "--seq-length", "4096",
+                       "--workers", "1"]),
+)
+
+
+def _load() -> str:
+    import subprocess
+
+    try:
+        out = subprocess.run(["uptime"], capture_output=True, text=True, timeout=10).stdout
+        return out.split("load average:")[1].strip().split(",")[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        return "n/a"
+
+
+def cli_rows(budget: float, repeats: int) -> None:
+    """The whole CLI run per ``CLI_ROWS`` row (see the module docstring)."""
+    import subprocess
+
+    from _machine import cpu_model
+
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores\n")
+    print("| case | budget s | wall s | over s | CPU s | peak RSS MB | load before / after |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for name, args in CLI_ROWS:
+        for _ in range(repeats):
+            before = _load()
+            t0 = time.monotonic()
+            p = subprocess.Popen([sys.executable, "-m", "poseidon_plugin", "plan", *args,
+                                  "--time-budget", str(budget)], cwd=ROOT, env=env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            err = p.stderr.read()
+            _, status, ru = os.wait4(p.pid, 0)       # this child's own CPU and peak RSS
+            wall = time.monotonic() - t0
+            p.returncode = os.waitstatus_to_exitcode(status)
+            if p.returncode != 0:
+                print(f"| {name} | {budget:g} | failed: {err.strip()[-200:]} |")
+                continue
+            cpu = ru.ru_utime + ru.ru_stime
+            print(f"| {name} | {budget:g} | {wall:.2f} | {wall - budget:+.2f} | {cpu:.2f} | "
+                  f"{ru.ru_maxrss / 1024:.0f} | {before} / {_load()} |", flush=True)
+
+
 def main() -> None:
+    if "--cli" in sys.argv:
+        ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+        ap.add_argument("--cli", action="store_true")
+        ap.add_argument("--cli-budget", type=float, default=10.0)
+        ap.add_argument("--repeats", type=int, default=1)
+        ns = ap.parse_args()
+        cli_rows(ns.cli_budget, ns.repeats)
+        return
     from _machine import cpu_model
     from poseidon_plugin.cluster import load_cluster
     from poseidon_plugin.model import get_model

@@ -371,7 +371,7 @@ def _plan(ns, search_plan) -> int:
         sys.stderr.write(f"poseidon: note: {bound_line(note)}\n")
     text = plan.to_json()
     if ns.gantt:
-        _draw_plan_gantt(plan, ns.gantt)
+        _draw_plan_gantt(plan, ns.gantt, budget.end)
     if ns.out:
         try:
             write_atomic(ns.out, text)
@@ -454,15 +454,21 @@ def _baselines(results, plan) -> tuple[dict, ...]:
 
 
 def _baseline_line(e: dict) -> str:
+    from .search.baselines import CUT
+
     if e["status"] != "ok":
+        reason = e["reason"] or ""
+        if reason.startswith(CUT):
+            return f"baseline {e['name']}: {reason}"
         what = ("none found in its share of the time budget"
-                if "ran out before any plan was found" in (e["reason"] or "")
+                if "ran out before any plan was found" in reason
                 else "no feasible plan")
-        return f"baseline {e['name']}: {what}: {e['reason']}"
+        return f"baseline {e['name']}: {what}: {reason}"
     speedup = "n/a" if e["speedup"] is None else f"{e['speedup']:.2f}"
     return (f"baseline {e['name']}: {e['predicted_iteration_time_ms']:.2f} ms (pp={e['pp']}, "
             f"dp={e['dp']}, tp={e['tp'] or 'per-stage'}) -> speed-up x{speedup}"
-            + (f" ({e['note']})" if e.get("note") else ""))
+            + (f" ({e['note']})" if e.get("note") else "")
+            + (f" ({CUT}: {e['cut']})" if e.get("cut") else ""))
 
 
 ORIGINS = {"construction": "the best constructed plan", "polish": "the best plan of the "
@@ -483,6 +489,9 @@ def _origin_line(s: dict) -> str:
 
 
 BASELINE_SHARE = 0.15  # of a --time-budget left after loading: the baselines; the rest: search
+BASELINE_OVERRUN_S = 0.5  # a baseline with no plan at its share's end looks on this long, then
+                          # is cut (a budget of 1e-9 still prints the baselines it can find)
+GANTT_SLACK_S = 0.5    # --gantt may end this long after --time-budget (the run: within 1 s)
 MIN_BUDGET_S = 0.05    # a phase whose share ran out still gets this (it returns its best so far)
 GANTT_RESERVE_S = 2.5  # of a --time-budget kept for drawing --gantt after the search (405B
                        # pp=63 M=1024: 2.2 CPU-s, matplotlib's import included)
@@ -511,7 +520,8 @@ class _Budget:
         if self.end is None:
             return options, None
         s = max(MIN_BUDGET_S, self.share * self._left())
-        return options.replace(time_budget_s=s), time.monotonic() + s
+        return (options.replace(time_budget_s=s, overrun_s=BASELINE_OVERRUN_S),
+                time.monotonic() + s)
 
 
 def _load_profiles(ns, cluster, model, options):
@@ -547,7 +557,15 @@ def gantt_microbatches(pp: int, virtual_stages: int, num_microbatches: int) -> i
     return min(fit, num_microbatches)
 
 
-def _draw_plan_gantt(plan, path: str) -> None:
+def gantt_seconds(boxes: int) -> float:
+    """What drawing a chart of ``boxes`` boxes is taken to cost (GANTT_RESERVE_S at the most
+    boxes; matplotlib's import about 0.5 s)."""
+    return 0.5 + (GANTT_RESERVE_S - 0.5) * boxes / MAX_GANTT_BOXES
+
+
+def _draw_plan_gantt(plan, path: str, end: float | None = None) -> None:
+    """``end`` (``time.monotonic()``, the --time-budget's): a chart that would end more than
+    GANTT_SLACK_S after it is not drawn (a note says so)."""
     from .gantt import draw_gantt, plan_stage_labels
     from .simulator import simulate_pipeline
 
@@ -556,6 +574,13 @@ def _draw_plan_gantt(plan, path: str) -> None:
         sys.stderr.write(f"poseidon: note: --gantt {path}: not drawn: PP={plan.pp} x "
                          f"V={plan.virtual_stages} is more than the {MAX_GANTT_BOXES} boxes a "
                          f"chart draws even for {plan.pp} micro-batches\n")
+        return
+    need = gantt_seconds(2 * plan.pp * plan.virtual_stages * m)
+    if end is not None and time.monotonic() + need > end + GANTT_SLACK_S:
+        left = max(0.0, end - time.monotonic())
+        sys.stderr.write(f"poseidon: note: --gantt {path}: not drawn: cut at the time budget "
+                         f"({left:.1f} s of --time-budget left, the chart takes about "
+                         f"{need:.1f} s)\n")
         return
     F, B, Pf, Pb, R = plan.simulator_inputs()
     if plan.schedule == "interleaved-1f1b":

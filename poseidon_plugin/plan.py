@@ -34,7 +34,7 @@ indent, floats rounded to 6 decimals, trailing newline, so equal plans give equa
      "mindspeed_llm_args": [...] (null if per-stage TP), "rank_order": [{"rank", "node",
      "local_device"}], "search": {...statistics...},
      "baselines": [{"name", "status", "predicted_iteration_time_ms", "pp", "dp", "tp",
-                    "schedule", "speedup", "reason"}] (only where the plan has them)}
+                    "schedule", "speedup", "reason", "cut"}] (only where the plan has them)}
 
 ``search`` holds the search's statistics (``SearchStats``), among them how the plan was chosen
 when it is not simply the fastest: ``fastest_ms`` (the fastest plan's time, = the lower bound
@@ -53,7 +53,9 @@ plan's own configuration with another device type on some stage: ``layout_status
 ``baselines`` (``poseidon plan`` always sets them): one entry per baseline, ``megatron-default``
 (Megatron's even split over every device) and ``best-single-type``; ``status`` is ``ok``,
 ``no plan`` (``reason`` says why) or ``skipped`` (``--no-baselines``); ``speedup`` is the
-baseline's time over the plan's; the other fields are null unless ``ok``.
+baseline's time over the plan's; the other fields are null unless ``ok``. ``cut``: what the
+time budget left untried (e.g. ``"A2-2 not searched"``; a baseline with nothing found by then has
+status ``no plan`` and a reason starting ``cut at the time budget``), null otherwise.
 
 Provenance: per stage and layer kind it runs, ``source`` is ``measured`` (a profile record),
 ``calibrated`` (the estimator on a speed set from measured layers) or ``estimated`` (the cluster

@@ -42,18 +42,39 @@ def baseline_plans(cluster, model, options, profiles=None, deadline: float | Non
 def baseline_results(cluster, model, options, profiles=None, deadline: float | None = None
                      ) -> dict[str, Plan | str]:
     """The two baselines under ``options``: each a Plan, or the one-line reason it has none.
-    ``deadline`` (``time.monotonic()``): the single-type searches share the time left."""
+    ``deadline`` (``time.monotonic()``): the even splits stop there once one is timed, the
+    single-type searches share the time left; a baseline without a plan by then goes on for
+    at most ``options.overrun_s`` more (None: no limit). A baseline cut short says so in its
+    plan's ``search["cut"]`` (what was not tried), or its reason starts with ``CUT``."""
     options.check_against(cluster, model)
     ctx = SearchContext(CostModel(cluster, model, profiles, seq_length=options.seq_length,
                                   training=options.training))
-    return {"megatron-default": _megatron_default(ctx, options),
+    return {"megatron-default": _megatron_default(ctx, options, deadline),
             "best-single-type": _best_single_type(cluster, model, options, profiles, deadline)}
+
+
+CUT = "cut at the time budget"
+"""How a baseline cut short by the deadline names it (its reason, or ``search["cut"]``)."""
+
+
+def _hard_end(deadline: float | None, options) -> float | None:
+    """Until when a baseline without a plan may go on: ``deadline + options.overrun_s``."""
+    if deadline is None or options.overrun_s is None:
+        return None
+    return deadline + options.overrun_s
+
+
+def _past(t: float | None) -> bool:
+    import time
+
+    return t is not None and time.monotonic() > t
 
 
 def baseline_entries(results: dict[str, Plan | str], plan_ms: float) -> tuple[dict, ...]:
     """The JSON form of ``baseline_results`` beside a plan of ``plan_ms``: per baseline its
     name, status ("ok" or "no plan"), predicted time, pp/dp/tp, schedule, speed-up of the plan
-    over it (baseline time / plan time) and the reason when it has no plan."""
+    over it (baseline time / plan time), the reason when it has no plan, and ``cut``: what the
+    time budget left untried (None: nothing)."""
     out = []
     for name, got in results.items():
         if isinstance(got, Plan):
@@ -61,7 +82,7 @@ def baseline_entries(results: dict[str, Plan | str], plan_ms: float) -> tuple[di
             out.append(dict(name=name, status="ok", predicted_iteration_time_ms=t, pp=got.pp,
                             dp=got.dp, tp=got.tp if got.uniform_tp else None,
                             schedule=got.schedule, speedup=t / plan_ms if plan_ms else None,
-                            reason=None))
+                            reason=None, cut=got.search.get("cut")))
         else:
             out.append(dict(_empty_entry(name), status="no plan", reason=got))
     return tuple(out)
@@ -75,7 +96,7 @@ def skipped_baseline_entries(reason: str = "--no-baselines") -> tuple[dict, ...]
 
 def _empty_entry(name: str) -> dict:
     return dict(name=name, status="", predicted_iteration_time_ms=None, pp=None, dp=None,
-                tp=None, schedule=None, speedup=None, reason=None)
+                tp=None, schedule=None, speedup=None, reason=None, cut=None)
 
 
 def _even_split_types(ctx: SearchContext, n: int, per_stage: int) -> list[int] | None:
@@ -90,10 +111,11 @@ def _even_split_types(ctx: SearchContext, n: int, per_stage: int) -> list[int] |
     return types
 
 
-def megatron_default_plan(ctx: SearchContext, options) -> Plan | None:
+def megatron_default_plan(ctx: SearchContext, options, deadline: float | None = None
+                          ) -> Plan | None:
     """The fastest even split over every device: TP t (valid on every type), N stages
     dividing the layers, d = devices / (t N), layers L / N per stage, 1F1B."""
-    got = _megatron_default(ctx, options)
+    got = _megatron_default(ctx, options, deadline)
     return got if isinstance(got, Plan) else None
 
 
@@ -139,14 +161,18 @@ class _EvenSplitMisses:
                 f" needs {mem / GIB:.2f} GiB of {cm.capacity_bytes[k] / GIB:.2f} GiB)")
 
 
-def _megatron_default(ctx: SearchContext, options) -> Plan | str:
-    """``megatron_default_plan``, or the reason no even split fits."""
+def _megatron_default(ctx: SearchContext, options, deadline: float | None = None
+                      ) -> Plan | str:
+    """``megatron_default_plan``, or the reason no even split fits. Past ``deadline`` no
+    further even split is timed once one is (the plan says how many were not); without one
+    the splits go on until ``_hard_end``, then the reason is ``CUT``."""
     cm, model = ctx.cm, ctx.cm.model
     total = sum(p.size for p in cm.pools)
     L, G = model.num_layers, options.global_batch_size
     tps_all = sorted(set.intersection(*[
         set(tp_candidates(cm.cluster, model, n, options.tp_degrees)) for n in cm.type_names]))
     cands, misses = [], _EvenSplitMisses()
+    hard, untimed = _hard_end(deadline, options), 0
     for t in tps_all:
         for n in (n for n in range(1, L + 1) if L % n == 0 and total % (t * n) == 0):
             d = total // (t * n)
@@ -156,6 +182,9 @@ def _megatron_default(ctx: SearchContext, options) -> Plan | str:
                 continue
             misses.placed.append((t, n, d))
             for b in (b for b in options.micro_batch_sizes if G % (d * b) == 0):
+                if (cands and _past(deadline)) or _past(hard):
+                    untimed += 1
+                    continue
                 m = G // (d * b)
                 opts = tuple(sorted({(k, t) for k in types}))
                 cfg = OuterConfig("1f1b", 1, b, d, m, n, t, opts)
@@ -170,10 +199,15 @@ def _megatron_default(ctx: SearchContext, options) -> Plan | str:
                 else:
                     misses.memory(cm, t, n, d, b, types, mems)
     if not cands:
+        if untimed:
+            return f"{CUT} ({untimed} even splits not timed)"
         return misses.reason(cm, tps_all, total, options)
     tt, _, cfg, so, layers = min(cands, key=lambda c: c[:2])
+    stats = {"baseline": "megatron-default"}
+    if untimed:
+        stats["cut"] = f"{untimed} of {untimed + len(cands)} even splits not timed"
     return build_plan(cm, cfg, so, layers, global_batch_size=G, predicted_ms=tt,
-                      search_stats={"baseline": "megatron-default"})
+                      search_stats=stats)
 
 
 def best_single_type_plan(cluster, model, options, profiles=None,
@@ -191,9 +225,13 @@ def _best_single_type(cluster, model, options, profiles=None, deadline: float | 
 
     from .driver import search_plan
 
-    best, why = None, []
+    best, why, cut = None, [], []
     names = list(cluster.type_names)
+    hard = _hard_end(deadline, options)
     for at, name in enumerate(names):
+        if (best is not None and _past(deadline)) or _past(hard):
+            cut.append(name)             # not searched: the time budget is spent
+            continue
         opts = options.replace(runner_up=False, tie_tolerance=0.0, first_plan_overrun=False)
         if deadline is not None:
             left = max(0.05, (deadline - time.monotonic()) / (len(names) - at))
@@ -205,7 +243,14 @@ def _best_single_type(cluster, model, options, profiles=None, deadline: float | 
             continue
         if best is None or p.predicted_iteration_time_ms < best.predicted_iteration_time_ms:
             best = p
-    return best if best is not None else "no device type has a plan on its own: " + "; ".join(why)
+    if best is None:
+        if cut:
+            return f"{CUT} ({', '.join(cut)} not searched" + (
+                f"; {'; '.join(why)})" if why else ")")
+        return "no device type has a plan on its own: " + "; ".join(why)
+    if cut:
+        best = replace(best, search=dict(best.search, cut=f"{', '.join(cut)} not searched"))
+    return best
 
 
 def single_type_cluster(cluster, name: str):

@@ -350,21 +350,23 @@ def _construct_with(ctx: SearchContext, cfg: OuterConfig, stages, allowed=None):
     return best
 
 
-def construct_plan(ctx: SearchContext, cfg: OuterConfig, allowed=None):
+def construct_plan(ctx: SearchContext, cfg: OuterConfig, allowed=None,
+                   deadline: float | None = None):
     """(time ms, stage options, layers) of the best constructed plan of ``cfg``, or None when
     the construction finds no feasible one: per type one option (its fastest, or with
     per-stage TP the best estimated per-type TP choices, ``_tp_choices``), then
     ``_construct_choice``. ``allowed(cfg, opts)``: whether stage options lie in the searched
-    space (the mixed-model orders with one stage moved to the end need not)."""
+    space (the mixed-model orders with one stage moved to the end need not). ``deadline``
+    (``time.monotonic()``): the polish stops there (a constructed plan is still returned)."""
     if memory_room(ctx, cfg) < ctx.cm.model.num_layers:
         return None
-    got = [c for c in (_construct_choice(ctx, cfg, ch, allowed) for ch in _tp_choices(ctx, cfg))
-           if c is not None]
+    got = [c for c in (_construct_choice(ctx, cfg, ch, allowed, deadline)
+                       for ch in _tp_choices(ctx, cfg)) if c is not None]
     return min(got) if got else None
 
 
 def _construct_choice(ctx: SearchContext, cfg: OuterConfig, choice: dict[int, int] | None,
-                      allowed=None):
+                      allowed=None, deadline: float | None = None):
     """The fastest slots first; when they cannot hold the model, the fewest memory swaps that
     can (1, 2, 4, ... then bisection), and twice that; then ``polish``."""
     first = _stage_types(ctx, cfg, choice=choice)
@@ -372,7 +374,7 @@ def _construct_choice(ctx: SearchContext, cfg: OuterConfig, choice: dict[int, in
         return None
     got = _construct_with(ctx, cfg, first, allowed)
     if got is not None:
-        return _polish(ctx, cfg, *got)
+        return _polish(ctx, cfg, *got, deadline=deadline)
     tried: dict[int, object] = {0: None}
 
     def attempt(s: int):
@@ -394,11 +396,13 @@ def _construct_choice(ctx: SearchContext, cfg: OuterConfig, choice: dict[int, in
         else:
             hi = mid
     cands = [c for c in (attempt(hi), attempt(min(2 * hi, cfg.num_stages))) if c is not None]
-    return _polish(ctx, cfg, *min(cands))
+    return _polish(ctx, cfg, *min(cands), deadline=deadline)
 
 
-def _polish(ctx: SearchContext, cfg: OuterConfig, t: float, opts, layers):
+def _polish(ctx: SearchContext, cfg: OuterConfig, t: float, opts, layers,
+            deadline: float | None = None):
     """The cheap polish of a constructed plan: first improvement, at most
-    ``polish.CONSTRUCT_EVALS`` simulations."""
-    got = polish(ctx, cfg, opts, layers, t, max_evals=CONSTRUCT_EVALS, first_improvement=True)
+    ``polish.CONSTRUCT_EVALS`` simulations, none after ``deadline``."""
+    got = polish(ctx, cfg, opts, layers, t, max_evals=CONSTRUCT_EVALS, first_improvement=True,
+                 deadline=deadline)
     return got.time_ms, got.opts, got.layers

@@ -550,6 +550,8 @@ class SearchDriver:
             after_s = min(after_s, 0.1 * self.options.time_budget_s)
         first_at = None
         plans0 = self.stats.constructed_plans
+        overrun_end = (None if self.deadline is None or self.options.overrun_s is None
+                       else self.deadline + self.options.overrun_s)
         todo = [i for i in self.order if math.isfinite(self.roots[i])]
         for done in range(self._construct_next, len(todo)):
             i = todo[done]
@@ -563,7 +565,9 @@ class SearchDriver:
                         or (now - t0 > slice_s and now - first_at > after_s)):
                     break
             if self._past_deadline() and (self.best is not None or (
-                    not self.options.first_plan_overrun and done >= CONSTRUCT_CONFIGS)):
+                    not self.options.first_plan_overrun and (
+                        done >= CONSTRUCT_CONFIGS or (overrun_end is not None
+                                                      and time.monotonic() > overrun_end)))):
                 break   # (a budget shorter than the first plan is overrun until a plan is
                         # constructed, unless a seed (offer_seeds) is a plan already: the
                         # configurations that cannot hold the model are skipped cheaply,
@@ -571,7 +575,7 @@ class SearchDriver:
             self._construct_next = done + 1
             self._done_in_round = done + 1
             self.tick()
-            got = construct_plan(self.ctx, self.configs[i], self.in_space)
+            got = construct_plan(self.ctx, self.configs[i], self.in_space, self.deadline)
             if got is None:
                 continue
             t, opts, layers = got
@@ -687,7 +691,8 @@ class SearchDriver:
         scanning = True
         best, best_at = self.threshold, 0      # the incumbent and the draw it came at
         while self.stats.warmup_plans < want and attempts < 4 * want:
-            if self.stats.warmup_plans > 0 and self._past_deadline():
+            if ((self.stats.warmup_plans > 0 or self.best is not None)
+                    and self._past_deadline()):
                 break   # (one plan at least, so that a tiny budget still returns a plan)
             if self.threshold < best:
                 best, best_at = self.threshold, attempts
@@ -754,7 +759,8 @@ class SearchDriver:
             if at + 1 < len(passes) and self.deadline is not None:
                 # a good plan from the cheap space, then time left to prove the full one
                 now = time.monotonic()
-                self.pass_deadline = now + BLOCKS_PASS_SHARE * max(0.0, self.deadline - now)
+                self.pass_deadline = min(self.deadline,   # (past the budget: at once)
+                                         now + BLOCKS_PASS_SHARE * (self.deadline - now))
             if self.run_pass(pass_order, pass_type_order):
                 continue
             complete = False

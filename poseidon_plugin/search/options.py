@@ -137,6 +137,9 @@ class SearchOptions:
     # a time budget shorter than the first constructed plan is overrun until it (True), or the
     # construction stops at the budget after 64 configurations (False: the baselines' searches)
     first_plan_overrun: bool = field(default=True, compare=False)
+    # with first_plan_overrun False: how long past the budget the construction may still look
+    # for a first plan (None: until 64 configurations were tried; the CLI's baselines: 0.5 s)
+    overrun_s: float | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__

@@ -150,8 +150,7 @@ def polish(ctx: SearchContext, cfg: OuterConfig, opts, layers, time_ms: float, *
                 continue
             if o is not o0 and allowed is not None and not allowed(c, o):
                 continue
-            if evals >= max_evals or (deadline is not None and evals % 64 == 0
-                                      and time.monotonic() > deadline):
+            if evals >= max_evals or (deadline is not None and time.monotonic() > deadline):
                 if best is not None:
                     cur_t, cur, steps = best[0], best[1], steps + 1
                 return _result(cur_t, cur, steps, evals, False)
