@@ -446,7 +446,7 @@ cdef class PipelineDAG:
         cdef int total = 2 * n * m * v, per = 2 * m * v
         cdef int i, j, s, k, idx, d, lv, top, cnt, link, vs, isb
         cdef int[::1] c
-        cdef long long[::1] st_v, ch_v, mb_v, ps_v
+        cdef long long[::1] st_v, ch_v, mb_v, ps_v, pm_v
         cdef unsigned char[::1] bw_v
         self._wlen = 1 + 2 * nv + 2 * L
         self._links = <OpLink*> malloc(total * sizeof(OpLink))
@@ -541,7 +541,8 @@ cdef class PipelineDAG:
             mb = np.empty(total, dtype=np.int64)
             bw = np.empty(total, dtype=bool)
             ps = np.empty(total, dtype=np.int64)
-            st_v, ch_v, mb_v, ps_v = st, ch, mb, ps
+            perm = np.empty(total, dtype=np.int64)   # stage-major: (device, position) order
+            st_v, ch_v, mb_v, ps_v, pm_v = st, ch, mb, ps, perm
             bw_v = bw.view(np.uint8)
             for k in range(total):
                 idx = topo[k]
@@ -554,6 +555,7 @@ cdef class PipelineDAG:
                 bw_v[i] = isb
                 ps_v[i] = posn[idx]
                 s = vs % n
+                pm_v[s * per + posn[idx]] = i
                 self._links[i].prev = (slot[seq[s * per + posn[idx] - 1]] if posn[idx] > 0
                                        else 0)
                 d = _dep_id(idx, nv, m)
@@ -577,7 +579,6 @@ cdef class PipelineDAG:
             arr.setflags(write=False)
         self.op_stage, self.op_chunk, self.op_microbatch = st, ch, mb
         self.op_is_backward, self.op_position = bw, ps
-        perm = np.lexsort((ps, st)).astype(np.int64)
         perm.setflags(write=False)
         self.stage_major = perm
 
