@@ -1078,6 +1078,9 @@ class DagCache:
         self._d.clear()
         self.bytes = 0
 
+    def __contains__(self, key):
+        return key in self._d
+
     def __len__(self):
         return len(self._d)
 
@@ -1097,9 +1100,21 @@ def get_dag(str schedule, int num_stages, int num_microbatches, int virtual_stag
     gpipe, which megatron-core does not run, with one blocking call per message:
     ``engine.device_program(unbundled=True)``).
     Shared: use ``.copy()`` per thread when calling its ``nogil`` API from several threads."""
-    key = (schedule, num_stages, num_microbatches, virtual_stages, engine, calls)
-    return _DAGS.get(key, lambda: _make_dag(schedule, num_stages, num_microbatches,
+    return _DAGS.get(_dag_key(schedule, num_stages, num_microbatches, virtual_stages, engine,
+                              calls), lambda: _make_dag(schedule, num_stages, num_microbatches,
                                             virtual_stages, engine, calls))
+
+
+def _dag_key(schedule, num_stages, num_microbatches, virtual_stages=1, engine=False,
+             calls=None):
+    return (schedule, num_stages, num_microbatches, virtual_stages, bool(engine), calls)
+
+
+def dag_is_built(str schedule, int num_stages, int num_microbatches, int virtual_stages=1,
+                 bint engine=False, tuple calls=None):
+    """Whether ``get_dag`` of these arguments returns a DAG already built (no build cost)."""
+    return _dag_key(schedule, num_stages, num_microbatches, virtual_stages, engine,
+                    calls) in _DAGS
 
 
 def _make_dag(str schedule, int num_stages, int num_microbatches, int virtual_stages,

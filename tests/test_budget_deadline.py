@@ -104,3 +104,50 @@ def test_without_a_budget_nothing_is_cut(tmp_path, capsys):
     stdout, _ = capsys.readouterr()
     assert "cut at the time budget" not in stdout
     assert all(e["cut"] is None and e["status"] == "ok" for e in d["baselines"])
+
+
+def test_a_baselines_first_plan_past_the_budget_skips_dags_it_cannot_build_in_time(
+        monkeypatch):
+    """Past its budget a baseline's search looks on for a first plan only where the DAG's
+    build fits in what is left of ``overrun_s`` (a huge M's DAG took 1-1.4 CPU-s alone):
+    priced at 100 s an op nothing fits and no plan comes; at the real price one does. The
+    clock is frozen at 0 (the root bounds run inside the budget) and jumps to 1 s, past the
+    budget and inside the overrun, when the construction starts."""
+    from poseidon_plugin import _core
+    from poseidon_plugin.cluster import load_cluster
+    from poseidon_plugin.errors import InfeasibleError
+    from poseidon_plugin.model import get_model
+    from poseidon_plugin.search import SearchOptions, driver, search_plan
+
+    now = [0.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    construct = driver.SearchDriver.construct
+
+    def late_construct(self, *a, **k):
+        now[0] = 1.0
+        return construct(self, *a, **k)
+
+    monkeypatch.setattr(driver.SearchDriver, "construct", late_construct)
+    small = os.path.join(ROOT, "examples", "clusters", "small-two-type.yaml")
+    tiny = os.path.join(ROOT, "examples", "models", "tiny-gpt.yaml")
+    opts = SearchOptions(global_batch_size=16, seq_length=128, workers=1, runner_up=False,
+                         time_budget_s=0.5, first_plan_overrun=False, overrun_s=60.0,
+                         warmup_samples=0)
+    _core._DAGS.clear()                     # nothing built: every first plan pays its DAG
+    monkeypatch.setattr(instance, "DAG_BUILD_S_PER_OP", 100.0)
+    with pytest.raises(InfeasibleError, match="ran out before any plan was found"):
+        search_plan(load_cluster(small), get_model(tiny), opts)
+    now[0] = 0.0
+    monkeypatch.setattr(instance, "DAG_BUILD_S_PER_OP", 3e-7)
+    p = search_plan(load_cluster(small), get_model(tiny), opts)
+    assert p.search["constructed_plans"] >= 1 and p.search["timed_out"]
+    assert instance.dag_build_seconds(_cfg_of(p), p.engine_calls) == 0.0   # built now
+
+
+def _cfg_of(plan):
+    """A stand-in with the four fields ``dag_build_seconds`` reads."""
+    import types
+
+    return types.SimpleNamespace(schedule=plan.schedule, num_stages=plan.pp,
+                                 num_microbatches=plan.num_microbatches,
+                                 virtual_stages=plan.virtual_stages)
