@@ -18,8 +18,11 @@ feasible plan was known (the constructive plans come first); ``plan ms`` = the r
 predicted iteration time; ``bound ms`` / ``gap`` = the proven lower bound over the whole space
 and (plan - bound) / plan; ``exhaustive`` = the search finished (the gap is then 0);
 ``gap at 5/10/30/60/120 s`` = the live gap (the driver's anytime bound and incumbent) at
-those times, sampled from a second thread (``-`` past the budget; the final gap once the
-search ended).
+those times, as the driver's last tick before them left it (the bound and the incumbent move
+only there; ``-`` past the budget, or before the first plan; the final gap once the search
+ended). The times are the process's clock: under ``LD_PRELOAD=benchmarks/cpuclock.so`` (built
+from ``benchmarks/cpuclock.c``, see there) that is its CPU time, budget included, so with
+``--workers 1`` a loaded machine measures what one idle core would do.
 """
 
 from __future__ import annotations
@@ -59,7 +62,6 @@ def run_one(case: str, budget: float, workers: int | None) -> dict:
     from poseidon_plugin.cluster import load_cluster
     from poseidon_plugin.errors import PoseidonError
     from poseidon_plugin.model import get_model
-    import threading
 
     from poseidon_plugin.search import SearchOptions
     from poseidon_plugin.search.driver import SearchDriver
@@ -70,26 +72,21 @@ def run_one(case: str, budget: float, workers: int | None) -> dict:
     t0 = time.perf_counter()
     driver = SearchDriver(cluster, get_model(mname), SearchOptions(
         global_batch_size=gbs, seq_length=4096, time_budget_s=budget, workers=workers))
-    trajectory: dict[float, float | None] = {}
-    done = threading.Event()
+    seen: list[tuple[float, float | None]] = []   # (seconds, live gap) at each change
+    tick = driver.tick
 
-    def sample() -> None:          # the live gap at TRAJECTORY_S (the search runs in nogil C)
-        for at in TRAJECTORY_S:
-            if at > budget or done.wait(max(0.0, t0 + at - time.perf_counter())):
-                break
-            trajectory[at] = driver.snapshot().gap
+    def record(improved: bool = False) -> None:   # the gap moves only at the driver's ticks
+        tick(improved=improved)
+        seen.append((time.perf_counter() - t0, driver.snapshot().gap))
 
-    poll = threading.Thread(target=sample, daemon=True)
-    poll.start()
+    driver.tick = record
     try:
         driver.search()
         p = driver.plan()
     except PoseidonError as exc:
         return dict(case=case, devices=cluster.total_devices, error=str(exc),
                     seconds=time.perf_counter() - t0)
-    finally:
-        done.set()
-        poll.join()
+    ended = time.perf_counter() - t0
     s = p.search
     holding = []      # the lowest proven bounds (most nodes first): what holds the gap
     for i in sorted(range(len(driver.configs)),
@@ -106,7 +103,9 @@ def run_one(case: str, budget: float, workers: int | None) -> dict:
                             nodes=driver.work.get(i, 0)))
     traj = []
     for at in TRAJECTORY_S:
-        g = trajectory.get(at, p.gap if at <= budget else None)
+        g = None
+        if at <= budget:
+            g = p.gap if at >= ended else next((g for t, g in reversed(seen) if t <= at), None)
         traj.append(None if g is None else round(g, 5))
     shape = (f"{p.schedule}{'' if p.virtual_stages == 1 else f' V={p.virtual_stages}'} "
              f"pp={p.pp} dp={p.dp} tp={p.tp if p.uniform_tp else 'per-stage'} "

@@ -1310,10 +1310,12 @@ def test_rounds_stop_at_gap_milestones_without_moving_the_grid(monkeypatch):
 def test_budget_jump_to_a_milestone_only_when_its_round_is_predicted_to_fit(monkeypatch):
     """``_jump_cap``: with three completed rounds whose times grow as exp(-16 sqrt(gap)) the
     predicted time of the U (1 - m) round is exp(-16 sqrt(m)) scaled from the last one; the
-    cap jumps to the smallest m whose prediction x JUMP_SAFETY fits in the time left, and
-    stays put without a budget, with fewer than three rounds, or when nothing fits. The
-    driver's clock is frozen: the time left is exactly what the test sets (on a loaded host a
-    real clock moves between setting the deadline and reading it)."""
+    cap jumps to the next milestone not yet proven (never past it, however much time is
+    left) when its prediction x JUMP_SAFETY fits in the time left, and stays put without a
+    budget, with fewer than three rounds, when it does not fit, or when the cap already
+    reaches the milestone. The driver's clock is frozen: the time left is exactly what the
+    test sets (on a loaded host a real clock moves between setting the deadline and reading
+    it)."""
     import types
 
     from poseidon_plugin.search import driver as drv
@@ -1328,21 +1330,31 @@ def test_budget_jump_to_a_milestone_only_when_its_round_is_predicted_to_fit(monk
     t_of = lambda m: 100.0 * math.exp(-16.0 * math.sqrt(m))      # seconds at gap m
     gaps = (0.12, 0.10, 0.08)
     d._round_times = [(u * (1 - m), t_of(m)) for m in gaps]
-    cap = u * (1 - 0.08) * 1.02                                   # the grid's next cap
+    proven = u * (1 - 0.08)
+    cap = proven * 1.02                                           # the grid's next cap
     d.pass_deadline = None
-    assert d._jump_cap(cap) == cap                                # no budget: the grid
-    for m in (0.005, 0.01, 0.02, 0.05):
-        need = t_of(m) * drv.JUMP_SAFETY
-        d.pass_deadline = now + need * 1.01                       # m's round just fits
-        assert d._jump_cap(cap) == pytest.approx(u * (1 - m)), m
-        d.pass_deadline = now + need * 0.97                       # it does not: a larger m
-        got = d._jump_cap(cap)
-        assert got < u * (1 - m) * (1 - 1e-9) or got == cap, m
-    d.pass_deadline = now + 0.5 * t_of(0.05)                      # nothing fits
-    assert d._jump_cap(cap) == cap
-    d._round_times = d._round_times[-2:]                          # two rounds: no fit
+    assert d._jump_cap(cap, proven) == cap                        # no budget: the grid
+    need = t_of(0.05) * drv.JUMP_SAFETY
+    d.pass_deadline = now + need * 1.01                           # the 5 % round just fits
+    assert d._jump_cap(cap, proven) == pytest.approx(u * 0.95)
+    d.pass_deadline = now + 1e6                                   # the 0.5 % one fits too:
+    assert d._jump_cap(cap, proven) == pytest.approx(u * 0.95)    # the 5 % round first
+    d.pass_deadline = now + need * 0.97                           # it does not fit: the grid
+    assert d._jump_cap(cap, proven) == cap
+    # 5 % proven: the next milestone is 2 %, whatever finer one would fit
+    proven = u * 0.95
+    cap = proven * 1.02
+    d._round_times.append((proven, t_of(0.05)))
+    for m in (0.02, 0.01, 0.005):
+        d.pass_deadline = now + t_of(m) * drv.JUMP_SAFETY * 1.01
+        assert d._jump_cap(cap, proven) == pytest.approx(u * 0.98), m
+    d.pass_deadline = now + 0.97 * t_of(0.02) * drv.JUMP_SAFETY
+    assert d._jump_cap(cap, proven) == cap
+    # the cap is the milestone itself (a round of its own): no jump past it
     d.pass_deadline = now + 1e6
-    assert d._jump_cap(cap) == cap
+    assert d._jump_cap(u * 0.98, proven) == pytest.approx(u * 0.98)
+    d._round_times = d._round_times[-2:]                          # two rounds: no fit
+    assert d._jump_cap(cap, proven) == cap
 
 
 def _pair_parts(F, B, Pf, Pb, R, orders):

@@ -87,6 +87,13 @@ _COUNTERS = ("nodes", "plans_simulated", "cut_bound", "cut_memory", "cut_ridge",
              "cut_capacity", "cut_dominated")
 
 
+def _milestone_level(u: float, m: float) -> float:
+    """The cap whose completed round proves gap <= m against the incumbent u: u (1 - m), a
+    hair above it so that the gap computed from it, (u - level) / u, is <= m in floating point
+    too (u (1 - m) itself gives 1.0000000000000052 % for m = 1 %)."""
+    return u * (1.0 - m) * (1.0 + 1e-12)
+
+
 @dataclass
 class SearchStats:
     """What one search did; carried by the plan as ``plan.search`` (``as_dict``)."""
@@ -830,7 +837,8 @@ class SearchDriver:
                 else:
                     cap = math.inf
             elif deepen:
-                cap = self._jump_cap(self._milestone_cap(max(proven, r0), cap))
+                cap = self._jump_cap(self._milestone_cap(max(proven, r0), cap),
+                                     max(proven, r0))
                 on_grid = cap == grid
             if rounds >= MAX_ROUNDS - 1:
                 cap = math.inf
@@ -865,27 +873,40 @@ class SearchDriver:
         if not math.isfinite(u):
             return cap
         for m in GAP_MILESTONES:
-            level = u * (1 - m)
+            level = _milestone_level(u, m)
             if proven * (1 + 1e-6) < level < cap:
                 return cap if level >= cap * (1 - MILESTONE_MERGE) else level
         return cap
 
-    def _jump_cap(self, cap: float) -> float:
-        """Under a time budget, the smallest gap milestone (the highest level U (1 - m))
-        above ``cap`` whose round is predicted (x JUMP_SAFETY) to end before the pass's
-        deadline, else ``cap``. The rounds below it are insurance: each costs a
-        fraction of the next and proves a bound only if the budget ends before the next
-        (70B on 10,240 devices: the grid's rounds at 1,633.8 and 1,648.1 ms took 26 s of the
-        60 before the 1 % round). A jump that does not end in time leaves the bound of the
-        last completed round, so the prediction errs long: log(round time) linear in
-        sqrt(1 - cap / U), least squares over the pass's last JUMP_FIT_ROUNDS completed
-        rounds of >= JUMP_MIN_S (at least three), from the last one's time. (Measured there,
-        a round's time grows about as exp(-16 sqrt(gap)) near U and faster than that far
-        from it, so a fit on far rounds over-predicts the near ones; log time linear in log
-        cap under-predicted the 0.5 % round 2x.)"""
+    def _jump_cap(self, cap: float, proven: float = 0.0) -> float:
+        """Under a time budget, the next gap milestone (the coarsest level U (1 - m) above
+        ``proven`` not yet proven) when it lies above ``cap`` and its round is predicted
+        (x JUMP_SAFETY) to end before the pass's deadline, else ``cap``. The grid rounds
+        below it are insurance: each costs a fraction of the next and proves a bound only if
+        the budget ends before the next (70B on 10,240 devices: the grid's rounds at 1,633.8
+        and 1,648.1 ms took 26 s of the 60 before the 1 % round). A jump never passes a
+        milestone that is not proven: its round is the insurance of the finer ones, whose
+        rounds grow faster than any fit of the coarse ones says (405B on close-4096.yaml: the
+        rounds at 4.3 / 2.4 / 2.0 % took 0.9 / 1.8 / 1.9 s, the 0.5 % jump was predicted at
+        4.4 s and had not ended after 44 s, while the 1 % round it passed ends in 14 CPU-s).
+        A jump that does not end in time leaves the bound of the last completed round, so the
+        prediction errs long: log(round time) linear in sqrt(1 - cap / U), least squares over
+        the pass's last JUMP_FIT_ROUNDS completed rounds of >= JUMP_MIN_S (at least three),
+        from the last one's time. (Measured on 70B/10,240, a round's time grows about as
+        exp(-16 sqrt(gap)) near U and faster than that far from it, so a fit on far rounds
+        over-predicts the near ones; log time linear in log cap under-predicted the 0.5 %
+        round 2x.)"""
         u = self.threshold
         if self.pass_deadline is None or not math.isfinite(u) or not math.isfinite(cap):
             return cap
+        for m in GAP_MILESTONES:            # coarsest first: the next milestone to prove
+            level = _milestone_level(u, m)
+            if level > proven * (1 + 1e-6):
+                break
+        else:
+            return cap
+        if level <= cap * (1 + MILESTONE_MERGE):
+            return cap                      # this round (about) proves it: no jump
         hist = [(c, t) for c, t in self._round_times if t >= JUMP_MIN_S and c < u]
         hist = hist[-JUMP_FIT_ROUNDS:]
         if len(hist) < 3:
@@ -900,15 +921,11 @@ class SearchDriver:
         if not slope < 0.0:
             return cap
         left = self.pass_deadline - time.monotonic()
-        for m in sorted(GAP_MILESTONES):
-            level = u * (1 - m)
-            if level <= cap * (1 + MILESTONE_MERGE):
-                break
-            predicted = math.exp(ys[-1] + slope * (math.sqrt(m) - xs[-1]))
-            if predicted * JUMP_SAFETY <= left:
-                log.debug("pass: round cap %.1f, the %.1f %% level (predicted %.1f s, %.1f s "
-                          "left)", level, 100 * m, predicted, left)
-                return level
+        predicted = math.exp(ys[-1] + slope * (math.sqrt(m) - xs[-1]))
+        if predicted * JUMP_SAFETY <= left:
+            log.debug("pass: round cap %.1f, the %.1f %% level (predicted %.1f s, %.1f s "
+                      "left)", level, 100 * m, predicted, left)
+            return level
         return cap
 
     def run_round(self, cap: float, pass_order: list[int], pass_type_order: str) -> None:
