@@ -180,8 +180,9 @@ def _build_parser() -> argparse.ArgumentParser:
                     "faster plan); speed only, the exact plan does not depend on it")
     pl.add_argument("--time-budget", type=_positive_finite_float, default=None, metavar="S",
                     help="wall-clock budget in seconds for everything after the command line "
-                    "(loading, the search, the baselines): the best plan found by then, with its "
-                    "gap to the proven lower bound (default: none, search to the end)")
+                    "(loading, the baselines, the search, the runner-up, --gantt): the best plan "
+                    "found by then, with its gap to the proven lower bound; a phase cut short "
+                    "says so (default: none, search to the end)")
     pl.add_argument("--tie-tolerance", type=_percent, default=0.0, metavar="PCT",
                     help="trade up to PCT %% of speed for the simplest plan: the preferred "
                     "plan among those within PCT %% of the fastest (fewest stages, no "
