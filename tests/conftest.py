@@ -23,6 +23,7 @@ SLOW = {
     "tests/test_iteration_costs.py::test_search_with_optimizer_costs_is_exact": 72,
     "tests/test_iteration_costs.py::test_pruned_search_is_exact_under_the_dp_overlap": 68,
     "tests/test_callcost_profile.py::test_p2p_call_records_between_processes": 13,
+    "tests/test_callcost_profile.py::test_a_pair_group_times_megatrons_own_calls": 30,
     "tests/test_search.py::test_safe_and_ridge_free_bound_match_exhaustive": 13,
     "tests/test_search_mixed.py::test_mixed_safe_exhaustive_and_brute_force_agree": 14,
     "tests/test_search_distributed.py::test_per_stage_tp_and_runner_up_and_two_jobs": 14,

@@ -2,10 +2,13 @@
 profile`` and the ``--poseidon-auto`` launch), stored as the profile DB's ``p2p_calls`` and
 ``op_overheads`` records (``callcosts.py``); the search charges them.
 
-Per-call costs, between two ranks (``a`` sends, ``b`` receives), with the blocking form
-megatron-core's ``P2PCommunicator`` uses by default (``batch_p2p_comm``: the ops posted with
-``torch.distributed.batch_isend_irecv``, then waited on), for one activation-sized message
-(``numel`` elements of ``dtype``), medians over ``reps`` after one warm-up:
+Per-call costs, between two ranks (``a`` sends, ``b`` receives), with megatron-core's own
+``P2PCommunicator`` calls on the pair's two-rank group (``send_forward`` / ``recv_forward``, the
+round trip's ``send_backward`` / ``recv_backward``: its default ``batch_p2p_comm``, the ops
+posted with ``torch.distributed.batch_isend_irecv``, then waited on, the receive buffer
+allocated per call); without a pair group or on a megatron-core without ``P2PCommunicator``
+(before 0.14) the bare ``batch_isend_irecv``; for one activation-sized message (``numel``
+elements of ``dtype``), medians over ``reps`` after one warm-up:
 
 - ``send_call_ms``: a send whose receiver has long posted its receive;
 - ``recv_ready_ms``: a receive posted after the data was sent (no waiting for it);
@@ -37,11 +40,41 @@ def _call(ops) -> None:
         req.wait()
 
 
+def _megatron_calls(a: int, b: int, x: Any, group: Any, dtype: Any):
+    """The four blocking calls as megatron-core issues them (``P2PCommunicator`` on the pair's
+    own two-rank group: ``a``'s next and previous rank are ``b`` and the other way round):
+    (send a -> b, receive on b from a, send b -> a, receive on a from b); None where this
+    megatron-core has no ``P2PCommunicator`` (before 0.14) or without a group of two."""
+    import torch.distributed as dist
+
+    if group is None or dist.get_world_size(group) != 2:
+        return None
+    try:
+        from megatron.core.model_parallel_config import ModelParallelConfig
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    except ImportError:
+        return None
+    config = ModelParallelConfig(pipeline_model_parallel_size=2, pipeline_dtype=dtype)
+    p2p = P2PCommunicator(pp_group=group, config=config)
+    shape = tuple(x.shape)
+    got: dict[str, Any] = {}
+
+    def recv_fwd() -> None:
+        got["y"] = p2p.recv_forward(shape, is_first_stage=False)
+
+    return (lambda: p2p.send_forward(x, is_last_stage=False), recv_fwd,
+            lambda: p2p.send_backward(got["y"], is_first_stage=False),
+            lambda: p2p.recv_backward(shape, is_last_stage=False))
+
+
 def measure_p2p_call(a: int, b: int, numel: int, *, device: Any = None, dtype: Any = None,
                      reps: int = 8, group: Any = None) -> tuple[float, float, float] | None:
     """(send_call_ms, recv_ready_ms, latency_ms) on rank ``a`` (None on every other rank).
     ``group``: the process group of the barriers and calls (default: the default group, every
-    rank of which calls this; with a group, only its members do)."""
+    rank of which calls this, the calls ``batch_isend_irecv``; with the pair's own group of
+    two, only its members do, and the calls are megatron-core's ``P2PCommunicator``'s
+    ``send_forward`` / ``recv_forward`` / ``send_backward`` / ``recv_backward`` where it has
+    one: the calls training makes, their buffer allocation included)."""
     import torch
     import torch.distributed as dist
 
@@ -52,42 +85,48 @@ def measure_p2p_call(a: int, b: int, numel: int, *, device: Any = None, dtype: A
     dev = device if device is not None else torch.device("cpu")
     x = torch.zeros(max(int(numel), 1), dtype=dtype, device=dev)
     y = torch.empty_like(x)
-    send_to_b = [dist.P2POp(dist.isend, x, b, group=group)]
-    recv_from_a = [dist.P2POp(dist.irecv, y, a, group=group)]
-    send_to_a = [dist.P2POp(dist.isend, y, a, group=group)]
-    recv_from_b = [dist.P2POp(dist.irecv, x, b, group=group)]
+    calls = _megatron_calls(a, b, x, group, dtype) if me in (a, b) else None
+    if calls is not None:
+        send_to_b, recv_from_a, send_to_a, recv_from_b = calls
+    else:
+        ops = ([dist.P2POp(dist.isend, x, b, group=group)],
+               [dist.P2POp(dist.irecv, y, a, group=group)],
+               [dist.P2POp(dist.isend, y, a, group=group)],
+               [dist.P2POp(dist.irecv, x, b, group=group)])
+        send_to_b, recv_from_a, send_to_a, recv_from_b = (
+            (lambda o=o: _call(o)) for o in ops)
     sc, rr, rt = [], [], []
     for _ in range(reps + 1):
         dist.barrier(group=group)
         if me == a:                              # 1. send into a posted receive
             time.sleep(PAUSE_S)
             t0 = time.perf_counter()
-            _call(send_to_b)
+            send_to_b()
             _sync(dev)
             sc.append(time.perf_counter() - t0)
         elif me == b:
-            _call(recv_from_a)
+            recv_from_a()
             _sync(dev)
         dist.barrier(group=group)
         if me == b:                              # 2. receive of data already sent (b times it)
             time.sleep(PAUSE_S)
             t0 = time.perf_counter()
-            _call(recv_from_a)
+            recv_from_a()
             _sync(dev)
             rr.append(time.perf_counter() - t0)
         elif me == a:
-            _call(send_to_b)
+            send_to_b()
             _sync(dev)
         dist.barrier(group=group)
         if me == a:                              # 3. round trip
             t0 = time.perf_counter()
-            _call(send_to_b)
-            _call(recv_from_b)
+            send_to_b()
+            recv_from_b()
             _sync(dev)
             rt.append((time.perf_counter() - t0) / 2)
         elif me == b:
-            _call(recv_from_a)
-            _call(send_to_a)
+            recv_from_a()
+            send_to_a()
             _sync(dev)
     # b's receive-ready times to a (on the device: NCCL / HCCL broadcast device tensors)
     got = torch.tensor([statistics.median(rr[1:]) if rr else 0.0], dtype=torch.float32,
