@@ -94,14 +94,20 @@ def _store(transport: str, rank: int, size: int, addr):
 
 
 class _ManagerStore:
-    def __init__(self, d) -> None:
-        self.d = d
+    def __init__(self, addr) -> None:
+        self.d, self.lock = addr
 
     def set(self, key: str, value: bytes) -> None:
         self.d[key] = bytes(value)
 
     def get(self, key: str):
         return self.d.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        with self.lock:
+            v = int(self.d.get(key, b"0")) + amount
+            self.d[key] = str(v).encode()
+            return v
 
 
 def _log(rank: int) -> None:
@@ -158,7 +164,7 @@ def run(case: str, size: int, budget, workers: int, transport: str) -> dict:
     else:
         if transport == "manager":
             manager = ctx.Manager()
-            addr = manager.dict()
+            addr = (manager.dict(), manager.Lock())
         else:
             addr = ("127.0.0.1", _free_port())
         procs = [ctx.Process(target=_searcher, args=(r, size, case, budget, workers, transport,

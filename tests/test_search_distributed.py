@@ -139,6 +139,101 @@ def test_random_clusters_every_pruning(inst, pruning):
         assert many.search["nodes"] == one.search["nodes"]
 
 
+# one configuration holds most of a round's nodes: 32 layers on two types, 1F1B, b = 1; the
+# deep pipeline (pp=10, dp=1) takes ~40k nodes of its last round
+DOMINANT = ([(150.0, 2, 2, 1.0), (100.0, 2, 3, 1.0)], 32, 16)
+
+
+def _dominant():
+    types, layers, gbs = DOMINANT
+    cluster, model = make_instance(types, layers, None)
+    return cluster, model, SearchOptions(global_batch_size=gbs, seq_length=128, workers=1,
+                                         runner_up=False, schedules=("1f1b",),
+                                         micro_batch_sizes=(1,))
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_dominant_configuration_is_split_over_the_searchers(size):
+    """The giant configuration's subtrees go to every searcher (not only its claimer): the
+    plan, the bound and exactness are one process's."""
+    cluster, model, opts = _dominant()
+    one = search_plan(cluster, model, opts)
+    out = run_threads(size, cluster, model, opts)
+    assert "error" not in out, out.get("error")
+    (many,) = out["plans"]
+    _same(one, many)
+    assert many.search["exhaustive"]
+    assert many.search["shared_splits"] >= 1
+    assert many.search["shared_chunks_helped"] >= 1     # another searcher took chunks
+    assert one.search["shared_splits"] == 0
+
+
+def test_split_searchers_with_threads_and_a_budget(monkeypatch):
+    """Two threads per searcher on the shared chunks, every giant split
+    (POSEIDON_SEARCH_SPLIT_NODES=1), and a budget too short to end: the bound is a real lower
+    bound (<= the exact optimum) and the plan a real plan (>= it)."""
+    monkeypatch.setenv("POSEIDON_SEARCH_SPLIT_NODES", "1")
+    cluster, model, opts = _dominant()
+    exact = search_plan(cluster, model, opts)
+    opts2 = opts.replace(workers=2)
+    out = run_threads(2, cluster, model, opts2)
+    assert "error" not in out, out.get("error")
+    (many,) = out["plans"]
+    _same(exact, many)
+    assert many.search["shared_splits"] >= 1
+    out = run_threads(2, cluster, model, opts2.replace(time_budget_s=0.5))
+    assert "error" not in out, out.get("error")
+    (short,) = out["plans"]
+    assert short.lower_bound_ms <= exact.predicted_iteration_time_ms * (1 + 1e-12)
+    assert short.predicted_iteration_time_ms >= exact.predicted_iteration_time_ms * (1 - 1e-12)
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from test_search import SCHEDS, type_st  # noqa: E402
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.tuples(st.lists(type_st, min_size=2, max_size=3), st.integers(3, 8),
+                 st.sampled_from([4, 8]),
+                 st.lists(st.sampled_from(SCHEDS), min_size=1, max_size=2, unique=True),
+                 st.sampled_from(["uniform", "per-stage"]), st.sampled_from([2, 3])))
+def test_property_split_rounds_match_one_process(inst):
+    """Small random clusters, every configuration that a round finds large split over the
+    searchers (POSEIDON_SEARCH_SPLIT_NODES=1): the plan and certificate are one process's."""
+    from poseidon_plugin.errors import InfeasibleError
+
+    types, layers, gbs, scheds, tp_mode, size = inst
+    cluster, model = make_instance(types, layers, None)
+    opts = SearchOptions(global_batch_size=gbs, seq_length=128, schedules=tuple(scheds),
+                         tp_mode=tp_mode, micro_batch_sizes=(1, 2), warmup_samples=20,
+                         workers=1, runner_up=False)
+    try:
+        one = search_plan(cluster, model, opts)
+    except InfeasibleError:
+        return
+    old = os.environ.get("POSEIDON_SEARCH_SPLIT_NODES")
+    os.environ["POSEIDON_SEARCH_SPLIT_NODES"] = "1"
+    try:
+        out = run_threads(size, cluster, model, opts)
+    finally:
+        if old is None:
+            del os.environ["POSEIDON_SEARCH_SPLIT_NODES"]
+        else:
+            os.environ["POSEIDON_SEARCH_SPLIT_NODES"] = old
+    assert "error" not in out, out.get("error")
+    (many,) = out["plans"]
+    _same(one, many)
+
+
+def test_bad_split_setting(monkeypatch):
+    cluster, model, opts = _dominant()
+    monkeypatch.setenv("POSEIDON_SEARCH_SPLIT_NODES", "many")
+    out = run_threads(2, cluster, model, opts, stall_s=5.0)
+    assert "POSEIDON_SEARCH_SPLIT_NODES='many' is not a whole number" in out["error"]
+
+
 def test_a_searcher_that_never_joins_is_named_in_time():
     cluster, model = _setting(1)
     opts = SearchOptions(global_batch_size=128, seq_length=4096, workers=1, runner_up=False)
@@ -201,6 +296,44 @@ def test_cli_distributed_under_torchrun_matches_one_process():
     assert a == b
     assert sb["processes"] == 2 and sa["processes"] == 1
     assert sb["exhaustive"] == sa["exhaustive"]
+
+
+@pytest.mark.integration
+def test_cli_distributed_splits_a_dominant_configuration_across_processes(tmp_path,
+                                                                          monkeypatch):
+    """Two torchrun processes, the dominant configuration's subtrees shared through the
+    TCP store (every configuration of >= 2,000 nodes split: several splits): the plan JSON
+    is one process's (but for ``search``)."""
+    monkeypatch.setenv("POSEIDON_SEARCH_SPLIT_NODES", "2000")
+    types, layers, gbs = DOMINANT
+    tnames = {}
+    for i, (tflops, dpn, count, mem) in enumerate(types):
+        tnames[f"T{i}"] = (tflops, dpn, count, mem)
+    cluster = {"name": "rand",
+               "device_types": {n: {"memory_gib": m, "peak_tflops": f, "intra_node_gbps": 400}
+                                for n, (f, _, _, m) in tnames.items()},
+               "nodes": [{"device_type": n, "devices_per_node": d, "count": c}
+                         for n, (_, d, c, _) in tnames.items()],
+               "links": {"inter_node_gbps": {n: 100 for n in tnames}, "cross_type_gbps": 50,
+                         "latency_ms": 0.01}}
+    model = {"name": "tiny", "num_layers": layers, "hidden_size": 256, "ffn_hidden_size": 1024,
+             "num_attention_heads": 8, "vocab_size": 1024, "seq_length": 128}
+    (tmp_path / "c.yaml").write_text(json.dumps(cluster))
+    (tmp_path / "m.yaml").write_text(json.dumps(model))
+    args = ["--cluster", str(tmp_path / "c.yaml"), "--model", str(tmp_path / "m.yaml"),
+            "--global-batch-size", str(gbs), "--seq-length", "128", "--schedules", "1f1b",
+            "--micro-batch-sizes", "1", "--workers", "1", "--json", "--no-runner-up"]
+    one = subprocess.run([sys.executable, "-m", "poseidon_plugin", "plan", *args],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT},
+                         cwd=ROOT, timeout=240)
+    assert one.returncode == 0, one.stderr[-3000:]
+    proc, out, _ = _torchrun(2, ["-m", "poseidon_plugin", "plan", "--distributed", *args])
+    assert proc.returncode == 0, out[-5000:]
+    a, b = json.loads(one.stdout), json.loads(proc.stdout)
+    sa, sb = a.pop("search"), b.pop("search")
+    assert a == b
+    assert sb["processes"] == 2 and sb["exhaustive"] and sa["exhaustive"]
+    assert sb["shared_splits"] >= 1 and sb["shared_chunks_helped"] >= 1, sb
 
 
 @pytest.mark.integration

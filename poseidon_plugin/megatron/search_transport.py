@@ -36,6 +36,10 @@ class TorchStore:
                 return None
             return bytes(self._s.get(key))
 
+    def add(self, key: str, amount: int) -> int:
+        with self._lock:
+            return int(self._s.add(key, amount))
+
 
 def default_store() -> Any:
     """The default process group's store."""

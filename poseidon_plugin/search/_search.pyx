@@ -1764,3 +1764,128 @@ def bound_parts(ConfigInstance inst, opts, layers, int x):
         return out
     finally:
         _free_state(S)
+
+
+# --------------------------------------------------------------------------- subtrees shared by processes
+
+def split_prefixes(ConfigInstance inst, double threshold_ms, double deadline=0.0,
+                   int threads=1):
+    """The subtrees of one configuration, for searchers in other processes
+    (``search/distributed.py``): (D, prefixes, result). The prefixes of the first D stages
+    that survive the same recursion and cuts as ``search_config``'s thread split (D growing
+    until there are PREFIXES_PER_THREAD x ``threads`` of them), in the one-thread search's
+    depth-first order, as an int32 array of n x 2D (options, then layers, of each prefix);
+    ``result``: the collection's counters (its ``best`` is None). D = 0: no split (N < 3,
+    timed out, too many prefixes, or one subtree: search the configuration whole), D = -1:
+    no prefix survives (the configuration has no plan <= the threshold)."""
+    cdef SearchState* S = _new_state(&inst.data, threshold_ms, deadline)
+    cdef Searcher se
+    cdef int D = 0, n
+    try:
+        se = _searcher(inst, S, None, 0)
+        if inst.data.N >= 3:
+            D = _split_depth(se, max(1, threads))
+        if D > 0:
+            n = S.ncollect
+            buf = np.empty(n * 2 * D, dtype=np.int32)
+            memcpy(<void*> (<cnp.ndarray> buf).data, S.cbuf, n * 2 * D * sizeof(int))
+        else:
+            buf = np.empty(0, dtype=np.int32)
+        res = _result(S, &se.st, inst.data.N, D, S.ncollect)
+        return D, buf, res
+    finally:
+        _free_state(S)
+
+
+def search_prefixes(ConfigInstance inst, dag, double threshold_ms, double deadline, int D,
+                    fetch, int threads=1, thread_dag=None, bint memo=True):
+    """Search subtrees of one configuration handed out in chunks (``split_prefixes``'s
+    prefixes of depth D, from any process): ``fetch()`` returns the next chunk (an int32
+    array of n x 2D) and the incumbent time known now, or None when no chunk is left; each
+    chunk's prefixes are shared by ``threads`` searchers as in ``search_config``'s split (one
+    memo for every chunk of this call, the incumbent an atomic minimum). The best plan (time
+    <= the threshold, smallest (time, assignment)) over every subtree searched; stops at the
+    deadline (``timed_out``: some fetched subtree was not searched to the end)."""
+    cdef SearchState* S = _new_state(&inst.data, threshold_ms, deadline)
+    cdef Searcher se, h
+    cdef Shared sh
+    cdef int slot, chunks = 0, stopped = 0
+    cdef cnp.ndarray[cnp.int32_t, ndim=1] arr
+    if D < 1 or D > inst.data.N:
+        _free_state(S)
+        raise ValueError(f"search_prefixes: depth {D} outside 1..{inst.data.N}")
+    if threads > 1 and thread_dag is None:
+        _free_state(S)
+        raise ValueError("search_prefixes: threads > 1 needs thread_dag")
+    helpers = []
+    try:
+        se = _searcher(inst, S, dag, memo)
+        sh.next = 0
+        sh.D = D
+        sh.buf = NULL
+        sh.n = 0
+        sh.mlock = 0
+        sh.thr = S.thr
+        S.sh = &sh
+        try:
+            for slot in range(1, threads):
+                h = _searcher(inst, _clone_state(se.cfg, S), (lambda s=slot: thread_dag(s)),
+                              se.use_memo)
+                h.mp = se.mp
+                h.mlock = &sh.mlock
+                helpers.append(h)
+            se.mlock = &sh.mlock
+            if se.use_memo:
+                _memo_fix(se.mp, 8 + se.cfg.T, 0)
+            while True:
+                got = fetch()
+                if got is None:
+                    break
+                arr = np.ascontiguousarray(got[0], dtype=np.int32)
+                if arr.shape[0] % (2 * D):
+                    raise ValueError("search_prefixes: a chunk is not n x 2D integers")
+                if float(got[1]) < sh.thr:
+                    sh.thr = float(got[1])
+                sh.buf = <int*> arr.data
+                sh.n = arr.shape[0] // (2 * D)
+                sh.next = 0
+                chunks += 1
+                workers = [threading.Thread(target=hh._thread_main, daemon=True)
+                           for hh in helpers]
+                for w in workers:
+                    w.start()
+                try:
+                    with nogil:
+                        se.run_shared()
+                finally:
+                    for w in workers:
+                        w.join()
+                sh.buf = NULL
+                stopped = S.timed_out
+                for hh in helpers:
+                    h = hh
+                    if h.state.timed_out:
+                        stopped = 1
+                    if h.dag_error:
+                        stopped = 1
+                if stopped or se.dag_error:
+                    break
+            for hh in helpers:
+                h = hh
+                _absorb(se, h)
+                if h.dag_error:
+                    h.dag_factory()
+                    raise RuntimeError("search_prefixes: the DAG factory failed")
+            if se.dag_error:
+                se.dag_factory()
+                raise RuntimeError("search_prefixes: the DAG factory failed")
+        finally:
+            S.sh = NULL
+            se.mlock = NULL
+            for hh in helpers:
+                h = hh
+                _free_state(h.state)
+                h.state = NULL
+        return _result(S, &se.st, inst.data.N, D, chunks)
+    finally:
+        _free_state(S)

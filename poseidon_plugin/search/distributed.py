@@ -1,21 +1,25 @@
 """One search shared by several processes (hosts): ``poseidon plan --distributed`` under
 torchrun and a ``--poseidon-auto`` launch on more than one host.
 
-The outer configurations are dealt out by root bound: searcher ``r`` of ``S`` owns the
-configurations at positions r, r + S, r + 2 S, ... of the global root-bound order (the hard
-ones, of low root bound, are spread over every searcher). Each searcher runs the driver's phases
-(construction, warm-up, polish, iterative deepening) over its own share, with its own threads
-(``--workers``). The incumbent's time is exchanged every EXCHANGE_S: a searcher prunes with the
-best plan found anywhere, which is sound because that time belongs to a real plan (>= the
-optimum), and the branch and bound returns plans with time <= its threshold, so an optimal plan
-of any share is still found. At the end the coordinator (searcher 0) gathers every share's best
-plan, its configurations' proven bounds and counters: the merged plan is the smallest
-(time, configuration, assignment), as in one process, and the lower bound is the minimum of the
-owners' per-configuration bounds (exact iff every share was searched to the end). The tie rule,
-a previous plan (``--keep``) and the runner-up then run on the coordinator over the merged state.
+The root bounds are computed by every searcher for every S-th configuration; the
+construction, warm-up and polish run on each searcher over its deal of the configurations
+(positions r, r + S, ... of the global root-bound order). The iterative deepening is the
+coordinator's (``SearchDriver.run_pass``, as in one process), but every round is shared by
+every searcher (``SearchDriver._shared_round``): the round's configurations go out as units
+claimed from a shared counter, and a giant configuration is split into subtrees that every
+searcher claims in chunks, as the threads of one process share a round and split a giant. The
+incumbent's time is exchanged every EXCHANGE_S: a searcher prunes with the best plan found
+anywhere, which is sound because that time belongs to a real plan (>= the optimum), and the
+branch and bound returns plans with time <= its threshold, so an optimal plan is still found.
+Each searcher reports what it proved in a round; the coordinator merges: a configuration's
+bound rises only when it was searched to the end (whole, or every chunk), and a round proves
+its cap only when all of it was searched. At the end the coordinator gathers every searcher's
+best plans and counters: the merged plan is the smallest (time, configuration, assignment), as
+in one process. The tie rule, a previous plan (``--keep``) and the runner-up then run on the
+coordinator over the merged state. Why this is sound: ``docs/search.md``, "Distributed search".
 
 The core imports no torch: a searcher talks through a :class:`Store` (set / non-blocking get of
-bytes). :class:`MemoryStore` is the in-process one (threads as searchers, the tests);
+bytes, atomic add of a counter). :class:`MemoryStore` is the in-process one (threads as searchers, the tests);
 ``poseidon_plugin.megatron.search_transport`` wraps torch.distributed's rendezvous store.
 
 Liveness: every searcher writes a heartbeat every HEARTBEAT_S from its own thread (the search
@@ -44,6 +48,12 @@ log = logging.getLogger("poseidon")
 HEARTBEAT_S = 0.5     # each searcher's heartbeat period (its exchange thread)
 EXCHANGE_S = 0.2      # the incumbent's time is published and read this often
 POLL_S = 0.02         # a wait for a key polls this often
+PASS_TURN_S = 0.002   # MemoryStore: how long a searcher hands its turn on between chunks
+ROUND_POLL_S = 0.002  # a searcher waiting inside a shared round (the next round's cap, the
+                      # others' reports) polls this often: a round's barrier costs ~ this
+CHUNKS_PER_SEARCHER = 16   # a giant configuration's subtrees go out in this many chunks per
+                           # searcher (claimed one at a time; each searcher's memo spans
+                           # every chunk it claims of one configuration)
 STALL_S = 60.0        # a searcher silent this long (or never joined) is given up, with an error
                       # (POSEIDON_SEARCH_STALL_S overrides)
 
@@ -70,6 +80,10 @@ class Store(Protocol):
     def get(self, key: str) -> bytes | None:
         """The value, or None while the key is not set (never blocks)."""
 
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add ``amount`` to the counter ``key`` (0 when not set) and return the
+        new value: the shared queues of a round (``JobShare.claim``)."""
+
 
 class MemoryStore:
     """An in-process :class:`Store` (searchers as threads): the tests' transport.
@@ -94,13 +108,13 @@ class MemoryStore:
             self._holder = None
             self._turn.release()
 
-    def idle(self) -> None:
+    def idle(self, seconds: float = POLL_S) -> None:
         if self._holder != threading.get_ident():
-            time.sleep(POLL_S)
+            time.sleep(seconds)
             return
         self._holder = None
         self._turn.release()
-        time.sleep(POLL_S)
+        time.sleep(seconds)
         self._turn.acquire()
         self._holder = threading.get_ident()
 
@@ -111,6 +125,18 @@ class MemoryStore:
     def get(self, key: str) -> bytes | None:
         with self._lock:
             return self._d.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        with self._lock:
+            v = int(self._d.get(key, b"0")) + amount
+            self._d[key] = str(v).encode()
+            return v
+
+    def pass_turn(self) -> None:
+        """Let another searcher run for a moment (between two pieces of shared work, so that
+        the searchers of a test share a configuration's subtrees as processes would)."""
+        if self._holder == threading.get_ident():
+            self.idle(PASS_TURN_S)
 
 
 def stall_seconds() -> float:
@@ -147,6 +173,9 @@ class Searchers:
         self.workers = workers
         self.names = names or (lambda r: f"search process {r}")
         self._idle = getattr(store, "idle", None) or (lambda: time.sleep(POLL_S))
+        idle = getattr(store, "idle", None)
+        self._idle_round = ((lambda: idle(ROUND_POLL_S)) if idle is not None
+                            else (lambda: time.sleep(ROUND_POLL_S)))
         self.jobs = 0
         self.error: str | None = None
         self._stop = threading.Event()
@@ -307,6 +336,10 @@ class JobShare:
         self._foreign = math.inf       # the best time published by the others
         self._lock = threading.Lock()
         self._owned: list[int] = []
+        self.global_order: list[int] = []
+        self._splits: dict[tuple[int, int], tuple] = {}   # (round, k) -> the split's record
+        self._drained: set[tuple[int, int]] = set()       # ... every chunk of it claimed
+        self.rounds = 0                                    # rounds posted (the coordinator)
 
     @property
     def coordinator(self) -> bool:
@@ -319,7 +352,8 @@ class JobShare:
         b = self.d.options.time_budget_s
         return None if b is None else time.monotonic() + b + self.g.stall_s
 
-    def _gather(self, what: str, deadline: float | None = None) -> dict[int, Any]:
+    def _gather(self, what: str, deadline: float | None = None,
+                idle: Callable[[], None] | None = None) -> dict[int, Any]:
         out = {}
         for r in range(self.g.size):
             if r == self.g.rank:
@@ -338,7 +372,7 @@ class JobShare:
                     raise PoseidonError(f"distributed search: {self.g.names(r)} sent no "
                                         f"{what} within the time budget + "
                                         f"{self.g.stall_s:g} s")
-                self.g._idle()
+                (idle or self.g._idle)()
             if err is not None:
                 raise PoseidonError(f"distributed search: {self.g.names(r)}: "
                                     f"{err.decode(errors='replace')}")
@@ -363,10 +397,116 @@ class JobShare:
         return roots
 
     def owned(self, order: list[int]) -> list[int]:
-        """This searcher's share of the global visit order."""
+        """This searcher's share of the global visit order (the construction, warm-up and
+        polish phases; the rounds share every configuration through the store)."""
         self.g._job = self
+        self.global_order = list(order)
         self._owned = order[self.g.rank::self.g.size]
         return self._owned
+
+    # ---------------------------------------------------------------- the shared rounds
+    # Every round of iterative deepening is one round of every searcher: the coordinator
+    # decides its cap (``SearchDriver.run_pass``, as in one process) and posts it with the
+    # round's units (runs of consecutive configurations of the pass's order, a giant alone);
+    # every searcher claims units from a shared counter, splits a giant into subtrees that
+    # every searcher claims in chunks, and sends what it proved; the coordinator merges.
+
+    @property
+    def size(self) -> int:
+        return self.g.size
+
+    def _rkey(self, n: int, what: str) -> str:
+        return f"job/{self.job}/round/{n}/{what}"
+
+    def announce(self, n: int, ann: dict | None) -> None:
+        """Coordinator: round n's description (None: the rounds are over)."""
+        self.g.store.set(self._rkey(n, "ann"), dumps(ann))
+
+    def wait_round(self, n: int) -> dict | None:
+        """A searcher: round n's description once posted, or None (the rounds are over, or
+        the coordinator stopped)."""
+        while True:
+            v = self.g.store.get(self._rkey(n, "ann"))
+            if v is not None:
+                return pickle.loads(v)
+            if self.g.store.get("stop") is not None:
+                return None
+            self.g.check()
+            self.g._idle_round()
+
+    def claim(self, n: int, what: str) -> int:
+        """The next index of round n's queue ``what`` (0, 1, ...: whoever asks first)."""
+        return self.g.store.add(self._rkey(n, what), 1) - 1
+
+    def pass_turn(self) -> None:
+        f = getattr(self.g.store, "pass_turn", None)
+        if f is not None:
+            f()
+
+    def publish_split(self, n: int, i: int, depth: int, prefixes, threshold: float) -> tuple:
+        """A giant configuration's subtrees (``_search.split_prefixes``) as chunks every
+        searcher may claim; (k, chunks): its number in round n and how many chunks."""
+        per = 2 * depth
+        count = len(prefixes) // per
+        nchunks = max(1, min(count, CHUNKS_PER_SEARCHER * self.g.size))
+        bounds = [count * c // nchunks for c in range(nchunks + 1)]
+        k = self.g.store.add(self._rkey(n, "splits"), 1) - 1
+        rec = (i, depth, prefixes.tobytes(), bounds, threshold, self.g.rank)
+        self.g.store.set(self._rkey(n, f"split/{k}"), dumps(rec))
+        self._splits[(n, k)] = (i, depth, prefixes, bounds, threshold, self.g.rank)
+        return k, nchunks
+
+    def open_splits(self, n: int) -> tuple[list[int], bool]:
+        """(splits of round n that have chunks left to claim, whether one is announced but
+        not readable yet)."""
+        count = self.g.store.add(self._rkey(n, "splits"), 0)
+        ready, pending = [], False
+        for k in range(count):
+            if (n, k) in self._drained:
+                continue
+            if (n, k) not in self._splits:
+                v = self.g.store.get(self._rkey(n, f"split/{k}"))
+                if v is None:
+                    pending = True
+                    continue
+                i, depth, raw, bounds, thr, owner = pickle.loads(v)
+                import numpy as np
+                self._splits[(n, k)] = (i, depth, np.frombuffer(raw, dtype=np.int32),
+                                        bounds, thr, owner)
+            nchunks = len(self._splits[(n, k)][3]) - 1
+            if self.g.store.add(self._rkey(n, f"split/{k}/next"), 0) >= nchunks:
+                self._drained.add((n, k))
+                continue
+            ready.append(k)
+        return ready, pending
+
+    def split_info(self, n: int, k: int) -> tuple:
+        return self._splits[(n, k)]
+
+    def claim_chunk(self, n: int, k: int):
+        """(chunk number, its prefixes) of split k, or None when every chunk is claimed."""
+        i, depth, prefixes, bounds, thr, owner = self._splits[(n, k)]
+        c = self.claim(n, f"split/{k}/next")
+        if c >= len(bounds) - 1:
+            self._drained.add((n, k))
+            return None
+        per = 2 * depth
+        return c, prefixes[bounds[c] * per:bounds[c + 1] * per]
+
+    def post_out(self, n: int) -> None:
+        """This searcher claims no more configurations in round n (it may still publish
+        nothing new; it helps the splits left)."""
+        self.g.store.set(self._rkey(n, f"out/{self.g.rank}"), b"1")
+
+    def all_out(self, n: int) -> bool:
+        return all(self.g.store.get(self._rkey(n, f"out/{r}")) is not None
+                   for r in range(self.g.size))
+
+    def post_round(self, n: int, report: dict) -> None:
+        self.g.store.set(self._key(f"round{n}"), dumps(report))
+
+    def gather_round(self, n: int) -> dict[int, dict]:
+        return self._gather(f"round{n}", self._deadline(), self.g._idle_round)
 
     def exchange(self, threshold: float) -> float:
         """Called by the driver (``tick``): offer this share's threshold; the best time found
@@ -396,6 +536,8 @@ class JobShare:
         """After the passes: a searcher sends its share's result and is done (False); the
         coordinator merges every share's into its driver (True)."""
         d = self.d
+        if self.coordinator:
+            self.announce(self.rounds, None)     # the rounds are over
         mine = self.result()
         self.g._job = None
         if not self.coordinator:
@@ -412,9 +554,7 @@ class JobShare:
 
     def result(self) -> dict:
         d, st = self.d, self.d.stats
-        mine = self.owned_indices()
         return dict(
-            lbs={i: d.lbs[i] for i in mine},
             # (configurations as values: the per-stage seed's come from another space)
             found=[(c, inc.time_ms, inc.opts, inc.layers, inc.origin)
                    for c, inc in d.found.items()],
@@ -422,18 +562,12 @@ class JobShare:
                   (d.best.cfg, d.best.time_ms, d.best.opts, d.best.layers, d.best.origin)),
             searched=sorted(d.searched_ever),
             counters={k: getattr(st, k) for k in _SUMMED},
-            first_plan_s=st.first_plan_s, timed_out=d.timed_out, stats_timed_out=st.timed_out,
-            exhaustive=st.exhaustive, rounds=st.rounds)
-
-    def owned_indices(self) -> list[int]:
-        return self._owned
+            first_plan_s=st.first_plan_s, rounds=st.rounds)
 
     def merge(self, q: int, res: dict) -> None:
         from .driver import Incumbent
 
         d, st = self.d, self.d.stats
-        for i, lb in res["lbs"].items():
-            d.lbs[i] = lb
         for cfg, t, opts, layers, origin in res["found"]:
             cand = Incumbent(t, cfg.key, tuple(opts), tuple(layers), cfg, origin)
             if cfg not in d.found or cand < d.found[cfg]:
@@ -451,12 +585,29 @@ class JobShare:
         if res["first_plan_s"] is not None:
             st.first_plan_s = (res["first_plan_s"] if st.first_plan_s is None
                                else min(st.first_plan_s, res["first_plan_s"]))
-        d.timed_out = d.timed_out or res["timed_out"]
-        st.timed_out = st.timed_out or res["stats_timed_out"]
-        st.exhaustive = st.exhaustive and res["exhaustive"]
+        # (timed_out / exhaustive: the coordinator's passes decided them over the merged
+        # rounds)
 
 
 # the statistics every share adds to the merged ones
 _SUMMED = ("nodes", "plans_simulated", "cut_bound", "cut_memory", "cut_ridge", "cut_devices",
            "cut_capacity", "cut_dominated", "configs_searched", "constructed_plans",
-           "polished_plans", "polish_evals", "warmup_plans")
+           "polished_plans", "polish_evals", "warmup_plans", "shared_splits",
+           "shared_chunks_helped")
+
+
+def split_nodes(default: int) -> int:
+    """A configuration whose last search took this many nodes (and a large share of the
+    round's) is split over every searcher: ``default`` (the driver's SPLIT_NODES), or
+    POSEIDON_SEARCH_SPLIT_NODES (the tests force splits on small instances)."""
+    text = os.environ.get("POSEIDON_SEARCH_SPLIT_NODES")
+    if not text:
+        return default
+    try:
+        v = int(text)
+    except ValueError:
+        raise PoseidonError(f"POSEIDON_SEARCH_SPLIT_NODES={text!r} is not a whole number") \
+            from None
+    if v < 1:
+        raise PoseidonError(f"POSEIDON_SEARCH_SPLIT_NODES={text!r} must be at least 1")
+    return v

@@ -64,6 +64,9 @@ CONCURRENT_NODES = 100  # ... those whose last search took this many nodes; the 
                        # handed to the pool, per-stage TP settings 3 / 4 took 2.0 / 1.2 s with 2
                        # workers and 1.4 / 0.7 s with 1; now 1.1 / 0.6 s. At 5000 nodes, setting
                        # 5's round where the trees first grow ran in one thread: 6.0 s, not 2.9)
+UNITS_PER_THREAD = 4   # a shared round (distributed.py) goes out in units of about 1 / (this x
+UNIT_CONFIGS = 64      # the searchers' threads) of the last round's nodes, at most this many
+                       # configurations each (a claim is one store round trip)
 WARMUP_CONFIGS = 16  # warm-up samples come from this many configurations of lowest root bound
 WARMUP_PATIENCE = 100  # ... and end after this many draws in a row did not beat the incumbent
 CONSTRUCT_CONFIGS = 64  # constructive plans for (at least) this many configurations, by root bound
@@ -129,6 +132,9 @@ class SearchStats:
     type_order: str = ""
     workers: int = 1
     processes: int = 1                 # searchers that shared the configurations (distributed.py)
+    shared_splits: int = 0             # ... configurations split into subtrees for every searcher
+    shared_chunks_helped: int = 0      # ... chunks of them searched by another searcher than
+                                       # the one that split it
     statistics_depend_on_timing: bool = False   # a configuration was split over threads
     tie_tolerance: float = 0.0         # the tie rule (tiebreak.py): the window over the fastest,
     tie_rule: str = "off"              # off / preferred / fastest / timed out,
@@ -238,6 +244,7 @@ class SearchDriver:
         self._round_times: list[tuple[float, float]] = []   # (cap, s): the pass's rounds
         self._last_round_nodes = 0
         self._pool: ThreadPoolExecutor | None = None     # the rounds' worker threads
+        self._pass_at = 0                   # the current pass's place in ``passes()``
         self.share = None     # distributed.JobShare: this process searches a share of the
                               # configurations, exchanging the incumbent with the others
         self.phase_share = 1.0   # ... and the construction's and polish's time slices are
@@ -340,8 +347,15 @@ class SearchDriver:
             if not self.exact and self.found:
                 self.set_phase("polish")
                 self.polish_found(quick=True)
-            self._deferred = not self.exact
-            self.run_passes()
+            # (the rest of the construction and polish: one process's, or the coordinator's
+            # between two shared rounds; the other searchers skip it)
+            self._deferred = not self.exact and (self.share is None or self.share.coordinator)
+            if self.share is not None:
+                self.order = self.share.global_order   # the rounds share every configuration
+            if self.share is not None and not self.share.coordinator:
+                self.follow_rounds()
+            else:
+                self.run_passes()
             if self.share is not None and not self.share.finish():
                 return    # a share searched for a distributed search's coordinator
             if self.options.tie_tolerance > 0 and self.best is not None:
@@ -770,6 +784,7 @@ class SearchDriver:
                 self._unproven.difference_update(pass_order)
                 self._unproven.update(self.restricted)
             self.pass_deadline = self.deadline
+            self._pass_at = at
             if at + 1 < len(passes) and self.deadline is not None:
                 # a good plan from the cheap space, then time left to prove the full one
                 now = time.monotonic()
@@ -942,7 +957,13 @@ class SearchDriver:
         others' hand-offs. Each configuration's result
         is its best plan under its own threshold, >= the round's, so the merged result (the
         smallest (time, configuration, assignment)) is the one of a sequential round; only the
-        statistics depend on the interleaving."""
+        statistics depend on the interleaving.
+
+        In a distributed search (``self.share``) the round is every searcher's
+        (``_shared_round``)."""
+        if self.share is not None:
+            self._shared_round(cap, pass_order, pass_type_order)
+            return
         t_round, n_before, searched = time.perf_counter(), self.stats.nodes, 0
         self.set_phase(f"{self.pass_name + ' ' if self.pass_name else ''}round "
                        f"{self.stats.rounds}")
@@ -1025,6 +1046,268 @@ class SearchDriver:
                   pass_type_order, cap, self.threshold, searched, self.stats.nodes - n_before,
                   time.perf_counter() - t_round)
 
+    # ------------------------------------------------------------------ distributed rounds
+    def _shared_round(self, cap: float, pass_order: list[int], pass_type_order: str) -> None:
+        """Coordinator: round ``cap`` of ``run_pass`` shared by every searcher. The round's
+        configurations (those whose root bound is <= min(cap, incumbent)) go out as units,
+        runs of consecutive configurations of the pass's order (a giant alone), that the
+        searchers claim from a shared counter; a giant (its last search took >= the split
+        size and GIANT_SHARE / searchers of the last round's nodes) is split into subtrees
+        that every searcher claims in chunks (``_search.split_prefixes`` /
+        ``search_prefixes``). Every searcher reports what it proved (``_round_work``); the
+        merge (``_merge_round``) is the state a one-process round leaves: each configuration
+        searched whole or in every one of its chunks with threshold <= min(cap, incumbent)
+        has no plan below that threshold but the best one returned."""
+        from .distributed import split_nodes
+
+        sh = self.share
+        n = sh.rounds
+        sh.rounds += 1
+        thr0 = math.inf if self.exact else min(cap, self.threshold)
+        end = len(pass_order)
+        if not self.exact:
+            end = next((p for p, i in enumerate(pass_order)
+                        if self.roots[i] > thr0 * (1 + 1e-9)), len(pass_order))
+        size, workers = sh.size, self.workers
+        giant = (max(split_nodes(SPLIT_NODES), GIANT_SHARE * self._last_round_nodes / size)
+                 if size * workers > 1 else math.inf)
+        work = {pass_order[p]: self.work[pass_order[p]] for p in range(end)
+                if pass_order[p] in self.work}
+        ann = dict(pass_at=self._pass_at, cap=cap, giant=giant, work=work,
+                   units=_units(pass_order[:end], work, giant, size * workers),
+                   left=(None if self.pass_deadline is None
+                         else max(0.0, self.pass_deadline - time.monotonic())))
+        sh.announce(n, ann)
+        mine = self._round_work(n, cap, pass_order, pass_type_order, ann)
+        reports = sh.gather_round(n)
+        reports[sh.g.rank] = mine
+        self._merge_round(reports)
+
+    def follow_rounds(self) -> None:
+        """A searcher other than the coordinator: every round the coordinator posts, until
+        it posts the end."""
+        passes = self.passes()
+        n = 0
+        while True:
+            ann = self.share.wait_round(n)
+            if ann is None:
+                break
+            pass_order, pass_type_order = passes[ann["pass_at"]]
+            self.pass_name = pass_type_order if len(passes) > 1 else ""
+            self.pass_deadline = (None if ann["left"] is None
+                                  else time.monotonic() + ann["left"])
+            self.timed_out = False
+            self.stats.rounds += 1
+            self.share.post_round(n, self._round_work(n, ann["cap"], pass_order,
+                                                      pass_type_order, ann))
+            n += 1
+        self.pass_deadline = self.deadline
+        self.stats.passes = len(passes)
+
+    def _round_work(self, n: int, cap: float, pass_order: list[int], pass_type_order: str,
+                    ann: dict) -> dict:
+        """One searcher's part of shared round ``n``: claim units and search their
+        configurations (as ``run_round`` does, with this searcher's threads), split the
+        giants it claims, help with every split that has chunks left; then a report of what
+        it proved for the coordinator."""
+        sh = self.share
+        t_round, n_before = time.perf_counter(), self.stats.nodes
+        self.set_phase(f"{self.pass_name + ' ' if self.pass_name else ''}round "
+                       f"{self.stats.rounds}")
+        pruning = self.options.pruning
+        units, work, giant = ann["units"], ann["work"], ann["giant"]
+        whole: list[tuple] = []      # (configuration, threshold, best, timed out, nodes)
+        parts: list[tuple] = []      # (split, chunks, best, timed out, nodes)
+        splits: list[tuple] = []     # (split, configuration, chunks, threshold, nodes)
+        running: dict = {}
+        free = list(range(self.workers, 0, -1))
+        searched = 0
+
+        def thr_now() -> float:
+            return math.inf if self.exact else min(cap, self.threshold)
+
+        def blocks_of(cfg) -> bool:
+            return cfg.type_sequences_restricted(pass_type_order,
+                                                 self.options.type_sequence_limit)
+
+        def finish(j: int, res, thr_j: float) -> None:
+            nonlocal searched
+            self.work[j] = res.nodes
+            self.absorb(j, res, thr_j)
+            whole.append((j, thr_j, res.best, bool(res.timed_out), res.nodes))
+            searched += 1
+            self._done_in_round = searched
+            self.tick()
+
+        def collect(block: bool) -> None:
+            if not running:
+                return
+            done, _ = wait(list(running), return_when=FIRST_COMPLETED if block else ALL_COMPLETED)
+            for fut in sorted(done, key=lambda f: running[f][0]):
+                j, thr_j, slot = running.pop(fut)
+                free.append(slot)
+                finish(j, fut.result(), thr_j)
+
+        def help_splits(k_list) -> None:
+            collect(block=False)         # every thread of this searcher on the subtrees
+            for k in k_list:
+                i, depth, _, _, thr_split, owner = sh.split_info(n, k)
+                cfg = self.configs[i]
+                got: list[int] = []
+
+                def fetch(k=k):
+                    if self._past_pass_deadline():
+                        return None
+                    c = sh.claim_chunk(n, k)
+                    if c is None:
+                        return None
+                    got.append(c[0])
+                    self.tick()
+                    sh.pass_turn()
+                    return c[1], thr_now()
+
+                res = self.ctx.run_prefixes(cfg, depth, fetch, pruning=pruning,
+                                            blocks=blocks_of(cfg), threshold_ms=thr_now(),
+                                            deadline=self.pass_deadline or 0.0,
+                                            threads=self.workers)
+                if not got:
+                    continue
+                self.stats.add_counters(res.counters())
+                if owner != sh.g.rank:
+                    self.stats.shared_chunks_helped += len(got)
+                if res.best is not None:   # (the plan itself goes to the coordinator: the
+                    self.threshold = min(self.threshold, res.best[0])  # merge picks, as
+                    self.tick()            # threads do, the smallest (time, assignment))
+                if res.timed_out:
+                    self.timed_out = True
+                parts.append((k, got, res.best, bool(res.timed_out), res.nodes))
+
+        def split_giant(i: int, thr: float) -> None:
+            cfg = self.configs[i]
+            blocks = blocks_of(cfg)
+            depth, prefixes, rc = self.ctx.split(cfg, pruning=pruning, blocks=blocks,
+                                                 threshold_ms=thr,
+                                                 deadline=self.pass_deadline or 0.0,
+                                                 threads=self.workers * sh.size)
+            if rc.timed_out or depth == -1:      # out of time, or no subtree survives
+                finish(i, rc, thr)
+                return
+            self.stats.add_counters(rc.counters())
+            if depth == 0:                       # one subtree (or too many): search it here
+                finish(i, self.ctx.run(cfg, pruning=pruning, blocks=blocks, threshold_ms=thr,
+                                       deadline=self.pass_deadline or 0.0,
+                                       threads=self.workers), thr)
+                return
+            k, nchunks = sh.publish_split(n, i, depth, prefixes, thr)
+            self.stats.shared_splits += 1
+            self.stats.configs_searched += 1
+            self.searched_ever.add(i)
+            splits.append((k, i, nchunks, thr, rc.nodes))
+            help_splits([k])
+
+        try:
+            stop = False
+            while not stop:
+                ready, _ = sh.open_splits(n)
+                if ready:
+                    help_splits(ready)
+                u = sh.claim(n, "units")
+                if u >= len(units):
+                    break
+                for pos in range(*units[u]):
+                    if self._past_pass_deadline():
+                        self.timed_out = True
+                        stop = True
+                        break
+                    i = pass_order[pos]
+                    w = work.get(i, 0)
+                    split = w >= giant
+                    inline = self.workers == 1 or w < CONCURRENT_NODES
+                    if split:
+                        collect(block=False)
+                    elif not inline and not free:
+                        collect(block=True)
+                    thr = thr_now()
+                    if not self.exact and self.roots[i] > thr * (1 + 1e-9):
+                        stop = True        # order is by root bound: the rest are cut too
+                        break
+                    cfg = self.configs[i]
+                    run = partial(self.ctx.run, cfg, pruning=pruning, blocks=blocks_of(cfg),
+                                  threshold_ms=thr, deadline=self.pass_deadline or 0.0)
+                    if split:
+                        split_giant(i, thr)
+                    elif inline:
+                        finish(i, run(), thr)
+                    else:
+                        slot = free.pop()
+                        running[self._executor().submit(run, slot=slot)] = (i, thr, slot)
+            collect(block=False)
+            sh.post_out(n)
+            while not self._past_pass_deadline():   # help until no chunk is left anywhere
+                ready, pending = sh.open_splits(n)
+                if ready:
+                    help_splits(ready)
+                    continue
+                if not pending and sh.all_out(n):
+                    break
+                sh.g.check()
+                sh.g._idle_round()
+        finally:
+            collect(block=False)
+        nodes = self.stats.nodes - n_before
+        log.debug("pass %s: shared round %d, cap %.1f, incumbent %.1f, %d configs, %d splits "
+                  "here, %d chunks, %d nodes, %.2f s", pass_type_order, n, cap, self.threshold,
+                  searched, len(splits), sum(len(p[1]) for p in parts), nodes,
+                  time.perf_counter() - t_round)
+        return dict(whole=whole, parts=parts, splits=splits, timed_out=self.timed_out,
+                    nodes=nodes)
+
+    def _merge_round(self, reports: dict[int, dict]) -> None:
+        """Coordinator: every searcher's report of one shared round into this driver's state
+        (its own whole configurations are absorbed already). A split configuration proves
+        its threshold only when every chunk was searched to the end; its plan is the
+        smallest (time, assignment) over the chunks' (``_search._lex_less``'s order: the
+        threads' merge)."""
+        me = self.share.g.rank
+        self._last_round_nodes = sum(r["nodes"] for r in reports.values())
+        parts: dict[int, list] = {}
+        for q, rep in sorted(reports.items()):
+            if rep["timed_out"]:
+                self.timed_out = True
+            for k, got, best, to, nodes in rep["parts"]:
+                parts.setdefault(k, []).append((got, best, to, nodes))
+            if q == me:
+                continue
+            for j, thr, best, to, nodes in rep["whole"]:
+                self.work[j] = nodes
+                self.searched_ever.add(j)
+                if to:
+                    self.timed_out = True
+                else:
+                    self._raise_lb(j, thr)
+                if best is not None:
+                    self.consider(best[0], self.configs[j], best[1], best[2])
+        for rep in reports.values():
+            for k, i, nchunks, thr, nodes in rep["splits"]:
+                covered: set[int] = set()
+                best, to = None, False
+                for got, b, t_o, nn in parts.get(k, ()):
+                    covered.update(got)
+                    to = to or t_o
+                    nodes += nn
+                    if b is not None and (best is None or _assignment_key(b)
+                                          < _assignment_key(best)):
+                        best = b
+                self.work[i] = nodes
+                self.searched_ever.add(i)
+                if to or covered != set(range(nchunks)):
+                    self.timed_out = True
+                else:
+                    self._raise_lb(i, thr)
+                if best is not None:
+                    self.consider(best[0], self.configs[i], best[1], best[2])
+        self.stats.statistics_depend_on_timing = True
+
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=self.workers,
@@ -1092,6 +1375,39 @@ class SearchDriver:
         return (f"no (dp, tp, pp, schedule) fits the cluster for global batch size {g} with "
                 f"micro-batch sizes {list(mbs)} (check the device counts, TP divisibility and "
                 f"that interleaving has M a multiple of pp)")
+
+
+def _assignment_key(best) -> tuple:
+    """(time, stage 0's option and layers, stage 1's, ...): the order in which the search
+    breaks ties between plans of one configuration (``_search._lex_less``)."""
+    t, opts, layers = best
+    return (t, *(v for pair in zip(opts, layers) for v in pair))
+
+
+def _units(configs: list[int], work: dict[int, int], giant: float, threads: int
+           ) -> list[tuple[int, int]]:
+    """A shared round's units: (start, end) positions of ``configs`` (the round's, in the
+    pass's order), each a run of consecutive configurations whose last searches took about
+    1 / (UNITS_PER_THREAD x threads) of the round's nodes, at most UNIT_CONFIGS of them; a
+    giant alone (its subtrees are shared)."""
+    total = sum(max(1, work.get(i, 0)) for i in configs)
+    target = max(1.0, total / (UNITS_PER_THREAD * max(1, threads)))
+    units, start, acc = [], 0, 0.0
+    for p, i in enumerate(configs):
+        w = work.get(i, 0)
+        if w >= giant:
+            if p > start:
+                units.append((start, p))
+            units.append((p, p + 1))
+            start, acc = p + 1, 0.0
+            continue
+        acc += max(1, w)
+        if acc >= target or p + 1 - start >= UNIT_CONFIGS:
+            units.append((start, p + 1))
+            start, acc = p + 1, 0.0
+    if start < len(configs):
+        units.append((start, len(configs)))
+    return units
 
 
 def search_plan(cluster, model, options, profiles=None, previous: Plan | None = None,

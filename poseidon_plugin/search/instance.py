@@ -259,6 +259,25 @@ class SearchContext:
                                      lambda s: cached_dag(*key, slot + s, calls),
                                      memo, prefix)
 
+    def split(self, cfg: OuterConfig, *, pruning: str, blocks: bool, threshold_ms: float,
+              deadline: float = 0.0, threads: int = 1):
+        """(D, prefixes, result): ``cfg``'s subtrees for searchers in several processes
+        (``_search.split_prefixes``)."""
+        return _search.split_prefixes(self.instance(cfg, pruning=pruning, blocks=blocks),
+                                      threshold_ms, deadline, threads)
+
+    def run_prefixes(self, cfg: OuterConfig, depth: int, fetch, *, pruning: str, blocks: bool,
+                     threshold_ms: float, deadline: float = 0.0, threads: int = 1,
+                     slot: int = 0) -> _search.ConfigResult:
+        """Search the chunks of ``cfg``'s subtrees ``fetch`` hands out
+        (``_search.search_prefixes``), with ``threads`` threads (DAG slots from ``slot``)."""
+        key = (cfg.schedule, cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages)
+        calls = self.cm.engine_calls(cfg.micro_batch_size).as_tuple()
+        return _search.search_prefixes(
+            self.instance(cfg, pruning=pruning, blocks=blocks),
+            lambda: cached_dag(*key, slot, calls), threshold_ms, deadline, depth, fetch,
+            threads, lambda s: cached_dag(*key, slot + s, calls))
+
     def replay(self, cfg: OuterConfig, opts, layers, threshold_ms: float = 1e300
                ) -> tuple[list[float], float]:
         """(g after each stage, simulated time) of one complete assignment through the
