@@ -340,6 +340,7 @@ class JobShare:
         self._splits: dict[tuple[int, int], tuple] = {}   # (round, k) -> the split's record
         self._drained: set[tuple[int, int]] = set()       # ... every chunk of it claimed
         self.rounds = 0                                    # rounds posted (the coordinator)
+        self._begun, self._begun_at = False, 0.0           # round 0 posted (rounds_begun)
 
     @property
     def coordinator(self) -> bool:
@@ -433,6 +434,17 @@ class JobShare:
                 return None
             self.g.check()
             self.g._idle_round()
+
+    def rounds_begun(self) -> bool:
+        """(Not the coordinator) whether round 0 is posted (read at most every POLL_S)."""
+        if self.coordinator:
+            return False
+        if not self._begun:
+            now = time.monotonic()
+            if now - self._begun_at >= POLL_S:
+                self._begun_at = now
+                self._begun = self.g.store.get(self._rkey(0, "ann")) is not None
+        return self._begun
 
     def claim(self, n: int, what: str) -> int:
         """The next index of round n's queue ``what`` (0, 1, ...: whoever asks first)."""

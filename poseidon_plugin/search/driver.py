@@ -64,6 +64,8 @@ CONCURRENT_NODES = 100  # ... those whose last search took this many nodes; the 
                        # handed to the pool, per-stage TP settings 3 / 4 took 2.0 / 1.2 s with 2
                        # workers and 1.4 / 0.7 s with 1; now 1.1 / 0.6 s. At 5000 nodes, setting
                        # 5's round where the trees first grow ran in one thread: 6.0 s, not 2.9)
+SPLIT_AFTER_S = 0.5    # a distributed round's configuration searched whole for this long is
+                       # stopped and split over every searcher (its last search was small)
 UNITS_PER_THREAD = 4   # a shared round (distributed.py) goes out in units of about 1 / (this x
 UNIT_CONFIGS = 64      # the searchers' threads) of the last round's nodes, at most this many
                        # configurations each (a claim is one store round trip)
@@ -270,6 +272,12 @@ class SearchDriver:
 
     def _past_deadline(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline
+
+    def _rounds_begun(self) -> bool:
+        """A distributed search's searcher other than the coordinator: the coordinator has
+        begun the shared rounds, so this searcher's first-plan phases (which only seed the
+        incumbent) end, not to hold the first round back."""
+        return self.share is not None and self.share.rounds_begun()
 
     def _past_pass_deadline(self) -> bool:
         return self.pass_deadline is not None and time.monotonic() > self.pass_deadline
@@ -577,6 +585,8 @@ class SearchDriver:
         for done in range(self._construct_next, len(todo)):
             i = todo[done]
             if self.best is not None:
+                if self._rounds_begun():
+                    break
                 now = time.monotonic()
                 first_at = now if first_at is None else first_at
                 if quick and self.stats.constructed_plans - plans0 >= CONSTRUCT_PLANS:
@@ -667,7 +677,7 @@ class SearchDriver:
         if self.deadline is not None:
             end = min(end, self.deadline)
         for cand in sorted(self.found.values())[:POLISH_QUICK if quick else POLISH_CONFIGS]:
-            if time.monotonic() > end:
+            if time.monotonic() > end or self._rounds_begun():
                 break
             self.polish_plan(cand, end)
         if self.best is not None:
@@ -720,7 +730,7 @@ class SearchDriver:
         best, best_at = self.threshold, 0      # the incumbent and the draw it came at
         while self.stats.warmup_plans < want and attempts < 4 * want:
             if ((self.stats.warmup_plans > 0 or self.best is not None)
-                    and self._past_deadline()):
+                    and (self._past_deadline() or self._rounds_begun())):
                 break   # (one plan at least, so that a tiny budget still returns a plan)
             if self.threshold < best:
                 best, best_at = self.threshold, attempts
@@ -1130,8 +1140,27 @@ class SearchDriver:
             return cfg.type_sequences_restricted(pass_type_order,
                                                  self.options.type_sequence_limit)
 
-        def finish(j: int, res, thr_j: float) -> None:
+        late: list[int] = []      # searched whole past SPLIT_AFTER_S: to be split
+
+        def deadline(timer: bool) -> float:
+            d = self.pass_deadline
+            if timer and sh.size > 1:
+                t = time.monotonic() + SPLIT_AFTER_S
+                return t if d is None else min(d, t)
+            return d or 0.0
+
+        def finish(j: int, res, thr_j: float, timer: bool = False) -> None:
             nonlocal searched
+            if timer and res.timed_out and not self._past_pass_deadline():
+                # still running after SPLIT_AFTER_S: the others may be idle (its last search
+                # was small, so no one knew): its subtrees are shared instead. Its nodes so
+                # far are spent; a plan it found only lowers the threshold (the split's merge
+                # returns the configuration's plan).
+                self.stats.add_counters(res.counters())
+                if res.best is not None:
+                    self.threshold = min(self.threshold, res.best[0])
+                late.append(j)
+                return
             self.work[j] = res.nodes
             self.absorb(j, res, thr_j)
             whole.append((j, thr_j, res.best, bool(res.timed_out), res.nodes))
@@ -1146,7 +1175,11 @@ class SearchDriver:
             for fut in sorted(done, key=lambda f: running[f][0]):
                 j, thr_j, slot = running.pop(fut)
                 free.append(slot)
-                finish(j, fut.result(), thr_j)
+                finish(j, fut.result(), thr_j, timer=True)
+
+        def split_late() -> None:
+            while late:
+                split_giant(late.pop(0), thr_now())
 
         def help_splits(k_list) -> None:
             collect(block=False)         # every thread of this searcher on the subtrees
@@ -1233,15 +1266,19 @@ class SearchDriver:
                         break
                     cfg = self.configs[i]
                     run = partial(self.ctx.run, cfg, pruning=pruning, blocks=blocks_of(cfg),
-                                  threshold_ms=thr, deadline=self.pass_deadline or 0.0)
+                                  threshold_ms=thr, deadline=deadline(True))
                     if split:
                         split_giant(i, thr)
                     elif inline:
-                        finish(i, run(), thr)
+                        finish(i, run(), thr, timer=True)
                     else:
                         slot = free.pop()
                         running[self._executor().submit(run, slot=slot)] = (i, thr, slot)
+                    if late:
+                        collect(block=False)
+                        split_late()
             collect(block=False)
+            split_late()
             sh.post_out(n)
             while not self._past_pass_deadline():   # help until no chunk is left anywhere
                 ready, pending = sh.open_splits(n)
