@@ -33,7 +33,7 @@ SLOW = {
     "tests/test_gpu_check.py::test_gpu_check_rehearsal_on_cpu": 67,
     "tests/test_launch_auto.py::test_one_line_patch_plans_and_trains": 25,
     "tests/test_launch_e2e.py::test_emulated_heterogeneous_training": 82,
-    "tests/test_launch_e2e.py::test_dry_run_prints_flags_builds_nothing_and_second_launch_uses_the_cache": 70,
+    "tests/test_launch_e2e.py::test_dry_run_prints_flags_builds_nothing_and_second_launch_uses_the_cache": 95,
     "tests/test_launch_e2e.py::test_every_link_kind_gets_its_p2p_call_costs": 52,
     "tests/test_launch_e2e.py::test_corrupt_profile_cache_is_set_aside_and_reprofiled": 47,
     "tests/test_launch_e2e.py::test_a_rank_that_never_answers_is_named": 20,   # 2 phases

@@ -216,6 +216,19 @@ def test_dry_run_prints_flags_builds_nothing_and_second_launch_uses_the_cache(tm
     assert proc2.returncode == 0, ok(proc2, out2)
     assert "from the cache" in out2 and "profiling:" not in out2
     assert "megatron's per-op overheads" not in out2   # cached too
+    # a cache of the layers alone (written before these records existed): the layers come
+    # from it, the per-op and per-call costs are measured and added
+    raw = json.loads(open(cache).read())
+    del raw["op_overheads"], raw["p2p_calls"]
+    with open(cache, "w") as f:
+        json.dump(raw, f)
+    proc3, out3, _ = torchrun(4, args, env)
+    assert proc3.returncode == 0, ok(proc3, out3)
+    assert "from the cache" in out3 and "profiling:" not in out3
+    assert "megatron's per-op overheads and p2p call costs: 2 op overhead and 3 p2p call" in out3
+    again = ProfileDB.load(cache)
+    assert sorted(c.key for c in again.p2p_calls()) == sorted(c.key for c in db.p2p_calls())
+    assert len(again.op_overheads()) == 2
     # the same layer costs (the links are probed again each launch, so the sends move a
     # little: a layout one near-tie away may now be faster by a fraction of a per cent): the
     # first launch's plan is within the window of the fastest, and kept
