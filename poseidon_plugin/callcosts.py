@@ -7,8 +7,10 @@ p2p calls (``P2PCommunicator``): a call that sends returns ``send_call_ms`` afte
 a call that receives returns ``recv_ready_ms`` after its data has arrived. Both are properties of
 the host and the communication stack, not of the layers, so they are measured once per device
 type (and, for the calls, per link kind and message size) and stored beside the layer records:
-the calls by ``poseidon profile`` under torchrun (``megatron/callcost_profile.py``), both by
-``poseidon validate --profile-db`` on the CPU emulation; the launch's profiler does not yet.
+both by ``poseidon profile`` (the calls under torchrun) and by the ``--poseidon-auto`` launch
+(``megatron/callcost_profile.py``, ``megatron/op_overhead.py``: each type's op overheads, one
+rank pair per link kind for the calls), and by ``poseidon validate --profile-db`` on the CPU
+emulation.
 
 Records (the profile DB's optional ``op_overheads`` and ``p2p_calls`` lists)::
 

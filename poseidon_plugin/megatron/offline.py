@@ -26,6 +26,9 @@ EP, so a 256-expert layer is measurable on one device.
   megatron-core splits into TP groups; the gather on the gloo probe group; destroyed afterwards.
   On the CPU the ranks of a host get an equal share of its cores and measure TP 1 groups in
   turns.
+* Megatron-core's per-op overheads (every process; the type's record their median) and, under
+  torchrun, its per-call p2p costs of one rank pair per link kind the processes offer
+  (``_engine_costs``), stored beside the layer records (``callcosts.py``).
 """
 
 from __future__ import annotations
@@ -295,7 +298,7 @@ def layer_kinds(req: ProfileRequest, backend: Sequence[str]) -> tuple:
 def _profile_group(req: ProfileRequest, tps: Sequence[int], args: Any, kind: str, device: Any,
                    procs: Processes, kinds: Sequence = (), calls_out: list | None = None) -> list:
     """Every rank's timings (the launch's bootstrap and TP-group profiling, see the module
-    docstring), gathered on every rank; with ``calls_out``, then ``_p2p_calls``."""
+    docstring), gathered on every rank; with ``calls_out``, then ``_engine_costs``."""
     import torch.distributed as dist
 
     from . import bootstrap, group_profile, profiler
