@@ -424,9 +424,10 @@ cdef class PipelineDAG:
         free(self._fin)
 
     def __init__(self, str schedule, int num_stages, int num_microbatches, int virtual_stages=1,
-                 list orders=None):
+                 list orders=None, bint build=True):
         """``orders`` (tests only): per device a list of ``schedules.Op`` to build from instead
-        of the schedule's own orders (``order_ids``)."""
+        of the schedule's own orders (``order_ids``). ``build`` False (``EngineDAG``): only
+        the weight buffer now; ``_build`` runs when the paper's DAG is first needed."""
         n, m, v = _schedules.validate_schedule(schedule, num_stages, num_microbatches,
                                                virtual_stages)
         self.schedule = schedule
@@ -434,7 +435,15 @@ cdef class PipelineDAG:
         self.num_microbatches = m
         self.virtual_stages = v
         self.num_links = n if schedule == "interleaved-1f1b" else n - 1
-        self._build(orders)
+        self.num_ops = 2 * n * m * v
+        if build:
+            self._build(orders)
+            return
+        self._wlen = 1 + 2 * n * v + 2 * self.num_links
+        self._w = <double*> malloc(self._wlen * sizeof(double))
+        if not self._w:
+            raise MemoryError()
+        self._w[0] = 0.0
 
     def _build(self, list orders=None):
         """Flatten the devices' op orders into ``_links`` in a topological order sorted by
@@ -448,14 +457,16 @@ cdef class PipelineDAG:
         cdef int[::1] c
         cdef long long[::1] st_v, ch_v, mb_v, ps_v, pm_v
         cdef unsigned char[::1] bw_v
-        self._wlen = 1 + 2 * nv + 2 * L
+        if self._w == NULL:           # (an EngineDAG's build later keeps its weight buffer)
+            self._wlen = 1 + 2 * nv + 2 * L
+            self._w = <double*> malloc(self._wlen * sizeof(double))
+            if self._w:
+                self._w[0] = 0.0
         self._links = <OpLink*> malloc(total * sizeof(OpLink))
         self._last = <int*> malloc(n * sizeof(int))
-        self._w = <double*> malloc(self._wlen * sizeof(double))
         self._fin = <double*> malloc((total + 1) * sizeof(double))
         if not self._links or not self._last or not self._w or not self._fin:
             raise MemoryError()
-        self._w[0] = 0.0
         self._fin[0] = 0.0
         self.num_ops = total
         # every array below is one int per op; freed at the end whatever happens
@@ -585,6 +596,8 @@ cdef class PipelineDAG:
     @property
     def nbytes(self):
         """Bytes this DAG holds (its links, workspace and per-op arrays; ``DagCache``)."""
+        if self._links == NULL:
+            return self._wlen * sizeof(double)
         return (self.num_ops * (sizeof(OpLink) + sizeof(double)) + self._wlen * sizeof(double)
                 + sum(a.nbytes for a in (self.op_stage, self.op_chunk, self.op_microbatch,
                                          self.op_is_backward, self.op_position,
@@ -610,6 +623,12 @@ cdef class PipelineDAG:
         other.num_links = self.num_links
         other.num_ops = total
         other._wlen = self._wlen
+        if self._links == NULL:       # an EngineDAG whose paper DAG is not built (yet)
+            other._w = <double*> malloc(self._wlen * sizeof(double))
+            if not other._w:
+                raise MemoryError()
+            other._w[0] = 0.0
+            return
         other._links = <OpLink*> malloc(total * sizeof(OpLink))
         other._last = <int*> malloc(self.num_stages * sizeof(int))
         other._w = <double*> malloc(self._wlen * sizeof(double))
@@ -803,7 +822,8 @@ cdef class EngineDAG(PipelineDAG):
     and one zero-weight node per received message (predecessor: the previous node on the
     device; dependency: the sender's node before its call, plus the link time). The inherited
     ``simulate`` / ``predecessor_slots`` still describe the paper's DAG (op-level detail of
-    the engine's schedule: ``engine.simulate_engine``). Never faster than the paper's DAG:
+    the engine's schedule: ``engine.simulate_engine``), built on their first call (the
+    ``op_*`` attributes are None until then; ``paper_dag_arrays``). Never faster than the paper's DAG:
     every op starts no earlier (induction over the topological order).
 
     ``calls`` = (op forward, op backward, send call, receive ready) ms (``get_dag``; the
@@ -827,7 +847,9 @@ cdef class EngineDAG(PipelineDAG):
 
     def __init__(self, str schedule, int num_stages, int num_microbatches,
                  int virtual_stages=1, tuple calls=None):
-        super().__init__(schedule, num_stages, num_microbatches, virtual_stages)
+        # the paper's DAG (op arrays, simulate) only when asked for: a huge M's costs as much
+        # as the engine's nodes (PP 8, V 2, M 131,072: 0.5 CPU-s and 0.27 GB)
+        super().__init__(schedule, num_stages, num_microbatches, virtual_stages, None, False)
         fo, bo, sc, rr = _call_costs(calls)
         self.calls = (fo, bo, sc, rr)
         # four constant slots after the inputs: op overheads (F, B), send call, receive ready
@@ -846,6 +868,32 @@ cdef class EngineDAG(PipelineDAG):
     @property
     def nbytes(self):
         return PipelineDAG.nbytes.__get__(self) + self._enodes * (sizeof(OpLink) + sizeof(double))
+
+    def _base(self):
+        """Build the paper's DAG (``PipelineDAG._build``) on first use."""
+        if self._links == NULL:
+            PipelineDAG._build(self)
+
+    def simulate(self, F, B, Pf, Pb, R):
+        """The paper's DAG's ``simulate`` (op-level detail of the engine's schedule:
+        ``engine.simulate_engine``)."""
+        self._base()
+        return PipelineDAG.simulate(self, F, B, Pf, Pb, R)
+
+    def predecessor_slots(self):
+        self._base()
+        return PipelineDAG.predecessor_slots(self)
+
+    def last_op_slots(self):
+        self._base()
+        return PipelineDAG.last_op_slots(self)
+
+    def paper_dag_arrays(self):
+        """(op_stage, op_chunk, op_microbatch, op_is_backward, op_position, stage_major) of
+        the paper's DAG, built on first use (the attributes are None until then)."""
+        self._base()
+        return (self.op_stage, self.op_chunk, self.op_microbatch, self.op_is_backward,
+                self.op_position, self.stage_major)
 
     @property
     def num_engine_nodes(self):

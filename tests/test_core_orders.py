@@ -176,3 +176,32 @@ def test_dag_cache_is_bounded_by_bytes_and_keeps_the_newest():
     for k in range(4):
         e.get(k, lambda: small)
     assert len(e) == 2
+
+
+def test_engine_dag_builds_the_papers_dag_only_when_asked():
+    """An EngineDAG times plans without the paper's DAG (half a huge M's build); simulate,
+    predecessor_slots and copies (before or after) still give the paper's DAG's answers."""
+    from poseidon_plugin._core import EngineDAG, PipelineDAG
+
+    rng = np.random.default_rng(11)
+    n, m, v = 4, 8, 2
+    args = [rng.uniform(0.1, 5, n * v), rng.uniform(0.1, 9, n * v), rng.uniform(0, 1, n),
+            rng.uniform(0, 1, n), rng.uniform(0, 3, n)]
+    e = EngineDAG("interleaved-1f1b", n, m, v, (0.1, 0.2, 0.3, 0.4))
+    p = PipelineDAG("interleaved-1f1b", n, m, v)
+    assert e.op_stage is None                               # not built yet
+    before = e.nbytes
+    early = e.copy()
+    t = e.time_ms(*args)
+    assert early.time_ms(*args) == t
+    got, want = e.simulate(*args), p.simulate(*args)
+    assert got[0] == want[0] and all(np.array_equal(a, b) for a, b in zip(got[1:], want[1:]))
+    assert e.nbytes > before + p.nbytes // 2                # built now
+    assert all(np.array_equal(a, b) for a, b in zip(e.predecessor_slots(),
+                                                    p.predecessor_slots()))
+    assert np.array_equal(e.last_op_slots(), p.last_op_slots())
+    assert np.array_equal(e.paper_dag_arrays()[5], p.stage_major)
+    late = e.copy()
+    assert late.time_ms(*args) == t == e.time_ms(*args)     # the call costs' slots kept
+    assert np.array_equal(late.op_stage, p.op_stage)
+    assert early.paper_dag_arrays()[0] is not None and early.time_ms(*args) == t
