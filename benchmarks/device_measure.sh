@@ -2,10 +2,12 @@
 # Quiet-machine measurements on a lent 16-core machine (no network), in one call:
 # four jobs side by side, each pinned to its own cores with taskset, so each sees a quiet host.
 #
-#   cores 0-1   bench_search.py paper settings (the 2-core reference shape), then per-stage TP
+#   cores 0-1   bench_search.py paper settings (the 2-core reference shape), then per-stage TP,
+#               then bench_budget.py --cli (the whole poseidon plan run against --time-budget 10)
 #   cores 2-3   bench_scale.py close-4096 / close-1024 / memtight-2048 at a 60 s budget
-#   cores 4-7   poseidon validate (CPU emulation of megatron-core pipelines, up to 4 ranks)
-#   cores 8-15  bench_distributed.py: P processes x 2 threads (P hosts of 2 cores) vs one
+#   cores 4-11  bench_distributed.py: P processes x 2 threads (P hosts of 2 cores) vs one
+#   cores 12-15 poseidon validate (CPU emulation of megatron-core pipelines, up to 4 ranks),
+#               then bench_scale.py 405b-4096 / dsv3-1024 at 60 s on cores 12-13
 #
 # Needs: python3 with torch, numpy, PyYAML, Cython and a C compiler; megatron-core 0.19.2
 # from .whl/ (examples/gpu_kit.sh fetches it) when missing. Results: $OUT (or ./device-out).
@@ -29,18 +31,21 @@ has() { [[ " $JOBS " == *" $1 "* ]]; }
 if has search; then
     ( taskset -c 0,1 timeout 200 $PY benchmarks/bench_search.py --workers 2 --max-seconds 60 --no-baselines
       taskset -c 0,1 timeout 330 $PY benchmarks/bench_search.py --workers 2 --per-stage-tp --max-seconds 60 \
-          --no-baselines --cases 1 2 3 4 5 ) > "$OUT/search.log" 2>&1 & pids+=($!)
+          --no-baselines --cases 1 2 3 4 5
+      taskset -c 0,1 timeout 120 $PY benchmarks/bench_budget.py --cli --cli-budget 10 ) \
+        > "$OUT/search.log" 2>&1 & pids+=($!)
 fi
 if has scale; then
     ( taskset -c 2,3 timeout 420 $PY benchmarks/bench_scale.py --workers 2 --budget 60 \
           --cases close-4096 close-1024 405b-memtight-2048 ) > "$OUT/scale.log" 2>&1 & pids+=($!)
 fi
 if has validate; then
-    ( taskset -c 4-7 timeout 420 $PY -m poseidon_plugin.cli validate --json "$OUT/validate.json" ) \
-        > "$OUT/validate.log" 2>&1 & pids+=($!)
+    ( taskset -c 12-15 timeout 240 $PY -m poseidon_plugin.cli validate --json "$OUT/validate.json"
+      taskset -c 12,13 timeout 200 $PY benchmarks/bench_scale.py --workers 2 --budget 60 \
+          --cases 405b-4096 dsv3-1024 ) > "$OUT/validate.log" 2>&1 & pids+=($!)
 fi
 if has distributed; then
-    ( taskset -c 8-15 timeout 420 $PY benchmarks/bench_distributed.py --processes 1 2 4 \
+    ( taskset -c 4-11 timeout 420 $PY benchmarks/bench_distributed.py --processes 1 2 4 \
           --workers-per-process 2 --cases 6-288 405b-512 --budget 30 ) > "$OUT/distributed.log" 2>&1 & pids+=($!)
 fi
 for p in "${pids[@]}"; do wait "$p"; done
