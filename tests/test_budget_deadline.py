@@ -151,3 +151,36 @@ def _cfg_of(plan):
     return types.SimpleNamespace(schedule=plan.schedule, num_stages=plan.pp,
                                  num_microbatches=plan.num_microbatches,
                                  virtual_stages=plan.virtual_stages)
+
+
+def test_replay_builds_no_dag_that_outlasts_the_searchs_budget(monkeypatch):
+    """A search with a plan in hand sets ``ctx.build_deadline``: a replay whose DAG is not
+    built and would take longer than the time left is refused like an unplaceable plan
+    (ValueError, which the construction, the polish and the warm-up skip); a built DAG, or no
+    deadline, times as before."""
+    import random
+
+    from poseidon_plugin import _core
+    from poseidon_plugin.cluster import load_cluster
+    from poseidon_plugin.costs import CostModel
+    from poseidon_plugin.model import get_model
+    from poseidon_plugin.search import SearchOptions
+    from poseidon_plugin.search.configs import enumerate_configs
+
+    small = os.path.join(ROOT, "examples", "clusters", "small-two-type.yaml")
+    tiny = os.path.join(ROOT, "examples", "models", "tiny-gpt.yaml")
+    opts = SearchOptions(global_batch_size=16, seq_length=128, workers=1)
+    ctx = instance.SearchContext(CostModel(load_cluster(small), get_model(tiny),
+                                           seq_length=128, training=opts.training))
+    rng = random.Random(3)
+    cfg, a = next((c, a) for c in enumerate_configs(ctx.cm, opts)
+                  for a in [ctx.random_assignment(c, rng)] if a is not None)
+    _core._DAGS.clear()
+    monkeypatch.setattr(instance, "DAG_BUILD_S_PER_OP", 1.0)     # every build "takes" > 1 s
+    ctx.build_deadline = time.monotonic() + 0.5
+    with pytest.raises(ValueError, match="not built in the time left"):
+        ctx.replay(cfg, *a)
+    ctx.build_deadline = None
+    t = ctx.replay(cfg, *a)[1]                                   # builds it
+    ctx.build_deadline = time.monotonic() - 1.0                  # past, but built: times
+    assert ctx.replay(cfg, *a)[1] == t

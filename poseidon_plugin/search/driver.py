@@ -304,6 +304,8 @@ class SearchDriver:
             self.found[cfg] = cand
         if self.best is None:
             self.stats.first_plan_s = round(time.perf_counter() - self.t0, 3)
+            # a plan in hand: no DAG is built that would outlast the budget (SearchContext.replay)
+            self.ctx.build_deadline = self.deadline
         if self.best is None or cand < self.best:
             improved = self.best is None or t < self.best.time_ms
             self.best = cand
@@ -759,7 +761,10 @@ class SearchDriver:
         a = self.ctx.random_assignment(cfg, rng)
         if a is None:
             return False
-        t = self.ctx.replay(cfg, *a)[1]
+        try:
+            t = self.ctx.replay(cfg, *a)[1]
+        except ValueError:      # its DAG's build would outlast the budget (replay)
+            return False
         self.stats.warmup_plans += 1
         self.consider(t, cfg, *a, origin="warm-up")
         return True

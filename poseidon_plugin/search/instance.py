@@ -10,6 +10,7 @@ searches a configuration again with a lower threshold).
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,14 +49,26 @@ of 4.2M ops, PP 8, V 2, M 131,072: 1.0-1.4 s; a 1F1B DAG ~0.1 us an op)."""
 
 
 def dag_build_seconds(cfg: OuterConfig, calls: tuple | None) -> float:
-    """What timing the first plan of ``cfg`` costs before its first sweep: 0 when its DAG is
-    built (``_core.dag_is_built``), else DAG_BUILD_S_PER_OP per op (2 N M V)."""
+    """What timing the first plan of ``cfg`` costs in wall seconds before its first sweep: 0
+    when its DAG is built (``_core.dag_is_built``), else DAG_BUILD_S_PER_OP per op (2 N M V)
+    times the host's load per core when above 1 (a loaded host gives this process less)."""
     from .._core import dag_is_built
 
     if dag_is_built(cfg.schedule, cfg.num_stages, cfg.num_microbatches, cfg.virtual_stages,
                     ENGINE_TIMING, calls):
         return 0.0
-    return DAG_BUILD_S_PER_OP * 2 * cfg.num_stages * cfg.num_microbatches * cfg.virtual_stages
+    cpu = DAG_BUILD_S_PER_OP * 2 * cfg.num_stages * cfg.num_microbatches * cfg.virtual_stages
+    return cpu * _load_factor()
+
+
+def _load_factor() -> float:
+    """max(1, 1-minute load average / cores); 1 where the OS does not say."""
+    import os
+
+    try:
+        return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    except (AttributeError, OSError):
+        return 1.0
 
 
 def time_assignment(cm: CostModel, cfg: OuterConfig, stage_opts, layers):
@@ -97,6 +110,7 @@ class SearchContext:
         self._lmax_rows: dict[OuterConfig, list[list[int]]] = {}
         self._roots: dict[OuterConfig, float] = {}
         self._instances: dict[tuple, tuple[_search.ConfigInstance, bool]] = {}
+        self.build_deadline: float | None = None   # replay: no DAG whose build outlasts it
 
     # ------------------------------------------------------------------ derived data
     def option_costs(self, cfg: OuterConfig) -> OptionCosts:
@@ -282,10 +296,18 @@ class SearchContext:
                ) -> tuple[list[float], float]:
         """(g after each stage, simulated time) of one complete assignment through the
         search's own cost and bound code (for the tests); ``threshold_ms``: the search's
-        threshold while g is computed (bounds that read it hold for plans no slower)."""
+        threshold while g is computed (bounds that read it hold for plans no slower).
+        ``build_deadline`` (``time.monotonic()``, set by a search with a plan and a budget):
+        ValueError, as for a plan that cannot be placed, where the DAG is not built and its
+        build (``dag_build_seconds``) would end past it (a huge M: 0.4 CPU-s and up)."""
+        calls = self.cm.engine_calls(cfg.micro_batch_size).as_tuple()
+        if self.build_deadline is not None:
+            need = dag_build_seconds(cfg, calls)
+            if need > 0.0 and time.monotonic() + need > self.build_deadline:
+                raise ValueError(f"the simulator's DAG of {cfg.num_microbatches} micro-batches "
+                                 f"is not built in the time left")
         dag = cached_dag(cfg.schedule, cfg.num_stages, cfg.num_microbatches,
-                         cfg.virtual_stages, 0, self.cm.engine_calls(cfg.micro_batch_size)
-                         .as_tuple())
+                         cfg.virtual_stages, 0, calls)
         return _search.replay_assignment(self.instance(cfg, pruning="none", blocks=False), dag,
                                          list(opts), list(layers), min(threshold_ms, 1e300))
 
