@@ -4,10 +4,12 @@
 #
 #   cores 0-1   bench_search.py paper settings (the 2-core reference shape), then per-stage TP,
 #               then bench_budget.py --cli (the whole poseidon plan run against --time-budget 10)
-#   cores 2-3   bench_scale.py close-4096 / close-1024 / memtight-2048 at a 60 s budget
+#   cores 2-3   bench_scale.py close-4096 / close-1024 / memtight-2048, then 405b-4096 /
+#               dsv3-1024, at a 60 s budget
 #   cores 4-11  bench_distributed.py: P processes x 2 threads (P hosts of 2 cores) vs one
 #   cores 12-15 poseidon validate (CPU emulation of megatron-core pipelines, up to 4 ranks),
-#               then bench_scale.py 405b-4096 / dsv3-1024 at 60 s on cores 12-13
+#               then an emulated 4-rank --poseidon-auto dry run (its launch measures the
+#               per-op and per-call costs) and validate's search column timed with them
 #
 # Needs: python3 with torch, numpy, PyYAML, Cython and a C compiler; megatron-core 0.19.2
 # from .whl/ (examples/gpu_kit.sh fetches it) when missing. Results: $OUT (or ./device-out).
@@ -37,12 +39,23 @@ if has search; then
 fi
 if has scale; then
     ( taskset -c 2,3 timeout 420 $PY benchmarks/bench_scale.py --workers 2 --budget 60 \
-          --cases close-4096 close-1024 405b-memtight-2048 ) > "$OUT/scale.log" 2>&1 & pids+=($!)
+          --cases close-4096 close-1024 405b-memtight-2048
+      taskset -c 2,3 timeout 200 $PY benchmarks/bench_scale.py --workers 2 --budget 60 \
+          --cases 405b-4096 dsv3-1024 ) > "$OUT/scale.log" 2>&1 & pids+=($!)
 fi
 if has validate; then
     ( taskset -c 12-15 timeout 240 $PY -m poseidon_plugin.cli validate --json "$OUT/validate.json"
-      taskset -c 12,13 timeout 200 $PY benchmarks/bench_scale.py --workers 2 --budget 60 \
-          --cases 405b-4096 dsv3-1024 ) > "$OUT/validate.log" 2>&1 & pids+=($!)
+      rm -rf build/launch-calls
+      taskset -c 12-15 timeout 150 $PY -m torch.distributed.run --nproc-per-node 4 \
+          -m poseidon_plugin.launch examples/pretrain_gpt.py --num-layers 8 --hidden-size 128 \
+          --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 \
+          --micro-batch-size 2 --global-batch-size 16 --lr 2e-3 --mock-data \
+          --tokenizer-type NullTokenizer --vocab-size 512 --bf16 --train-iters 2 --poseidon-auto \
+          --poseidon-dry-run --poseidon-emulate examples/emulate-2types.yaml \
+          --poseidon-profile-dir build/launch-calls > "$OUT/launch.log" 2>&1
+      tail -n 5 "$OUT/launch.log"
+      taskset -c 12-15 timeout 240 $PY -m poseidon_plugin.cli validate \
+          --calls-from build/launch-calls/profiles-*.json ) > "$OUT/validate.log" 2>&1 & pids+=($!)
 fi
 if has distributed; then
     ( taskset -c 4-11 timeout 420 $PY benchmarks/bench_distributed.py --processes 1 2 4 \
