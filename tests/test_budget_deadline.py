@@ -184,3 +184,34 @@ def test_replay_builds_no_dag_that_outlasts_the_searchs_budget(monkeypatch):
     t = ctx.replay(cfg, *a)[1]                                   # builds it
     ctx.build_deadline = time.monotonic() - 1.0                  # past, but built: times
     assert ctx.replay(cfg, *a)[1] == t
+
+
+def test_a_large_dags_leaf_checks_the_deadline_itself():
+    """The branch and bound checks its deadline every 1,024 nodes; on a DAG of >= 16,384 ops
+    each leaf checks it too (1,024 sweeps of a huge M ran seconds past the budget): with the
+    deadline already past, the search stops after its first timed plan; without one it goes
+    on."""
+    from poseidon_plugin.cluster import load_cluster
+    from poseidon_plugin.costs import CostModel
+    from poseidon_plugin.model import get_model
+    from poseidon_plugin.search import SearchOptions
+    from poseidon_plugin.search.configs import enumerate_configs
+
+    small = os.path.join(ROOT, "examples", "clusters", "small-two-type.yaml")
+    tiny = os.path.join(ROOT, "examples", "models", "tiny-gpt.yaml")
+    opts = SearchOptions(global_batch_size=16384, seq_length=128, workers=1,
+                         schedules=("1f1b",))
+    ctx = instance.SearchContext(CostModel(load_cluster(small), get_model(tiny),
+                                           seq_length=128, training=opts.training))
+    cfgs = [c for c in enumerate_configs(ctx.cm, opts)
+            if 2 * c.num_stages * c.num_microbatches >= 16384 and c.num_stages >= 2]
+    assert cfgs
+    for cfg in cfgs:
+        free = ctx.run(cfg, pruning="none", blocks=False, threshold_ms=float("inf"))
+        if free.counters()["plans_simulated"] >= 3:
+            break
+    else:
+        pytest.fail("no configuration times several plans: the test proves nothing")
+    late = ctx.run(cfg, pruning="none", blocks=False, threshold_ms=float("inf"),
+                   deadline=time.monotonic() - 1.0)
+    assert late.timed_out and late.counters()["plans_simulated"] == 1

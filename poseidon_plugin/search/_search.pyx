@@ -703,16 +703,28 @@ cdef int _lex_less(const int* ao, const int* al, const int* bo, const int* bl,
     return 0
 
 
+cdef enum:
+    # a leaf of a DAG with at least this many ops checks the deadline itself (``enter``
+    # checks it every 1,024 nodes: 1,024 sweeps of a huge M's DAG, ~10 ms each, ran seconds
+    # past it)
+    DEADLINE_CHECK_OPS = 16384
+
+
 cdef double _evaluate(const ConfigData* I, SearchState* S, PipelineDAG dag) noexcept nogil:
-    """Iteration time of the fully decided assignment in S (the simulator's DAG)."""
+    """Iteration time of the fully decided assignment in S (the simulator's DAG). A large
+    DAG's sweep (DEADLINE_CHECK_OPS) past the deadline stops the search (``enter``)."""
     cdef int x, cc, N = I.N, V = I.V
+    cdef double t
     for x in range(N):
         for cc in range(V):
             S.WF[cc * N + x] = S.fc[x * V + cc]
             S.WB[cc * N + x] = S.bc[x * V + cc]
         S.EF[x] = S.Pf[x]
         S.EB[x] = S.Pb[x]
-    return dag.iteration_time(S.WF, S.WB, S.EF, S.EB, S.R)
+    t = dag.iteration_time(S.WF, S.WB, S.EF, S.EB, S.R)
+    if S.deadline > 0 and dag.num_ops >= DEADLINE_CHECK_OPS and _now() > S.deadline:
+        S.timed_out = 1
+    return t
 
 
 # --------------------------------------------------------------------------- dominance memo
