@@ -606,9 +606,9 @@ class SearchDriver:
                         # configurations that cannot hold the model are skipped cheaply,
                         # construct.memory_room)
             self._construct_next = done + 1
-            if overrun_end is not None and self.best is None and self._past_deadline():
-                # looking on past the budget for a first plan: not where the DAG's build
-                # alone outlasts what is left (a huge M: 4.2M ops, 1-1.4 CPU-s)
+            if overrun_end is not None and self.best is None:
+                # a first plan by the budget's end plus the overrun: not where the DAG's
+                # build alone outlasts it (a huge M: 4.2M ops, 0.4 CPU-s and up)
                 cfg = self.configs[i]
                 calls = self.ctx.cm.engine_calls(cfg.micro_batch_size).as_tuple()
                 if time.monotonic() + dag_build_seconds(cfg, calls) > overrun_end:
