@@ -49,8 +49,10 @@ HEARTBEAT_S = 0.5     # each searcher's heartbeat period (its exchange thread)
 EXCHANGE_S = 0.2      # the incumbent's time is published and read this often
 POLL_S = 0.02         # a wait for a key polls this often
 PASS_TURN_S = 0.002   # MemoryStore: how long a searcher hands its turn on between chunks
-ROUND_POLL_S = 0.002  # a searcher waiting inside a shared round (the next round's cap, the
-                      # others' reports) polls this often: a round's barrier costs ~ this
+ROUND_POLL_S = (0.0005, 0.016)   # a searcher waiting inside a shared round (the next round's
+                      # cap, the others' reports) polls first after 0.5 ms, then twice as long
+                      # each time up to 16 ms (each poll is a store round trip; the store
+                      # server runs in searcher 0's process)
 CHUNKS_PER_SEARCHER = 16   # a giant configuration's subtrees go out in this many chunks per
                            # searcher (claimed one at a time; each searcher's memo spans
                            # every chunk it claims of one configuration)
@@ -173,9 +175,7 @@ class Searchers:
         self.workers = workers
         self.names = names or (lambda r: f"search process {r}")
         self._idle = getattr(store, "idle", None) or (lambda: time.sleep(POLL_S))
-        idle = getattr(store, "idle", None)
-        self._idle_round = ((lambda: idle(ROUND_POLL_S)) if idle is not None
-                            else (lambda: time.sleep(ROUND_POLL_S)))
+        self._store_idle = getattr(store, "idle", None)
         self.jobs = 0
         self.error: str | None = None
         self._stop = threading.Event()
@@ -184,6 +184,18 @@ class Searchers:
         self._seen: dict[int, tuple[bytes | None, float]] = {}
         self._job: JobShare | None = None     # the share being searched (its exchange)
         self._t_start = 0.0
+
+    def round_waiter(self) -> Callable[[], None]:
+        """An idle for one wait inside a shared round: ROUND_POLL_S, backing off."""
+        wait = [ROUND_POLL_S[0]]
+
+        def idle() -> None:
+            if self._store_idle is not None:
+                self._store_idle(wait[0])
+            else:
+                time.sleep(wait[0])
+            wait[0] = min(ROUND_POLL_S[1], 2 * wait[0])
+        return idle
 
     @property
     def coordinator(self) -> bool:
@@ -426,6 +438,7 @@ class JobShare:
     def wait_round(self, n: int) -> dict | None:
         """A searcher: round n's description once posted, or None (the rounds are over, or
         the coordinator stopped)."""
+        idle = self.g.round_waiter()
         while True:
             v = self.g.store.get(self._rkey(n, "ann"))
             if v is not None:
@@ -433,7 +446,7 @@ class JobShare:
             if self.g.store.get("stop") is not None:
                 return None
             self.g.check()
-            self.g._idle_round()
+            idle()
 
     def rounds_begun(self) -> bool:
         """(Not the coordinator) whether round 0 is posted (read at most every POLL_S)."""
@@ -506,19 +519,18 @@ class JobShare:
         return c, prefixes[bounds[c] * per:bounds[c + 1] * per]
 
     def post_out(self, n: int) -> None:
-        """This searcher claims no more configurations in round n (it may still publish
-        nothing new; it helps the splits left)."""
-        self.g.store.set(self._rkey(n, f"out/{self.g.rank}"), b"1")
+        """This searcher claims no more configurations in round n (it publishes no new split;
+        it helps the splits left)."""
+        self.g.store.add(self._rkey(n, "out"), 1)
 
     def all_out(self, n: int) -> bool:
-        return all(self.g.store.get(self._rkey(n, f"out/{r}")) is not None
-                   for r in range(self.g.size))
+        return self.g.store.add(self._rkey(n, "out"), 0) >= self.g.size
 
     def post_round(self, n: int, report: dict) -> None:
         self.g.store.set(self._key(f"round{n}"), dumps(report))
 
     def gather_round(self, n: int) -> dict[int, dict]:
-        return self._gather(f"round{n}", self._deadline(), self.g._idle_round)
+        return self._gather(f"round{n}", self._deadline(), self.g.round_waiter())
 
     def exchange(self, threshold: float) -> float:
         """Called by the driver (``tick``): offer this share's threshold; the best time found

@@ -67,8 +67,9 @@ CONCURRENT_NODES = 100  # ... those whose last search took this many nodes; the 
 SPLIT_AFTER_S = 0.5    # a distributed round's configuration searched whole for this long is
                        # stopped and split over every searcher (its last search was small)
 UNITS_PER_THREAD = 4   # a shared round (distributed.py) goes out in units of about 1 / (this x
-UNIT_CONFIGS = 64      # the searchers' threads) of the last round's nodes, at most this many
-                       # configurations each (a claim is one store round trip)
+UNIT_CONFIGS = 64      # the searchers' threads) of the last round's nodes, cut from fixed
+                       # blocks of this many configurations (a claim is one store round trip)
+SPLIT_POLL_S = 0.02    # ... a searcher looks for others' split giants between units this often
 WARMUP_CONFIGS = 16  # warm-up samples come from this many configurations of lowest root bound
 WARMUP_PATIENCE = 100  # ... and end after this many draws in a row did not beat the incumbent
 CONSTRUCT_CONFIGS = 64  # constructive plans for (at least) this many configurations, by root bound
@@ -1089,7 +1090,7 @@ class SearchDriver:
         work = {pass_order[p]: self.work[pass_order[p]] for p in range(end)
                 if pass_order[p] in self.work}
         ann = dict(pass_at=self._pass_at, cap=cap, giant=giant, work=work,
-                   units=_units(pass_order[:end], work, giant, size * workers),
+                   units=_units(pass_order[:end], work, giant, size * workers, size),
                    left=(None if self.pass_deadline is None
                          else max(0.0, self.pass_deadline - time.monotonic())))
         sh.announce(n, ann)
@@ -1130,7 +1131,7 @@ class SearchDriver:
         self.set_phase(f"{self.pass_name + ' ' if self.pass_name else ''}round "
                        f"{self.stats.rounds}")
         pruning = self.options.pruning
-        units, work, giant = ann["units"], ann["work"], ann["giant"]
+        (units, queues), work, giant = ann["units"], ann["work"], ann["giant"]
         whole: list[tuple] = []      # (configuration, threshold, best, timed out, nodes)
         parts: list[tuple] = []      # (split, chunks, best, timed out, nodes)
         splits: list[tuple] = []     # (split, configuration, chunks, threshold, nodes)
@@ -1243,19 +1244,36 @@ class SearchDriver:
             splits.append((k, i, nchunks, thr, rc.nodes))
             help_splits([k])
 
+        me = sh.g.rank
+        order_q = [(me + d) % len(queues) for d in range(len(queues))]   # own queue first
+        done_q: set[int] = set()
+        cut_at = math.inf            # positions from here on are cut by their root bound
+        last_poll = 0.0
+
+        def claim_unit() -> int | None:
+            for q in order_q:
+                if q in done_q:
+                    continue
+                j = sh.claim(n, f"units/{q}")
+                if j < len(queues[q]) and units[queues[q][j]][0] < cut_at:
+                    return queues[q][j]
+                done_q.add(q)      # (each queue is in the pass's order)
+            return None
+
         try:
-            stop = False
-            while not stop:
-                ready, _ = sh.open_splits(n)
-                if ready:
-                    help_splits(ready)
-                u = sh.claim(n, "units")
-                if u >= len(units):
+            while True:
+                now = time.monotonic()
+                if now - last_poll >= SPLIT_POLL_S:
+                    last_poll = now
+                    ready, _ = sh.open_splits(n)
+                    if ready:
+                        help_splits(ready)
+                u = claim_unit()
+                if u is None:
                     break
                 for pos in range(*units[u]):
                     if self._past_pass_deadline():
                         self.timed_out = True
-                        stop = True
                         break
                     i = pass_order[pos]
                     w = work.get(i, 0)
@@ -1267,7 +1285,7 @@ class SearchDriver:
                         collect(block=True)
                     thr = thr_now()
                     if not self.exact and self.roots[i] > thr * (1 + 1e-9):
-                        stop = True        # order is by root bound: the rest are cut too
+                        cut_at = min(cut_at, pos)   # order is by root bound: the rest too
                         break
                     cfg = self.configs[i]
                     run = partial(self.ctx.run, cfg, pruning=pruning, blocks=blocks_of(cfg),
@@ -1282,18 +1300,22 @@ class SearchDriver:
                     if late:
                         collect(block=False)
                         split_late()
+                if self.timed_out:
+                    break
             collect(block=False)
             split_late()
             sh.post_out(n)
+            idle = sh.g.round_waiter()
             while not self._past_pass_deadline():   # help until no chunk is left anywhere
                 ready, pending = sh.open_splits(n)
                 if ready:
                     help_splits(ready)
+                    idle = sh.g.round_waiter()
                     continue
                 if not pending and sh.all_out(n):
                     break
                 sh.g.check()
-                sh.g._idle_round()
+                idle()
         finally:
             collect(block=False)
         nodes = self.stats.nodes - n_before
@@ -1426,30 +1448,42 @@ def _assignment_key(best) -> tuple:
     return (t, *(v for pair in zip(opts, layers) for v in pair))
 
 
-def _units(configs: list[int], work: dict[int, int], giant: float, threads: int
-           ) -> list[tuple[int, int]]:
-    """A shared round's units: (start, end) positions of ``configs`` (the round's, in the
-    pass's order), each a run of consecutive configurations whose last searches took about
-    1 / (UNITS_PER_THREAD x threads) of the round's nodes, at most UNIT_CONFIGS of them; a
-    giant alone (its subtrees are shared)."""
+def _units(configs: list[int], work: dict[int, int], giant: float, threads: int,
+           searchers: int) -> tuple[list[tuple[int, int]], list[list[int]]]:
+    """A shared round's units and queues. ``configs``: the round's, in the pass's order. Its
+    positions form fixed blocks of UNIT_CONFIGS; block b goes to searcher b mod S (the same
+    configurations to the same searcher round after round: its instances and DAGs are built
+    once); inside a block, a giant is a unit alone (its subtrees are shared) and the rest is
+    cut into runs whose last searches took at most 1 / (UNITS_PER_THREAD x threads) of the
+    round's nodes. (units: (start, end) positions; queues: per searcher, its units in
+    order.)"""
     total = sum(max(1, work.get(i, 0)) for i in configs)
     target = max(1.0, total / (UNITS_PER_THREAD * max(1, threads)))
-    units, start, acc = [], 0, 0.0
-    for p, i in enumerate(configs):
-        w = work.get(i, 0)
-        if w >= giant:
-            if p > start:
-                units.append((start, p))
-            units.append((p, p + 1))
-            start, acc = p + 1, 0.0
-            continue
-        acc += max(1, w)
-        if acc >= target or p + 1 - start >= UNIT_CONFIGS:
-            units.append((start, p + 1))
-            start, acc = p + 1, 0.0
-    if start < len(configs):
-        units.append((start, len(configs)))
-    return units
+    units: list[tuple[int, int]] = []
+    queues: list[list[int]] = [[] for _ in range(max(1, searchers))]
+    for b0 in range(0, len(configs), UNIT_CONFIGS):
+        q = queues[(b0 // UNIT_CONFIGS) % len(queues)]
+        b1 = min(len(configs), b0 + UNIT_CONFIGS)
+        start, acc = b0, 0.0
+        for p in range(b0, b1):
+            w = work.get(configs[p], 0)
+            if w >= giant:
+                if p > start:
+                    q.append(len(units))
+                    units.append((start, p))
+                q.append(len(units))
+                units.append((p, p + 1))
+                start, acc = p + 1, 0.0
+                continue
+            acc += max(1, w)
+            if acc >= target and p + 1 < b1:
+                q.append(len(units))
+                units.append((start, p + 1))
+                start, acc = p + 1, 0.0
+        if start < b1:
+            q.append(len(units))
+            units.append((start, b1))
+    return units, queues
 
 
 def search_plan(cluster, model, options, profiles=None, previous: Plan | None = None,
