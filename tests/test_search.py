@@ -1353,8 +1353,35 @@ def test_budget_jump_to_a_milestone_only_when_its_round_is_predicted_to_fit(monk
     # the cap is the milestone itself (a round of its own): no jump past it
     d.pass_deadline = now + 1e6
     assert d._jump_cap(u * 0.98, proven) == pytest.approx(u * 0.98)
-    d._round_times = d._round_times[-2:]                          # two rounds: no fit
+    # a seed pass (the blocks pass before the full one) jumps to the finest milestone
+    # predicted to fit: its proofs are searched again
+    d._seed_pass = True
+    for m in (0.005, 0.01):
+        d.pass_deadline = now + t_of(m) * drv.JUMP_SAFETY * 1.01
+        assert d._jump_cap(cap, proven) == pytest.approx(u * (1 - m)), m
+    d.pass_deadline = now + 0.97 * t_of(0.02) * drv.JUMP_SAFETY
     assert d._jump_cap(cap, proven) == cap
+    d._seed_pass = False
+    d._round_times = d._round_times[-2:]                          # two rounds: no fit
+    d.pass_deadline = now + 1e6
+    assert d._jump_cap(cap, proven) == cap
+
+
+def test_only_a_seed_pass_jumps_past_a_milestone(monkeypatch):
+    """``run_passes``: the blocks pass, which a full pass follows, is a seed pass (its jumps
+    may pass milestones); the last pass is not."""
+    from poseidon_plugin.search import driver as drv
+
+    cluster, model = _small()
+    d = drv.SearchDriver(cluster, model, SearchOptions(global_batch_size=8, seq_length=128,
+                                                       progress=False))
+    d.order_configs()
+    seen = []
+    monkeypatch.setattr(d, "passes", lambda: [(d.order, "blocks"), (d.order[:1], "any")])
+    monkeypatch.setattr(d, "run_pass", lambda order, kind: seen.append((kind, d._seed_pass))
+                        or True)
+    d.run_passes()
+    assert seen == [("blocks", True), ("any", False)]
 
 
 def _pair_parts(F, B, Pf, Pb, R, orders):
