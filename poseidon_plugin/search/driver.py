@@ -356,7 +356,10 @@ class SearchDriver:
             if not self.exact and self.options.warmup_samples > 0:
                 self.set_phase("warm-up")
                 self.warm_up()
-            if not self.exact and self.found:
+            if not self.exact and self.found and (self.share is None
+                                                  or self.share.coordinator):
+                # (a distributed search's other searchers skip it: one local search can run
+                # 0.5 s past round 0's start, which waits for every searcher)
                 self.set_phase("polish")
                 self.polish_found(quick=True)
             # (the rest of the construction and polish: one process's, or the coordinator's
