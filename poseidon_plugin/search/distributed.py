@@ -620,18 +620,3 @@ _SUMMED = ("nodes", "plans_simulated", "cut_bound", "cut_memory", "cut_ridge", "
            "shared_chunks_helped")
 
 
-def split_nodes(default: int) -> int:
-    """A configuration whose last search took this many nodes (and a large share of the
-    round's) is split over every searcher: ``default`` (the driver's SPLIT_NODES), or
-    POSEIDON_SEARCH_SPLIT_NODES (the tests force splits on small instances)."""
-    text = os.environ.get("POSEIDON_SEARCH_SPLIT_NODES")
-    if not text:
-        return default
-    try:
-        v = int(text)
-    except ValueError:
-        raise PoseidonError(f"POSEIDON_SEARCH_SPLIT_NODES={text!r} is not a whole number") \
-            from None
-    if v < 1:
-        raise PoseidonError(f"POSEIDON_SEARCH_SPLIT_NODES={text!r} must be at least 1")
-    return v

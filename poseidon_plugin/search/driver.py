@@ -26,6 +26,7 @@ import dataclasses
 
 import logging
 import math
+import os
 import random
 import time
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -1088,8 +1089,6 @@ class SearchDriver:
         merge (``_merge_round``) is the state a one-process round leaves: each configuration
         searched whole or in every one of its chunks with threshold <= min(cap, incumbent)
         has no plan below that threshold but the best one returned."""
-        from .distributed import split_nodes
-
         sh = self.share
         n = sh.rounds
         sh.rounds += 1
@@ -1498,6 +1497,23 @@ def _units(configs: list[int], work: dict[int, int], giant: float, threads: int,
             q.append(len(units))
             units.append((start, b1))
     return units, queues
+
+
+def split_nodes(default: int) -> int:
+    """A configuration whose last search took this many nodes (and a large share of the
+    round's) is split over every searcher: ``default`` (the driver's SPLIT_NODES), or
+    POSEIDON_SEARCH_SPLIT_NODES (the tests force splits on small instances)."""
+    text = os.environ.get("POSEIDON_SEARCH_SPLIT_NODES")
+    if not text:
+        return default
+    try:
+        v = int(text)
+    except ValueError:
+        raise PoseidonError(f"POSEIDON_SEARCH_SPLIT_NODES={text!r} is not a whole number") \
+            from None
+    if v < 1:
+        raise PoseidonError(f"POSEIDON_SEARCH_SPLIT_NODES={text!r} must be at least 1")
+    return v
 
 
 def search_plan(cluster, model, options, profiles=None, previous: Plan | None = None,
