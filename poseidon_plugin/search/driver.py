@@ -829,6 +829,11 @@ class SearchDriver:
         self.stats.passes = len(passes)
         self.stats.timed_out = not complete      # a pass stops early only when its time is up
         self.stats.exhaustive = complete and not self.restricted and not self.heuristic
+        if (not self.stats.exhaustive and not self.restricted and not self.heuristic
+                and self.best is not None and self.lower_bound_ms() >= self.best.time_ms):
+            # a pass ran out of its share (the blocks pass's), but every configuration's
+            # proven bound reaches the plan: it is the optimum of the stated space all the same
+            self.stats.exhaustive = True
         self.stats.search_space = (
             "every device-type order" if not self.restricted else
             f"contiguous device-type blocks only for {len(self.restricted)} of "
