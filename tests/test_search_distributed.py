@@ -283,16 +283,22 @@ PLAN_ARGS = ["--cluster", "examples/clusters/paper-setting1.yaml", "--model", "l
              "--global-batch-size", "128", "--seq-length", "4096", "--json", "--no-runner-up"]
 
 
-@pytest.mark.integration   # torchrun, torch.distributed's store: not in the torch-free core venv
-def test_cli_distributed_under_torchrun_matches_one_process():
-    one = subprocess.run([sys.executable, "-m", "poseidon_plugin", "plan", *PLAN_ARGS],
+def _one_and_two_processes(args):
+    """``poseidon plan ARGS --json`` in one process and with ``--distributed`` under torchrun
+    (2 processes): (plan JSON, plan JSON, search, search), the searches popped."""
+    one = subprocess.run([sys.executable, "-m", "poseidon_plugin", "plan", *args],
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT},
                          cwd=ROOT, timeout=240)
     assert one.returncode == 0, one.stderr[-3000:]
-    proc, out, _ = _torchrun(2, ["-m", "poseidon_plugin", "plan", "--distributed", *PLAN_ARGS])
+    proc, out, _ = _torchrun(2, ["-m", "poseidon_plugin", "plan", "--distributed", *args])
     assert proc.returncode == 0, out[-5000:]
     a, b = json.loads(one.stdout), json.loads(proc.stdout)   # rank 0 alone prints
-    sa, sb = a.pop("search"), b.pop("search")
+    return a, b, a.pop("search"), b.pop("search")
+
+
+@pytest.mark.integration   # torchrun, torch.distributed's store: not in the torch-free core venv
+def test_cli_distributed_under_torchrun_matches_one_process():
+    a, b, sa, sb = _one_and_two_processes(PLAN_ARGS)
     assert a == b
     assert sb["processes"] == 2 and sa["processes"] == 1
     assert sb["exhaustive"] == sa["exhaustive"]
@@ -323,14 +329,7 @@ def test_cli_distributed_splits_a_dominant_configuration_across_processes(tmp_pa
     args = ["--cluster", str(tmp_path / "c.yaml"), "--model", str(tmp_path / "m.yaml"),
             "--global-batch-size", str(gbs), "--seq-length", "128", "--schedules", "1f1b",
             "--micro-batch-sizes", "1", "--workers", "1", "--json", "--no-runner-up"]
-    one = subprocess.run([sys.executable, "-m", "poseidon_plugin", "plan", *args],
-                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT},
-                         cwd=ROOT, timeout=240)
-    assert one.returncode == 0, one.stderr[-3000:]
-    proc, out, _ = _torchrun(2, ["-m", "poseidon_plugin", "plan", "--distributed", *args])
-    assert proc.returncode == 0, out[-5000:]
-    a, b = json.loads(one.stdout), json.loads(proc.stdout)
-    sa, sb = a.pop("search"), b.pop("search")
+    a, b, sa, sb = _one_and_two_processes(args)
     assert a == b
     assert sb["processes"] == 2 and sb["exhaustive"] and sa["exhaustive"]
     assert sb["shared_splits"] >= 1 and sb["shared_chunks_helped"] >= 1, sb

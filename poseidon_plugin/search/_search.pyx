@@ -1580,6 +1580,20 @@ cdef int _split_depth(Searcher se, int threads):
     return D
 
 
+cdef void _run_shared_with(Searcher se, list helpers) except *:
+    """``se`` and each helper (in its own thread) take the shared prefixes until none is left;
+    the helpers' threads are joined before this returns, also on an error."""
+    workers = [threading.Thread(target=h._thread_main, daemon=True) for h in helpers]
+    for w in workers:
+        w.start()
+    try:
+        with nogil:
+            se.run_shared()
+    finally:
+        for w in workers:
+            w.join()
+
+
 cdef void _run_threads(ConfigInstance inst, Searcher se, int D, int threads, thread_dag) except *:
     """Search the collected prefixes with ``threads`` searchers sharing the incumbent and the
     first searcher's memo (``Searcher.dominated`` / ``record``). The prefixes are handed out
@@ -1612,15 +1626,7 @@ cdef void _run_threads(ConfigInstance inst, Searcher se, int D, int threads, thr
         se.mlock = &sh.mlock
         if se.use_memo:
             _memo_fix(se.mp, 8 + se.cfg.T, 0)   # (out of memory: lookups take the lock)
-        workers = [threading.Thread(target=h._thread_main, daemon=True) for h in helpers]
-        for w in workers:
-            w.start()
-        try:
-            with nogil:
-                se.run_shared()
-        finally:
-            for w in workers:
-                w.join()
+        _run_shared_with(se, helpers)
         for h in helpers:
             _absorb(se, h)
             if h.dag_error:
@@ -1862,16 +1868,7 @@ def search_prefixes(ConfigInstance inst, dag, double threshold_ms, double deadli
                 sh.n = arr.shape[0] // (2 * D)
                 sh.next = 0
                 chunks += 1
-                workers = [threading.Thread(target=hh._thread_main, daemon=True)
-                           for hh in helpers]
-                for w in workers:
-                    w.start()
-                try:
-                    with nogil:
-                        se.run_shared()
-                finally:
-                    for w in workers:
-                        w.join()
+                _run_shared_with(se, helpers)
                 sh.buf = NULL
                 stopped = S.timed_out
                 for hh in helpers:
