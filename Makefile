@@ -8,7 +8,8 @@
 #   make test-py310 - the torch-free core's tests on Python 3.10 (.venv310; CI runs it too)
 #   make test-mcore-versions - the profiler on Megatron-LM core 0.12.1 / 0.15.3 / 0.19.0 trees,
 #                              and core_v0.19.0's own pretrain_gpt.py planned and trained (launcher
-#                              and one-line patch) (../shared/frameworks; skipped where absent)
+#                              and one-line patch), saved and resumed under other plans
+#                              (../shared/frameworks; skipped where absent)
 
 SHELL := /bin/bash
 VENV  := .venv
@@ -25,7 +26,14 @@ PYX := $(wildcard poseidon_plugin/*.pyx poseidon_plugin/*.pxd poseidon_plugin/*/
 PYTHON310 ?= $(shell for p in python3.10 $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.10*/bin/python3.10 /usr/bin/python3.10 /usr/local/bin/python3.10; do \
 	if $$p -c 'import sys; assert sys.version_info[:2] == (3, 10)' >/dev/null 2>&1; then echo $$p; break; fi; done)
 VENV310 := .venv310
-CORE_DEPS := "cython>=3.0" "numpy>=1.26" "pyyaml>=6" "pytest>=8" "hypothesis>=6.100" "matplotlib>=3.7"
+CORE_DEPS := "cython>=3.0" "numpy>=1.26" "pyyaml>=6" "pytest>=8" "hypothesis>=6.100" "matplotlib>=3.7" \
+	"pytest-xdist>=3.5"
+
+# The fast tiers (make test, make test-core, make test-py310) run in TEST_JOBS pytest processes
+# (pytest-xdist; a test file stays in one process, so its module fixtures run once). 2 fits the
+# 2-core CI host: the fast tier was shown to pass beside two CPU hogs. TEST_JOBS=0: one process.
+TEST_JOBS ?= 2
+XDIST = -n $(TEST_JOBS) --dist loadfile
 
 # Megatron-LM trees (megatron/ at each tag; the PyPI wheels before 0.18 ship no megatron/training):
 # the unchanged checkouts in the workplace's shared/frameworks (FRAMEWORKS, beside the repository;
@@ -44,9 +52,8 @@ $(VENV)/.stamp-deps: setup.py
 	@if [ -z "$(PYTHON312)" ]; then echo "error: Python 3.12 not found (tried python3.12 and pyenv); install it or set PYTHON312=/path/to/python3.12" >&2; exit 2; fi
 	@[ -x $(PY) ] || $(PYTHON312) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
-	$(PIP) install -q "cython>=3.0" "numpy>=1.26" "pyyaml>=6" "pytest>=8" "hypothesis>=6.100" "matplotlib>=3.7" \
-	  "pybind11>=2.10"
-	$(PIP) install -q torch "megatron-core==0.19.2"
+	$(PIP) install -q $(CORE_DEPS) "pybind11>=2.10"
+	$(PIP) install -q torch "megatron-core==0.19.2" psutil   # psutil: megatron-core's torch_dist checkpoint writer
 	touch $@
 
 venv: $(VENV)/.stamp-deps
@@ -78,13 +85,16 @@ TEST_ENV = POSEIDON_FRAMEWORKS=$(abspath $(FRAMEWORKS)) \
 	$(if $(wildcard $(FRAMEWORKS)),POSEIDON_MSLLM_PYTHON=$(abspath $(MSLLM_PY)))
 
 test: build $(if $(wildcard $(FRAMEWORKS)),$(MSLLM_DIR)/venv/.stamp)
-	$(TEST_ENV) $(PY) -m pytest -q tests -m "not slow"
+	$(TEST_ENV) $(PY) -m pytest -q -rs $(XDIST) tests -m "not slow"
 
+# the slow searches (no torch, one core each) in TEST_JOBS processes, test by test, then the
+# launches one at a time (each is 2-4 ranks on the CPU, and their emulated timings want the cores)
 test-slow: build $(if $(wildcard $(FRAMEWORKS)),$(MSLLM_DIR)/venv/.stamp)
-	$(TEST_ENV) $(PY) -m pytest -q tests -m slow
+	$(TEST_ENV) $(PY) -m pytest -q -rs -n $(TEST_JOBS) tests -m "slow and not integration"
+	$(TEST_ENV) $(PY) -m pytest -q -rs tests -m "slow and integration"
 
 test-core: build
-	$(PY) -m pytest -q tests -m "not integration and not slow"
+	$(PY) -m pytest -q -rs $(XDIST) tests -m "not integration and not slow"
 
 $(VENV310)/.stamp-deps: setup.py
 	@if [ -z "$(PYTHON310)" ]; then echo "error: Python 3.10 not found (tried python3.10 and pyenv); install it or set PYTHON310=/path/to/python3.10" >&2; exit 2; fi
@@ -95,7 +105,7 @@ $(VENV310)/.stamp-deps: setup.py
 
 test-py310: $(VENV310)/.stamp-deps
 	$(VENV310)/bin/pip install -q --no-build-isolation --no-deps -e .
-	$(VENV310)/bin/python -m pytest -q -p no:cacheprovider tests -m "not integration"
+	$(VENV310)/bin/python -m pytest -q -rs $(XDIST) -p no:cacheprovider tests -m "not integration and not slow"
 
 $(MCORE_DIR)/venv/.stamp: $(VENV)/.stamp-deps
 	rm -rf $(MCORE_DIR)/venv
@@ -108,12 +118,13 @@ $(MCORE_DIR)/venv/.stamp: $(VENV)/.stamp-deps
 test-mcore-versions: build $(if $(wildcard $(FRAMEWORKS)),$(MCORE_DIR)/venv/.stamp)
 	POSEIDON_FRAMEWORKS=$(abspath $(FRAMEWORKS)) POSEIDON_MCORE_VERSIONS="$(MCORE_VERSIONS)" \
 	POSEIDON_MCORE_PYTHON=$(abspath $(MCORE_PY)) \
-	  $(PY) -m pytest -q -rs tests/test_mcore_versions.py tests/test_megatron_lm_tree_launch.py
+	  $(PY) -m pytest -q -rs tests/test_mcore_versions.py tests/test_megatron_lm_tree_launch.py \
+	  tests/test_resume_replan.py "tests/test_memory_harness.py::test_memory_model_holds_on_megatron_core_012"
 
 demo: build
 	$(PY) -m poseidon_plugin.cli plan --cluster examples/clusters/paper-setting1.yaml --model llama3-8b --global-batch-size 128 --seq-length 4096
 	@echo "== launch 1 of 2: profiles every rank, trains 16 iterations and calibrates the per-iteration overhead into the profile DB (build/poseidon-profiles; its plan and calibration lines only)"
-	bash -o pipefail -c 'bash examples/run_emulated.sh | grep -E "^predicted iteration|^  iteration |calibration:"'
+	bash -o pipefail -c "bash examples/run_emulated.sh | awk '/calibration:/ {print; c = 1; next} c && /^    [^ ]/ {print; next} {c = 0} /^predicted iteration|^  iteration / {print}'"
 	@echo "== launch 2 of 2: plans from the calibrated profile DB and trains"
 	bash examples/run_emulated.sh
 

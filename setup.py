@@ -65,7 +65,8 @@ setup(
     extras_require={
         # megatron-core 0.19.2 needs Python 3.12; MindSpeed-LLM (Python 3.10) brings its own
         # Megatron-LM core_r0.12 tree
-        "megatron": ["torch", "megatron-core==0.19.2; python_version >= '3.12'"],
+        # psutil: megatron-core's torch_dist checkpoint writer asks each worker's memory with it
+        "megatron": ["torch", "megatron-core==0.19.2; python_version >= '3.12'", "psutil"],
         "plot": ["matplotlib>=3.7"],
         "test": ["pytest>=8", "hypothesis>=6.100"],
     },

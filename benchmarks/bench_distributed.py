@@ -85,7 +85,7 @@ def _store(transport: str, rank: int, size: int, addr):
 
     import torch.distributed as dist
 
-    from poseidon_plugin.megatron.search_transport import TorchStore
+    from poseidon_plugin.megatron.launch.search_transport import TorchStore
 
     host, port = addr
     store = dist.TCPStore(host, port, size, rank == 0, timeout=datetime.timedelta(seconds=300),

@@ -135,7 +135,7 @@ def _cache_case(d: str) -> tuple[int, str, float]:
     import io
     import logging
 
-    from poseidon_plugin.megatron import profile_gather
+    from poseidon_plugin.megatron.profile import profile_gather
 
     path = _write(d, "profiles-x.json", '{"version": 1, "records": ' + "[" * 100_000
                   + "]" * 100_000 + "}")

@@ -12,7 +12,8 @@ sys.path.insert(0, os.getcwd())
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 import torch
 import torch.distributed as dist
-from poseidon_plugin.megatron import profiler, compat
+from poseidon_plugin.megatron.profile import profiler
+from poseidon_plugin.megatron.launch import compat
 
 torch.cuda.set_device(0)
 with socket.socket() as _s:

@@ -214,7 +214,9 @@ if os.path.exists(plan_path):
 # the launch's own profile of each layer kind (a mixed model: "dense" / "moe" after the type)
 lines += [l.strip() for l in log.splitlines()
           if re.search(r"\] +\S+ +(\S+ +)?tp=\d+ mbs=\d+ ", l) or "profiled MoE layer" in l]
-cal = list(dict.fromkeys(l.strip() for l in log.splitlines() if "calibration: iteration" in l))
+# the calibration report is logged folded (continuations indented by four spaces): one line here
+unfolded = re.sub(r"\n {4}(?=\S)", " ", log)
+cal = list(dict.fromkeys(l.strip() for l in unfolded.splitlines() if "calibration: iteration" in l))
 lines += cal or ["no calibration line (the training failed or ran fewer than 4 iterations; see "
                  "run.log)"]
 text = "\n".join(lines) + "\n"

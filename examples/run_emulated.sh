@@ -8,8 +8,11 @@
 #
 #   bash examples/run_emulated.sh              # plan + train (prints the plan, then Megatron's log)
 #   bash examples/run_emulated.sh --poseidon-dry-run   # plan only: table, rank map, exact flags
+#   bash examples/run_emulated.sh -v           # ... and Megatron's whole log, unfiltered
 set -euo pipefail
 cd "$(dirname "$0")/.."
+VERBOSE=0
+if [ "${1:-}" = "-v" ]; then VERBOSE=1; shift; fi
 
 if [ -x .venv/bin/torchrun ]; then TORCHRUN=.venv/bin/torchrun; else TORCHRUN=torchrun; fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -27,10 +30,11 @@ GPT_ARGS=(
 )
 
 echo "== torchrun --nproc-per-node 4 -m poseidon_plugin.launch examples/pretrain_gpt.py ... --poseidon-auto --poseidon-emulate examples/emulate-2types.yaml"
-# Megatron prints its full argument table and per-parameter lines; keep the plan, the Poseidon
-# log and the training iterations.
+# Megatron prints its full argument table, per-parameter lines and its DDP / optimizer configs
+# (1,400-1,700 characters each); keep the plan, the Poseidon log and the training iterations
+# (-v: everything). The lines dropped: examples/demo_log_filter.ere (tests/test_demo_filter.py).
 "$TORCHRUN" --nproc-per-node 4 --master-addr 127.0.0.1 --master-port "$PORT" \
     -m poseidon_plugin.launch examples/pretrain_gpt.py "${GPT_ARGS[@]}" \
     --poseidon-auto --poseidon-emulate examples/emulate-2types.yaml "$@" 2>&1 \
-  | grep --line-buffered -v -E "^\s+[a-z_0-9]+ \.{3,}|^\s+module\.|Warning|warnings\.warn|^W[0-9]{4} |^\s*$|Number of (active )?parameters|Theoretical memory|Activation memory|compute_activation_memory|in-flight microbatches|memory \(MB\) \| allocated|super\(\)\.__init__|return func\(|megatron\.core\.datasets|^\s+(train|validation|test): |Memory penalty"
+  | if [ "$VERBOSE" = 1 ]; then cat; else grep --line-buffered -v -E -f examples/demo_log_filter.ere; fi
 exit "${PIPESTATUS[0]}"

@@ -9,6 +9,6 @@ this before ``mindspeed_llm`` (its adaptor parses ``sys.argv`` at import).
 
 from __future__ import annotations
 
-from .megatron.runner import auto_main as _auto_main
+from poseidon_plugin.megatron.launch.runner import auto_main as _auto_main
 
 _auto_main()

@@ -8,7 +8,7 @@ a call that receives returns ``recv_ready_ms`` after its data has arrived. Both 
 the host and the communication stack, not of the layers, so they are measured once per device
 type (and, for the calls, per link kind and message size) and stored beside the layer records:
 both by ``poseidon profile`` (the calls under torchrun) and by the ``--poseidon-auto`` launch
-(``megatron/callcost_profile.py``, ``megatron/op_overhead.py``: each type's op overheads, one
+(``megatron/profile/callcost_profile.py``, ``megatron/profile/op_overhead.py``: each type's op overheads, one
 rank pair per link kind for the calls), and by ``poseidon validate --profile-db`` on the CPU
 emulation.
 

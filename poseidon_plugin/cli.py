@@ -70,7 +70,7 @@ def _percent(text: str) -> float:
 
 def _timeout_seconds(text: str) -> float:
     """argparse type of ``poseidon profile --timeout`` (the launch's --poseidon-timeout rule)."""
-    from .megatron.options import timeout_seconds
+    from poseidon_plugin.megatron.launch.options import timeout_seconds
 
     return timeout_seconds("--timeout", text)
 
@@ -86,14 +86,26 @@ def _check_gantt_path(path: str) -> None:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from .model import PRESETS
-    from .search.options import DEFAULT_MICRO_BATCH_SIZES
-
     p = _Parser(prog="poseidon", description="Parallel-plan search for LLM pre-training on "
                 "heterogeneous clusters.", epilog="poseidon plan --help: the options and an "
                 "example.")
     _add_verbose(p, False)
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
+    _add_plan_parser(sub)
+    _add_profile_parser(sub)
+    va = sub.add_parser("validate", help="validate the simulator against real runs "
+                        "(poseidon validate --help: its options)")
+    _add_verbose(va, argparse.SUPPRESS)
+    va.add_argument("args", nargs=argparse.REMAINDER,
+                    help="the options of poseidon validate (see poseidon validate --help)")
+    return p
+
+
+def _add_plan_parser(sub) -> None:
+    """``poseidon plan``: its inputs, then the search space, the search's control and the
+    outputs."""
+    from .model import PRESETS
+
     pl = sub.add_parser("plan", help="search the fastest plan for a cluster file and a model",
                         description="Search the fastest parallel plan (DP, PP, TP, schedule, "
                         "device type and layers\nper stage) and print it with the Megatron-LM "
@@ -129,7 +141,19 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="the Megatron-LM / MindSpeed-LLM flags the launch will run with, as one "
                     "quoted string (e.g. \"--no-overlap-p2p-communication --noop-layers 0\"): "
                     "what the framework refuses with them is not searched (the launch applies "
-                    "the same rules; docs/search.md, 'Framework rules')")
+                    "the same rules; docs/search.md, 'Framework rules'), and the installed "
+                    "Megatron's parse_args, validate_args and model-config build judge the "
+                    "plan's flags with them (a refused configuration is searched again without)")
+    _add_plan_search_space(pl)
+    _add_plan_search_control(pl)
+    _add_plan_outputs(pl)
+
+
+def _add_plan_search_space(pl) -> None:
+    """What ``poseidon plan`` searches: schedules, pruning, TP / CP / EP degrees, micro-batch
+    sizes, virtual stages and device-type orders."""
+    from .search.options import DEFAULT_MICRO_BATCH_SIZES
+
     pl.add_argument("--schedules", nargs="+", default=list(LAUNCHABLE_SCHEDULES),
                     choices=list(SCHEDULES), metavar="NAME",
                     help=f"schedules to search, of {_words(SCHEDULES)} (default: "
@@ -174,6 +198,11 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="device-type orders searched: any (default: every order, exact), "
                     "blocks (contiguous type blocks only), auto (blocks where a configuration "
                     "has more than 3^20 orders); a restricted space is named in the output")
+
+
+def _add_plan_search_control(pl) -> None:
+    """How ``poseidon plan`` searches: the warm-up, the budget, ties, a kept plan, threads and
+    processes, the runner-up and the baselines."""
     pl.add_argument("--warmup-samples", type=int, default=500, metavar="N",
                     help="at most N random feasible plans seed the search's threshold "
                     "(default: %(default)s; 0: none; it stops after 100 draws in a row without a "
@@ -213,6 +242,10 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="skip the two baselines (Megatron's even split over all devices; the "
                     "best plan on one device type: a search per type, each under --time-budget);"
                     " the JSON then marks them skipped")
+
+
+def _add_plan_outputs(pl) -> None:
+    """What ``poseidon plan`` writes: the JSON, a file, the Gantt chart."""
     pl.add_argument("--json", action="store_true",
                     help="print the plan as JSON (baselines included) instead of the table")
     pl.add_argument("--out", default=None, metavar="FILE",
@@ -220,13 +253,6 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--gantt", default=None, metavar="FILE",
                     help="draw the simulated schedule of the plan (.png or .svg): a row per "
                     "stage, idle time, the critical path")
-    _add_profile_parser(sub)
-    va = sub.add_parser("validate", help="validate the simulator against real runs "
-                        "(poseidon validate --help: its options)")
-    _add_verbose(va, argparse.SUPPRESS)
-    va.add_argument("args", nargs=argparse.REMAINDER,
-                    help="the options of poseidon validate (see poseidon validate --help)")
-    return p
 
 
 def _add_profile_parser(sub) -> None:
@@ -317,13 +343,27 @@ def _cmd_plan(ns) -> int:
 
     if not ns.distributed:
         return _plan(ns, search_plan)
-    from .megatron.search_transport import searchers_from_environ
+    from poseidon_plugin.megatron.launch.search_transport import searchers_from_environ, wait_seconds
 
-    with searchers_from_environ(workers=ns.workers) as group:
+    _check_plan_inputs(ns)   # every rank, before it waits for the others
+    _LEAVE_AT_ONCE.append(True)
+    with searchers_from_environ(workers=ns.workers,
+                                timeout_s=wait_seconds(ns.time_budget)) as group:
         if not group.coordinator:
             group.serve()      # this process's share of every search rank 0 starts
             return 0
         return _plan(ns, group.search)
+
+
+def _check_plan_inputs(ns) -> None:
+    """The options, the cluster and the model read (their one-line errors) before a
+    distributed search's rendezvous: a bad input is refused at once, not after the wait."""
+    from .cluster import load_cluster
+    from .model import get_model
+
+    search_options(ns)
+    load_cluster(ns.cluster)
+    get_model(ns.model)
 
 
 def _plan(ns, search_plan) -> int:
@@ -344,11 +384,12 @@ def _plan(ns, search_plan) -> int:
                      reserve=GANTT_RESERVE_S if ns.gantt else 0.0)
     cluster = load_cluster(ns.cluster)
     model = get_model(ns.model)
-    model_note = model.planning_note()   # mixed layer kinds, MTP: what is not yet costed
-    if model_note:
-        sys.stderr.write(f"poseidon: warning: {bound_line(model_note)}\n")
     options = options.replace(rules=framework_rules(ns.megatron_args, model.num_layers,
                                                     moe=model.is_moe))
+    model = users_dispatcher(model, ns.megatron_args)
+    model_note = model.planning_note()   # what is not yet costed (the user's dispatcher)
+    if model_note:
+        sys.stderr.write(f"poseidon: warning: {bound_line(model_note)}\n")
     profiles = None
     if ns.profiles:
         profiles = _load_profiles(ns, cluster, model, options)
@@ -361,8 +402,12 @@ def _plan(ns, search_plan) -> int:
     results = None if ns.no_baselines else _baseline_results(cluster, model, budget, options,
                                                              profiles)
     seeds = [(name, p) for name, p in (results or {}).items() if not isinstance(p, str)]
-    plan = search_plan(cluster, model, budget.search_options(options), profiles,
-                       previous=previous, seeds=seeds)
+    def search(opts):
+        return search_plan(cluster, model, budget.search_options(opts), profiles,
+                           previous=previous, seeds=seeds)
+
+    plan = _judged(search, options, ns.megatron_args, model) if ns.megatron_args \
+        else search(options)
     for line in plan.search.get("excluded", ()):
         sys.stderr.write(f"poseidon: note: {bound_line(line)}\n")
     plan = plan.with_baselines(_baselines(results, plan))
@@ -370,6 +415,11 @@ def _plan(ns, search_plan) -> int:
     note = scaled_estimate_note(plan, profiles, model, options.seq_length, options.training)
     if note:
         sys.stderr.write(f"poseidon: note: {bound_line(note)}\n")
+    if previous is not None:   # what changed since the kept plan (the relaunch's line, offline)
+        from poseidon_plugin.megatron.checkpoint.change import kept_plan_summary
+        sys.stderr.write(f"poseidon: note: since {ns.keep}: "
+                         f"{kept_plan_summary(previous, cluster, plan)}\n")
+    _warn_mfu(plan, cluster)
     text = plan.to_json()
     if ns.gantt:
         _draw_plan_gantt(plan, ns.gantt, budget.end)
@@ -381,13 +431,57 @@ def _plan(ns, search_plan) -> int:
     if ns.json:
         sys.stdout.write(text)
         return 0
-    sys.stdout.write(plan.table())
+    sys.stdout.write(plan.table(verbose=bool(ns.verbose)))
     origin = _origin_line(plan.search)
     if origin:
         sys.stdout.write(origin + "\n")
     if not ns.no_baselines:
         sys.stdout.write("".join(_baseline_line(e) + "\n" for e in plan.baselines))
     return 0
+
+
+def users_dispatcher(model, text: str):
+    """``model`` with the token dispatcher ``--megatron-args`` chooses (a MoE model): the plan's
+    flags keep it, its communication is priced as ``alltoall``'s (``Model.planning_note`` says
+    so); without one, the model's (``alltoall``)."""
+    import shlex
+    from dataclasses import replace
+
+    from poseidon_plugin.megatron.launch.argv import DISPATCHER_FLAG, flag_value
+    from .model import MOE_DISPATCHERS
+
+    value = flag_value(shlex.split(text or ""), DISPATCHER_FLAG)
+    if value is None or not model.is_moe:
+        return model
+    if value not in MOE_DISPATCHERS:
+        raise PoseidonError(f"--megatron-args: {DISPATCHER_FLAG} {value!r}: expected one of "
+                            f"{', '.join(MOE_DISPATCHERS)}")
+    return replace(model, moe_token_dispatcher_type=value)
+
+
+def _judged(search, options, text: str, model):
+    """``--megatron-args``: the fastest plan the installed Megatron accepts, its parse_args,
+    validate_args and model-config build run on the model's flags, the setup's, the user's and
+    the plan's (``megatron/launch/judge.py``); a refused configuration is searched again without."""
+    import shlex
+
+    from poseidon_plugin.megatron.launch import judge
+
+    tokens = shlex.split(text)   # framework_rules split it already
+
+    def refusal(plan):
+        if not plan.executable:   # analysis-only plans have no flags to judge
+            return None
+        return judge.plan_refusal(plan, model, options.seq_length, options.training, tokens)
+
+    return judge.search_accepted(search, options, refusal)
+
+
+def _warn_mfu(plan, cluster) -> None:
+    """One ``poseidon: warning:`` line where the plan's MFU is above 100 %."""
+    warning = plan.mfu_warning({t: dt.peak_tflops for t, dt in cluster.device_types.items()})
+    if warning:
+        sys.stderr.write(f"poseidon: warning: {bound_line(warning)}\n")
 
 
 def framework_rules(text: str, num_layers: int, moe: bool = False):
@@ -402,7 +496,24 @@ def framework_rules(text: str, num_layers: int, moe: bool = False):
         tokens = shlex.split(text or "")
     except ValueError as exc:
         raise PoseidonError(f"--megatron-args: cannot split {text!r} ({exc})") from None
+    launch_refusals(tokens)
     return FrameworkRules.from_argv(tokens, num_layers=num_layers, moe=moe and bool(tokens))
+
+
+def launch_refusals(tokens: list[str]) -> None:
+    """What the launch refuses in these flags (``argv.check_refused``: checkpoint args, YAML
+    configs, expert TP, CP algorithms, ``--moe-layer-freq``; layers the planner does not model),
+    refused here the same way: a plan for flags the launch would not run is no plan."""
+    from poseidon_plugin.megatron.launch.argv import check_refused, find_flag
+    from .model import unmodelled_flag_refusal
+
+    try:
+        check_refused(tokens)
+        why = unmodelled_flag_refusal(lambda flag: find_flag(tokens, flag))
+        if why is not None:
+            raise PoseidonError(why)
+    except PoseidonError as exc:
+        raise PoseidonError(f"--megatron-args: {exc} (the launch refuses it too)") from None
 
 
 def _model_file(name: str) -> str | None:
@@ -616,7 +727,7 @@ def _check_profile_sizes(ns) -> None:
     the micro-batch sizes as ``poseidon plan`` bounds them (``search/options.py``), ``--iters`` as
     the launch's ``--poseidon-profile-iters``, and the run's total timed repetitions (``--tp``:
     ``check_tps``)."""
-    from .megatron.options import MAX_PROFILE_ITERS
+    from poseidon_plugin.megatron.launch.options import MAX_PROFILE_ITERS
     from .search.options import MAX_GLOBAL_BATCH_SIZE, MAX_SEQ_LENGTH
 
     for name, values, limit in (("--micro-batch-sizes", ns.micro_batch_sizes,
@@ -651,11 +762,30 @@ def _out_of_memory(exc: BaseException, ns) -> PoseidonError | None:
                          f"profile a shorter sequence or smaller micro-batches")
 
 
+def _framework_failure(exc: BaseException, model) -> PoseidonError | None:
+    """A failure of megatron-core's own layer code this model's settings are known to cause,
+    as one line naming the setting (None for any other error). megatron-core 0.15-0.19's
+    experts with bias at TP 1 and EP 1 add their bias in place on a view autograd forbids
+    (``MLP.forward``: ``output += output_bias ...``; 0.12 did not)."""
+    if ("is a view and is being modified inplace" in str(exc) and model.is_moe
+            and model.add_bias_linear):
+        return PoseidonError(
+            f"model {model.name}: megatron-core's MoE experts with bias (add_bias_linear, "
+            "Megatron's default) fail in its own forward at TP 1 and EP 1 (an in-place bias add "
+            "on a view, megatron-core 0.15 and later): set add_bias_linear: false (Megatron's "
+            "--disable-bias-linear, which its grouped-GEMM experts require too), or profile "
+            "the MoE layers at --ep > 1")
+    return None
+
+
 def _cmd_profile(ns) -> int:
-    from .megatron import offline
-    from .megatron.profile_tps import Processes, check_tps
+    from poseidon_plugin.megatron.profile import offline
+    from poseidon_plugin.megatron.profile.profile_tps import Processes, check_tps
 
     procs = Processes.from_environ()   # torchrun's ranks, or one process
+    # -o naming an input would write the DB over it (-o is merged into already: not in --merge)
+    check_distinct((("-o", ns.out),), [("--model", _model_file(ns.model) if ns.model else None)]
+                   + [("--merge", path) for path in ns.merge or ()])
     if ns.merge:
         if procs.rank != 0:   # under torchrun rank 0 merges
             return 0
@@ -691,11 +821,16 @@ def _cmd_profile(ns) -> int:
                                  tps=tuple(ns.tp), setup=setup, device=ns.device,
                                  iters=ns.iters, timeout_s=ns.timeout,
                                  eps=tuple(sorted(set(ns.ep))))
+    from poseidon_plugin.megatron.profile.profile_output import ProgressLines
+
+    if procs.rank == 0:
+        _warn_large_cpu_profile(req, attention)
     calls: list = []
     try:
-        records = offline.profile_layers(req, procs, calls)
+        records = offline.profile_layers(req, procs, calls,
+                                         progress=ProgressLines() if procs.rank == 0 else None)
     except (MemoryError, RuntimeError) as exc:   # torch's OutOfMemoryError is a RuntimeError
-        raise _out_of_memory(exc, ns) or exc from None
+        raise _out_of_memory(exc, ns) or _framework_failure(exc, model) or exc from None
     if records is None:   # a torchrun rank other than 0: rank 0 writes
         return 0
     stored, total = offline.write_profiles(records, ns.out, calls)
@@ -707,7 +842,7 @@ def _cmd_profile(ns) -> int:
         print(f"p2p call {c.device_type} {c.link} {c.message_bytes} bytes: send "
               f"{c.send_call_ms:.3f} ms, receive ready {c.recv_ready_ms:.3f} ms, latency "
               f"{c.latency_ms:.3f} ms")
-    from .megatron.profile_gather import kind_signatures
+    from poseidon_plugin.megatron.profile.profile_gather import kind_signatures
 
     kind_of = {sig: name for name, sig in kind_signatures(req.model).items() if name}
     for r in records:
@@ -722,6 +857,24 @@ def _cmd_profile(ns) -> int:
                      f"records); plan with --attention {setup.attention} --recompute "
                      f"{setup.recompute} --params-dtype {setup.params_dtype}\n")
     return 0
+
+
+def _warn_large_cpu_profile(req, attention: str) -> None:
+    """One warning up front when ``poseidon profile`` runs on a CPU a layer that takes minutes
+    (``profile_output.cpu_size_warning``)."""
+    from poseidon_plugin.megatron.profile import offline
+    from poseidon_plugin.megatron.profile.profile_output import cpu_size_warning
+    from .memory import layer_activation_bytes
+
+    if offline._pick_device(req.device) != "cpu":
+        return
+    model = req.model
+    configs = len(req.tps) * len(req.micro_batch_sizes) * len(model.layer_kinds)
+    act = layer_activation_bytes(model, micro_batch_size=max(req.micro_batch_sizes),
+                                 seq_length=req.seq_length, tp=1, setup=req.setup)
+    line = cpu_size_warning(model, req.seq_length, req.micro_batch_sizes, configs, act)
+    if line:
+        sys.stderr.write(f"poseidon: warning: {bound_line(line)}\n")
 
 
 def _cmd_validate(ns) -> int:
@@ -740,7 +893,7 @@ def _leave_the_report_to_rank0(argv: list[str]) -> None:
     ranks when it exits. A rank still running after ``REPORT_GRACE_S`` reports it itself."""
     if "profile" not in argv:
         return
-    from .megatron.profile_tps import Processes
+    from poseidon_plugin.megatron.profile.profile_tps import Processes
 
     try:
         procs = Processes.from_environ()
@@ -828,6 +981,28 @@ def _silence_stdout(stream) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    rc = _main_streams(argv)
+    if argv is None and _LEAVE_AT_ONCE:   # a program, not a call (tests pass argv)
+        _leave(rc)
+    return rc
+
+
+# set when this process joined a torch.distributed group (``plan --distributed``): torch's
+# teardown of the group and its store at interpreter exit took 3-5 s after the plan was out
+_LEAVE_AT_ONCE: list[bool] = []
+
+
+def _leave(rc: int) -> None:
+    """Exit with ``rc`` at once, the standard streams flushed (no interpreter teardown)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    os._exit(rc)
+
+
+def _main_streams(argv: list[str] | None) -> int:
     _robust_streams()
     stdout, sys.stdout = sys.stdout, _Stdout(sys.stdout)
     try:
@@ -870,7 +1045,7 @@ def _main(argv: list[str] | None = None) -> int:
         raise
     except (PoseidonError, ImportError) as exc:
         if not isinstance(exc, PoseidonError):   # one line: what is missing and the fix
-            from .megatron.imports import explain
+            from poseidon_plugin.megatron.imports import explain
 
             command = next((a for a in argv if a in ("plan", "profile", "validate")), "")
             exc = explain(exc, needed_by=f"poseidon {command}".strip())

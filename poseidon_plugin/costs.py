@@ -3,7 +3,7 @@
 Per stage s of a plan (type k, TP t, l layers, micro-batch b, sequence S, DP d):
 
 * forward F_s = l * f(k, t, b) (+ embedding forward on stage 0, + output layer forward on the
-  last stage); backward likewise. f comes from ``profiles.lookup_profile`` (measured record of the
+  last stage, and the model's MTP layers after it: ``CostModel.with_mtp``); backward likewise. f comes from ``profiles.lookup_profile`` (measured record of the
   profile DB; else the analytic estimate, at the rate of the type's closest measured records
   where the DB measured the type at another configuration: ``scaled`` in the provenance). For
   interleaved-1f1b a device's l layers are split into V chunks by ``chunk_layers`` (chunk c
@@ -72,18 +72,18 @@ Per stage s of a plan (type k, TP t, l layers, micro-batch b, sequence S, DP d):
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from . import memory as memory_mod
 from .callcosts import EngineCalls, engine_calls
 from .comm import (alltoall_ms, ddp_buckets, dp_sync_ms, expert_alltoall_bytes,
-                   expert_optimizer_ms, expert_sync_ms, send_ms)
+                   expert_optimizer_ms, expert_sync_ms, reduce_scatter_ms, send_ms)
 from .errors import PoseidonError
 from .placement import Pool, StagePlacement, place_stages, ring_gbps, send_link_gbps, type_pools
 from .profiles import (LayerProfile, ProfileKey, lookup_overhead, lookup_profile,
-                       measured_decoders)
+                       measured_decoders, tp_link_gbps)
 from .training import TrainingSetup
 
 BYTES_PER_ACTIVATION = 2   # bf16
@@ -111,7 +111,14 @@ class LayerCosts:
     # device (reduced over the expert-DP group of dp / ep ranks; not in grad_bytes, which is
     # then the attention's, router's and shared experts' part, reduced over DP); 0 otherwise
     expert_grad_bytes: float = 0.0
-    alltoall_ms: float = 0.0       # one token all-to-all (in forward_ms 2x, backward_ms 2x)
+    alltoall_ms: float = 0.0       # one token all-to-all (in forward_ms 2x, backward_ms 2x;
+                                   # 4x under full recompute: the forward's re-run)
+    # the model's MTP layers (``CostModel.with_mtp``): their forward / backward per micro-batch
+    # and gradient bytes, already in output_forward_ms / output_backward_ms / output_grad_bytes
+    # (the last stage runs them after the output layer); 0 without MTP
+    mtp_forward_ms: float = 0.0
+    mtp_backward_ms: float = 0.0
+    mtp_grad_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -137,6 +144,23 @@ class StageCosts:
         """What the stage does after its last backward: DP all-reduce, then optimizer step,
         then the per-iteration overhead."""
         return self.allreduce_ms + self.optimizer_ms + self.overhead_ms
+
+
+@dataclass(frozen=True)
+class _StageWork:
+    """What one stage computes (``CostModel._stage_work``): per model chunk forward / backward
+    ms (lists: the caller adds nothing more), gradient bytes reduced over DP and over
+    expert-DP, the optimizer step, and what it rests on."""
+
+    fc: list
+    bc: list
+    grad_bytes: float
+    expert_grad_bytes: float
+    optimizer_ms: float
+    optimizer_source: tuple[str, str]
+    counts: tuple[int, ...] | None      # layers of each kind (per-kind costs), else None
+    decoders: tuple[LayerProfile, ...]  # the decoder records of the kinds it holds
+    extras: LayerCosts                  # whose embedding / output figures it used
 
 
 def chunk_layers(layers: int, virtual_stages: int) -> tuple[int, ...]:
@@ -396,6 +420,9 @@ class CostModel:
         if hit is not None:
             return hit
         lc = self._layer_costs_of(type_index, tp, micro_batch_size, self.model, self._sig, ep)
+        if getattr(self.model, "mtp_num_layers", 0):
+            # a uniform model's MTP layer is its one kind (a mixed model's envelope bounds it)
+            lc = self.with_mtp(lc, lc, type_index, tp, micro_batch_size, ep)
         self._layer_cache[key] = lc
         return lc
 
@@ -417,6 +444,10 @@ class CostModel:
             out = tuple(self._layer_costs_of(type_index, tp, micro_batch_size, m, m.signature(),
                                              ep)
                         for m in models)
+            if getattr(self.model, "mtp_num_layers", 0):
+                mtp = out[self.model.mtp_layer_kind]
+                out = tuple(self.with_mtp(lc, mtp, type_index, tp, micro_batch_size, ep)
+                            for lc in out)
         self._kind_cache[key] = out
         return out
 
@@ -461,10 +492,49 @@ class CostModel:
         dense_w, expert_w = expert_param_bytes(model, dec, tp, moe_ep,
                                                self.training.weight_bytes)
         a2a = self.expert_alltoall_ms(type_index, tp, moe_ep, micro_batch_size, model)
-        return LayerCosts(fwd + 2.0 * a2a, bwd + 2.0 * a2a, dense_w * g,
+        # dispatch + combine each way; a full recompute re-runs the forward's two as well
+        rerun = 2.0 * a2a if self.training.recompute == "full" else 0.0
+        return LayerCosts(fwd + 2.0 * a2a, bwd + 2.0 * a2a + rerun, dense_w * g,
                           emb.forward_ms, emb.backward_ms, emb.param_bytes * g,
                           out.forward_ms, out.backward_ms, out.param_bytes * g, (dec, emb, out),
                           og, og_source, expert_grad_bytes=expert_w * g, alltoall_ms=a2a)
+
+    def with_mtp(self, lc: LayerCosts, mtp_kind: LayerCosts, type_index: int, tp: int,
+                 micro_batch_size: int, ep: int) -> LayerCosts:
+        """``lc`` with the model's MTP layers in its output-layer figures (the last stage runs
+        them after the output layer, megatron-core's ``MultiTokenPredictionBlock``).
+
+        Per MTP layer, forward: the embedding of the shifted tokens (``lc``'s embedding), the
+        2h -> h projection ``eh_proj`` (column-parallel: 2*b*s*2h*h / tp FLOPs at the type's
+        rate; with sequence parallelism its 2h-wide input all-gathered and its output gathered
+        over TP: ring all-gathers of 2*b*s*h and b*s*h values), one decoder layer of the MTP
+        kind (``mtp_kind``'s forward, EP all-to-alls included) and the shared output layer
+        with its loss (``lc``'s output). Backward: each part's backward, the projection twice
+        its compute plus the same collectives, and under full recompute its forward again (the
+        decoder's recompute is in its own backward). Gradient bytes: the MTP parameters on one
+        device (``mtp_param_split().per_device(tp, ep)``); the routed experts' among them are
+        reduced over DP here (Megatron: over expert-DP): a slight over-estimate at EP > 1."""
+        model = self.model
+        count = model.mtp_num_layers
+        name = self.type_names[type_index]
+        b, s, h = micro_batch_size, self.seq_length, model.hidden_size
+        proj = 2.0 * b * s * 2 * h * h / tp / (self.cluster.device_types[name].effective_tflops
+                                               * 1e12) * 1e3
+        gbps = tp_link_gbps(self.cluster, name, tp)
+        values = float(self.training.weight_bytes * b * s * h)
+        comm = (reduce_scatter_ms(2.0 * values, tp, gbps, self.latency_ms)
+                + reduce_scatter_ms(values, tp, gbps, self.latency_ms))
+        rerun = proj + comm if self.training.recompute == "full" else 0.0
+        fwd = count * (lc.embedding_forward_ms + proj + comm + mtp_kind.forward_ms
+                       + lc.output_forward_ms)
+        bwd = count * (lc.embedding_backward_ms + 2.0 * proj + comm + rerun
+                       + mtp_kind.backward_ms + lc.output_backward_ms)
+        moe_ep = ep if getattr(model, "num_experts", 0) else 1
+        grad = model.mtp_param_split().per_device(tp, moe_ep) * self.training.grad_bytes
+        return replace(lc, output_forward_ms=lc.output_forward_ms + fwd,
+                       output_backward_ms=lc.output_backward_ms + bwd,
+                       output_grad_bytes=lc.output_grad_bytes + grad,
+                       mtp_forward_ms=fwd, mtp_backward_ms=bwd, mtp_grad_bytes=grad)
 
     def ep_link_gbps(self, type_index: int, tp: int, ep: int) -> float:
         """The link of an EP group on ``type_index``: its TP x EP devices (EP ranks are
@@ -536,7 +606,8 @@ class CostModel:
                 micro_batch_size=micro_batch_size, seq_length=self.seq_length,
                 num_microbatches=num_microbatches, schedule=schedule,
                 virtual_stages=virtual_stages, setup=self.training, reserve_bytes=reserve,
-                kind_counts=tuple(kind_counts), kind_overrides=overrides, ep=ep)
+                kind_counts=tuple(kind_counts), kind_overrides=overrides, ep=ep,
+                sequence_parallel=self.sequence_parallel(tp))
         if type_index is not None:
             dec = self.layer_costs(type_index, tp, micro_batch_size, ep).profiles[0]
             # 0 activation bytes: a time-only record
@@ -548,7 +619,13 @@ class CostModel:
             num_microbatches=num_microbatches, schedule=schedule,
             virtual_stages=virtual_stages, setup=self.training,
             layer_activation_bytes_override=act, layer_param_bytes_override=par,
-            reserve_bytes=reserve, ep=ep)
+            reserve_bytes=reserve, ep=ep, sequence_parallel=self.sequence_parallel(tp))
+
+    def sequence_parallel(self, tp: int) -> bool:
+        """Whether the plan trains with ``--sequence-parallel`` at TP ``tp``: a model with
+        experts at TP > 1 (``Plan._expert_args``; megatron-core requires it), so its memory
+        is priced with the norms' and dropouts' activations sharded over TP."""
+        return tp > 1 and bool(getattr(self.model, "num_experts", 0))
 
     def stage_memory_bytes(self, *, layers: int, stage: int, num_stages: int, tp: int, dp: int,
                            micro_batch_size: int, num_microbatches: int, schedule: str,
@@ -739,122 +816,150 @@ class CostModel:
                     num_microbatches: int, schedule: str, virtual_stages: int, ep: int = 1
                     ) -> tuple[tuple[StageCosts, ...], tuple[StagePlacement, ...],
                                tuple[tuple[int, int], ...]]:
-        """Costs, placement and unused slots of one fully specified pipeline."""
-        n = len(layers)
-        v = virtual_stages
+        """Costs, placement and unused slots of one fully specified pipeline: per stage its
+        compute (``_stage_work``), DP / expert-DP sync (``_stage_sync``), memory and sends
+        (``_stage_sends``)."""
+        n, v = len(layers), virtual_stages
         placements, unused = place_stages(self.pools, stage_types, stage_tps, dp)
-        act = self.activation_bytes(micro_batch_size)
-        sends, sends_back = [], []
-        for s in range(n - 1):
-            sends.append(send_ms(act, send_link_gbps(self.cluster, placements[s],
-                                                     placements[s + 1]), self.latency_ms))
-            sends_back.append(send_ms(act, send_link_gbps(self.cluster, placements[s + 1],
-                                                          placements[s]), self.latency_ms))
-        if v > 1:
-            sends.append(send_ms(act, send_link_gbps(self.cluster, placements[n - 1],
-                                                     placements[0]), self.latency_ms))
-        out = []
+        sends, sends_back = self._stage_sends(placements, micro_batch_size, v)
         ranges = stage_layer_ranges(layers, v) if self.per_kind else None
+        out = []
         for s in range(n):
             k, t, l = stage_types[s], stage_tps[s], layers[s]
-            lc = self.layer_costs(k, t, micro_batch_size, ep)
-            counts = None
-            eopt = 0.0
-            if ranges is None:
-                chunks = chunk_layers(l, v)
-                fc = [c * lc.forward_ms for c in chunks]
-                bc = [c * lc.backward_ms for c in chunks]
-                grad = l * lc.grad_bytes
-                egrad = l * lc.expert_grad_bytes
-                if egrad:
-                    eopt = expert_optimizer_ms(egrad, lc.optimizer_ms_per_grad_byte, dp, ep,
-                                               self.sharded_optimizer)
-                opt = 0.0
-                opt_source = lc.optimizer_source
-            else:
-                # the layers each chunk holds, each kind at its own per-layer costs; the
-                # embedding / output layer and their optimizer rate: the first kind's model's
-                kcs = self.kind_layer_costs(k, t, micro_batch_size, ep)
-                lc = kcs[0]
-                chunk_counts = [self.model.kind_counts_in(a, b) for a, b in ranges[s]]
-                counts = tuple(sum(cc[i] for cc in chunk_counts) for i in range(len(kcs)))
-                fc = [sum(c * kc.forward_ms for c, kc in zip(cc, kcs)) for cc in chunk_counts]
-                bc = [sum(c * kc.backward_ms for c, kc in zip(cc, kcs)) for cc in chunk_counts]
-                decoder_grads = [c * kc.grad_bytes for c, kc in zip(counts, kcs)]
-                grad = sum(decoder_grads)
-                # as the search's Cython twin: per kind its step, then its experts' step
-                opt = egrad = 0.0
-                for c, gk, kc in zip(counts, decoder_grads, kcs):
-                    opt += optimizer_step_ms(gk, kc.optimizer_ms_per_grad_byte, dp,
-                                             self.sharded_optimizer)
-                    if kc.expert_grad_bytes:
-                        ek = c * kc.expert_grad_bytes
-                        egrad += ek
-                        opt += expert_optimizer_ms(ek, kc.optimizer_ms_per_grad_byte, dp, ep,
-                                                   self.sharded_optimizer)
-                held = [kc for c, kc in zip(counts, kcs) if c]
-                opt_source = (held or kcs)[0].optimizer_source
-                extra = 0.0
-            if s == 0:
-                fc[0] += lc.embedding_forward_ms
-                bc[0] += lc.embedding_backward_ms
-                grad += lc.embedding_grad_bytes
-                if ranges is not None:
-                    extra += lc.embedding_grad_bytes
-            if s == n - 1:
-                fc[v - 1] += lc.output_forward_ms
-                bc[v - 1] += lc.output_backward_ms
-                grad += lc.output_grad_bytes
-                if ranges is not None:
-                    extra += lc.output_grad_bytes
-            if ranges is None:
-                opt = optimizer_step_ms(grad, lc.optimizer_ms_per_grad_byte, dp,
-                                        self.sharded_optimizer) + eopt
-            elif extra:
-                opt += optimizer_step_ms(extra, lc.optimizer_ms_per_grad_byte, dp,
-                                         self.sharded_optimizer)
-            ar = 0.0
-            if dp > 1:
-                # Megatron buckets only pipeline rank 0's first chunk: there the sync
-                # overlaps the last micro-batch's backward (and the all-gather the next
-                # forward); elsewhere it starts after the stage's last backward, as modelled
-                gw = pw = 0.0
-                buckets = 1
-                if s == 0 and v == 1:
-                    if self.training.overlap_grad_reduce:
-                        gw = bc[0]
-                    if self.training.overlap_param_gather:
-                        pw = fc[0]
-                    if gw or pw:
-                        buckets = ddp_buckets(grad / self.training.grad_bytes, dp,
-                                              self.training.ddp_bucket_size)
-                ar = dp_sync_ms(grad, grad * self.param_per_grad_byte, dp,
-                                ring_gbps(self.cluster, placements[s]), self.latency_ms,
-                                self.sharded_optimizer, buckets, gw, pw)
-            ear = 0.0
-            if egrad and dp // ep > 1:
-                ear = expert_sync_ms(egrad, egrad * self.param_per_grad_byte, dp, ep,
-                                     ring_gbps(self.cluster, placements[s]), self.latency_ms,
-                                     self.sharded_optimizer)
-                ar += ear
+            w = self._stage_work(s, n, k, t, l, None if ranges is None else ranges[s], dp=dp,
+                                 micro_batch_size=micro_batch_size, ep=ep, virtual_stages=v)
+            ar, ear = self._stage_sync(s, v, w, dp, ep, placements[s])
             mem = self.stage_memory(layers=l, stage=s, num_stages=n, tp=t, dp=dp,
                                     micro_batch_size=micro_batch_size,
                                     num_microbatches=num_microbatches, schedule=schedule,
-                                    virtual_stages=v, type_index=k, kind_counts=counts, ep=ep)
-            decoders = ((lc.profiles[0],) if counts is None else
-                        tuple(kc.profiles[0] for c, kc in zip(counts, kcs) if c))
-            kinds = decoders + ((lc.profiles[1],) if s == 0 else ()) \
-                + ((lc.profiles[2],) if s == n - 1 else ())
+                                    virtual_stages=v, type_index=k, kind_counts=w.counts, ep=ep)
+            kinds = w.decoders + ((w.extras.profiles[1],) if s == 0 else ()) \
+                + ((w.extras.profiles[2],) if s == n - 1 else ())
             out.append(StageCosts(
-                forward_ms=float(sum(fc)), backward_ms=float(sum(bc)),
-                chunk_forward_ms=tuple(fc), chunk_backward_ms=tuple(bc),
+                forward_ms=float(sum(w.fc)), backward_ms=float(sum(w.bc)),
+                chunk_forward_ms=tuple(w.fc), chunk_backward_ms=tuple(w.bc),
                 send_forward_ms=sends[s] if s < n - 1 else 0.0,
                 send_backward_ms=sends_back[s] if s < n - 1 else 0.0,
                 allreduce_ms=ar, memory_bytes=mem.total_bytes,
                 memory_capacity_bytes=self.capacity_bytes[k], memory=mem, provenance=kinds,
-                optimizer_ms=opt, overhead_ms=self.iteration_overhead_ms,
-                optimizer_source=opt_source, expert_allreduce_ms=ear))
+                optimizer_ms=w.optimizer_ms, overhead_ms=self.iteration_overhead_ms,
+                optimizer_source=w.optimizer_source, expert_allreduce_ms=ear))
         return tuple(out), placements, unused
+
+    def _stage_sends(self, placements, micro_batch_size: int, virtual_stages: int
+                     ) -> tuple[list[float], list[float]]:
+        """(activation send s -> s+1, its gradient back s+1 -> s) per stage boundary, each over
+        its own slowest link; interleaved: the wrap-around send appended to the forward list."""
+        act = self.activation_bytes(micro_batch_size)
+        sends, sends_back = [], []
+        for s in range(len(placements) - 1):
+            sends.append(send_ms(act, send_link_gbps(self.cluster, placements[s],
+                                                     placements[s + 1]), self.latency_ms))
+            sends_back.append(send_ms(act, send_link_gbps(self.cluster, placements[s + 1],
+                                                          placements[s]), self.latency_ms))
+        if virtual_stages > 1:
+            sends.append(send_ms(act, send_link_gbps(self.cluster, placements[-1],
+                                                     placements[0]), self.latency_ms))
+        return sends, sends_back
+
+    def _stage_work(self, s: int, n: int, k: int, t: int, l: int, ranges, *, dp: int,
+                    micro_batch_size: int, ep: int, virtual_stages: int) -> "_StageWork":
+        """What stage ``s`` of ``n`` computes: per model chunk forward / backward (its decoder
+        layers, the embedding on stage 0's first chunk, the output layer and MTP on the last
+        stage's last chunk), its gradient bytes (DP and expert-DP) and optimizer step.
+        ``ranges``: the chunks' layer ranges (per-kind costs), None: ``l`` layers of the
+        model's envelope split by ``chunk_layers``."""
+        v = virtual_stages
+        if ranges is None:
+            lc = self.layer_costs(k, t, micro_batch_size, ep)
+            chunks = chunk_layers(l, v)
+            fc = [c * lc.forward_ms for c in chunks]
+            bc = [c * lc.backward_ms for c in chunks]
+            grad = l * lc.grad_bytes
+            egrad = l * lc.expert_grad_bytes
+            eopt = (expert_optimizer_ms(egrad, lc.optimizer_ms_per_grad_byte, dp, ep,
+                                        self.sharded_optimizer) if egrad else 0.0)
+            grad, _ = self._first_last_extras(s, n, lc, fc, bc, grad)
+            opt = optimizer_step_ms(grad, lc.optimizer_ms_per_grad_byte, dp,
+                                    self.sharded_optimizer) + eopt
+            return _StageWork(fc, bc, grad, egrad, opt, lc.optimizer_source, None,
+                              (lc.profiles[0],), lc)
+        # the layers each chunk holds, each kind at its own per-layer costs; the embedding /
+        # output layer and their optimizer rate: the first kind's model's
+        kcs = self.kind_layer_costs(k, t, micro_batch_size, ep)
+        lc = kcs[0]
+        chunk_counts = [self.model.kind_counts_in(a, b) for a, b in ranges]
+        counts = tuple(sum(cc[i] for cc in chunk_counts) for i in range(len(kcs)))
+        fc = [sum(c * kc.forward_ms for c, kc in zip(cc, kcs)) for cc in chunk_counts]
+        bc = [sum(c * kc.backward_ms for c, kc in zip(cc, kcs)) for cc in chunk_counts]
+        decoder_grads = [c * kc.grad_bytes for c, kc in zip(counts, kcs)]
+        grad = sum(decoder_grads)
+        # as the search's Cython twin: per kind its step, then its experts' step
+        opt = egrad = 0.0
+        for c, gk, kc in zip(counts, decoder_grads, kcs):
+            opt += optimizer_step_ms(gk, kc.optimizer_ms_per_grad_byte, dp,
+                                     self.sharded_optimizer)
+            if kc.expert_grad_bytes:
+                ek = c * kc.expert_grad_bytes
+                egrad += ek
+                opt += expert_optimizer_ms(ek, kc.optimizer_ms_per_grad_byte, dp, ep,
+                                           self.sharded_optimizer)
+        held = [kc for c, kc in zip(counts, kcs) if c]
+        grad, extra = self._first_last_extras(s, n, lc, fc, bc, grad)
+        if extra:
+            opt += optimizer_step_ms(extra, lc.optimizer_ms_per_grad_byte, dp,
+                                     self.sharded_optimizer)
+        return _StageWork(fc, bc, grad, egrad, opt, (held or kcs)[0].optimizer_source, counts,
+                          tuple(kc.profiles[0] for c, kc in zip(counts, kcs) if c), lc)
+
+    @staticmethod
+    def _first_last_extras(s: int, n: int, lc: LayerCosts, fc: list, bc: list, grad: float
+                           ) -> tuple[float, float]:
+        """The embedding on stage 0's first chunk and the output layer (with MTP) on the last
+        stage's last chunk, added to ``fc`` / ``bc`` in place: (``grad`` plus their gradient
+        bytes, their gradient bytes), summed in the search's order."""
+        extra = 0.0
+        if s == 0:
+            fc[0] += lc.embedding_forward_ms
+            bc[0] += lc.embedding_backward_ms
+            grad += lc.embedding_grad_bytes
+            extra += lc.embedding_grad_bytes
+        if s == n - 1:
+            fc[-1] += lc.output_forward_ms
+            bc[-1] += lc.output_backward_ms
+            grad += lc.output_grad_bytes
+            extra += lc.output_grad_bytes
+        return grad, extra
+
+    def _stage_sync(self, s: int, v: int, w: "_StageWork", dp: int, ep: int, placement
+                    ) -> tuple[float, float]:
+        """(the stage's gradient sync, of it the experts' over expert-DP) per iteration."""
+        ar = 0.0
+        grad = w.grad_bytes
+        if dp > 1:
+            # Megatron buckets only pipeline rank 0's first chunk: there the sync
+            # overlaps the last micro-batch's backward (and the all-gather the next
+            # forward); elsewhere it starts after the stage's last backward, as modelled
+            gw = pw = 0.0
+            buckets = 1
+            if s == 0 and v == 1:
+                if self.training.overlap_grad_reduce:
+                    gw = w.bc[0]
+                if self.training.overlap_param_gather:
+                    pw = w.fc[0]
+                if gw or pw:
+                    buckets = ddp_buckets(grad / self.training.grad_bytes, dp,
+                                          self.training.ddp_bucket_size)
+            ar = dp_sync_ms(grad, grad * self.param_per_grad_byte, dp,
+                            ring_gbps(self.cluster, placement), self.latency_ms,
+                            self.sharded_optimizer, buckets, gw, pw)
+        ear = 0.0
+        egrad = w.expert_grad_bytes
+        if egrad and dp // ep > 1:
+            ear = expert_sync_ms(egrad, egrad * self.param_per_grad_byte, dp, ep,
+                                 ring_gbps(self.cluster, placement), self.latency_ms,
+                                 self.sharded_optimizer)
+        return ar + ear, ear
 
     def wrap_send_ms(self, placements, micro_batch_size: int) -> float:
         return send_ms(self.activation_bytes(micro_batch_size),

@@ -82,6 +82,18 @@ class DistributedError(PoseidonError):
     """A collective timed out or a rank failed during bootstrap, discovery or profiling."""
 
 
+class PeerRefusedError(DistributedError):
+    """Another rank refused the launch's input (a ``PoseidonError`` there, its own line names
+    why): this rank exits with the same code 2 (not 1, a failure)."""
+
+
+def is_refusal(e: BaseException) -> bool:
+    """A refusal of the user's input (exit 2): a ``PoseidonError`` that is no distributed
+    failure, or another rank's refusal."""
+    return isinstance(e, PeerRefusedError) or (isinstance(e, PoseidonError)
+                                               and not isinstance(e, DistributedError))
+
+
 def record_field_error(where: str, field: str, expected: str, got: object) -> ProfileDBError:
     """The one-line error of a profile DB record's field."""
     return ProfileDBError(f"{where}.{field}: expected {expected}, got {short_repr(got)}")

@@ -10,7 +10,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .megatron.runner import launch_main
+    from poseidon_plugin.megatron.launch.runner import launch_main
 
     return launch_main(argv)
 

@@ -27,6 +27,8 @@ i (0-based) MoE when ``i % N == 0``; a list expression such as ``"[0]*3+[1]*58"`
 
 from __future__ import annotations
 
+import re
+
 import functools
 
 from dataclasses import dataclass
@@ -313,6 +315,9 @@ def parse_layer_pattern(text: str, max_length: int = MAX_PATTERN_LAYERS) -> tupl
     than ``max_length`` (checked before it is built) or on a result that is not a list."""
     if len(text) > _MAX_PATTERN_CHARS:
         raise PatternError(f"an expression of at most {_MAX_PATTERN_CHARS} characters")
+    split = re.search(r"[0-9]\s+[0-9]", text)
+    if split:   # Python (Megatron eval()s the expression) reads "1 0" as no integer
+        raise PatternError(f"unexpected white space inside {split.group()!r}")
     parser = _PatternParser("".join(text.split()), max_length)
     value = parser.expression()
     if parser.pos != len(parser.text):
@@ -320,6 +325,9 @@ def parse_layer_pattern(text: str, max_length: int = MAX_PATTERN_LAYERS) -> tupl
     if not isinstance(value, list):
         raise PatternError("a list expression, e.g. [0]*3+[1]*58")
     return tuple(value)
+
+
+_DIGITS = "0123456789"
 
 
 class _PatternParser:
@@ -376,13 +384,17 @@ class _PatternParser:
 
     def atom(self) -> int | list[int]:
         char = self._peek()
-        if char.isdigit():
+        if char and char in _DIGITS:   # ASCII only: Python's literals (no '²', no '٣')
             start = self.pos
-            while self._peek().isdigit():
+            while self._peek() and self._peek() in _DIGITS:
                 self.pos += 1
             if self.pos - start > 9:
                 raise PatternError(f"integers of at most 9 digits (character {start + 1})")
-            return int(self.text[start:self.pos])
+            digits = self.text[start:self.pos]
+            if digits[0] == "0" and digits.strip("0"):   # Python refuses 08 (00 is 0)
+                raise PatternError(f"an integer without leading zeros at character "
+                                   f"{start + 1}, found {digits!r}")
+            return int(digits)
         if char == "(":
             self.pos += 1
             value = self.expression()

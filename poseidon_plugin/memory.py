@@ -165,35 +165,67 @@ def _flash_layer_bytes(model, *, micro_batch_size: int, seq_length: int, tp: int
                        sequence_parallel: bool = False) -> float:
     sb = float(seq_length * micro_batch_size)
     h, a, g, d = model.hidden_size, model.num_attention_heads, model.num_query_groups, model.head_dim
-    replicated = 10.0 * h
-    attention = 4.0 * a * d + 4.0 * g * d
+    # norm inputs 2x2h, QKV / MLP inputs 2x2h, two 1-byte dropout masks; two fp32 1/rms
+    replicated = 10.0 * h + 2 * BYTES_FP32
+    attention, latents = _attention_units(model.attention, a, g, d)
+    replicated += latents
     kinds = getattr(model, "layer_kinds", None)
     if kinds:   # per layer kind; a mixed model (dense and MoE): the largest, an upper bound
-        mlp = max(_mlp_units(kind.mlp, h) for kind in kinds)
+        units = [_mlp_units(kind.mlp, h) for kind in kinds]
     else:
         gemms = 3 if model.swiglu else 2
         if model.is_moe:
             k = model.moe_top_k
-            mlp = k * 2.0 * model.expert_ffn_hidden_size * gemms + 2.0 * k * h
+            units = [(k * 2.0 * model.expert_ffn_hidden_size * gemms, _routed_units(k, h))]
         else:
-            mlp = 2.0 * model.ffn_hidden_size * gemms
-    sharded = attention + mlp
-    if sequence_parallel:
-        return sb * (replicated + sharded) / tp
-    return sb * (replicated + sharded / tp)
+            units = [(2.0 * model.ffn_hidden_size * gemms, 0.0)]
+    # a MoE layer's routed copies (``routed``): gathered over TP, kept whole on every TP rank
+    split = tp if sequence_parallel else 1
+    return max(sb * ((replicated / split) + (attention + mlp) / tp + routed)
+               for mlp, routed in units)
 
 
-def _mlp_units(mlp, h: int) -> float:
-    """Per token, the bytes one layer's MLP keeps (``layers.MLPSpec``): fc1 output(s) and fc2
-    input; MoE: x top-k plus the k dispatched copies of the input, and the shared experts."""
+def _attention_units(attention, a: int, g: int, d: int) -> tuple[float, float]:
+    """Per token, the bytes one layer's attention keeps besides its input norm, as (TP-sharded,
+    replicated). MHA / GQA: Q, K, V (as flash attention takes them), the core's output (= the
+    output projection's input) and the fp32 log-sum-exp, all sharded. MLA: Q and K of
+    ``qk_head_dim + qk_pos_emb_head_dim`` and V and the output of ``v_head_dim`` per head and the
+    log-sum-exp, sharded; the down projections' outputs, replicated on every TP rank: the Q
+    latent (``q_lora_rank``), the K/V latent with the shared RoPE key, and with
+    ``qk_layernorm`` the two latents' normed copies and their fp32 1/rms."""
+    if not getattr(attention, "multi_latent", False):
+        return 4.0 * a * d + 4.0 * g * d + BYTES_FP32 * a, 0.0
+    qk = attention.qk_head_dim + attention.qk_pos_emb_head_dim
+    sharded = 2.0 * a * (2 * qk + 2 * attention.v_head_dim) + BYTES_FP32 * a
+    q_rank = attention.q_lora_rank or 0
+    latents = 2.0 * (q_rank + attention.kv_lora_rank + attention.qk_pos_emb_head_dim)
+    if attention.qk_layernorm:
+        latents += 2.0 * attention.kv_lora_rank + BYTES_FP32
+        if q_rank:
+            latents += 2.0 * q_rank + BYTES_FP32
+    return sharded, latents
+
+
+def _routed_units(k: int, h: int) -> float:
+    """Per token of the layer's input, the bytes a MoE layer keeps outside its experts' GEMMs:
+    the k dispatched bf16 copies of the token (2*k*h: megatron-core's dispatcher gathers them
+    over the TP group, so a TP rank keeps its experts' copies of all the group's tokens: not
+    divided by TP) and the router's top-k indices (int64) and probabilities (fp32) of them."""
+    return 2.0 * k * h + (8.0 + BYTES_FP32) * k
+
+
+def _mlp_units(mlp, h: int) -> tuple[float, float]:
+    """Per token, the bytes one layer's MLP keeps (``layers.MLPSpec``) as (TP-sharded,
+    not TP-sharded): fc1 output(s) and fc2 input, sharded; MoE: x top-k (and the shared
+    experts'), plus the routed copies (``_routed_units``), not sharded by TP."""
     gemms = 3 if mlp.swiglu else 2
     if not mlp.is_moe:
-        return 2.0 * mlp.ffn_hidden_size * gemms
+        return 2.0 * mlp.ffn_hidden_size * gemms, 0.0
     k = mlp.top_k
-    units = k * 2.0 * mlp.ffn_hidden_size * gemms + 2.0 * k * h
+    units = k * 2.0 * mlp.ffn_hidden_size * gemms
     if mlp.shared_ffn_hidden_size:
         units += 2.0 * mlp.shared_ffn_hidden_size * gemms
-    return units
+    return units, _routed_units(k, h)
 
 
 def layer_input_bytes(model, *, micro_batch_size: int, seq_length: int, tp: int,
@@ -219,6 +251,30 @@ def output_activation_bytes(model, *, micro_batch_size: int, seq_length: int, tp
     if sequence_parallel:
         layer_input /= tp
     return layer_input + BYTES_FP32 * sb * model.vocab_size / tp
+
+
+def mtp_activation_bytes(model, *, micro_batch_size: int, seq_length: int, tp: int,
+                         sequence_parallel: bool = False,
+                         setup: TrainingSetup | None = None) -> float:
+    """The MTP layers' activations per micro-batch on the last stage (megatron-core's
+    ``MultiTokenPredictionLayer``, DeepSeek-V3's MTP): each keeps its decoder layer's (of
+    ``mtp_layer_kind``), the shifted tokens' embedding (its dropout mask h and the norm input
+    2h), the norm input of the hidden state (2h), the two fp32 1/rms, the 2h -> h projection's
+    input (4h), its own output norm's input and the output layer's input (2 x 2h), all /t with
+    SP, and its fp32 logits for its loss (4 V / t). 0 without MTP layers."""
+    layers = getattr(model, "mtp_num_layers", 0)
+    if not layers:
+        return 0.0
+    sb = float(seq_length * micro_batch_size)
+    h = model.hidden_size
+    around = sb * (13.0 * h + 3 * BYTES_FP32)
+    if sequence_parallel:
+        around /= tp
+    kind = model.kind_model(model.mtp_layer_kind)
+    layer = layer_activation_bytes(kind, micro_batch_size=micro_batch_size,
+                                   seq_length=seq_length, tp=tp,
+                                   sequence_parallel=sequence_parallel, setup=setup)
+    return layers * (layer + around + BYTES_FP32 * sb * model.vocab_size / tp)
 
 
 # --------------------------------------------------------------------------- parameters
@@ -261,9 +317,12 @@ def stage_memory(model, *, layers: int, stage: int, num_stages: int, tp: int, dp
                  kind_counts: tuple[int, ...] | None = None,
                  kind_overrides: tuple[tuple[int | None, int | None], ...] | None = None,
                  ep: int = 1) -> StageMemory:
-    """Memory of one device of `stage` (embedding on stage 0, output layer + logits on the last).
+    """Memory of one device of `stage` (embedding on stage 0, output layer + logits and the MTP
+    layers on the last).
 
-    ``layers`` is the number of decoder layers the device holds (all its chunks for interleaving).
+    ``layers`` is the number of decoder layers the device holds (all its chunks for interleaving:
+    split as ``chunk_layers``, the decoder layers in flight counted chunk by chunk,
+    ``decoder_layers_in_flight``).
     ``setup`` (a ``TrainingSetup``) gives the recompute, optimizer and dtypes; without it the
     legacy ``distributed_optimizer`` / ``recompute`` (True = full) flags describe a bf16 setup.
     ``layer_activation_bytes_override`` / ``layer_param_bytes_override``: a measured record's
@@ -284,67 +343,123 @@ def stage_memory(model, *, layers: int, stage: int, num_stages: int, tp: int, dp
     expert-DP group (dp / ep ranks), the rest over DP. A model with experts reports per kind
     its layers' bytes (``StageMemory.layer_parts``).
     """
+    setup = _checked_setup(model, layers=layers, tp=tp, dp=dp, ep=ep,
+                           micro_batch_size=micro_batch_size, seq_length=seq_length,
+                           setup=setup, recompute=recompute,
+                           distributed_optimizer=distributed_optimizer)
+    in_flight = microbatches_in_flight(schedule, stage, num_stages, num_microbatches,
+                                       virtual_stages)
+    layer_in_flight = decoder_layers_in_flight(schedule, stage, num_stages, num_microbatches,
+                                               virtual_stages, layers)
+    w_b, g_b, o_b = bytes_per_param(dp, setup.distributed_optimizer, setup)
+    experts = bool(getattr(model, "num_experts", 0))
+    o_be = setup.optimizer_bytes(dp // ep) if experts else o_b
+    shape = dict(micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
+                 sequence_parallel=sequence_parallel)
+    position = dict(stage=stage, num_stages=num_stages, in_flight=in_flight,
+                    layer_in_flight=layer_in_flight, per_param=(w_b, g_b, o_b), o_be=o_be,
+                    reserve_bytes=reserve_bytes, ep=ep)
+    if kind_counts is not None and len(getattr(model, "layer_kinds", ())) > 1:
+        if sum(kind_counts) != layers:
+            raise PoseidonError(f"kind_counts {kind_counts} do not sum to layers = {layers}")
+        return _stage_memory_by_kind(model, kind_counts, kind_overrides, shape=shape,
+                                     setup=setup, **position)
+    return _stage_memory_uniform(model, layers, shape=shape, setup=setup,
+                                 act_override=layer_activation_bytes_override,
+                                 param_override=layer_param_bytes_override, **position)
+
+
+def _checked_setup(model, *, layers: int, tp: int, dp: int, ep: int, micro_batch_size: int,
+                   seq_length: int, setup: TrainingSetup | None, recompute: bool,
+                   distributed_optimizer: bool) -> TrainingSetup:
+    """``stage_memory``'s arguments checked (one line each); the training setup it prices."""
     if layers < 0:
         raise PoseidonError(f"layers must be >= 0, got {layers}")
     if tp < 1 or dp < 1 or micro_batch_size < 1 or seq_length < 1:
         raise PoseidonError("tp, dp, micro_batch_size and seq_length must be >= 1")
+    if ep > 1 and (not getattr(model, "num_experts", 0) or dp % ep):
+        raise PoseidonError(f"expert parallelism {ep}: needs a model with experts and an EP "
+                            f"dividing DP = {dp}")
     if setup is None:
         setup = TrainingSetup(recompute="full" if recompute else "none",
                               distributed_optimizer=distributed_optimizer)
-    in_flight = microbatches_in_flight(schedule, stage, num_stages, num_microbatches,
-                                       virtual_stages)
-    w_b, g_b, o_b = bytes_per_param(dp, setup.distributed_optimizer, setup)
-    experts = bool(getattr(model, "num_experts", 0))
-    if ep > 1 and (not experts or dp % ep):
-        raise PoseidonError(f"expert parallelism {ep}: needs a model with experts and an EP "
-                            f"dividing DP = {dp}")
-    o_be = setup.optimizer_bytes(dp // ep) if experts else o_b
-    if kind_counts is not None and len(getattr(model, "layer_kinds", ())) > 1:
-        if sum(kind_counts) != layers:
-            raise PoseidonError(f"kind_counts {kind_counts} do not sum to layers = {layers}")
-        return _stage_memory_by_kind(
-            model, kind_counts, kind_overrides, stage=stage, num_stages=num_stages, tp=tp,
-            micro_batch_size=micro_batch_size, seq_length=seq_length,
-            sequence_parallel=sequence_parallel, setup=setup, in_flight=in_flight,
-            per_param=(w_b, g_b, o_b), reserve_bytes=reserve_bytes, ep=ep, o_be=o_be)
-    params = stage_params(model, layers=layers, stage=stage, num_stages=num_stages, tp=tp,
-                          ep=ep)
-    if layer_param_bytes_override is not None:
-        analytic = model.layer_param_split().per_device(tp, ep)
-        params += layers * (layer_param_bytes_override / w_b - analytic)
-    expert_params = layers * model.layer_param_split().expert_per_device(tp, ep) \
-        if experts else 0.0
+    return setup
 
-    shape = dict(micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
-                 sequence_parallel=sequence_parallel)
-    measured = layer_activation_bytes_override is not None
+
+def _stage_memory_uniform(model, layers: int, *, shape: dict, setup: TrainingSetup,
+                          act_override: int | None, param_override: int | None, stage: int,
+                          num_stages: int, in_flight: float, layer_in_flight: float,
+                          per_param, o_be: float, reserve_bytes: int,
+                          ep: int) -> StageMemory:
+    """``stage_memory`` with every decoder layer at the model's per-layer figures."""
+    w_b, g_b, o_b = per_param
+    tp = shape["tp"]
+    experts = bool(getattr(model, "num_experts", 0))
+    split = model.layer_param_split()
+    params = stage_params(model, layers=layers, stage=stage, num_stages=num_stages, tp=tp, ep=ep)
+    if param_override is not None:
+        params += layers * (param_override / w_b - split.per_device(tp, ep))
+    expert_params = layers * split.expert_per_device(tp, ep) if experts else 0.0
+    measured = act_override is not None
     if setup.recompute == "full":
-        kept = (float(layer_activation_bytes_override) if measured
-                else layer_input_bytes(model, **shape))
+        kept = float(act_override) if measured else layer_input_bytes(model, **shape)
         buffer = TrainingSetup(attention=setup.attention, params_dtype=setup.params_dtype)
-        per_microbatch = layers * kept
         recompute_buffer = layer_activation_bytes(model, **shape, setup=buffer) \
             if layers > 0 else 0.0
     else:
-        full_layer = (float(layer_activation_bytes_override) if measured
-                      else layer_activation_bytes(model, **shape, setup=setup))
-        per_microbatch = layers * full_layer
+        kept = float(act_override) if measured else layer_activation_bytes(model, **shape,
+                                                                           setup=setup)
         recompute_buffer = 0.0
     parts = ()
     if experts and layers:
-        one = (float(layer_param_bytes_override) / w_b if layer_param_bytes_override is not None
-               else model.layer_param_split().per_device(tp, ep))
-        e_one = model.layer_param_split().expert_per_device(tp, ep)
+        one = (float(param_override) / w_b if param_override is not None
+               else split.per_device(tp, ep))
         parts = ((_kind_name(model), layers,
-                  _layers_bytes(layers, one, e_one, per_microbatch / layers, in_flight,
-                                (w_b, g_b, o_b), o_be)),)
+                  _layers_bytes(layers, one, split.expert_per_device(tp, ep), kept,
+                                layer_in_flight / layers, per_param, o_be)),)
     return _assembled(model, shape, stage=stage, num_stages=num_stages,
-                      per_microbatch=per_microbatch, in_flight=in_flight,
-                      recompute_buffer=recompute_buffer, params=params,
-                      per_param=(w_b, g_b, o_b), reserve_bytes=reserve_bytes,
-                      activations_measured=measured,
-                      params_measured=layer_param_bytes_override is not None,
-                      expert_params=expert_params, o_be=o_be, layer_parts=parts)
+                      per_microbatch=layers * kept, in_flight=in_flight,
+                      layer_in_flight=layer_in_flight, layers=layers,
+                      recompute_buffer=recompute_buffer, params=params, per_param=per_param,
+                      reserve_bytes=reserve_bytes, activations_measured=measured,
+                      params_measured=param_override is not None,
+                      expert_params=expert_params, o_be=o_be, layer_parts=parts, ep=ep,
+                      setup=setup)
+
+
+def decoder_layers_in_flight(schedule: str, stage: int, num_stages: int,
+                             num_microbatches: int, virtual_stages: int, layers: int,
+                             microbatch_group_size: int | None = None) -> float:
+    """Peak layer-micro-batches of decoder activations held by ``stage``'s ``layers`` layers.
+
+    Without interleaving ``layers x microbatches_in_flight``. Interleaved (V chunks split as
+    ``chunk_layers``: the larger first), megatron-core's order of chunk forwards and backwards
+    (groups of G micro-batches, G default N, the last group the rest; each group runs chunk 0 to
+    V - 1 forward, the k-th backward the chunk V - 1 - that of the k-th forward): the warm-up's
+    w forwards, then one forward and one backward
+    per step; the peak is the largest sum of the in-flight chunks' layers. With equal chunks
+    this is ``layers x microbatches_in_flight``; with unequal ones more (chunk 0, the larger,
+    runs first and is the last to run backward).
+    """
+    in_flight = microbatches_in_flight(schedule, stage, num_stages, num_microbatches,
+                                       virtual_stages, microbatch_group_size)
+    v, n, m = virtual_stages, num_stages, num_microbatches
+    if schedule != "interleaved-1f1b" or v <= 1 or n <= 1 or layers % v == 0:
+        return layers * in_flight
+    chunks = [layers // v + (1 if c < layers % v else 0) for c in range(v)]
+    group = n if microbatch_group_size is None else microbatch_group_size
+    order = []          # the chunk of each forward: groups of G micro-batches, chunk by chunk
+    for first in range(0, m, group):
+        order += [c for c in range(v) for _ in range(min(group, m - first))]
+    total = m * v
+    warmup = min(2 * (n - 1 - stage) + (v - 1) * group, total)
+    held = sum(chunks[order[k]] for k in range(warmup))
+    peak = held
+    for j in range(total - warmup):
+        held += chunks[order[warmup + j]]
+        peak = max(peak, held)
+        held -= chunks[v - 1 - order[j]]
+    return float(peak)
 
 
 def _kind_name(model) -> str:
@@ -364,19 +479,28 @@ def _layers_bytes(count: int, params_one: float, expert_one: float, kept_one: fl
 
 
 def _assembled(model, shape: dict, *, stage: int, num_stages: int, per_microbatch: float,
-               in_flight: float, recompute_buffer: float, params: float, per_param,
-               reserve_bytes: int, activations_measured: bool,
+               in_flight: float, layer_in_flight: float, layers: int, recompute_buffer: float,
+               params: float, per_param, reserve_bytes: int, activations_measured: bool,
                params_measured: bool, expert_params: float = 0.0, o_be: float | None = None,
-               layer_parts: tuple = ()) -> StageMemory:
-    """The ``StageMemory`` of a stage from its decoder layers' activations per micro-batch (the
-    embedding's on the first stage and the output layer's on the last are added here) and its
-    parameters on one device."""
+               layer_parts: tuple = (), ep: int = 1,
+               setup: TrainingSetup | None = None) -> StageMemory:
+    """The ``StageMemory`` of a stage from its decoder layers' activations per micro-batch
+    (``per_microbatch``, held ``layer_in_flight / layers`` times; the embedding's on the first
+    stage, the output layer's and the MTP layers' on the last are added here, held
+    ``in_flight`` times) and its parameters on one device (the MTP layers' added here)."""
     w_b, g_b, o_b = per_param
+    decoder = per_microbatch * layer_in_flight / layers if layers else 0.0
+    ends = 0.0
     if stage == 0:
-        per_microbatch += embedding_activation_bytes(model, **shape)
+        ends += embedding_activation_bytes(model, **shape)
     if stage == num_stages - 1:
-        per_microbatch += output_activation_bytes(model, **shape)
-    activations = per_microbatch * in_flight + recompute_buffer
+        ends += output_activation_bytes(model, **shape)
+        if getattr(model, "mtp_num_layers", 0):
+            ends += mtp_activation_bytes(model, **shape, setup=setup)
+            mtp = model.mtp_param_split()
+            params += mtp.per_device(shape["tp"], ep)
+            expert_params += mtp.expert_per_device(shape["tp"], ep)
+    activations = decoder + ends * in_flight + recompute_buffer
     weights = math.ceil(params * w_b)
     gradients = math.ceil(params * g_b)
     if expert_params and o_be is not None and o_be != o_b:
@@ -399,42 +523,36 @@ def _kind_model(model, index: int):
     return model.kind_model(index)
 
 
-def _stage_memory_by_kind(model, kind_counts, kind_overrides, *, stage: int, num_stages: int,
-                          tp: int, micro_batch_size: int, seq_length: int,
-                          sequence_parallel: bool, setup: TrainingSetup, in_flight: float,
-                          per_param, reserve_bytes: int, ep: int = 1,
-                          o_be: float | None = None) -> StageMemory:
+def _stage_memory_by_kind(model, kind_counts, kind_overrides, *, shape: dict,
+                          setup: TrainingSetup, stage: int, num_stages: int, in_flight: float,
+                          layer_in_flight: float, per_param, o_be: float, reserve_bytes: int,
+                          ep: int = 1) -> StageMemory:
     """``stage_memory`` of a device holding ``kind_counts[k]`` layers of each kind ``k``."""
     w_b, g_b, o_b = per_param
+    tp = shape["tp"]
     kinds = model.layer_kinds
     overrides = kind_overrides or ((None, None),) * len(kinds)
     params = stage_params(model, layers=0, stage=stage, num_stages=num_stages, tp=tp)
-    shape = dict(micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
-                 sequence_parallel=sequence_parallel)
     buffer = TrainingSetup(attention=setup.attention, params_dtype=setup.params_dtype)
     per_microbatch = 0.0
     recompute_buffer = 0.0
     act_measured = par_measured = False
     expert_params = 0.0
     experts = bool(getattr(model, "num_experts", 0))
+    layers = sum(kind_counts)
     parts = []
     for k, count in enumerate(kind_counts):
         if not count:
             continue
         act, par = overrides[k]
         split = kinds[k].param_split()
-        if par is not None:
-            one_p = par / w_b
-            params += count * one_p
-            par_measured = True
-        else:
-            one_p = split.per_device(tp, ep)
-            params += count * one_p
+        one_p = par / w_b if par is not None else split.per_device(tp, ep)
+        par_measured = par_measured or par is not None
+        params += count * one_p
         e_one = split.expert_per_device(tp, ep)
         expert_params += count * e_one
         one = _kind_model(model, k)
-        if act is not None:
-            act_measured = True
+        act_measured = act_measured or act is not None
         if setup.recompute == "full":
             kept = float(act) if act is not None else layer_input_bytes(one, **shape)
             recompute_buffer = max(recompute_buffer,
@@ -445,11 +563,12 @@ def _stage_memory_by_kind(model, kind_counts, kind_overrides, *, stage: int, num
         per_microbatch += count * kept
         if experts:
             parts.append((kinds[k].name, count,
-                          _layers_bytes(count, one_p, e_one, kept, in_flight, per_param,
-                                        o_b if o_be is None else o_be)))
+                          _layers_bytes(count, one_p, e_one, kept, layer_in_flight / layers,
+                                        per_param, o_be)))
     return _assembled(model, shape, stage=stage, num_stages=num_stages,
                       per_microbatch=per_microbatch, in_flight=in_flight,
+                      layer_in_flight=layer_in_flight, layers=layers,
                       recompute_buffer=recompute_buffer, params=params, per_param=per_param,
                       reserve_bytes=reserve_bytes, activations_measured=act_measured,
                       params_measured=par_measured, expert_params=expert_params, o_be=o_be,
-                      layer_parts=tuple(parts))
+                      layer_parts=tuple(parts), ep=ep, setup=setup)

@@ -52,7 +52,7 @@ import hashlib
 import os
 from dataclasses import dataclass, fields, replace
 from functools import cached_property
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from .errors import SpecError
 from .layers import (
@@ -78,6 +78,8 @@ NAME_MAX_CHARS = 200
 _POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
 _MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 _PATTERN_EXAMPLE = "an integer N >= 1 or a 0/1 list expression like '[0]*3+[1]*58'"
+# Megatron's token dispatchers (--moe-token-dispatcher-type; alltoall_seq: megatron-core <= 0.12)
+MOE_DISPATCHERS = ("alltoall", "allgather", "flex", "alltoall_seq")
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,8 @@ class ModelSpec:
     qk_pos_emb_head_dim: int | None = None      # MLA: the RoPE part of a Q/K head
     v_head_dim: int | None = None               # MLA: V head dim
     mtp_num_layers: int = 0                     # multi-token-prediction layers (DeepSeek-V3: 1)
+    # Megatron's --moe-token-dispatcher-type the plan prices and its flags pin (a MoE model)
+    moe_token_dispatcher_type: str = "alltoall"
 
     def __post_init__(self) -> None:
         if isinstance(self.moe_layer_freq, list):
@@ -287,10 +291,17 @@ class ModelSpec:
     def planning_note(self) -> str | None:
         """One line for what the planner does not yet cost layer by layer (None: nothing). A
         model of several layer kinds is planned exactly (each stage costs the layers it holds:
-        ``CostModel(layer_kinds="per-kind")``), so only MTP layers are noted."""
-        if self.mtp_num_layers:
-            return (f"model {self.name}: its {self.mtp_num_layers} MTP layer(s) are not yet in "
-                    "the last stage's time or memory")
+        ``CostModel(layer_kinds="per-kind")``), and MTP layers are on the last stage in its time
+        and its memory. What is left: a MoE model with another token dispatcher than
+        ``alltoall`` is priced with the ``alltoall`` dispatcher's communication (the EP
+        all-to-alls and the TP gather / scatter of the token copies; ``tp_traffic.py``), and the
+        plan keeps the user's dispatcher in its flags."""
+        dispatcher = getattr(self, "moe_token_dispatcher_type", "alltoall")
+        if self.is_moe and dispatcher != "alltoall":
+            return (f"--moe-token-dispatcher-type {dispatcher}: its communication is priced as "
+                    "the alltoall dispatcher's (the EP all-to-alls and the TP gather / scatter "
+                    "of the token copies); the plan keeps your dispatcher, its predicted time "
+                    "is less sure (alltoall is the one the planner models)")
         return None
 
     # --- parameter counts (whole, unsharded) ---
@@ -446,6 +457,8 @@ def _validate_layer_kinds(spec: ModelSpec, source: str, need, pos_int, is_int) -
     for field in ("first_k_dense_replace", "moe_shared_expert_intermediate_size",
                   "mtp_num_layers"):
         pos_int(field, low=0)
+    need(spec.moe_token_dispatcher_type in MOE_DISPATCHERS, "moe_token_dispatcher_type",
+         f"one of {', '.join(MOE_DISPATCHERS)}")
     freq = spec.moe_layer_freq
     if isinstance(freq, tuple):
         need(len(freq) == spec.num_layers, "moe_layer_freq",
@@ -671,6 +684,16 @@ _MODELLED = ("the planner models GPT decoder layers: MHA/GQA or MLA attention, a
              "MLP with shared experts")
 
 
+def unmodelled_flag_refusal(present: Callable[[str], bool]) -> str | None:
+    """Why a command line with the flags ``present`` says it has cannot be planned (the first
+    flag of a layer the planner does not model), or None; ``_refuse_unmodelled``'s rule for
+    flags not yet parsed (``poseidon plan --megatron-args``)."""
+    for _attr, flag, what in _UNMODELLED_ARGS:
+        if present(flag):
+            return f"{flag}: {_MODELLED}; not {what}"
+    return None
+
+
 def _refuse_unmodelled(args: Any, source: str) -> None:
     for attr, flag, what in _UNMODELLED_ARGS:
         value = getattr(args, attr, None)
@@ -711,6 +734,7 @@ def _moe_fields(args: Any, ffn: int, source: str) -> dict[str, Any]:
         moe_shared_expert_intermediate_size=int(shared or 0),
         moe_shared_expert_gate=bool(shared) and bool(
             _first_arg(args, "moe_shared_expert_gate", "shared_expert_gate")),
+        moe_token_dispatcher_type=str(_arg(args, "moe_token_dispatcher_type", "alltoall")),
     )
 
 
@@ -745,7 +769,8 @@ def model_from_megatron_args(args: Any, name: str = "megatron") -> ModelSpec:
     ``--moe-shared-expert-intermediate-size`` (or MindSpeed-LLM's ``--n-shared-experts``), the
     shared-expert gate, ``--multi-latent-attention`` with ``--q-lora-rank``, ``--kv-lora-rank``,
     ``--qk-head-dim``, ``--qk-pos-emb-head-dim``, ``--v-head-dim``, ``--qk-layernorm``,
-    ``--mtp-num-layers``. An argument that builds a layer the planner does not model
+    ``--mtp-num-layers``, ``--moe-token-dispatcher-type`` (Megatron's default ``allgather``
+    when the flag is absent: a launch pins ``alltoall`` before parsing). An argument that builds a layer the planner does not model
     (``_UNMODELLED_ARGS``) is a SpecError naming the flag.
     """
     source = "<megatron args>"

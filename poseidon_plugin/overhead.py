@@ -5,7 +5,7 @@ post-pipeline work (DP all-reduce + optimizer step). A real iteration has more: 
 tied-embedding and grad-norm all-reduces that line the stages up, Megatron's per-iteration work
 (zeroing the gradient buffers, the learning-rate step, the loss reduction), DP replicas waiting
 for each other, and -- on a host whose cores the ranks share -- hand-offs between pipeline
-stages delayed by the scheduler. The live calibration (``megatron/calibration.py``) measures
+stages delayed by the scheduler. The live calibration (``megatron/calibrate/calibration.py``) measures
 this as one number per iteration: the mean measured iteration time of its calibration
 iterations minus the time the simulator gives the plan with the stage compute measured in
 those same iterations (``iteration_fit.py``). The cost model adds it to every stage's

@@ -9,6 +9,9 @@ indent, floats rounded to 6 decimals, trailing newline, so equal plans give equa
      micro-batch group size per virtual stage the plan was timed and sized with, = pp, its
      default; null otherwise), "dp", "tp" (null when per-stage), "pp", "ep" (expert-parallel
      degree, 1 for a dense model and in older plans), "moe" (the model has experts),
+     "mtp_num_layers" (the model's MTP layers, on the last stage: the layout's ``m``; 0 in
+     older plans), "moe_token_dispatcher_type" (a MoE model: the token dispatcher the plan
+     priced and its flags pin; null for a dense model; older plans: ``alltoall``),
      "micro_batch_size",
      "num_microbatches", "global_batch_size", "seq_length", "num_layers",
      "stages": [{"index", "device_type", "tp", "dp", "layers", "forward_ms", "backward_ms",
@@ -30,7 +33,9 @@ indent, floats rounded to 6 decimals, trailing newline, so equal plans give equa
      "iteration_overhead": {"ms", "source", "record"} or null,
      "training": {"recompute", "distributed_optimizer", "params_dtype", "grad_dtype",
                   "attention", "overlap_grad_reduce", "overlap_param_gather"},
-     "unused_devices": [{"node", "local_device"}], "megatron_args": [...] (null if per-stage TP),
+     "unused_devices": [{"node", "local_device"}], "node_types": [type per cluster node] (the
+     devices the plan was made for; absent in older plans),
+     "megatron_args": [...] (null if per-stage TP),
      "mindspeed_llm_args": [...] (null if per-stage TP), "rank_order": [{"rank", "node",
      "local_device"}], "search": {...statistics...},
      "baselines": [{"name", "status", "predicted_iteration_time_ms", "pp", "dp", "tp",
@@ -93,11 +98,13 @@ that synchronises the routed experts' gradients over expert-DP.
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .costs import chunk_layers, simulator_arrays
 from .errors import PoseidonError, short_repr
+from .model import MOE_DISPATCHERS
 from .simulator.schedules import LAUNCHABLE_SCHEDULES as EXECUTABLE_SCHEDULES
 
 PLAN_FORMAT_VERSION = 1
@@ -199,6 +206,11 @@ def _check_plan_dict(d: Any) -> None:
     for key in ("cp", "ep"):
         _field(d, key, "", "pos", 1)
     _field(d, "moe", "", "bool", False)
+    _field(d, "mtp_num_layers", "", "int", 0)
+    dispatcher = d.get("moe_token_dispatcher_type")
+    if dispatcher is not None and dispatcher not in MOE_DISPATCHERS:
+        raise _Bad("moe_token_dispatcher_type", f"one of {', '.join(MOE_DISPATCHERS)}",
+                   dispatcher)
     if d.get("microbatch_group_size") is not None:
         _field(d, "microbatch_group_size", "", "pos")
     _field(d, "search", "", "dict", {})
@@ -209,6 +221,9 @@ def _check_plan_dict(d: Any) -> None:
         if not isinstance(e, dict):
             raise _Bad(f"baselines[{i}]", "an object", e)
     _slots(d.get("unused_devices", []), "unused_devices")
+    for i, t in enumerate(_field(d, "node_types", "", "list", [])):
+        if not isinstance(t, str):
+            raise _Bad(f"node_types[{i}]", "a device type name", t)
     stages = _field(d, "stages", "", "list")
     if not stages:
         raise _Bad("stages", "at least one stage", stages)
@@ -418,6 +433,11 @@ class Plan:
     engine_calls_source: str = "none"
     ep: int = 1                    # expert-parallel degree (Megatron's expert grid: ETP = tp)
     moe: bool = False              # the model has routed experts (the flags then carry EP)
+    mtp_num_layers: int = 0        # the model's MTP layers: the layout's 'm's, on the last stage
+    # a MoE model's token dispatcher, the one the plan priced (its flags pin it)
+    moe_token_dispatcher_type: str = "alltoall"
+    node_types: tuple[str, ...] = ()   # per cluster node, its device type: the devices the
+    #                                    plan was made for (() = not recorded, older plans)
 
     # ------------------------------------------------------------------ shape
     @property
@@ -455,15 +475,19 @@ class Plan:
         return [split[c] for c in range(self.virtual_stages) for split in splits]
 
     def pipeline_layout(self) -> str:
-        """Megatron's ``--pipeline-model-parallel-layout``, e.g. ``Et*3|t*5|t*2L``."""
+        """Megatron's ``--pipeline-model-parallel-layout``, e.g. ``Et*3|t*5|t*2L``; a model
+        with MTP layers has them (``m``) after the last decoder layer, before the loss, where
+        megatron-core builds them by default (``Et*3|t*5|t*2mL``): its layout check refuses a
+        layout whose ``m`` count is not ``--mtp-num-layers``."""
         segs = self.layout_segments()
+        mtp = self.mtp_num_layers
         parts = []
         for i, n in enumerate(segs):
             body = "" if n == 0 else ("t" if n == 1 else f"t*{n}")
             if i == 0:
                 body = "E" + body
             if i == len(segs) - 1:
-                body = body + "L"
+                body = body + ("" if mtp == 0 else "m" if mtp == 1 else f"m*{mtp}") + "L"
             parts.append(body)
         return "|".join(parts)
 
@@ -485,14 +509,18 @@ class Plan:
                  "--global-batch-size", str(self.global_batch_size)]
         return args + self._expert_args()
 
-    def mindspeed_llm_args(self) -> list[str]:
+    def mindspeed_llm_args(self, layout: bool = False) -> list[str]:
         """argv tokens for MindSpeed-LLM.
 
-        Non-interleaved: ``--num-layer-list``. MindSpeed-LLM refuses ``--num-layer-list`` together
-        with a virtual pipeline ("Dynamic pipeline model and virtual pipeline cannot be enabled at
-        the same time"), so an interleaved plan uses ``--pipeline-model-parallel-layout``, which
-        MindSpeed-LLM registers from v26.1.0 (MindSpeed's backport onto core_r0.12.1). A launch
-        on an older MindSpeed-LLM searches no interleaved plan (V = 1).
+        ``layout``: the MindSpeed-LLM that runs them registers ``--pipeline-model-parallel-layout``
+        (v26.1.0 and later: MindSpeed's backport onto core_r0.12.1); then every split is written
+        as the layout. Without it (v2.3.0, or not known: the offline plan) a non-interleaved
+        split is ``--num-layer-list``, which MindSpeed-LLM numbers as if the split were even
+        (stage 1 of ``2,6`` gets layers 5..10 of 8: the wrong dense / MoE pattern, an IndexError
+        in its MoE; v26.1.0's layout numbers them right). MindSpeed-LLM refuses
+        ``--num-layer-list`` together with a virtual pipeline ("Dynamic pipeline model and virtual
+        pipeline cannot be enabled at the same time"), so an interleaved plan needs the layout; a
+        launch on an older MindSpeed-LLM searches no interleaved plan (V = 1).
         """
         self._check_executable()
         args = ["--tensor-model-parallel-size", str(self.tp),
@@ -500,7 +528,7 @@ class Plan:
         if self.cp > 1:   # MindSpeed's ring attention (its other algorithms time differently)
             args += ["--context-parallel-size", str(self.cp),
                      "--context-parallel-algo", "megatron_cp_algo"]
-        if self.virtual_stages > 1:
+        if self.virtual_stages > 1 or (layout and self.pp > 1):
             args += ["--pipeline-model-parallel-layout", self.pipeline_layout()]
         elif self.pp > 1:
             args += ["--num-layer-list", ",".join(str(n) for n in self.layers_per_stage)]
@@ -509,13 +537,17 @@ class Plan:
         return args + self._expert_args()
 
     def _expert_args(self) -> list[str]:
-        """``--expert-model-parallel-size`` of a MoE model's plan (nothing for a dense one), and
-        ``--sequence-parallel`` where it runs at TP > 1: megatron-core refuses MoE with TP > 1
-        without sequence parallelism (the all-to-all pricing assumes it: tokens / TP per rank)."""
+        """``--expert-model-parallel-size`` of a MoE model's plan (nothing for a dense one),
+        ``--sequence-parallel`` where it runs at TP > 1 (megatron-core refuses MoE with TP > 1
+        without sequence parallelism; the all-to-all pricing assumes it: tokens / TP per rank),
+        and ``--moe-token-dispatcher-type``: the dispatcher the plan priced (megatron-core's
+        default is ``allgather``); ``--mtp-num-layers`` where the layout carries MTP layers."""
+        mtp = (["--mtp-num-layers", str(self.mtp_num_layers)] if self.mtp_num_layers else [])
         if not (self.moe or self.ep > 1):
-            return []
+            return mtp
         sp = ["--sequence-parallel"] if self.tp > 1 else []
-        return ["--expert-model-parallel-size", str(self.ep)] + sp
+        return (["--expert-model-parallel-size", str(self.ep)] + sp
+                + ["--moe-token-dispatcher-type", self.moe_token_dispatcher_type] + mtp)
 
     @property
     def executable(self) -> bool:
@@ -620,6 +652,8 @@ class Plan:
             "schedule": self.schedule, "virtual_stages": self.virtual_stages,
             "microbatch_group_size": self.microbatch_group_size, "dp": self.dp,
             "tp": self.tp if uniform else None, "pp": self.pp, "ep": self.ep, "moe": self.moe,
+            "mtp_num_layers": self.mtp_num_layers,
+            "moe_token_dispatcher_type": self.moe_token_dispatcher_type if self.moe else None,
             "micro_batch_size": self.micro_batch_size,
             "num_microbatches": self.num_microbatches,
             "global_batch_size": self.global_batch_size, "seq_length": self.seq_length,
@@ -642,6 +676,8 @@ class Plan:
             out["baselines"] = _jsonable(list(self.baselines))
         if self.cp > 1:
             out["cp"] = self.cp
+        if self.node_types:
+            out["node_types"] = list(self.node_types)
         return out
 
     def to_json(self) -> str:
@@ -700,13 +736,18 @@ class Plan:
                 baselines=tuple(dict(e) for e in d.get("baselines", ())),
                 training=d.get("training", {}),
                 iteration_overhead=dict(d.get("iteration_overhead") or {}),
-                cp=d.get("cp", 1), ep=int(d.get("ep", 1)), moe=bool(d.get("moe", False)))
+                cp=d.get("cp", 1), ep=int(d.get("ep", 1)), moe=bool(d.get("moe", False)),
+                mtp_num_layers=int(d.get("mtp_num_layers", 0)),
+                moe_token_dispatcher_type=d.get("moe_token_dispatcher_type") or "alltoall",
+                node_types=tuple(d.get("node_types", ())))
         except (ValueError, KeyError, TypeError) as exc:
             raise PoseidonError(f"plan JSON: malformed ({type(exc).__name__}: {exc})") from None
 
     # ------------------------------------------------------------------ table
-    def table(self) -> str:
-        gib = 1024 ** 3
+    def table(self, verbose: bool = False) -> str:
+        """The plan as a person reads it. Consecutive stages whose rows are identical (but
+        for their nodes) share one row, ``2-29``; ``verbose``: one row per stage (the JSON
+        always has every stage)."""
         tp = str(self.tp) if self.uniform_tp else "per-stage"
         head = (f"Plan for {self.model_name or 'model'} on {self.cluster_name or 'cluster'}: "
                 f"{self.schedule}" + (f" (V={self.virtual_stages})" if self.virtual_stages > 1
@@ -733,24 +774,20 @@ class Plan:
                     if self.cp > 1 else "")
                  + (f"; with EP {self.ep} the routed experts' over expert-DP "
                     f"({self.dp // self.ep} ranks) added" if self.ep > 1 else ""),
-                 f"{'stage':>5} {'type':<10} {'tp':>3} {'dp':>3} {'layers':>6} {'fwd ms':>9} "
-                 f"{'bwd ms':>9} {'send ms':>8} {'allred ms':>9} {'optim ms':>8} {'memory GiB':>15}  nodes"]
-        for s in self.stages:
-            nodes = {d.node for grp in s.devices for d in grp}
-            lines.append(
-                f"{s.index:>5} {s.device_type:<10} {s.tp:>3} {s.dp:>3} {s.layers:>6} "
-                f"{s.forward_ms:>9.2f} {s.backward_ms:>9.2f} {s.send_forward_ms:>8.2f} "
-                f"{s.allreduce_ms:>9.2f} {s.optimizer_ms:>8.2f} {s.memory_bytes / gib:>6.1f} / {s.memory_capacity_bytes / gib:>6.1f}"
-                f"  {node_ranges(nodes)}")
-        lines += self._layer_memory_lines()
+                 f"{'stage':>{_STAGE_W}} {'type':<10} {'tp':>3} {'dp':>3} {'layers':>6} "
+                 f"{'fwd ms':>9} {'bwd ms':>9} {'send ms':>8} {'allred ms':>9} {'optim ms':>8} "
+                 f"{'memory GiB':>20}  nodes"]
+        lines += self._stage_rows(verbose)
+        lines += self._layer_memory_lines(verbose)
         lines += self._provenance_lines()
         used = self.world_size
         lines.append("")
         lines.append(f"devices used: {used}, unused: {len(self.unused_devices)}")
         if self.executable:
-            lines.append("megatron:   " + " ".join(self.megatron_args()))
-            lines.append("mindspeed:  " + " ".join(self.mindspeed_llm_args())
-                         + ("  (layout flag: MindSpeed-LLM v26.1.0 or later)"
+            # shell-safe: the layout flag's '|' and '*' pasted unquoted are a pipe and a glob
+            lines.append("megatron:   " + shlex.join(self.megatron_args()))
+            lines.append("mindspeed:  " + shlex.join(self.mindspeed_llm_args())
+                         + ("  # layout flag: MindSpeed-LLM v26.1.0 or later"
                             if self.virtual_stages > 1 else ""))
         elif not self.uniform_tp:
             lines.append("no launch flags: per-stage TP needs a FlagScale-style Megatron; stock "
@@ -780,19 +817,58 @@ class Plan:
                 lines.append(_layout_text(s))
         return "\n".join(lines) + "\n"
 
-    def _layer_memory_lines(self) -> list[str]:
+    def mfu_warning(self, peaks_tflops: dict[str, float | None]) -> str | None:
+        """One line when the plan's MFU is above 100 %: the devices would run faster than
+        the peak it is measured against (``peaks_tflops``: each device type's
+        ``peak_tflops``), naming each of the plan's types and its peak; None otherwise."""
+        if self.mfu <= 1.0:
+            return None
+        types = sorted({s.device_type for s in self.stages})
+        named = ", ".join(f"{t} {peaks_tflops[t]:g} TFLOP/s" if peaks_tflops.get(t)
+                          else f"{t} (no peak)" for t in types)
+        return (f"MFU {100 * self.mfu:.1f}% is above 100%: the predicted time is faster than "
+                f"the peak_tflops it is measured against ({named}); the peak is too low for "
+                "the device or a measured record is too fast")
+
+    def _stage_rows(self, verbose: bool) -> list[str]:
+        """The table's stage rows: consecutive stages alike but for their memory and nodes on
+        one row (``2-29``, the memory's range) unless ``verbose``, and a note when merged."""
+        gib = 1024 ** 3
+        lines: list[str] = []
+        rows = [(s.index, (s.device_type, s.tp, s.dp, s.layers, _r2(s.forward_ms),
+                           _r2(s.backward_ms), _r2(s.send_forward_ms), _r2(s.allreduce_ms),
+                           _r2(s.optimizer_ms), round(s.memory_capacity_bytes / gib, 1)),
+                 (round(s.memory_bytes / gib, 1),), {d.node for grp in s.devices for d in grp})
+                for s in self.stages]
+        groups = _group_rows(rows, verbose)
+        for first, last, key, values, nodes in groups:
+            typ, tp, dp, layers, fwd, bwd, send, allred, optim, cap = key
+            lines.append(f"{_span(first, last):>{_STAGE_W}} {typ:<10} {tp:>3} {dp:>3} "
+                         f"{layers:>6} {fwd:>9.2f} {bwd:>9.2f} {send:>8.2f} {allred:>9.2f} "
+                         f"{optim:>8.2f} {_value_range(values, 0):>11} / {cap:>6.1f}  "
+                         f"{node_ranges(nodes)}")
+        if len(groups) < len(rows):
+            lines.append("(a-b: stages a to b, the same but for their memory and nodes; "
+                         "each stage: poseidon plan -v, or the plan JSON)")
+        return lines
+
+    def _layer_memory_lines(self, verbose: bool = False) -> list[str]:
         """A model with experts: each stage's memory by layer kind (the plan JSON's
         ``<kind>_layers`` / ``<kind>_layers_bytes``), e.g. ``stage 0: dense 3 layers 2.1 GiB,
-        moe 2 layers 30.4 GiB``; nothing for a dense model."""
+        moe 2 layers 30.4 GiB``, consecutive identical stages on one line (``stages 2-29``)
+        unless ``verbose``; nothing for a dense model."""
         gib = 1024 ** 3
-        out = []
+        rows = []
         for s in self.stages:
             parts = dict(s.memory_parts)
             kinds = [k[:-len("_layers")] for k in parts if k.endswith("_layers")]
             if kinds:
-                out.append(f"  stage {s.index}: " + ", ".join(
-                    f"{k} {parts[k + '_layers']} layers {parts.get(k + '_layers_bytes', 0) / gib:.1f} GiB"
-                    for k in kinds))
+                rows.append((s.index, tuple((k, parts[k + "_layers"]) for k in kinds),
+                             tuple(round(parts.get(k + "_layers_bytes", 0) / gib, 1)
+                                   for k in kinds), set()))
+        out = [f"  stage{'s' if last > first else ''} {_span(first, last)}: " + ", ".join(
+                   f"{k} {n} layers {_value_range(values, j)} GiB" for j, (k, n) in enumerate(key))
+               for first, last, key, values, _ in _group_rows(rows, verbose)]
         if out:
             out.insert(0, "memory by layer kind (weights, gradients, optimizer state, "
                           "activations of those layers):")
@@ -836,6 +912,38 @@ class Plan:
                        f"{'on' if t.get('distributed_optimizer') else 'off'}, overlap "
                        f"{' + '.join(overlap) if overlap else 'off'}")
         return out
+
+
+_STAGE_W = 7   # the table's stage column: "100-131"
+
+
+def _span(first: int, last: int) -> str:
+    return str(first) if first == last else f"{first}-{last}"
+
+
+def _r2(x: float) -> float:
+    """As the table prints a time (2 decimals): rows that print the same group."""
+    return round(x, 2)
+
+
+def _group_rows(rows, verbose: bool) -> list[tuple[int, int, tuple, list, set]]:
+    """(first, last, key, values, nodes) of ``rows`` (index, key, values, nodes): consecutive
+    indices with the same key merged, their values (one tuple per stage) listed and their
+    nodes joined; one group per row with ``verbose``."""
+    out: list[tuple[int, int, tuple, list, set]] = []
+    for index, key, values, nodes in rows:
+        if not verbose and out and out[-1][2] == key and out[-1][1] == index - 1:
+            first, _, _, vals, seen = out[-1]
+            out[-1] = (first, index, key, vals + [values], seen | nodes)
+        else:
+            out.append((index, index, key, [values], set(nodes)))
+    return out
+
+
+def _value_range(values: list[tuple], j: int) -> str:
+    """Value ``j`` of a group's stages: ``30.4``, or ``27.0-35.1`` where they differ."""
+    lo, hi = min(v[j] for v in values), max(v[j] for v in values)
+    return f"{lo:.1f}" if lo == hi else f"{lo:.1f}-{hi:.1f}"
 
 
 def _overhead_text(o: dict[str, Any]) -> str:

@@ -13,8 +13,8 @@ A measured record absurdly slow for its layer (below ``MIN_PEAK_FRACTION`` of th
 unit slip) is refused likewise: the search would route around that type, and an estimate scaled
 from its rate would be meaningless.
 
-Only records the search can use are checked (measured, this model's signature, a device type of
-the cluster). The bound is the FLOPs of ``model`` (``ModelSpec.layer_forward_flops``, the output
+Only records the search can use are checked (measured, this model's signature or, for a mixed
+model, one layer kind's, checked with that kind's FLOPs; a device type of the cluster). The bound is the FLOPs of ``model`` (``ModelSpec.layer_forward_flops``, the output
 GEMM) at 100 % of the peak; the backward pass does twice the forward FLOPs.
 """
 
@@ -66,13 +66,15 @@ def _check_one(profile, cluster, model, source: str) -> None:
 def check_profiles(db, cluster, model, source: str | None = None) -> None:
     """ProfileDBError for the first measured record of ``model`` on ``cluster`` that beats the
     device type's peak or is absurdly slow for its layer."""
-    signature = model.signature()
+    from .profiles import record_models
+
+    models = record_models(model)   # a mixed model's kinds: each checked with its own FLOPs
     where = source or db.path or "<profile DB>"
     for profile in db.profiles():
         key = profile.key
-        if (profile.source == "measured" and key.model_signature == signature
+        if (profile.source == "measured" and key.model_signature in models
                 and key.device_type in cluster.device_types):
-            _check_one(profile, cluster, model, where)
+            _check_one(profile, cluster, models[key.model_signature], where)
 
 
 __all__ = ["check_profiles"]

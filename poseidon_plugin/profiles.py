@@ -54,9 +54,11 @@ integers in [0, ``MAX_LAYER_BYTES``], key integers at most ``MAX_KEY_INT``.
 
 Analytic estimator (``estimate_profile``), per TP rank, for one micro-batch:
 
-* decoder: forward = layer FLOPs / tp / (peak x efficiency) + 2 TP all-reduces of the b*s*h bf16
-  activation (Megatron: after attention and after the MLP; with sequence parallelism the same
-  volume moves as all-gather + reduce-scatter); backward = 2 x forward compute + 2 all-reduces.
+* decoder: forward = layer FLOPs / tp / (peak x efficiency) + the layer's TP collectives
+  (``tp_traffic.py``: a dense layer 2 exchanges of the b*s*h bf16 activation, after attention
+  and after the MLP; a MoE layer the attention's, the shared experts', and the ``alltoall``
+  token dispatcher's all-gather + reduce-scatter of the k*b*s*h token copies); backward =
+  2 x forward compute + the same collectives.
 * embedding: compute of b*s*h (a gather; negligible); forward 1 all-reduce of b*s*h (the
   vocab-parallel embedding); backward the scatter-add, no communication.
 * output: logits GEMM 2*b*s*h*V/tp + cross-entropy (~5 ops per logit, /tp) forward; the
@@ -73,9 +75,11 @@ Analytic estimator (``estimate_profile``), per TP rank, for one micro-batch:
   and backward each at its own measured rate, the measured TP all-reduces' modelled time taken
   out of the measurement first (unless they would explain more than ``COMM_FIT`` of it). The
   cluster file's ``peak_tflops`` plays no part: it serves MFU and the types nothing measured.
-* the key's setup: ``full`` recompute adds one forward's compute to the backward, ``selective``
-  the core attention's; activation bytes are ``memory.layer_activation_bytes`` for the setup
-  (``memory.layer_input_bytes`` under full recompute), embedding and output terms from
+* the key's setup: ``full`` recompute adds one whole forward to the backward (its compute and
+  its TP collectives: megatron-core re-runs the layer), ``selective`` the core attention's
+  compute (megatron-core's default ``recompute_modules``; no collective); activation bytes are
+  ``memory.layer_activation_bytes`` for the setup (``memory.layer_input_bytes`` under full
+  recompute), embedding and output terms from
   ``memory``; parameter bytes: params per TP rank x the dtype's bytes (output: final norm + the
   output weight, which the last stage holds even when tied, if the pipeline has several stages).
 """
@@ -100,6 +104,7 @@ from .errors import (ProfileDBError, SpecError, check_record_fields, record_choi
 from .overhead import (SETUP_CHOICES, IterationOverhead, OverheadKey, overhead_from_record,
                        overhead_to_record, wins as _overhead_wins)
 from .safeio import name_problem, open_input, write_atomic
+from .tp_traffic import layer_tp_comm_ms
 from .training import TrainingSetup
 
 LayerKind = Literal["decoder", "embedding", "output"]
@@ -472,8 +477,17 @@ class ProfileDB:
             if not isinstance(items, list):
                 raise ProfileDBError(f"{source}: {name}: expected a list, got "
                                      f"{short_repr(items)}")
+            seen_at: dict[Any, tuple[int, Any]] = {}
             for i, record in enumerate(items):
-                put(parse(record, f"{source}: {name}[{i}]"))
+                item = parse(record, f"{source}: {name}[{i}]")
+                at, before = seen_at.setdefault(item.key, (i, item))
+                if at != i and before != item:   # as for records: the order would decide
+                    what = " ".join(map(str, item.key)) if isinstance(item.key, tuple) \
+                        else item.key
+                    raise ProfileDBError(
+                        f"{source}: {name}[{at}] and {name}[{i}] both give {what}, with "
+                        "different values; the plan would depend on their order: keep one")
+                put(item)
         return db
 
     @classmethod
@@ -532,8 +546,9 @@ def estimate_profile(cluster, model, key: ProfileKey, tflops: float | None = Non
 
     if key.layer_kind == "decoder":
         compute = _compute_ms(model.layer_forward_flops(b, s) / t, tflops)
-        forward = compute + 2 * hidden_ar
-        backward = 2 * compute + 2 * hidden_ar + _recompute_ms(model, key, tflops, compute)
+        comm = layer_tp_comm_ms(model, b, s, t, gbps, latency, setup.weight_bytes)
+        forward = compute + comm
+        backward = 2 * compute + comm + _recompute_ms(model, key, tflops, compute, comm)
         if setup.recompute == "full":
             activation = memory.layer_input_bytes(model, **shape)
         else:
@@ -560,14 +575,16 @@ def estimate_profile(cluster, model, key: ProfileKey, tflops: float | None = Non
                         source="calibrated" if dtype.calibrated else "estimated")
 
 
-def _recompute_ms(model, key: ProfileKey, tflops: float, forward_compute_ms: float) -> float:
-    """Backward's extra forward work: the whole layer (full), the core attention (selective)."""
+def _recompute_ms(model, key: ProfileKey, tflops: float, forward_compute_ms: float,
+                  forward_comm_ms: float) -> float:
+    """Backward's extra forward work. ``full``: megatron-core re-runs the whole layer's forward
+    (``tensor_parallel.checkpoint``), its compute and its TP collectives. ``selective``: the
+    core attention only (megatron-core 0.19's default ``recompute_modules`` = ``["core_attn"]``:
+    QK^T, softmax and attention x V, no collective; MLA's core at its own head dims)."""
     if key.recompute == "full":
-        return forward_compute_ms
+        return forward_compute_ms + forward_comm_ms
     if key.recompute == "selective":
-        b, s, a, d = key.micro_batch_size, key.seq_length, model.num_attention_heads, \
-            model.head_dim
-        core = 4.0 * b * s * s * a * d / 2   # QK^T and attention x V, causal (model.py)
+        core = model.attention.core_forward_flops(key.micro_batch_size, key.seq_length)
         return _compute_ms(core / key.tp, tflops)
     return 0.0
 
@@ -576,30 +593,31 @@ SCALED_KINDS: tuple[str, ...] = ("decoder",)   # layer kinds the profiler measur
 COMM_FIT = 0.5   # the modelled TP all-reduces may explain at most this share of a measured time
 
 
-def _decoder_terms(cluster, model, key: ProfileKey) -> tuple[float, float, float]:
+def _decoder_terms(cluster, model, key: ProfileKey) -> tuple[float, float, float, float]:
     """The decoder estimate's terms (``estimate_profile``): (forward compute, backward compute
-    with the setup's recompute, both in ms at 1 TFLOP/s; the TP all-reduces of one direction,
-    ms). At a rate r the estimate is forward = fwd / r + comm, backward = bwd / r + comm."""
+    with the setup's recompute, both in ms at 1 TFLOP/s; the TP collectives of the forward,
+    of the backward (with a full recompute's re-run forward), ms). At a rate r the estimate is
+    forward = fwd / r + comm_f, backward = bwd / r + comm_b."""
     gbps = tp_link_gbps(cluster, key.device_type, key.tp)
-    setup = key.setup
-    b, s, t, h = key.micro_batch_size, key.seq_length, key.tp, model.hidden_size
-    hidden_ar = allreduce_ms(setup.weight_bytes * b * s * h, t, gbps, cluster.links.latency_ms)
+    b, s, t = key.micro_batch_size, key.seq_length, key.tp
+    comm = layer_tp_comm_ms(model, b, s, t, gbps, cluster.links.latency_ms,
+                            key.setup.weight_bytes)
     fwd = _compute_ms(model.layer_forward_flops(b, s) / t, 1.0)
-    bwd = 2 * fwd + _recompute_ms(model, key, 1.0, fwd)
-    return fwd, bwd, 2 * hidden_ar
+    bwd = 2 * fwd + _recompute_ms(model, key, 1.0, fwd, 0.0)
+    return fwd, bwd, comm, comm + (comm if key.recompute == "full" else 0.0)
 
 
 def _measured_rates(cluster, model, p: LayerProfile) -> tuple[float, float]:
     """(forward, backward) compute rate in TFLOP/s a measured record reached: its modelled
     compute over its time less the modelled TP all-reduces (the whole time where those would
     explain more than ``COMM_FIT`` of it: the link model does not describe that machine)."""
-    fwd, bwd, comm = _decoder_terms(cluster, model, p.key)
+    fwd, bwd, comm_f, comm_b = _decoder_terms(cluster, model, p.key)
 
-    def rate(work: float, ms: float) -> float:
+    def rate(work: float, ms: float, comm: float) -> float:
         net = ms - comm
         return work / (net if net >= (1 - COMM_FIT) * ms else ms)
 
-    return rate(fwd, p.forward_ms), rate(bwd, p.backward_ms)
+    return rate(fwd, p.forward_ms, comm_f), rate(bwd, p.backward_ms, comm_b)
 
 
 def _closest(values, want: int) -> int:
@@ -640,9 +658,9 @@ def scaled_profile(cluster, model, key: ProfileKey, measured) -> LayerProfile:
         rf, rb = f0 ** (1 - w) * f1 ** w, b0 ** (1 - w) * b1 ** w
     else:
         ((rf, rb),) = rates
-    fwd, bwd, comm = _decoder_terms(cluster, model, key)
+    fwd, bwd, comm_f, comm_b = _decoder_terms(cluster, model, key)
     shape = estimate_profile(cluster, model, key, tflops=1.0)   # bytes only
-    return replace(shape, forward_ms=fwd / rf + comm, backward_ms=bwd / rb + comm,
+    return replace(shape, forward_ms=fwd / rf + comm_f, backward_ms=bwd / rb + comm_b,
                    source="calibrated", scaled_from=tuple(p.key for p in basis),
                    rate_tflops=(fwd + bwd) / (fwd / rf + bwd / rb))
 
@@ -750,10 +768,28 @@ def signature_diff(have: str, want: str) -> list[str]:
             if a.get(k) != b.get(k)]
 
 
-def _mismatch(key: ProfileKey, signature: str, seq_length: int, setup_fields: dict[str, str],
+def record_models(model) -> dict[str, Any]:
+    """The models whose signatures key ``model``'s records, by signature: the model itself and,
+    for a mixed model, each layer kind's uniform model (``ModelSpec.kind_model(i)``: what
+    ``poseidon profile`` and the launch record a kind as, and what the costs look it up by)."""
+    out = {model.signature(): model}
+    if getattr(model, "is_mixed", False):
+        for i in range(len(model.layer_kinds)):
+            one = model.kind_model(i)
+            out.setdefault(one.signature(), one)
+    return out
+
+
+def _closest_signature(have: str, signatures) -> str:
+    """Of ``signatures``, the one ``have`` differs least from (the one to name the diff to)."""
+    return min(signatures, key=lambda s: (len(signature_diff(have, s)), s))
+
+
+def _mismatch(key: ProfileKey, signatures, seq_length: int, setup_fields: dict[str, str],
               types: tuple[str, ...]) -> str | None:
     """Why a record's key cannot serve the plan (the first difference), or None."""
-    if key.model_signature != signature:
+    if key.model_signature not in signatures:
+        signature = _closest_signature(key.model_signature, signatures)
         diff = signature_diff(key.model_signature, signature)
         return (", ".join(diff[:3]) + " differ" + ("s" if len(diff) == 1 else "")) if diff \
             else "model signature differs"
@@ -771,17 +807,18 @@ def diagnose(db: ProfileDB, cluster, model, seq_length: int,
              setup: TrainingSetup | None = None) -> tuple[int, str | None]:
     """(measured records usable for this plan, one warning line naming why the others are not).
 
-    A record is usable when its model signature, sequence length, setup (dtype, attention,
-    recompute) and device type match the plan's. The line counts each reason, e.g.
+    A record is usable when its model signature (the model's, or for a mixed model one layer
+    kind's: :func:`record_models`), sequence length, setup (dtype, attention, recompute) and
+    device type match the plan's. The line counts each reason, e.g.
     ``profiles: 54 of 54 measured record(s) unusable: seq 2048 (planning seq 4096) x54``.
     """
     fields = (setup or TrainingSetup()).profile_fields
-    signature, types = model.signature(), cluster.type_names
+    signatures, types = tuple(record_models(model)), cluster.type_names
     measured = [p for p in db.profiles() if p.source == "measured"]
     reasons: dict[str, int] = {}
     usable = 0
     for p in measured:
-        why = _mismatch(p.key, signature, seq_length, fields, types)
+        why = _mismatch(p.key, signatures, seq_length, fields, types)
         if why is None:
             usable += 1
         else:
@@ -815,7 +852,7 @@ def scaled_estimate_note(plan, db: ProfileDB | None, model, seq_length: int,
     the choice then rests on an estimate scaled from those measurements (provenance
     ``scaled``) compared with measurements. None otherwise."""
     measured: dict[str, list[ProfileKey]] = {}
-    for p in measured_decoders(db, model.signature(), setup):
+    for p in (p for sig in record_models(model) for p in measured_decoders(db, sig, setup)):
         measured.setdefault(p.key.device_type, []).append(p.key)
     mbs = getattr(plan, "micro_batch_size", None)
     hits: dict[tuple[str, int], list[int]] = {}
@@ -882,13 +919,15 @@ def calibrate_cluster(cluster, db: ProfileDB | None, model, seq_length: int,
     1 and ``measured_peak`` (no MFU). SpecError naming the field when a type has neither a peak
     nor a measured record. Records at ``seq_length`` are used; a type measured only at other
     sequence lengths is rated from those."""
-    every = measured_decoders(db, model.signature(), setup)
+    models = record_models(model)   # a mixed model's kinds are recorded by their own models
+    every = [p for sig in models for p in measured_decoders(db, sig, setup)]
     types = dict(cluster.device_types)
     for name in cluster.type_names:
         dt = types[name]
         mine = [p for p in every if p.key.device_type == name]
         near = [p for p in mine if p.key.seq_length == seq_length] or mine
-        rates = [model.layer_forward_flops(p.key.micro_batch_size, p.key.seq_length) / p.key.tp
+        rates = [models[p.key.model_signature].layer_forward_flops(
+                     p.key.micro_batch_size, p.key.seq_length) / p.key.tp
                  / (p.forward_ms * 1e-3) / 1e12 for p in near if p.forward_ms > 0]
         if not rates:
             if dt.peak_tflops is None:
@@ -912,6 +951,6 @@ def calibrate_cluster(cluster, db: ProfileDB | None, model, seq_length: int,
 __all__ = [
     "LayerKind", "Source", "ProfileKey", "LayerProfile", "ProfileDB", "estimate_profile",
     "lookup_profile", "lookup_overhead", "profile_key", "tp_link_gbps", "diagnose", "signature_diff",
-    "calibrate_cluster", "measured_decoders", "unprofiled_tp_note", "scaled_estimate_note",
+    "calibrate_cluster", "measured_decoders", "record_models", "unprofiled_tp_note", "scaled_estimate_note",
     "scaled_profile", "scaling_basis", "provenance_entry", "scaled_text",
 ]

@@ -13,7 +13,7 @@ import time
 
 from poseidon_plugin.cluster import load_cluster
 from poseidon_plugin.errors import PoseidonError
-from poseidon_plugin.megatron.search_transport import searchers_from_environ
+from poseidon_plugin.megatron.launch.search_transport import searchers_from_environ
 from poseidon_plugin.model import get_model
 from poseidon_plugin.search import SearchOptions
 

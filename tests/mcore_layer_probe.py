@@ -49,7 +49,9 @@ def main(argv: list[str]) -> None:
     import megatron.core
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.transformer.spec_utils import build_module
-    from poseidon_plugin.megatron import emulation, profiler, provenance
+    from poseidon_plugin.megatron import provenance
+    from poseidon_plugin.megatron.emulate import emulation
+    from poseidon_plugin.megatron.profile import profiler
 
     emulation.install_cpu_shims(local_rank=0, device_count=1, device_name="probe",
                                 memory_bytes=1 << 34)

@@ -38,7 +38,8 @@ def main(argv: list[str]) -> None:
     import torch.distributed as dist
 
     from megatron.core import parallel_state, tensor_parallel
-    from poseidon_plugin.megatron import emulation, profiler
+    from poseidon_plugin.megatron.emulate import emulation
+    from poseidon_plugin.megatron.profile import profiler
 
     emulation.install_cpu_shims(local_rank=0, device_count=1, device_name="probe",
                                 memory_bytes=1 << 34)

@@ -66,11 +66,11 @@ def _patched(name: str) -> bool:
 
 
 def main(release: str) -> dict:
-    from poseidon_plugin.megatron import emulation
+    from poseidon_plugin.megatron.emulate import emulation
 
     emulation.install_cpu_shims(local_rank=0, device_count=1, device_name="emu", memory_bytes=1 << 32)
     from poseidon_plugin.errors import PoseidonError
-    from poseidon_plugin.megatron import argv as A
+    from poseidon_plugin.megatron.launch import argv as A
     from test_megatron_argv import make_plan
 
     out: dict = {"release": release}
@@ -96,8 +96,11 @@ def main(release: str) -> dict:
         new = A.rewrite_argv(USER_ARGV, make_plan(layers=(6, 2)), "mindspeed-llm",
                              mindspeed_layout=A.mindspeed_llm_registers_layout())
         a = _validated(new, world_size=2)
-        return {"flag": A.flag_value(new, "--num-layer-list"), "num_layers": a.num_layers,
-                "pp": a.pipeline_model_parallel_size, "num_layer_list": a.num_layer_list}
+        return {"flag": A.flag_value(new, "--num-layer-list"),
+                "layout_flag": A.flag_value(new, "--pipeline-model-parallel-layout"),
+                "num_layers": a.num_layers, "pp": a.pipeline_model_parallel_size,
+                "num_layer_list": a.num_layer_list,
+                "layout": getattr(a, "pipeline_model_parallel_layout", None)}
 
     def interleaved():
         plan = make_plan(layers=(5, 3), vpp=2)
@@ -129,6 +132,30 @@ def main(release: str) -> dict:
         seen["layer_list_after_even"] = _patched(LAYER_LIST_PATCH)
         return seen
 
+    def judged():
+        """The judge (megatron/launch/judge.py) with MindSpeed-LLM loaded: parse_args, validate_args,
+        the config build and the layout's checks; a layout without the MTP layer the flags ask
+        for is refused, the plan's own (with ``m``) and the uneven split are accepted."""
+        from dataclasses import replace
+
+        from poseidon_plugin.megatron.launch import judge
+        from poseidon_plugin.megatron.emulate import emulation as emu
+
+        seen = {"shims": emu.shims_installed()}
+        layout = A.mindspeed_llm_registers_layout()
+        plans = {"uneven": (make_plan(layers=(6, 2)), USER_ARGV)}
+        if layout:
+            mtp = [*USER_ARGV, "--mtp-num-layers", "1", "--position-embedding-type", "rope"]
+            plans["interleaved"] = (make_plan(layers=(5, 3), vpp=2), USER_ARGV)
+            plans["interleaved_mtp"] = (replace(make_plan(layers=(5, 3), vpp=2),
+                                                mtp_num_layers=1), mtp)
+            plans["interleaved_mtp_no_m"] = (make_plan(layers=(5, 3), vpp=2), mtp)
+        for name, (plan, user) in plans.items():
+            new = A.rewrite_argv(user, plan, "mindspeed-llm", mindspeed_layout=layout)
+            seen[name] = judge.framework_refusal(SCRIPT, new, plan.world_size, "mindspeed-llm")
+        return seen
+
+    check("judge", judged)
     check("uneven", uneven)
     check("interleaved", interleaved)
     check("layer_list_with_vpp", layer_list_with_vpp)

@@ -9,11 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from poseidon_plugin.megatron.calibration import (CalibrationReport, LiveCalibration,
+from poseidon_plugin.megatron.calibrate import calibration
+from poseidon_plugin.megatron.calibrate.calibration import (CalibrationReport, LiveCalibration,
                                                   StageTiming, iteration_times,
                                                   measured_profiles, stage_timing,
                                                   window_compute)
-from poseidon_plugin.megatron.recorder import IterationRecord, OpRecorder
+from poseidon_plugin.megatron.calibrate.recorder import IterationRecord, OpRecorder
 from poseidon_plugin.overhead import overhead_key
 from poseidon_plugin.plan import Plan, StagePlan
 from poseidon_plugin.profiles import LayerProfile, ProfileDB, ProfileKey
@@ -121,7 +122,7 @@ def _run(cal: LiveCalibration, plan: Plan, per_iteration) -> None:
     wall time is the re-timed plan + ``extra`` ms, per ``per_iteration(i) -> (ratio, extra)``;
     the recorder of stage 0 stands in for every rank (timings of both stages are faked)."""
     from poseidon_plugin.iteration_fit import retimed_ms
-    from poseidon_plugin.megatron import recorder
+    from poseidon_plugin.megatron.calibrate import recorder
 
     now = [100.0]
     saved = recorder.clock
@@ -145,7 +146,7 @@ def _run(cal: LiveCalibration, plan: Plan, per_iteration) -> None:
 @pytest.fixture
 def both_stages(monkeypatch):
     """_gather returns this rank's timing for stage 0 and a copy for stage 1 (same ratios)."""
-    from poseidon_plugin.megatron import calibration
+    from poseidon_plugin.megatron.calibrate import calibration
 
     def fake_gather(mine):
         plan = real_plan()
@@ -172,7 +173,12 @@ def test_overhead_fitted_to_the_calibration_iterations_predicts_the_later_ones(t
     # warm-up: 3x slower; afterwards compute 1.2x the plan's and 25 ms of overhead per iteration
     _run(cal, plan, lambda i: (3.0, 200.0) if i == 0 else (1.2, 25.0))
     assert len(lines) == 1
+    # logged folded (short lines, continuations indented); unfolded, the one report line
+    assert all(len(ln) <= calibration.FOLD_WIDTH for ln in lines[0].splitlines())
+    assert len(lines[0].splitlines()) > 1
+    lines = [" ".join(ln.strip() for ln in lines[0].splitlines())]
     rep = cal.report()
+    assert lines[0] == rep.line()
     assert rep.windows == ((2, 4), (5, 8))
     assert rep.check.fwd_ratio == pytest.approx((1.2, 1.2))
     assert rep.check.overhead_ms == pytest.approx(25.0, abs=1e-6)
@@ -207,7 +213,7 @@ def test_the_check_never_sees_the_measured_iterations(both_stages):
 
 
 def test_a_failed_calibration_reports_nan_and_uninstalls(monkeypatch):
-    from poseidon_plugin.megatron import calibration
+    from poseidon_plugin.megatron.calibrate import calibration
 
     def boom(_):
         raise RuntimeError("gather failed")
@@ -262,7 +268,8 @@ def test_peak_memory_is_compared_like_for_like():
 
 def test_device_memory_reads_the_allocator_and_the_device(monkeypatch):
     torch = pytest.importorskip("torch")
-    from poseidon_plugin.megatron import calibration, emulation
+    from poseidon_plugin.megatron.calibrate import calibration
+    from poseidon_plugin.megatron.emulate import emulation
 
     gib = 1 << 30
     monkeypatch.setattr(emulation, "shims_installed", lambda: False)
@@ -314,7 +321,7 @@ def test_overhead_never_negative():
 
 
 def test_windows_follow_the_run_length():
-    from poseidon_plugin.megatron.calibration import calibration_windows
+    from poseidon_plugin.megatron.calibrate.calibration import calibration_windows
 
     # one warm-up; the last iteration's start closes the measured periods
     assert calibration_windows(8) == (1, 3, 3)        # fit 2-4, check 5-7, report at 8's start
@@ -330,14 +337,14 @@ MOE_H100_PERIODS = [2911.3, 1947.8, 922.4, 857.3, 771.7, 647.2, 729.5, 582.6, 64
 
 
 def test_a_steady_run_keeps_the_configured_windows():
-    from poseidon_plugin.megatron.calibration import choose_windows
+    from poseidon_plugin.megatron.calibrate.calibration import choose_windows
 
     w, c, m, why = choose_windows([900.0] + [100.0, 101.0, 99.0] * 6, 1, 9, 9)
     assert (w, c, m) == (1, 9, 9) and why.iterations == 1 and "as configured" in why.reason
 
 
 def test_the_long_decaying_warm_up_of_the_h100_moe_run_is_skipped():
-    from poseidon_plugin.megatron.calibration import choose_windows
+    from poseidon_plugin.megatron.calibrate.calibration import choose_windows
 
     w, c, m, why = choose_windows(MOE_H100_PERIODS, 1, 9, 9)
     # iterations 1-5 (2911 .. 772 ms) are warm-up; 6-10 calibrate; the measured 11-19 stay
@@ -348,7 +355,7 @@ def test_the_long_decaying_warm_up_of_the_h100_moe_run_is_skipped():
 def test_a_noisy_steady_state_does_not_push_the_warm_up_on():
     """Periods as noisy as the MoE run's steady state (477-711 ms), a spike late in the run and
     a fast outlier inside it: only the first (slow) iteration is warm-up."""
-    from poseidon_plugin.megatron.calibration import choose_windows
+    from poseidon_plugin.megatron.calibrate.calibration import choose_windows
 
     steady = [600.0, 480.0, 700.0, 550.0, 711.0, 477.0, 640.0, 590.0, 520.0, 300.0,
               610.0, 560.0, 1500.0, 600.0, 530.0, 650.0, 580.0, 620.0]
@@ -360,7 +367,7 @@ def test_a_noisy_steady_state_does_not_push_the_warm_up_on():
 
 
 def test_a_warm_up_that_never_settles_keeps_minimum_windows():
-    from poseidon_plugin.megatron.calibration import MIN_WINDOW, choose_windows
+    from poseidon_plugin.megatron.calibrate.calibration import MIN_WINDOW, choose_windows
 
     # still slow when the latest warm-up that leaves both windows is reached
     w, c, m, why = choose_windows([1000.0, 900.0, 800.0, 700.0, 150.0, 100.0, 100.0], 1, 3, 3)
@@ -375,7 +382,7 @@ def test_a_warm_up_that_never_settles_keeps_minimum_windows():
 
 
 def test_a_run_too_short_to_adapt_keeps_the_configured_windows():
-    from poseidon_plugin.megatron.calibration import choose_windows
+    from poseidon_plugin.megatron.calibrate.calibration import choose_windows
 
     assert choose_windows([900.0, 100.0, 100.0], 1, 1, 1)[:3] == (1, 1, 1)
     w, c, m, why = choose_windows([900.0, 800.0, 700.0, 100.0], 1, 3, 3)   # too few recorded
@@ -395,4 +402,24 @@ def test_the_report_line_names_the_warm_up(both_stages):
     assert rep.windows == ((4, 5), (6, 8)) and rep.warmup.iterations == 3
     assert rep.check.overhead_ms == pytest.approx(25.0, abs=1e-6)
     assert rep.written.overhead_ms == pytest.approx(25.0, abs=1e-6)
-    assert "fitted to iterations 4-5 after a warm-up of iterations 1-3 (adaptive" in lines[0]
+    assert "fitted to iterations 4-5 after a warm-up of iterations 1-3 (adaptive" in unfold(lines[0])
+
+
+def unfold(text: str) -> str:
+    """The calibration report's one line from its folded log lines."""
+    return " ".join(ln.strip() for ln in text.splitlines())
+
+
+def test_report_is_folded_into_short_lines_that_join_back():
+    """The calibration report (600+ characters in the demo) is logged folded: every line at
+    most FOLD_WIDTH characters, continuations indented, and joined back it is ``line()``."""
+    gib = 1 << 30
+    rep = CalibrationReport(15, 646.5, 2976.7, (StageTiming(0, 3.6, 3.21, 179.8, 277.9, 2 * gib),
+                                                StageTiming(1, 0.74, 0.67, 20.6, 516.7, 0)),
+                            2, (int(1.9 * gib), gib))
+    assert len(rep.line()) > 2 * calibration.FOLD_WIDTH
+    lines = rep.folded().splitlines()
+    assert len(lines) >= 3 and all(len(ln) <= calibration.FOLD_WIDTH for ln in lines)
+    assert lines[0].startswith("calibration: iteration 15: predicted 646.5 ms")
+    assert all(ln.startswith(calibration.FOLD_INDENT) for ln in lines[1:])
+    assert " ".join(ln.strip() for ln in lines) == rep.line()

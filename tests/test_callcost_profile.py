@@ -1,4 +1,4 @@
-"""Per-p2p-call costs measured between real gloo processes (``megatron/callcost_profile.py``):
+"""Per-p2p-call costs measured between real gloo processes (``megatron/profile/callcost_profile.py``):
 rank 0 gets one ``P2PCall`` record per message size, the others none; a third rank only passes
 the barriers; the records store in a profile DB and the cost model charges them; on a pair's own
 group (as a launch measures a link) the calls are megatron-core's ``P2PCommunicator``'s."""
@@ -22,7 +22,7 @@ def _worker(rank, world, port, out):
     import torch.distributed as dist
 
     from poseidon_plugin.callcosts import p2p_call_to_record
-    from poseidon_plugin.megatron.callcost_profile import p2p_call_records
+    from poseidon_plugin.megatron.profile.callcost_profile import p2p_call_records
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -62,13 +62,13 @@ def _pair_worker(rank, world, port, out):
     megatron-core's P2PCommunicator (its calls counted), as a launch's link pair does."""
     import torch.distributed as dist
 
-    from poseidon_plugin.megatron.emulation import install_cpu_shims
+    from poseidon_plugin.megatron.emulate.emulation import install_cpu_shims
 
     install_cpu_shims(local_rank=0, device_count=1)
     from megatron.core.pipeline_parallel import p2p_communication as p2p
 
     from poseidon_plugin.callcosts import p2p_call_to_record
-    from poseidon_plugin.megatron.callcost_profile import p2p_call_records
+    from poseidon_plugin.megatron.profile.callcost_profile import p2p_call_records
 
     counted = {"send_forward": 0, "recv_forward": 0}
     for name in counted:

@@ -1,11 +1,11 @@
-"""Host contention under CPU emulation (``megatron/contention.py``), with fake steps and clocks:
+"""Host contention under CPU emulation (``megatron/emulate/contention.py``), with fake steps and clocks:
 what the concurrent probe measures, and how a host's share is formed from its ranks'."""
 
 from __future__ import annotations
 
 import pytest
 
-from poseidon_plugin.megatron.contention import (ContentionSample, host_shares, measure_alone,
+from poseidon_plugin.megatron.emulate.contention import (ContentionSample, host_shares, measure_alone,
                                                  measure_contention, timed_compute)
 
 
@@ -113,7 +113,7 @@ def test_timed_compute_reads_both_clocks():
 # --------------------------------------------------------------------------- emulated speeds
 
 def _agg(t, tp, mbs, f, b):
-    from poseidon_plugin.megatron.profiler import Aggregate
+    from poseidon_plugin.megatron.profile.profiler import Aggregate
 
     return Aggregate(t, tp, mbs, f, b, 0, 0, 2)
 
@@ -121,7 +121,7 @@ def _agg(t, tp, mbs, f, b):
 def test_speed_check_expects_the_speeds_with_the_host_shares():
     """fast: share 1.16, speed 1; slow: share 1.42, speed 0.25 -> (1.42 + 3) / 1.16 = 3.81;
     measured 4.00 / 3.84 (a launch on the 2-core host) are within 10 %, 4.4 is not."""
-    from poseidon_plugin.megatron.contention import emulated_speed_checks
+    from poseidon_plugin.megatron.emulate.contention import emulated_speed_checks
 
     speeds, shares = {"emu-fast": 1.0, "emu-slow": 0.25}, {"emu-fast": 1.16, "emu-slow": 1.42}
     aggs = [_agg("emu-fast", 1, 1, 27.3, 59.1), _agg("emu-slow", 1, 1, 109.2, 227.2),
@@ -141,7 +141,7 @@ def test_speed_check_expects_the_speeds_with_the_host_shares():
 
 
 def test_speed_check_needs_tp1_and_two_types():
-    from poseidon_plugin.megatron.contention import emulated_speed_checks
+    from poseidon_plugin.megatron.emulate.contention import emulated_speed_checks
 
     speeds = {"a": 1.0, "b": 0.5}
     assert emulated_speed_checks([_agg("a", 2, 1, 1, 1), _agg("b", 2, 1, 2, 2)], speeds, {}) == []
@@ -166,7 +166,7 @@ def _attempts(monkeypatch, ctx, slow_fwd: dict[str, float]):
     """Each attempt's gathered timings are a token; the fake aggregate turns a token into the
     slow type's forward over the fast one's (expected x4: free cores, no shares); each new
     attempt also measures new host shares, as the contention probe does."""
-    from poseidon_plugin.megatron import runner
+    from poseidon_plugin.megatron.launch import runner
 
     def aggregate(gathered, types):
         tok = gathered[0][0]
@@ -188,7 +188,7 @@ def _attempts(monkeypatch, ctx, slow_fwd: dict[str, float]):
 
 
 def test_an_off_speed_is_profiled_again_until_within_10_percent(monkeypatch, caplog):
-    from poseidon_plugin.megatron import runner
+    from poseidon_plugin.megatron.launch import runner
 
     ctx = _speed_ctx(0)
     calls = _attempts(monkeypatch, ctx, {"a": 5.0, "b": 4.2, "c": 4.0})   # 25 %, then 5 %
@@ -202,7 +202,7 @@ def test_an_off_speed_is_profiled_again_until_within_10_percent(monkeypatch, cap
 
 
 def test_within_10_percent_profiles_once(monkeypatch):
-    from poseidon_plugin.megatron import runner
+    from poseidon_plugin.megatron.launch import runner
 
     ctx = _speed_ctx(0)
     calls = _attempts(monkeypatch, ctx, {"a": 4.3, "b": 4.0})
@@ -211,8 +211,8 @@ def test_within_10_percent_profiles_once(monkeypatch):
 
 
 def test_at_most_three_attempts_and_the_closest_is_kept(monkeypatch):
-    from poseidon_plugin.megatron import runner
-    from poseidon_plugin.megatron.contention import SPEED_ATTEMPTS
+    from poseidon_plugin.megatron.launch import runner
+    from poseidon_plugin.megatron.emulate.contention import SPEED_ATTEMPTS
 
     assert SPEED_ATTEMPTS == 3
     ctx = _speed_ctx(0)
@@ -224,7 +224,7 @@ def test_at_most_three_attempts_and_the_closest_is_kept(monkeypatch):
 
 
 def test_other_ranks_follow_rank_0s_decisions(monkeypatch):
-    from poseidon_plugin.megatron import runner
+    from poseidon_plugin.megatron.launch import runner
 
     ctx = _speed_ctx(1, decisions=[True, False])
     calls = _attempts(monkeypatch, ctx, {"x": 1.0, "y": 1.0, "z": 1.0})
@@ -233,7 +233,7 @@ def test_other_ranks_follow_rank_0s_decisions(monkeypatch):
 
 
 def test_speed_error_is_the_largest_miss():
-    from poseidon_plugin.megatron.contention import emulated_speed_checks, speed_error
+    from poseidon_plugin.megatron.emulate.contention import emulated_speed_checks, speed_error
 
     speeds = {"a": 1.0, "b": 0.5}
     assert speed_error([]) == 0.0

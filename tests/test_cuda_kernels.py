@@ -12,7 +12,8 @@ import pytest
 
 pytest.importorskip("megatron.training")
 
-from poseidon_plugin.megatron import compat, offline, profiler, runner  # noqa: E402
+from poseidon_plugin.megatron.launch import compat, runner
+from poseidon_plugin.megatron.profile import offline, profiler  # noqa: E402
 
 ALL_FLAGS = ["--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-rope-fusion",
              "--no-persist-layer-norm"]

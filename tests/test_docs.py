@@ -261,7 +261,7 @@ _POSEIDON_FLAG = re.compile(r"--poseidon-[a-z0-9-]*[a-z0-9]")
 def unknown_launch_flags(text: str) -> list[str]:
     """The ``--poseidon-*`` names a page mentions (prose, tables, code) that the launch does not
     know."""
-    from poseidon_plugin.megatron.options import _SPEC
+    from poseidon_plugin.megatron.launch.options import _SPEC
 
     return sorted({f for f in _POSEIDON_FLAG.findall(text) if f not in _SPEC})
 
@@ -280,7 +280,7 @@ def launch_lines(text: str) -> list[tuple[int, list[str]]]:
 
 
 def launch_error(words: list[str]) -> str | None:
-    from poseidon_plugin.megatron.options import extract_options
+    from poseidon_plugin.megatron.launch.options import extract_options
 
     try:
         extract_options(words)
@@ -308,3 +308,28 @@ def test_launch_option_check_catches_a_bad_option():
     assert [n for n, _ in found] == [4, 6]
     assert "--poseidon-pruning" in launch_error(found[0][1])
     assert launch_error(found[1][1]) is None
+
+
+def test_example_outputs_of_the_readme_and_usage_are_ignored_by_git():
+    """``--out plan.json`` / ``--gantt plan.png`` in the README's and usage.md's examples write
+    into the clone: git must not offer them for a commit."""
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout (or no git)")
+    outputs = set()
+    for page in (ROOT / "README.md", ROOT / "docs" / "usage.md"):
+        outputs.update(m.group(1) for m in re.finditer(r"--(?:out|gantt) (\S+\.\w+)",
+                                                       page.read_text()))
+    outputs = {o for o in outputs if "/" not in o}
+    assert {"plan.json", "plan.png"} <= outputs
+    for name in sorted(outputs):
+        rc = subprocess.run(["git", "check-ignore", "-q", name], cwd=ROOT).returncode
+        assert rc == 0, f"{name} (an example's output) is not in .gitignore"
+
+
+def test_readme_says_where_the_framework_trees_come_from_and_what_make_test_builds():
+    text = " ".join((ROOT / "README.md").read_text().split())
+    assert "`FRAMEWORKS` defaults to `../shared/frameworks`" in text
+    assert "`PROVENANCE.md`" in text and "`.msllm/`" in text and "du -sh .msllm" in text

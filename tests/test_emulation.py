@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from poseidon_plugin.errors import SpecError
-from poseidon_plugin.megatron.emulation import emulation_from_dict, load_emulation
+from poseidon_plugin.megatron.emulate.emulation import emulation_from_dict, load_emulation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,7 +44,8 @@ def test_rank_beyond_the_list_is_an_error():
 
 _SCRIPT = textwrap.dedent("""
     import json, os, sys, time
-    from poseidon_plugin.megatron import emulation, profiler
+    from poseidon_plugin.megatron.emulate import emulation
+    from poseidon_plugin.megatron.profile import profiler
     emulation.install_cpu_shims(device_name="emu-x", memory_bytes=8 << 30)
     import torch, torch.distributed as dist
     assert torch.cuda.is_available() and torch.cuda.get_device_name() == "emu-x"
@@ -87,3 +88,66 @@ def test_shims_run_a_real_megatron_layer_on_cpu_with_slowdown():
     assert all(t["samples"] >= 8 for t in (t1, t2))
     assert result["pads"] >= sum(2 * (1 + 3 + t["samples"]) for t in (t1, t2))
     assert result["pads"] % 2 == 0
+
+
+@pytest.mark.integration   # torch / megatron-core
+def test_pipeline_sends_go_from_a_private_copy():
+    """megatron-core < 0.19 frees an interleaved output while its isend runs (issue 36 item
+    12): under the emulation its p2p module's ``torch.distributed`` sends a copy, through
+    ``isend`` and through a ``P2POp`` of it (torch's own isend handed on: torch checks the op),
+    and receives into the caller's tensor."""
+    import torch
+
+    from poseidon_plugin.megatron.emulate.emulation import _PrivateSendTorch
+
+    calls = []
+
+    class FakeDist:
+        def isend(self, tensor, dst=None, group=None, tag=0):
+            calls.append(("isend", tensor))
+
+        def irecv(self, tensor, src=None, group=None, tag=0):
+            calls.append(("irecv", tensor))
+
+        def P2POp(self, op, tensor, peer, group=None):  # noqa: N802
+            assert op in (self.isend, self.irecv), op
+            return ("op", op.__name__, tensor, peer)
+
+        def get_rank(self):
+            return 3
+
+    fake_torch = type("T", (), {"distributed": FakeDist(), "float32": torch.float32})()
+    proxy = _PrivateSendTorch(fake_torch)
+    x = torch.randn(4)
+    send = proxy.distributed.P2POp(proxy.distributed.isend, x, 1)
+    assert send[1] == "isend" and send[2] is not x and torch.equal(send[2], x)
+    recv = proxy.distributed.P2POp(proxy.distributed.irecv, x, 1)
+    assert recv[1] == "irecv" and recv[2] is x                  # received into the caller's
+    proxy.distributed.isend(x, 1)
+    assert calls[-1][1] is not x and torch.equal(calls[-1][1], x)
+    x.data = torch.empty(1)                  # deallocate_output_tensor: the copy is unaffected
+    assert send[2].numel() == 4
+    assert proxy.distributed.get_rank() == 3 and proxy.float32 is torch.float32
+
+
+@pytest.mark.integration   # torch / megatron-core
+def test_the_dispatchers_split_sizes_reach_gloo_as_from_a_device(monkeypatch):
+    """megatron-core's all-to-all dispatcher asks maybe_move_tensor_to_cpu(as_numpy=True) for
+    its split sizes, which converts only an accelerator tensor; on the emulated device (CPU
+    tensors) megatron-core 0.12.1 handed gloo tensors and its all_to_all_single refused them at
+    the first EP 2 step of MindSpeed-LLM v26.1.0. Under the emulation they come as numpy."""
+    import numpy as np
+    import torch
+
+    dispatcher = pytest.importorskip("megatron.core.transformer.moe.token_dispatcher")
+    from poseidon_plugin.megatron.emulate.emulation import host_split_sizes
+
+    monkeypatch.setattr(dispatcher, "maybe_move_tensor_to_cpu",
+                        dispatcher.maybe_move_tensor_to_cpu)   # put back after the test
+    splits = torch.tensor([58, 60])
+    assert torch.is_tensor(dispatcher.maybe_move_tensor_to_cpu(splits, as_numpy=True))
+    assert host_split_sizes() and host_split_sizes()           # once, idempotent
+    out = dispatcher.maybe_move_tensor_to_cpu(splits, as_numpy=True)
+    assert isinstance(out, np.ndarray) and out.tolist() == [58, 60]
+    assert dispatcher.maybe_move_tensor_to_cpu(splits) is splits   # no numpy asked: as before
+    assert dispatcher.maybe_move_tensor_to_cpu(None, as_numpy=True) is None

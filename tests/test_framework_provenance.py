@@ -24,10 +24,11 @@ import textwrap
 
 import pytest
 
-from poseidon_plugin.megatron import imports, profile_gather, provenance
-from poseidon_plugin.megatron.discovery import DeviceInfo
-from poseidon_plugin.megatron.profile_gather import CacheKey
-from poseidon_plugin.megatron.profiler import Aggregate
+from poseidon_plugin.megatron import imports, provenance
+from poseidon_plugin.megatron.profile import profile_gather
+from poseidon_plugin.megatron.launch.discovery import DeviceInfo
+from poseidon_plugin.megatron.profile.profile_gather import CacheKey
+from poseidon_plugin.megatron.profile.profiler import Aggregate
 from poseidon_plugin.megatron.provenance import Component
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -289,7 +290,7 @@ def test_a_launch_on_a_012_wheel_is_one_line(tmp_path):
 def test_a_real_checkout_first_on_the_path_is_what_records_say():
     """The venv has the megatron-core 0.19.2 wheel; the 0.12.1 checkout first on the path is
     the megatron imported, and what the env of a record says."""
-    proc = run_py("import json; from poseidon_plugin.megatron import profile_gather as g; "
+    proc = run_py("import json; from poseidon_plugin.megatron.profile import profile_gather as g; "
                   "print(json.dumps(dict(g.measurement_env('emu-a', 'emulated'))))", [TREE_0121])
     assert proc.returncode == 0, proc.stderr[-3000:]
     env = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -8,7 +8,7 @@
 * ``poseidon plan --megatron-args "--no-overlap-p2p-communication"`` on a setting whose default
   plan is interleaved pp=2 plans something else, and (integration) Megatron's own
   ``validate_args`` refuses the default and accepts that plan;
-* the launch's rank-0 check (``megatron/judge.py``): a configuration the framework refuses is
+* the launch's rank-0 check (``megatron/launch/judge.py``): a configuration the framework refuses is
   excluded and the search goes on; bounded; a clear error when nothing is accepted.
 """
 
@@ -27,7 +27,7 @@ from poseidon_plugin import cli
 from poseidon_plugin.cluster import load_cluster
 from poseidon_plugin.costs import CostModel
 from poseidon_plugin.errors import InfeasibleError, PoseidonError
-from poseidon_plugin.megatron import judge
+from poseidon_plugin.megatron.launch import judge
 from poseidon_plugin.model import get_model
 from poseidon_plugin.search import SearchOptions, enumerate_configs, search_plan
 from poseidon_plugin.search.rules import FrameworkRules, Shape
@@ -359,7 +359,7 @@ def test_nothing_accepted_is_a_clear_bounded_error(tmp_path):
 
 def _launch_ctx(tmp_path, argv, monkeypatch):
     """The fields of a LaunchContext ``runner._rank0_search_plan`` reads."""
-    from poseidon_plugin.megatron.options import extract_options
+    from poseidon_plugin.megatron.launch.options import extract_options
     from poseidon_plugin.training import TrainingSetup
 
     cluster, model = _two_dev(tmp_path)
@@ -374,7 +374,7 @@ def _launch_ctx(tmp_path, argv, monkeypatch):
 
 
 def test_the_launch_searches_with_the_scripts_flags(tmp_path, monkeypatch):
-    from poseidon_plugin.megatron import runner
+    from poseidon_plugin.megatron.launch import runner
 
     ctx = _launch_ctx(tmp_path, ["--num-layers", "8", P2P], monkeypatch)
     assert runner._search_options(ctx).rules == FrameworkRules.from_argv([P2P])
@@ -383,7 +383,7 @@ def test_the_launch_searches_with_the_scripts_flags(tmp_path, monkeypatch):
 def test_the_launch_broadcasts_only_a_plan_the_framework_accepts(tmp_path, monkeypatch):
     """rank 0's search with a stand-in for the framework's validation that refuses the first
     plan: the JSON broadcast (and kept for the next launch) is the second."""
-    from poseidon_plugin.megatron import runner
+    from poseidon_plugin.megatron.launch import runner
     from poseidon_plugin.plan import Plan
 
     ctx = _launch_ctx(tmp_path, ["--num-layers", "8"], monkeypatch)
@@ -414,7 +414,7 @@ MODEL_ARGV = ("--num-layers 8 --hidden-size 256 --num-attention-heads 8 --ffn-hi
 
 def _megatron_refusal(plan, extra):
     pytest.importorskip("megatron.training.arguments")
-    from poseidon_plugin.megatron import argv as argvmod
+    from poseidon_plugin.megatron.launch import argv as argvmod
 
     new_argv = argvmod.rewrite_argv(MODEL_ARGV + extra, plan, "megatron")
     return judge.framework_refusal("pretrain_gpt.py", new_argv, plan.world_size)
@@ -435,7 +435,7 @@ def test_megatron_refuses_the_default_and_accepts_the_plan_with_the_flag(capsys,
 
 @pytest.mark.integration
 def test_the_runners_check_runs_megatrons_own_validation(tmp_path, monkeypatch):
-    from poseidon_plugin.megatron import runner
+    from poseidon_plugin.megatron.launch import runner
 
     cluster, model = _two_dev(tmp_path)
     plan = search_plan(cluster, model, SearchOptions(global_batch_size=8, seq_length=128,
@@ -456,7 +456,7 @@ def test_a_plan_flag_this_megatron_does_not_know_is_a_refusal(tmp_path):
         global_batch_size=8, seq_length=128, workers=1, runner_up=False,
         schedules=("1f1b",)))
     assert plan.pp == 2
-    from poseidon_plugin.megatron import argv as argvmod
+    from poseidon_plugin.megatron.launch import argv as argvmod
 
     new_argv = argvmod.rewrite_argv(MODEL_ARGV, plan, "mindspeed-llm")   # --num-layer-list
     why = judge.framework_refusal("pretrain_gpt.py", new_argv, plan.world_size)

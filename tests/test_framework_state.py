@@ -100,7 +100,7 @@ def test_tensor_type_renamed_through_a_framework_wrapper():
     (Megatron's clip_grads and Float16Optimizer assert it)."""
     out = run("""
         import functools
-        from poseidon_plugin.megatron import emulation
+        from poseidon_plugin.megatron.emulate import emulation
         emulation.install_cpu_shims(device_name="emu", memory_bytes=1 << 30)
         import torch
         orig = torch.Tensor.type
@@ -119,7 +119,7 @@ def test_tensor_type_renamed_through_a_framework_wrapper():
 
 def test_npu_stand_ins():
     out = run("""
-        from poseidon_plugin.megatron import emulation
+        from poseidon_plugin.megatron.emulate import emulation
         emulation.install_cpu_shims(device_count=2, device_name="emu-npu", memory_bytes=1 << 30)
         import torch, torch_npu, torchair, acl
         from torch_npu.contrib import transfer_to_npu
@@ -163,7 +163,7 @@ def test_dataset_helpers_built_outside_the_tree(tmp_path):
                    "PYBIND11_MODULE(helpers_cpp, m) { m.def(\"twice\", &twice); }\n")
     out = run(f"""
         import os, sys, types
-        from poseidon_plugin.megatron import compat
+        from poseidon_plugin.megatron.launch import compat
         so = compat.build_helpers_cached({str(src)!r})
         assert so.startswith({str(tmp_path / 'cache')!r}), so
         assert compat.build_helpers_cached({str(src)!r}) == so
@@ -184,10 +184,56 @@ def test_dataset_helpers_without_pybind11_is_one_clear_error(tmp_path):
         import sys
         sys.modules["pybind11"] = None          # not installed
         from poseidon_plugin.errors import PoseidonError
-        from poseidon_plugin.megatron import compat
+        from poseidon_plugin.megatron.launch import compat
         try:
             compat.build_helpers_cached({str(src)!r})
         except PoseidonError as e:
             print("ERR", e)
     """, env={"POSEIDON_HELPERS_CACHE": str(tmp_path / "cache")})
     assert "ERR" in out and "pip install pybind11" in out and "helpers.cpp" in out
+
+
+# one MoE layer with an aux loss profiled as the launch profiles it (one gloo process, the CPU
+# shims), then: what the framework's modules and classes hold, and the training's first step
+# of megatron-core's own aux-loss scale (initialize_megatron: set_loss_scale(torch.ones(1)))
+_PROFILE_MOE = r"""
+import os, sys, tempfile, warnings
+warnings.simplefilter("ignore")
+from poseidon_plugin.megatron import framework_state as fs
+from poseidon_plugin.megatron.emulate import emulation
+from poseidon_plugin.megatron.profile import offline, profiler
+emulation.install_cpu_shims(local_rank=0, device_count=1, device_name="cpu", memory_bytes=1 << 30)
+import torch
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+flags = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+         "--max-position-embeddings 32 --micro-batch-size 1 --global-batch-size 1 "
+         "--transformer-impl local --no-gradient-accumulation-fusion --no-persist-layer-norm "
+         "--no-masked-softmax-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion "
+         "--disable-bias-linear --tokenizer-type NullTokenizer --vocab-size 128 --lr 1e-4 "
+         "--num-experts 4 --moe-router-topk 2 --moe-token-dispatcher-type alltoall "
+         "--moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 0.01").split()
+args = profiler.parse_megatron_args("pretrain_gpt.py", flags)
+offline._init_alone("cpu", tempfile.mkdtemp())
+before = fs.DataState.capture()
+kinds = [profiler.ProfiledKind(name="moe", moe=True)]
+(t,) = profiler.profile_rank(args, (1,), (1,), world_size=1, rank=0,
+                             device=torch.device("cpu"), iters=1, kinds=kinds)
+assert t.forward_ms > 0 and t.backward_ms > 0
+left = before.restore()
+print("LEFT", ",".join(left))
+print("SCALE", MoEAuxLossAutoScaler.main_loss_backward_scale)
+MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1))     # initialize_megatron's
+MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1) * 2)  # the schedule's, every micro-batch
+print("OK")
+"""
+
+
+def test_profiling_a_moe_layer_leaves_no_framework_state(tmp_path):
+    """Issue 36 item 9: the profiled MoE layer's backward stores a 0-dim aux-loss scale on
+    megatron-core's MoEAuxLossAutoScaler (and its router fills the aux-loss tracker); the
+    training's set_loss_scale(torch.ones(1)) then died in initialize_megatron on every rank.
+    Every data attribute of the framework's modules and classes is as before the profiling."""
+    pytest.importorskip("megatron.core")
+    out = run(_PROFILE_MOE.replace("tempfile.mkdtemp()", repr(str(tmp_path))))
+    assert "LEFT \n" in out and "SCALE None" in out, out
+    assert out.strip().endswith("OK")

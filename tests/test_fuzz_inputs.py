@@ -309,7 +309,7 @@ def test_fuzz_launch_cached_plan(case):
     keeps it or plans afresh; nothing but a plan comes out, and a file it could not read is no
     longer in the way of the next launch."""
     from poseidon_plugin.cluster import load_cluster
-    from poseidon_plugin.megatron.runner import _load_previous
+    from poseidon_plugin.megatron.launch.runner import _load_previous
     from poseidon_plugin.model import load_model
     from poseidon_plugin.search import SearchOptions, search_plan
 

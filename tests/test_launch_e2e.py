@@ -33,6 +33,11 @@ GPT_ARGS = ("--num-layers 8 --hidden-size 128 --num-attention-heads 4 --seq-leng
             "--num-workers 0 --seed 1234").split()
 
 
+def with_value(args, flag: str, value: str) -> list[str]:
+    """``args`` with ``flag``'s value replaced by ``value``."""
+    return [(value if prev == flag else a) for prev, a in zip(["", *args[:-1]], args)]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -48,8 +53,32 @@ def torchrun(nproc: int, args: list[str], env: dict[str, str], timeout: float = 
            "--master-port", str(free_port()), "-m", *module, *args]
     full_env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **env}
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
+    proc = run_tree(cmd, timeout, env=full_env, cwd=cwd)
     return proc, proc.stdout + proc.stderr, time.monotonic() - t0
+
+
+def run_tree(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=...)``, but a launch past
+    its timeout fails the test with the tail of its output, and every process under it is
+    killed first: torchrun starts each rank in a session of its own, so killing torchrun alone
+    left hung ranks running after the test."""
+    import psutil
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd[:8])} ...: no exit within {timeout:g} s (every process "
+                    f"under it killed)\n----- tail -----\n{(out + err)[-6000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def ok(proc, out: str) -> str:
@@ -149,7 +178,9 @@ def test_emulated_heterogeneous_training(tmp_path):
     # warning; which one depends on the host's load, so only the line is required here)
     assert re.search(r"emulated speed: emu-slow forward x[0-9.]+, backward x[0-9.]+ of "
                      r"emu-fast's; expected x[0-9.]+ \(x4\.00 configured", out), out
-    (cal,) = {l[l.index("calibration:"):] for l in out.splitlines() if "calibration: iteration 7" in l}
+    # the report is logged folded (continuations indented by four spaces): one line again
+    (cal,) = {l[l.index("calibration:"):] for l in re.sub(r"\n {4}(?=\S)", " ", out).splitlines()
+              if "calibration: iteration 7" in l}
     # the warm-up is iteration 1, or longer where the periods had not settled (choose_windows)
     m = re.search(r"fitted to iterations? (\d+)(?:-\d+)? after a warm-up of iterations? "
                   r"(?:1-)?(\d+) \(", cal)
@@ -297,13 +328,15 @@ def test_a_rank_that_never_answers_is_named(tmp_path, phase):
     emu = write_emulation(tmp_path / "emu.yaml", ["emu-slow", "emu-fast"])
     env = {"POSEIDON_PROFILE_DIR": str(tmp_path / "profiles"),
            "POSEIDON_FAULT_INJECT": f"{phase}:1:hang"}
+    # the 20 s wait is the product's (named in the error); the run's own wall time, torch's and
+    # megatron-core's start-up included, is not asserted: a hang still fails at the timeout. It
+    # bounds every barrier, the profiling turns' too (one rank profiles while the other waits:
+    # at 3 s, a loaded host's turn outlasted it and the wrong phase timed out first)
     args = [*GPT_ARGS, "--train-iters", "2", "--poseidon-auto", "--poseidon-emulate", emu,
-            "--poseidon-timeout", "3"]
-    # the 3 s wait is the product's (named in the error); the run's own wall time, torch's and
-    # megatron-core's start-up included, is not asserted: a hang still fails at the timeout
+            "--poseidon-timeout", "20"]
     proc, out, _ = torchrun(2, args, env, timeout=300)
     assert proc.returncode != 0
-    assert re.search(r"timed out after 3 s .*rank 1 \(host [^,]+, local rank 1, emu-fast\) "
+    assert re.search(r"timed out after 20 s .*rank 1 \(host [^,]+, local rank 1, emu-fast\) "
                      rf"\(last seen entering '{phase}'", out), out[-4000:]
 
 
@@ -350,3 +383,22 @@ def test_ranks_the_plan_does_not_use_exit_0_and_megatron_sees_only_the_used_ones
     assert sorted((r["rank"], r["launch_rank"]) for r in reps) == [(0, 1), (1, 2)]
     assert all(r["world_size"] == 2 and r["dp_size"] == 2 for r in reps)
     assert re.search(r"iteration\s+2/\s*2 \|.*lm loss", out)
+
+
+def test_a_refusal_on_rank_0_exits_every_rank_with_2(tmp_path):
+    """No plan fits (1 MiB per device): rank 0's search refuses, the other rank learns it was a
+    refusal; each prints its one error line and exits 2 (torchrun itself exits 1 and adds
+    its ChildFailedError summary, naming each rank's exitcode: docs/launch.md)."""
+    emu = tmp_path / "emu.yaml"
+    emu.write_text("device_types:\n  emu-fast: {speed: 1.0, memory_gib: 0.001}\n"
+                   "  emu-slow: {speed: 0.5, memory_gib: 0.001}\n"
+                   "ranks: [emu-slow, emu-fast]\n")
+    proc, out, _ = torchrun(2, [*GPT_ARGS, "--train-iters", "2", "--poseidon-auto",
+                                "--poseidon-emulate", str(emu), "--poseidon-dry-run"],
+                            {"POSEIDON_PROFILE_DIR": str(tmp_path / "profiles")})
+    assert proc.returncode == 1, ok(proc, out)           # torchrun's own code
+    errors = [l for l in out.splitlines() if re.match(r"\[poseidon rank \d\] error: ", l)]
+    assert len(errors) == 2, out[-4000:]
+    assert any("no plan fits" in l for l in errors), errors
+    codes = re.findall(r"exitcode\s*: (\d+)", out)
+    assert codes and set(codes) == {"2"}, out[-3000:]

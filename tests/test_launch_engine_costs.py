@@ -1,5 +1,5 @@
 """The per-op overheads and per-call p2p costs a launch / ``poseidon profile`` measures
-(``megatron/callcost_profile.py``, ``megatron/op_overhead.py``; issue 30, item 5), on their
+(``megatron/profile/callcost_profile.py``, ``megatron/profile/op_overhead.py``; issue 30, item 5), on their
 pure-Python side (no processes; the runs under torchrun are in test_launch_e2e.py and
 test_profile_torchrun.py):
 
@@ -21,11 +21,11 @@ import pytest
 from poseidon_plugin.callcosts import OpOverhead, P2PCall, engine_calls
 from poseidon_plugin.cluster import load_cluster
 from poseidon_plugin.errors import ProfileDBError
-from poseidon_plugin.megatron.callcost_profile import (activation_messages, engine_cost_records,
+from poseidon_plugin.megatron.profile.callcost_profile import (activation_messages, engine_cost_records,
                                                        engine_costs_cached, link_pairs)
-from poseidon_plugin.megatron.discovery import DeviceInfo, group_nodes
-from poseidon_plugin.megatron.op_overhead import engine_overheads
-from poseidon_plugin.megatron.recorder import IterationRecord
+from poseidon_plugin.megatron.launch.discovery import DeviceInfo, group_nodes
+from poseidon_plugin.megatron.profile.op_overhead import engine_overheads
+from poseidon_plugin.megatron.calibrate.recorder import IterationRecord
 from poseidon_plugin.model import get_model
 from poseidon_plugin.plan import Plan
 from poseidon_plugin.profiles import ProfileDB
@@ -163,7 +163,7 @@ def test_the_search_charges_the_stored_overheads_exactly(tmp_path):
                      "send_call_ms": 0.1, "recv_ready_ms": -0.2}]}, "recv_ready_ms"),
 ])
 def test_a_launch_cache_with_a_bad_record_is_set_aside(tmp_path, record, field):
-    from poseidon_plugin.megatron.profile_gather import load_cache
+    from poseidon_plugin.megatron.profile.profile_gather import load_cache
 
     path = tmp_path / "profiles-x.json"
     path.write_text(json.dumps({"version": 1, "records": [], **record}))

@@ -32,10 +32,6 @@ LAZY_BACK_EDGES = {
     # the package re-exports pipeline's names on first use (PEP 562); pipeline imports _core,
     # which imports simulator.schedules (and so runs the package's __init__)
     ("poseidon_plugin.simulator", "poseidon_plugin.simulator.pipeline"),
-    # the runner-up builds the driver's Incumbent values and reads its SPLIT_NODES
-    ("poseidon_plugin.search.runnerup", "poseidon_plugin.search.driver"),
-    # the best single-type baseline runs a whole search (search_plan)
-    ("poseidon_plugin.search.baselines", "poseidon_plugin.search.driver"),
 }
 
 
@@ -265,3 +261,37 @@ def test_the_core_imports_without_torch():
                          timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "CORE TORCH-FREE OK" in out.stdout
+
+
+# Functions over ~80 lines still waiting to be split (issue 38, item 16: none left). The list
+# may only shrink: a new long function fails the test below, and so does an entry that is no
+# longer long (it would let the function grow past the limit again unnoticed).
+LONG_FUNCTIONS: set[str] = set()
+MAX_FUNCTION_LINES = 80
+
+
+def _long_functions() -> dict[str, int]:
+    out: dict[str, int] = {}
+
+    def visit(node, path: str, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = prefix + child.name
+                lines = child.end_lineno - child.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    out[f"{path}:{name}"] = lines
+                visit(child, path, name + ".")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, path, prefix + child.name + ".")
+
+    for path in sorted(PKG.rglob("*.py")):
+        visit(ast.parse(path.read_text()), str(path.relative_to(ROOT)), "")
+    return out
+
+
+def test_no_new_function_over_80_lines():
+    long = _long_functions()
+    new = {k: v for k, v in long.items() if k not in LONG_FUNCTIONS}
+    assert not new, f"functions over {MAX_FUNCTION_LINES} lines (split them): {new}"
+    stale = sorted(LONG_FUNCTIONS - set(long))
+    assert not stale, f"LONG_FUNCTIONS lists functions no longer over the limit: {stale}"

@@ -8,8 +8,8 @@ import types
 import pytest
 
 from poseidon_plugin.errors import PoseidonError
-from poseidon_plugin.megatron import argv as A
-from poseidon_plugin.megatron.options import extract_options
+from poseidon_plugin.megatron.launch import argv as A
+from poseidon_plugin.megatron.launch.options import extract_options
 from poseidon_plugin.plan import DeviceSlot, Plan, StagePlan
 
 
@@ -154,6 +154,23 @@ def test_mindspeed_interleaved_uses_the_layout_where_registered():
     assert A.flag_value(out, "--pipeline-model-parallel-layout") == make_plan(vpp=2).pipeline_layout()
 
 
+def test_mindspeed_split_is_the_layout_where_registered():
+    """Issue 36 item 11: MindSpeed-LLM numbers --num-layer-list's layers as if the split were
+    even (stage 1 of 6,2 gets layers 5..10 of 8); where it registers the layout flag (v26.1.0)
+    a non-interleaved split is written as the layout, which it numbers right."""
+    argv = ["--num-layers", "8", "--num-layer-list", "4,4"]
+    plan = make_plan(layers=(6, 2))
+    out = A.rewrite_argv(argv, plan, "mindspeed-llm", mindspeed_layout=True)
+    assert "--num-layer-list" not in out
+    assert A.flag_value(out, "--pipeline-model-parallel-layout") == plan.pipeline_layout()
+    assert plan.pipeline_layout() == "Et*6|t*2L"
+    assert A.backend_flags(plan, "mindspeed-llm", True) == plan.mindspeed_llm_args(True)
+    assert "--num-layer-list" in plan.mindspeed_llm_args()     # a release without it (2.3.0)
+    with pytest.raises(PoseidonError, match="--noop-layers with --pipeline-model-parallel-layout"):
+        A.rewrite_argv(["--noop-layers", "7"], plan, "mindspeed-llm", mindspeed_layout=True)
+    assert A.mindspeed_repatch_args(out)["num_layer_list"] is None
+
+
 def test_mindspeed_single_stage_has_no_layer_list():
     out = A.rewrite_argv([], make_plan(layers=(8,)), "mindspeed-llm")
     assert "--num-layer-list" not in out
@@ -216,7 +233,7 @@ def test_overridden_user_flags_are_named():
 
 
 def test_spec_keywords_follow_the_installed_signature():
-    from poseidon_plugin.megatron.profiler import _call_with_known
+    from poseidon_plugin.megatron.profile.profiler import _call_with_known
 
     def old_spec(num_experts=None, normalization=None):
         return (num_experts, normalization)
@@ -299,7 +316,7 @@ def test_the_users_ep_is_kept_unless_the_search_may_change_it():
 def test_rewrite_sets_the_plans_context_parallelism():
     from dataclasses import replace
 
-    from poseidon_plugin.megatron.runner import launch_cp_degrees
+    from poseidon_plugin.megatron.launch.runner import launch_cp_degrees
 
     user = ["--num-layers", "8", "--context-parallel-size", "4", "--context-parallel-algo",
             "ulysses_cp_algo"]

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from poseidon_plugin.errors import DistributedError, PoseidonError
-from poseidon_plugin.megatron.bootstrap import LaunchEnv, StoreSync
+from poseidon_plugin.megatron.launch.bootstrap import LaunchEnv, StoreSync
 
 dist = pytest.importorskip("torch.distributed")
 
@@ -90,7 +90,7 @@ def test_tracebacks_carry_one_rank_prefix_after_renumbering(monkeypatch, capsys)
     group's hook goes with it, so the training's tracebacks read "[rank0]: ..." once."""
     import sys
 
-    from poseidon_plugin.megatron.bootstrap import Bootstrap
+    from poseidon_plugin.megatron.launch.bootstrap import Bootstrap
 
     env = LaunchEnv.from_environ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                                   "MASTER_PORT": str(free_port())})
@@ -110,3 +110,30 @@ def test_tracebacks_carry_one_rank_prefix_after_renumbering(monkeypatch, capsys)
     err = capsys.readouterr().err
     last = [ln for ln in err.splitlines() if "ValueError: boom" in ln]
     assert last and last[-1].count("[rank") == 1, err
+
+
+@pytest.mark.parametrize("raised, code", [(PoseidonError("--poseidon-tp 3: bad"), 2),
+                                          (RuntimeError("CUDA out of memory"), 1)])
+def test_a_refusal_on_one_rank_exits_every_rank_with_2(store, capsys, raised, code):
+    """Rank 1 refuses the input (a PoseidonError, exit 2): rank 0, waiting at a barrier, learns
+    it was a refusal and exits 2 as well, each after its one error line; a failure (anything
+    else) exits 1 on both."""
+    from types import SimpleNamespace
+
+    from poseidon_plugin.megatron.launch import runner
+    from poseidon_plugin.megatron.launch.bootstrap import Bootstrap, run_guarded
+
+    boot = Bootstrap.__new__(Bootstrap)
+    boot.env, boot.sync = SimpleNamespace(rank=1), StoreSync(store, 1, 2, f"t5-{code}")
+
+    def refuse():
+        raise raised
+
+    with pytest.raises(type(raised)) as mine:
+        run_guarded(boot, "read-model", refuse)
+    with pytest.raises(DistributedError) as peer:
+        StoreSync(store, 0, 2, f"t5-{code}").barrier("model-read", 30.0)
+    assert "rank 1 failed during read-model" in str(peer.value)
+    assert [runner._fail(mine.value), runner._fail(peer.value)] == [code, code]
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all("] error: " in ln for ln in err)

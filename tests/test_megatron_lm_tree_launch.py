@@ -34,7 +34,7 @@ import time
 import pytest
 
 import frameworks as fw
-from test_launch_e2e import EMULATE4, GPT_ARGS, free_port, ok
+from test_launch_e2e import EMULATE4, GPT_ARGS, free_port, ok, run_tree
 from test_mcore_versions import tree_version
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -87,17 +87,19 @@ def torchrun(target: list[str], args: list[str], env: dict[str, str], pythonpath
     full = {**os.environ, "PYTHONPATH": os.pathsep.join(pythonpath), "OMP_NUM_THREADS": "1",
             "PYTHONWARNINGS": "ignore", **env}
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full,
-                          cwd=fw.ROOT)
+    proc = run_tree(cmd, timeout, env=full, cwd=fw.ROOT)
     took = time.monotonic() - t0
     print(f"{' '.join(target[-1:])}: {took:.1f} s")
     return proc, proc.stdout + proc.stderr, took
 
 
-def launcher(args: list[str], work, profiles: str = "profiles"):
+def launcher(args: list[str], work, profiles: str = "profiles", tree: str = TREE):
     env = {"POSEIDON_PROFILE_DIR": str(work / profiles),
-           "POSEIDON_HELPERS_CACHE": str(work / "megatron-helpers")}
-    return torchrun(["-m", "poseidon_plugin.launch", os.path.join(TREE, "pretrain_gpt.py")],
+           "POSEIDON_HELPERS_CACHE": str(work / "megatron-helpers"),
+           # megatron-core 0.15.x builds a CUDA allocator at import; without a GPU torch finds
+           # no architecture unless one is named
+           "TORCH_CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST", "8.0")}
+    return torchrun(["-m", "poseidon_plugin.launch", os.path.join(tree, "pretrain_gpt.py")],
                     args, env, [fw.ROOT])
 
 
@@ -202,3 +204,68 @@ def test_one_line_patch_plans_and_trains(work):
     check_plan_and_warnings(out, plan)
     check_training(out, plan)
     check_records_name_the_tree(work / "profiles-patched")
+
+
+# ------------------------------------------------------------------ MoE, interleaving (issue 36)
+
+# a small mixed model: 1 dense + 3 MoE layers (4 experts, top-2, all-to-all), MTP, EP 2, an aux
+# loss (--moe-aux-loss-coeff, as most MoE recipes set it)
+MIXED = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 "
+         "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 1 "
+         "--global-batch-size 8 --lr 2e-3 --lr-decay-style constant --mock-data "
+         "--tokenizer-type NullTokenizer --vocab-size 512 --log-interval 1 --eval-iters 0 "
+         "--eval-interval 1000 --bf16 --num-workers 0 --seed 1234 --disable-bias-linear "
+         "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64 "
+         "--moe-layer-freq [0]*1+[1]*3 --expert-model-parallel-size 2 "
+         "--moe-token-dispatcher-type alltoall --moe-router-load-balancing-type aux_loss "
+         "--moe-aux-loss-coeff 0.01 --mtp-num-layers 1 --position-embedding-type rope").split()
+
+
+def losses_of(out: str) -> list[tuple[int, float]]:
+    return [(int(i), float(v)) for i, v in
+            re.findall(r"iteration +(\d+)/ +\d+ \|.*?lm loss: ([0-9.E+-]+|nan)", out)]
+
+
+def test_mixed_moe_training_with_an_aux_loss(work):
+    """Issue 36 items 9 and build 6: the profiled MoE layer's backward left a 0-dim aux-loss
+    scale on MoEAuxLossAutoScaler; every rank then died in initialize_megatron
+    (set_loss_scale: "output with shape [] doesn't match the broadcast shape [1]"). Now the
+    tree's own pretrain_gpt.py trains the mixed model (dense + MoE + MTP, EP 2) to lm loss."""
+    plan_file = work / "mixed-plan.json"
+    args = [*MIXED, "--train-iters", str(TRAIN_ITERS), "--poseidon-auto", "--poseidon-tp", "1",
+            "--poseidon-emulate", EMULATE4, "--poseidon-save-plan", str(plan_file)]
+    proc, out, _ = launcher(args, work, "profiles-mixed")
+    assert proc.returncode == 0, ok(proc, out)
+    assert "doesn't match the broadcast shape" not in out
+    plan = json.loads(plan_file.read_text())
+    assert plan["ep"] == 2 and plan["dp"] % 2 == 0, plan
+    losses = losses_of(out)
+    assert [i for i, _ in losses] == list(range(1, TRAIN_ITERS + 1)), out[-4000:]
+    assert all(0.0 < v < 20.0 for _, v in losses), losses
+    assert re.search(r"load_balancing_loss: [0-9.E+-]+", out), out[-3000:]
+    assert re.search(r"expert_model_parallel_size \.+ 2\b", out)
+    assert re.search(r"mtp_num_layers \.+ 1\b", out)
+
+
+def test_interleaved_training_on_megatron_core_0_15_3(work):
+    """Issue 36 item 12: megatron-core 0.15.3's interleaved schedule (overlap_p2p_comm) frees an
+    output whose isend has not finished; over gloo the next stage got garbage and the loss was
+    NaN at iteration 2. Under the emulation every pipeline send now goes from a private copy:
+    Megatron-LM core_v0.15.3's own pretrain_gpt.py trains an interleaved plan."""
+    tree = fw.tree("megatron-lm-core_v0.15.3")
+    if not os.path.isfile(os.path.join(tree, "pretrain_gpt.py")):
+        pytest.skip(f"{tree}: no Megatron-LM core_v0.15.3 tree there")
+    plan_file = work / "interleaved-plan.json"
+    # its mock data draws token ids up to 4095: the vocabulary must hold them
+    args = [*GPT_ARGS, "--vocab-size", "4096", "--train-iters", str(TRAIN_ITERS),
+            "--poseidon-auto", "--poseidon-tp", "1", "--poseidon-schedules", "interleaved-1f1b", "--poseidon-emulate", EMULATE4,
+            "--poseidon-save-plan", str(plan_file)]
+    proc, out, _ = launcher(args, work, "profiles-0.15.3", tree=tree)
+    assert proc.returncode == 0, ok(proc, out)
+    assert ("emulation: megatron-core 0.15.3's interleaved schedule frees a pipeline output "
+            "before its isend has finished") in out, out[-3000:]
+    plan = json.loads(plan_file.read_text())
+    assert plan["schedule"] == "interleaved-1f1b" and plan["virtual_stages"] > 1, plan
+    losses = losses_of(out)
+    assert [i for i, _ in losses] == list(range(1, TRAIN_ITERS + 1)), out[-4000:]
+    assert all(0.0 < v < 20.0 for _, v in losses), losses

@@ -7,9 +7,9 @@ import pytest
 from test_megatron_argv import make_plan
 
 from poseidon_plugin.errors import PoseidonError, SpecError
-from poseidon_plugin.megatron import discovery as D
-from poseidon_plugin.megatron import profile_gather as G
-from poseidon_plugin.megatron import renumber as R
+from poseidon_plugin.megatron.launch import discovery as D
+from poseidon_plugin.megatron.profile import profile_gather as G
+from poseidon_plugin.megatron.launch import renumber as R
 from poseidon_plugin.plan import DeviceSlot
 
 
@@ -135,7 +135,7 @@ def test_renumber_rejects_a_plan_for_another_cluster():
 
 
 def test_aggregate_takes_the_median_per_type_and_names_stragglers():
-    from poseidon_plugin.megatron.profiler import LayerTiming, aggregate
+    from poseidon_plugin.megatron.profile.profiler import LayerTiming, aggregate
 
     def t(f, b=None):
         return [LayerTiming(1, 1, f, f if b is None else b, 100, 10)]

@@ -86,23 +86,35 @@ def test_in_flight_errors(args):
 
 # --------------------------------------------------------------------------- formulas
 
+def _small_terms(model, s, b, t, sp=False):
+    """What the model keeps beyond Korthikanti's table (held to megatron-core's layers by
+    fidelity/memory_check.py): the two norms' fp32 1/rms (8 bytes per token, /t with SP) and
+    flash attention's fp32 log-sum-exp (4 bytes per head, sharded)."""
+    return s * b * (8 / (t if sp else 1) + 4 * model.num_attention_heads / t)
+
+
 def test_korthikanti_reduction_mha_gelu():
     s, b, h = 128, 2, 256
     for t in (1, 2, 4, 8):
         assert layer_activation_bytes(GPT, micro_batch_size=b, seq_length=s, tp=t) == \
-            pytest.approx(s * b * h * (10 + 24 / t))
+            pytest.approx(s * b * h * (10 + 24 / t) + _small_terms(GPT, s, b, t))
         assert layer_activation_bytes(GPT, micro_batch_size=b, seq_length=s, tp=t,
-                                      sequence_parallel=True) == pytest.approx(s * b * h * 34 / t)
+                                      sequence_parallel=True) == \
+            pytest.approx(s * b * h * 34 / t + _small_terms(GPT, s, b, t, sp=True))
 
 
 def test_gqa_swiglu_moe_activation_terms():
     m = PRESETS["llama3-8b"]
     s, b, h, a, g, d, f = 4096, 1, 4096, 32, 8, 128, 14336
     assert layer_activation_bytes(m, micro_batch_size=b, seq_length=s, tp=2) == pytest.approx(
-        s * b * (10 * h + (4 * a * d + 4 * g * d + 6 * f) / 2))
+        s * b * (10 * h + (4 * a * d + 4 * g * d + 6 * f) / 2) + _small_terms(m, s, b, 2))
     mix = PRESETS["mixtral-8x7b"]
-    assert layer_activation_bytes(mix, micro_batch_size=b, seq_length=s, tp=1) == pytest.approx(
-        s * b * (10 * h + 4 * a * d + 4 * g * d + 2 * (6 * f + 2 * h)))
+    k = 2   # the routed copies (2kh) and the router's indices / probabilities (12k): not /TP
+    for t, sp in ((1, False), (2, True), (4, True)):
+        assert layer_activation_bytes(mix, micro_batch_size=b, seq_length=s, tp=t,
+                                      sequence_parallel=sp) == pytest.approx(
+            s * b * ((10 * h + 4 * a * d + 4 * g * d + k * 6 * f) / t + k * (2 * h + 12))
+            + _small_terms(mix, s, b, t, sp))
 
 
 def kw(**over):
@@ -335,8 +347,93 @@ def test_stage0_agrees_with_megatron(monkeypatch, case):
     our_layer = layer_activation_bytes(model, micro_batch_size=b, seq_length=s, tp=tp,
                                        sequence_parallel=sp)
     if model is GPT:
-        assert our_layer == pytest.approx(megatron_layer, rel=1e-12)
+        assert our_layer == pytest.approx(megatron_layer + _small_terms(model, s, b, tp, sp),
+                                          rel=1e-12)
     in_flight = microbatches_in_flight("interleaved-1f1b" if vpp else "1f1b", 0, pp, m, vpp or 1)
     layer_difference = (our_layer - megatron_layer) * (model.num_layers // pp) * in_flight
     expected = theirs + output_difference + layer_difference
     assert ours.activations_bytes == pytest.approx(expected, rel=1e-9, abs=1)
+
+
+# --------------------------------------------------------------------------- issue 36 fixes
+
+def _megatron_peak(chunks, n, stage, m, group):
+    """Peak layer-micro-batches from megatron-core's own schedule table (forward k runs
+    ``table[k]``'s chunk, backward k its mirror) and its warm-up count."""
+    schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
+    v = len(chunks)
+    table = schedules.get_schedule_table(m, v, group)
+    total = m * v
+    warmup = min((n - stage - 1) * 2 + (v - 1) * group, total)
+    held = peak = sum(chunks[table[k][1]] for k in range(warmup))
+    for j in range(total - warmup):
+        held += chunks[table[warmup + j][1]]
+        peak = max(peak, held)
+        held -= chunks[v - 1 - table[j][1]]
+    return peak
+
+
+@pytest.mark.parametrize("layers,n,v,m,group", [
+    (15, 4, 2, 16, None), (15, 4, 2, 8, None), (7, 4, 3, 12, None), (31, 8, 4, 32, None),
+    (15, 4, 2, 10, 3), (61, 8, 4, 64, None), (16, 4, 2, 16, None)])
+def test_interleaved_layers_in_flight_follow_megatrons_schedule(layers, n, v, m, group):
+    from poseidon_plugin.memory import decoder_layers_in_flight
+
+    chunks = [layers // v + (1 if c < layers % v else 0) for c in range(v)]
+    for stage in range(n):
+        got = decoder_layers_in_flight("interleaved-1f1b", stage, n, m, v, layers, group)
+        assert got == _megatron_peak(chunks, n, stage, m, group or n)
+        uniform = layers * microbatches_in_flight("interleaved-1f1b", stage, n, m, v, group)
+        assert got >= uniform - 1e-9     # unequal chunks: the larger runs first, held longest
+
+
+def test_interleaved_stage_memory_counts_the_larger_chunk_longer():
+    common = dict(stage=0, num_stages=4, tp=1, dp=1, micro_batch_size=1, seq_length=128,
+                  num_microbatches=16, schedule="interleaved-1f1b", virtual_stages=2)
+    one = layer_activation_bytes(GPT, micro_batch_size=1, seq_length=128, tp=1)
+    mem = stage_memory(GPT, layers=7, **common)
+    base = stage_memory(GPT, layers=0, **common)
+    # chunks 4 + 3, G = N = 4: the warm-up's 10 forwards hold 4x4 + 4x3 + 2x4 = 36 layers;
+    # each step runs a chunk-0 forward (+4) before a chunk-1 backward (-3): 40, 41 (the uniform
+    # count, 7 x 11 / 2 = 38.5, is short)
+    assert mem.activations_bytes - base.activations_bytes == pytest.approx(41 * one, abs=2)
+
+
+def test_moe_plans_priced_with_sequence_parallelism():
+    """A MoE plan at TP > 1 carries --sequence-parallel (``Plan._expert_args``); the cost
+    model's memory is then the sequence-parallel one (a dense plan has no SP flag)."""
+    from poseidon_plugin.cluster import load_cluster
+    from poseidon_plugin.costs import CostModel
+
+    cluster = load_cluster("examples/clusters/moe-3type-512.yaml")
+    for name, sp_at_tp2 in (("qwen3-30b-a3b", True), ("llama3-8b", False)):
+        model = PRESETS[name]
+        cm = CostModel(cluster, model, seq_length=4096)
+        kw = dict(layers=4, stage=1, num_stages=4, tp=2, dp=4, micro_batch_size=1,
+                  num_microbatches=8, schedule="1f1b", virtual_stages=1)
+        want = stage_memory(model, **{k: v for k, v in kw.items() if k != "virtual_stages"},
+                            seq_length=4096, setup=cm.training, sequence_parallel=sp_at_tp2)
+        assert cm.stage_memory(**kw).activations_bytes == want.activations_bytes
+        assert cm.sequence_parallel(1) is False
+
+
+def test_mtp_layers_on_the_last_stage():
+    from poseidon_plugin.memory import mtp_activation_bytes
+
+    m = PRESETS["deepseek-v3"]
+    plain = dataclasses.replace(m, mtp_num_layers=0)
+    kw = dict(layers=7, num_stages=8, tp=2, dp=32, micro_batch_size=1, seq_length=4096,
+              num_microbatches=64, distributed_optimizer=True, sequence_parallel=True, ep=8)
+    for stage in range(7):                      # only the last stage holds the MTP layers
+        assert stage_memory(m, stage=stage, **kw) == stage_memory(plain, stage=stage, **kw)
+    last, without = stage_memory(m, stage=7, **kw), stage_memory(plain, stage=7, **kw)
+    mtp = m.mtp_param_split()
+    assert last.weights_bytes - without.weights_bytes == pytest.approx(
+        2 * mtp.per_device(2, 8), abs=1)
+    act = mtp_activation_bytes(m, micro_batch_size=1, seq_length=4096, tp=2,
+                               sequence_parallel=True)
+    assert last.activations_bytes - without.activations_bytes == pytest.approx(act, abs=1)
+    # about one MoE layer's activations plus its fp32 logits (4 s V / t)
+    moe = layer_activation_bytes(m.kind_model(m.mtp_layer_kind), micro_batch_size=1,
+                                 seq_length=4096, tp=2, sequence_parallel=True)
+    assert moe + 4 * 4096 * m.vocab_size / 2 < act < 1.2 * (moe + 4 * 4096 * m.vocab_size / 2)

@@ -54,8 +54,16 @@ def test_layout_flag_registered_from_26_1_only(probe):
 
 
 def test_uneven_plan_passes_mindspeed_llm_validation(probe):
+    """An uneven split as the release takes it: the layout flag where it registers it (its
+    --num-layer-list numbers the layers as if the split were even), else --num-layer-list."""
     v = _check(probe, "uneven")
-    assert v == {"flag": "6,2", "num_layers": 8, "pp": 2, "num_layer_list": "6,2"}
+    if probe["release"] in fw.LAYOUT_RELEASES:
+        assert v["flag"] is None and v["num_layer_list"] is None, v
+        assert v["layout_flag"] == "Et*6|t*2L" and v["layout"] is not None, v
+        assert (v["num_layers"], v["pp"]) == (8, 2), v
+    else:
+        assert v == {"flag": "6,2", "layout_flag": None, "num_layers": 8, "pp": 2,
+                     "num_layer_list": "6,2", "layout": None}
 
 
 def test_interleaved_rule_layout_where_registered_else_refused(probe):
@@ -79,3 +87,15 @@ def test_patches_follow_the_rewritten_command_line(probe):
     v = _check(probe, "repatch")
     assert v == {"applied": True, "layer_list_after_uneven": True, "applied_even": True,
                  "layer_list_after_even": False}
+
+
+def test_the_judge_builds_mindspeed_llms_config_and_checks_the_layout(probe):
+    """MindSpeed-LLM's patched parse_args + validate_args, its config build and the layout's own
+    checks (MindSpeed's backport, not patched into the config for a layout the launch did not
+    have): an MTP layer the layout leaves out is refused; the plans' flags are accepted."""
+    v = _check(probe, "judge")
+    assert v["uneven"] is None
+    if probe["release"] in fw.LAYOUT_RELEASES:
+        assert v["interleaved"] is None and v["interleaved_mtp"] is None, v
+        assert v["interleaved_mtp_no_m"] == ("MindSpeed-LLM's pipeline layout check: Number of "
+                                             "mtp layers in layout must match mtp_num_layers"), v

@@ -20,7 +20,7 @@ from poseidon_plugin.errors import PoseidonError, SpecError
 from poseidon_plugin.layers import (
     LayerParams, PatternError, moe_layer_pattern, parse_layer_pattern, pattern_expression,
 )
-from poseidon_plugin.megatron import argv as A
+from poseidon_plugin.megatron.launch import argv as A
 from poseidon_plugin.model import (
     PRESETS, ModelSpec, get_model, load_model, model_from_dict, model_from_megatron_args,
     model_to_dict,
@@ -232,8 +232,8 @@ def test_deepseek_v3_structure():
     assert dense.attention == moe.attention and moe.attention.kind == "mla"
     assert m.signature().endswith("-mla-q1536-kv512-qk128-r64-v128-qkln-"
                                   "moe-e256-k8-f2048-s2048-layers-d3m58")
-    note = m.planning_note()     # the layer kinds are costed per stage; MTP is not yet
-    assert "\n" not in note and "kinds" not in note and "1 MTP layer(s)" in note
+    # the layer kinds are costed per stage, MTP in the last stage's time and memory
+    assert m.planning_note() is None
 
 
 @pytest.mark.integration
@@ -256,7 +256,7 @@ def test_megatron_parse_and_flops_agree_with_presets(flags, preset):
     pytest.importorskip("megatron.training.arguments")
     from megatron.training.training import num_floating_point_operations
 
-    from poseidon_plugin.megatron.profiler import parse_megatron_args
+    from poseidon_plugin.megatron.profile.profiler import parse_megatron_args
 
     common = ("--seq-length 4096 --max-position-embeddings 4096 --swiglu --normalization RMSNorm "
               "--position-embedding-type rope --disable-bias-linear "
@@ -312,7 +312,7 @@ def test_counts_match_the_model_megatron_core_builds(case):
     """The whole model built by megatron-core's own builder on CPU (tests/mcore_param_probe.py):
     each decoder layer, the MTP block, embedding, output and total, parameter for parameter."""
     pytest.importorskip("megatron.core")
-    from poseidon_plugin.megatron.profiler import parse_megatron_args
+    from poseidon_plugin.megatron.profile.profiler import parse_megatron_args
 
     argv = (PROBE_CASES[case] + " " + _CPU_FLAGS).split()
     env = dict(os.environ, PYTHONPATH=str(ROOT), PROBE_PORT=str(free_port()))
@@ -321,7 +321,11 @@ def test_counts_match_the_model_megatron_core_builds(case):
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("PROBE ")]
     assert lines, out.stdout[-2000:] + out.stderr[-4000:]
     built = json.loads(lines[-1][len("PROBE "):])
-    m = model_from_megatron_args(parse_megatron_args("pretrain_gpt.py", argv), name=case)
+    from poseidon_plugin.megatron.launch.argv import pin_dispatcher
+
+    # read as a launch reads it: a MoE command line choosing no dispatcher gets the priced one
+    m = model_from_megatron_args(parse_megatron_args("pretrain_gpt.py", pin_dispatcher(argv)),
+                                 name=case)
     assert built["layers"] == [m.layer_kinds[k].params() for k in m.layer_kind_of]
     assert [("MoELayer" in mods) for mods in built["layer_modules"]] == \
         [m.layer_kinds[k].is_moe for k in m.layer_kind_of]
@@ -392,7 +396,7 @@ def test_prefix_sums_per_kind_equal_brute_force(m, data):
     if not m.is_mixed:
         assert envelope == m.layer_kinds[0].param_split()
     assert m.num_layers * m.layer_params() >= m.layers_param_split(0, m.num_layers).total
-    assert (m.planning_note() is None) == (not m.mtp_num_layers)
+    assert m.planning_note() is None
 
 
 def test_kind_counts_in_refuses_a_bad_range():
@@ -616,8 +620,8 @@ def test_offline_profile_flags_build_the_models_layer(name):
     """``poseidon profile`` builds one layer from ``offline.model_flags``: read back through
     Megatron's parser it is the model's (heaviest, MoE) kind, MLA and shared experts included."""
     pytest.importorskip("megatron.training.arguments")
-    from poseidon_plugin.megatron.offline import model_flags
-    from poseidon_plugin.megatron.profiler import parse_megatron_args
+    from poseidon_plugin.megatron.profile.offline import model_flags
+    from poseidon_plugin.megatron.profile.profiler import parse_megatron_args
 
     m = PRESETS[name]
     layer = model_from_megatron_args(parse_megatron_args("pretrain_gpt.py",
@@ -642,8 +646,9 @@ def test_activation_estimate_bounds_every_kind(name):
     assert layer_activation_bytes(m, **shape) == max(per_kind)
     if name == "tiny-moe":   # without its shared expert, a MoE layer keeps less than a dense one
         lean = dataclasses.replace(m, moe_shared_expert_intermediate_size=0)
-        dense, moe = (layer_activation_bytes(lean.kind_model(i), **shape) for i in (0, 1))
-        assert dense > moe and layer_activation_bytes(lean, **shape) == dense
+        one = dict(shape, tp=1)   # (at TP > 1 the routed copies, kept whole, tip it)
+        dense, moe = (layer_activation_bytes(lean.kind_model(i), **one) for i in (0, 1))
+        assert dense > moe and layer_activation_bytes(lean, **one) == dense
 
 
 # --------------------------------------------------------------------------- the warning line

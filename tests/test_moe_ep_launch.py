@@ -24,8 +24,8 @@ from types import SimpleNamespace
 import pytest
 
 from poseidon_plugin.errors import PoseidonError
-from poseidon_plugin.megatron import argv as A
-from poseidon_plugin.megatron.options import extract_options
+from poseidon_plugin.megatron.launch import argv as A
+from poseidon_plugin.megatron.launch.options import extract_options
 from poseidon_plugin.model import load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,7 +35,7 @@ TINY_MOE = os.path.join(ROOT, "examples/models/tiny-moe.yaml")
 # ------------------------------------------------------------------------------ the EP kept
 
 def _ctx(argv, *, search_ep=False, world=4, model=None):
-    from poseidon_plugin.megatron import runner
+    from poseidon_plugin.megatron.launch import runner
 
     opts, rest = extract_options(["--poseidon-auto", *(["--poseidon-search-ep"] if search_ep
                                                        else []), *argv])
@@ -62,7 +62,7 @@ def test_the_scripts_ep_is_kept_or_searched_and_checked():
 
 
 def test_the_ep_degrees_a_launch_profiles():
-    from poseidon_plugin.megatron.runner import profiled_eps
+    from poseidon_plugin.megatron.launch.runner import profiled_eps
 
     assert profiled_eps((2,), 8, 4) == (2,)
     assert profiled_eps(None, 8, 4) == (1, 2, 4)       # searched: dividing E, at most the ranks
@@ -75,7 +75,7 @@ def test_offline_plan_and_launch_agree_on_moe_at_tp_above_1():
     """``poseidon plan --megatron-args`` excludes MoE at TP > 1 without --sequence-parallel, as
     the launch does; with no flags given nothing is assumed (plans as before)."""
     from poseidon_plugin.cli import framework_rules
-    from poseidon_plugin.megatron import runner
+    from poseidon_plugin.megatron.launch import runner
 
     offline = framework_rules("--bf16", 8, moe=True)
     assert not offline.tp_allowed(2) and offline.tp_allowed(1)
@@ -90,7 +90,7 @@ def test_offline_plan_and_launch_agree_on_moe_at_tp_above_1():
 # ------------------------------------------------------------------- one EP rank's MoE layer
 
 def test_a_moe_kind_is_profiled_once_per_ep_and_dense_kinds_at_ep_1():
-    from poseidon_plugin.megatron.profiler import ProfiledKind, local_experts
+    from poseidon_plugin.megatron.profile.profiler import ProfiledKind, local_experts
 
     mixed = load_model(TINY_MOE)
     kinds = ProfiledKind.of_model(mixed, (2, 1))
@@ -106,7 +106,7 @@ def test_a_moe_kind_is_profiled_once_per_ep_and_dense_kinds_at_ep_1():
 
 
 def test_expert_rank_args_are_one_ep_rank_without_an_ep_group():
-    from poseidon_plugin.megatron.profiler import expert_rank_args
+    from poseidon_plugin.megatron.profile.profiler import expert_rank_args
 
     args = SimpleNamespace(num_experts=8, moe_router_topk=2, expert_model_parallel_size=2,
                            moe_router_num_groups=4, moe_router_group_topk=2)
@@ -123,7 +123,7 @@ def test_expert_rank_args_are_one_ep_rank_without_an_ep_group():
 
 
 def test_timings_aggregate_per_ep():
-    from poseidon_plugin.megatron.profiler import LayerTiming, aggregate
+    from poseidon_plugin.megatron.profile.profiler import LayerTiming, aggregate
 
     def t(ep, f):
         return LayerTiming(1, 1, f, 2 * f, 10, 20, kind="moe", ep=ep)
@@ -134,8 +134,8 @@ def test_timings_aggregate_per_ep():
 
 
 def test_records_of_an_ep_profile_are_keyed_by_it():
-    from poseidon_plugin.megatron import profile_gather as G
-    from poseidon_plugin.megatron.profiler import Aggregate
+    from poseidon_plugin.megatron.profile import profile_gather as G
+    from poseidon_plugin.megatron.profile.profiler import Aggregate
 
     if not G.keys_carry_ep():
         with pytest.raises(PoseidonError, match="cannot be keyed by EP 2"):
@@ -156,8 +156,8 @@ def test_records_of_an_ep_profile_are_keyed_by_it():
 
 
 def test_poseidon_profile_ep_is_checked_before_anything_is_built():
-    from poseidon_plugin.megatron import offline
-    from poseidon_plugin.megatron.profile_gather import keys_carry_ep
+    from poseidon_plugin.megatron.profile import offline
+    from poseidon_plugin.megatron.profile.profile_gather import keys_carry_ep
 
     mixed = load_model(TINY_MOE)
     offline.check_eps(offline.ProfileRequest(mixed, 128, "cpu"))           # EP 1: nothing
@@ -176,7 +176,8 @@ def test_poseidon_profile_ep_is_checked_before_anything_is_built():
 _EP_LAYER = r"""
 import sys, tempfile, warnings
 warnings.simplefilter("ignore")
-from poseidon_plugin.megatron import emulation, offline, profiler
+from poseidon_plugin.megatron.emulate import emulation
+from poseidon_plugin.megatron.profile import offline, profiler
 emulation.install_cpu_shims(local_rank=0, device_count=1, device_name="cpu", memory_bytes=1 << 30)
 from poseidon_plugin.model import load_model
 from poseidon_plugin.training import TrainingSetup, megatron_flags
@@ -242,7 +243,7 @@ def test_poseidon_profile_writes_a_moe_record_per_ep(tmp_path):
                           env=env, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "(one rank of EP 2)" in proc.stdout and "(one rank of EP 4)" in proc.stdout
-    from poseidon_plugin.megatron.profile_gather import kind_signatures
+    from poseidon_plugin.megatron.profile.profile_gather import kind_signatures
 
     sigs = kind_signatures(load_model(TINY_MOE))
     recs = {(r.key.model_signature, r.key.ep): r for r in ProfileDB.load(db).profiles()}
@@ -300,7 +301,9 @@ def test_emulated_moe_training_with_expert_parallelism(tmp_path):
     assert len(losses) >= 5 and all(math.isfinite(x) for x in losses), out[-4000:]
     # the live calibration: predicted vs measured, and per stage the measured / planned
     # forward / backward ratios and the measured times
-    (cal,) = [l[l.index("calibration:"):] for l in out.splitlines() if "calibration: iteration" in l]
+    # the report is logged folded (continuations indented by four spaces): one line again
+    (cal,) = [l[l.index("calibration:"):] for l in re.sub(r"\n {4}(?=\S)", " ", out).splitlines()
+              if "calibration: iteration" in l]
     print(re.search(r"Plan for .*", out).group(0))
     print(cal)
     assert re.search(r"predicted [0-9.]+ ms, measured [0-9.]+ ms", cal), cal

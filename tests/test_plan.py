@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shlex
 import sys
 
 import pytest
@@ -48,8 +49,30 @@ def test_interleaved_layout_has_n_times_v_segments():
     assert "--num-layer-list" not in m
     assert m[m.index("--pipeline-model-parallel-layout") + 1] == p.pipeline_layout()
     line = next(ln for ln in p.table().splitlines() if ln.startswith("mindspeed:"))
-    assert line.endswith("(layout flag: MindSpeed-LLM v26.1.0 or later)")
-    assert not any(ln.endswith("or later)") for ln in _plan().table().splitlines())
+    assert line.endswith("# layout flag: MindSpeed-LLM v26.1.0 or later")
+    assert not any(ln.endswith("or later") for ln in _plan().table().splitlines())
+
+
+@pytest.mark.parametrize("schedule, v, layers", [("1f1b", 1, (3, 5, 2)),
+                                                 ("interleaved-1f1b", 2, (4, 3))])
+def test_printed_flag_lines_are_shell_safe(schedule, v, layers):
+    """The table's flag lines paste into a shell as the very argv the plan gives (the layout's
+    '|' and '*' quoted; MindSpeed's note a shell comment), and so does the launch log's."""
+    from poseidon_plugin.megatron.launch.runner import _shell_join
+    p = _plan(schedule, v, layers=layers)
+    lines = p.table().splitlines()
+    for prefix, args in (("megatron:", p.megatron_args()), ("mindspeed:", p.mindspeed_llm_args())):
+        line = next(ln for ln in lines if ln.startswith(prefix))[len(prefix):]
+        assert _shell_words(line) == args
+        assert "|" in p.pipeline_layout() and _shell_words(_shell_join(args)) == args
+
+
+def _shell_words(line: str) -> list[str]:
+    """The words a POSIX shell makes of ``line``: an unquoted '|' (or ';', '&', ...) is an
+    operator of its own, a '#' starts a comment."""
+    lex = shlex.shlex(line, posix=True, punctuation_chars=True)
+    lex.whitespace_split = True
+    return list(lex)
 
 
 def test_layout_segments_split_stages_by_chunk_layers():
@@ -151,3 +174,34 @@ def test_table_node_column_and_per_microbatch_note():
     row = next(ln for ln in table.splitlines() if ln.split()[:2] == ["0", "A"])
     assert row.endswith("  0-35") and "35," not in row
     assert "fwd, bwd and send ms per micro-batch; allred ms per iteration" in table
+
+
+def test_table_groups_consecutive_identical_stages():
+    """32 stages, 31 alike but for their memory and nodes: two stage rows (``0-30`` with the
+    memory's range, and ``31``); ``verbose``: 32 rows; the JSON keeps every stage."""
+    import dataclasses
+    import json
+
+    gib = 1024 ** 3
+    p = _plan(layers=(2,) * 32)
+    p = dataclasses.replace(p, stages=tuple(
+        dataclasses.replace(s, memory_bytes=(10 + s.index % 3) * gib, memory_capacity_bytes=80 * gib,
+                            memory_parts=(("dense_layers", 1), ("moe_layers", 1),
+                                          ("dense_layers_bytes", 4 * gib),
+                                          ("moe_layers_bytes", (5 + s.index % 2) * gib)))
+        for s in p.stages))
+
+    def stage_rows(text):
+        return [ln for ln in text.splitlines() if ln.split()[1:2] == ["A"]]
+
+    rows = stage_rows(p.table())
+    assert [r.split()[0] for r in rows] == ["0-30", "31"]
+    assert "10.0-12.0 /   80.0  0-30" in rows[0]
+    assert "  stages 0-31: dense 1 layers 4.0 GiB, moe 1 layers 5.0-6.0 GiB" in p.table()
+    assert "(a-b: stages a to b" in p.table()
+    full = p.table(verbose=True)
+    assert [r.split()[0] for r in stage_rows(full)] == [str(i) for i in range(32)]
+    assert "  stage 7: dense 1 layers 4.0 GiB, moe 1 layers 6.0 GiB" in full
+    assert "(a-b: stages a to b" not in full
+    assert len(json.loads(p.to_json())["stages"]) == 32
+    assert p.table() == p.table()   # the same plan, the same bytes

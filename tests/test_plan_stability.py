@@ -18,9 +18,9 @@ from poseidon_plugin.cli import main as cli_main
 from poseidon_plugin.cluster import cluster_from_dict, load_cluster
 from poseidon_plugin.costs import CostModel
 from poseidon_plugin.errors import InfeasibleError, PoseidonError
-from poseidon_plugin.megatron import profile_gather as G
-from poseidon_plugin.megatron.options import extract_options
-from poseidon_plugin.megatron.profiler import Aggregate
+from poseidon_plugin.megatron.profile import profile_gather as G
+from poseidon_plugin.megatron.launch.options import extract_options
+from poseidon_plugin.megatron.profile.profiler import Aggregate
 from poseidon_plugin.model import get_model
 from poseidon_plugin.profiles import ProfileDB
 from poseidon_plugin.search import SearchContext, SearchOptions, enumerate_configs, search_plan
@@ -238,7 +238,7 @@ def test_the_tie_rule_does_not_make_fresh_launches_agree():
 
 
 def test_previous_plan_path_is_named_by_the_inputs_not_the_costs(tmp_path, caplog):
-    from poseidon_plugin.megatron.runner import _load_previous, previous_plan_path
+    from poseidon_plugin.megatron.launch.runner import _load_previous, previous_plan_path
 
     model = get_model("examples/models/tiny-gpt.yaml")
     opts = SearchOptions(global_batch_size=16, seq_length=128)

@@ -26,9 +26,10 @@ pytest.importorskip("megatron.core")
 import torch.distributed as dist  # noqa: E402
 
 from poseidon_plugin.errors import PoseidonError  # noqa: E402
-from poseidon_plugin.megatron import bootstrap, group_profile, offline, profiler, runner  # noqa: E402
-from poseidon_plugin.megatron.options import PoseidonOptions  # noqa: E402
-from poseidon_plugin.megatron.profile_tps import Processes  # noqa: E402
+from poseidon_plugin.megatron.launch import bootstrap, runner
+from poseidon_plugin.megatron.profile import group_profile, offline, profiler  # noqa: E402
+from poseidon_plugin.megatron.launch.options import PoseidonOptions  # noqa: E402
+from poseidon_plugin.megatron.profile.profile_tps import Processes  # noqa: E402
 from test_megatron_bootstrap import free_port  # noqa: E402
 from test_launch_e2e import ROOT, TORCHRUN  # noqa: E402
 
@@ -85,7 +86,8 @@ def seen(monkeypatch, backends):
     calls: list[dict] = []
 
     def profile_rank(args, tps, micro_batch_sizes, *, world_size, rank, device, iters,
-                     seed=1234, checkpoint=None, turns=None, contention=None, kinds=None):
+                     seed=1234, checkpoint=None, turns=None, contention=None, kinds=None,
+                     progress=None):
         out = []
         for tp in tps:
             if checkpoint is not None:
@@ -285,7 +287,7 @@ SWITCH = textwrap.dedent("""
     import torch, torch.distributed as dist
     from megatron.core import parallel_state
     from poseidon_plugin.errors import DistributedError
-    from poseidon_plugin.megatron import bootstrap
+    from poseidon_plugin.megatron.launch import bootstrap
 
     env = bootstrap.LaunchEnv.from_environ()
     boot = bootstrap.Bootstrap(env, 20).start()

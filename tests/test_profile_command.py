@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 from poseidon_plugin import memory
+from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.model import load_model
 from poseidon_plugin.profiles import ProfileDB
 from poseidon_plugin.training import TrainingSetup
@@ -30,9 +32,9 @@ links: {inter_node_gbps: 10, cross_type_gbps: 10}
 """
 
 
-def poseidon(*argv, cwd):
+def poseidon(*argv, cwd, show_warnings=False):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+               OMP_NUM_THREADS="1", PYTHONWARNINGS="default" if show_warnings else "ignore")
     return subprocess.run([sys.executable, "-m", "poseidon_plugin", *argv], capture_output=True,
                           text=True, cwd=cwd, env=env, timeout=300)
 
@@ -41,8 +43,15 @@ def test_profile_on_cpu_then_plan_uses_the_measured_records(tmp_path):
     db = str(tmp_path / "db.json")
     proc = poseidon("profile", "--model", TINY, "--seq-length", "128", "--device-type", "cpu",
                     "--device", "cpu", "--micro-batch-sizes", "1", "--iters", "2", "-o", db,
-                    cwd=tmp_path)
+                    cwd=tmp_path, show_warnings=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    # on stderr: a progress line per configuration, then the result; megatron-core's notes that
+    # Transformer Engine / Apex / absl are not installed (10 warnings, 20 lines) are nothing to
+    # act on for a CPU profile, and no size warning for a small layer
+    progress, wrote = proc.stderr.splitlines()
+    assert re.fullmatch(r"poseidon: profiling 1/1: tp 1, micro-batch 1 -- 0 left, \d+ s elapsed",
+                        progress), proc.stderr
+    assert wrote.startswith("poseidon: wrote 1 measured record(s)"), proc.stderr
     (rec,) = ProfileDB.load(db).profiles()
     assert rec.source == "measured" and rec.key.device_type == "cpu"
     assert (rec.key.attention, rec.key.recompute, rec.key.tp) == ("unfused", "none", 1)
@@ -93,3 +102,56 @@ def test_profile_refusals(tmp_path, extra, message):
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "db.json").exists()
+
+
+def test_a_large_layer_on_a_cpu_is_warned_about_up_front(capsys, monkeypatch, tmp_path):
+    """llama3-8b at seq 4096 on the CPU (docs/usage.md's example: 5+ minutes, ~7 GB, no output):
+    one warning before any profiling, naming the work, the memory and what to do; at seq 128
+    (a small layer) none."""
+    from poseidon_plugin import cli
+    from poseidon_plugin.megatron.profile import offline
+
+    def stop(*a, **k):
+        raise PoseidonError("stopped before profiling")
+
+    monkeypatch.setattr(offline, "profile_layers", stop)
+    for seq, warned in (("4096", True), ("128", False)):
+        rc = cli.main(["profile", "--model", "llama3-8b", "--seq-length", seq, "--device-type",
+                       "cpu", "--device", "cpu", "-o", str(tmp_path / "db.json")])
+        err = capsys.readouterr().err.splitlines()
+        assert rc == 2 and err[-1] == "poseidon: error: stopped before profiling"
+        warnings = [ln for ln in err if ln.startswith("poseidon: warning: profiling on a CPU")]
+        assert len(warnings) == int(warned), err
+        if warned:
+            assert "llama3-8b's layer at micro-batch 1, seq 4096 is 5.8 TFLOP" in warnings[0]
+            assert "GiB" in warnings[0] and "--device cuda / npu" in warnings[0]
+
+
+def test_framework_notes_are_one_line_where_they_matter(caplog):
+    """megatron-core's 'not installed' notes: dropped on a CPU, one warning naming the packages
+    on a GPU; any other warning once, on one line."""
+    import logging
+    import warnings
+
+    from poseidon_plugin.megatron.profile.profile_output import framework_notes
+
+    def notes():
+        for _ in range(2):
+            warnings.warn("Transformer Engine and Apex are not installed. Falling back to Torch "
+                          "optimizers.", UserWarning)
+            warnings.warn("Apex is not installed. Falling back to Torch Norm", UserWarning)
+            warnings.warn("absl.logging is not installed. Using logging.getLogger", UserWarning)
+            warnings.warn("something a user must\n  read", RuntimeWarning)
+
+    for kind, fallback_lines in (("cpu", 0), ("cuda", 1)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="poseidon"):
+            with framework_notes(kind):
+                notes()
+        lines = [r.getMessage() for r in caplog.records]
+        fallback = [ln for ln in lines if "not installed here" in ln]
+        assert len(fallback) == fallback_lines, lines
+        if fallback:
+            assert fallback[0].startswith("Apex / Transformer Engine / absl.logging not installed")
+        assert [ln for ln in lines if "not installed here" not in ln] == [
+            "RuntimeWarning: something a user must read"]

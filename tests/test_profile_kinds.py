@@ -27,13 +27,13 @@ TINY = os.path.join(ROOT, "examples/models/tiny-gpt.yaml")
 
 
 def _profiler():
-    from poseidon_plugin.megatron import profiler   # imports no torch at module level
+    from poseidon_plugin.megatron.profile import profiler  # imports no torch at module level
 
     return profiler
 
 
 def _gather():
-    from poseidon_plugin.megatron import profile_gather
+    from poseidon_plugin.megatron.profile import profile_gather
 
     return profile_gather
 
@@ -126,7 +126,7 @@ def test_aggregate_and_records_keep_the_kinds_apart():
 
 
 def test_calibration_reads_every_kinds_records():
-    from poseidon_plugin.megatron import discovery as D
+    from poseidon_plugin.megatron.launch import discovery as D
 
     G = _gather()
     mixed = load_model(TINY_MOE)
@@ -148,8 +148,8 @@ def test_calibration_reads_every_kinds_records():
 
 
 def test_emulated_speed_check_compares_one_kind():
-    from poseidon_plugin.megatron.contention import emulated_speed_checks
-    from poseidon_plugin.megatron.profiler import Aggregate
+    from poseidon_plugin.megatron.emulate.contention import emulated_speed_checks
+    from poseidon_plugin.megatron.profile.profiler import Aggregate
 
     aggs = [Aggregate("fast", 1, 1, 1.0, 2.0, 0, 0, 2, kind="dense"),
             Aggregate("fast", 1, 1, 5.0, 10.0, 0, 0, 2, kind="moe"),
@@ -194,7 +194,7 @@ def test_balanced_routing_is_set_where_the_config_has_it():
 
 
 def test_live_calibration_writes_no_per_layer_records_for_a_mixed_model():
-    from poseidon_plugin.megatron import calibration as C
+    from poseidon_plugin.megatron.calibrate import calibration as C
 
     plan = SimpleNamespace(stages=[], predicted_iteration_time_ms=1.0)
     assert C.LiveCalibration(plan, layer_records=False).layer_records is False
@@ -292,9 +292,9 @@ def test_emulated_launch_profiles_both_kinds_and_the_dry_run_plans(tmp_path):
 
 def test_moe_at_tp_above_1_without_sequence_parallelism_is_tp_1_only():
     from poseidon_plugin.errors import PoseidonError
-    from poseidon_plugin.megatron import offline
-    from poseidon_plugin.megatron.profile_tps import Processes
-    from poseidon_plugin.megatron import runner
+    from poseidon_plugin.megatron.profile import offline
+    from poseidon_plugin.megatron.profile.profile_tps import Processes
+    from poseidon_plugin.megatron.launch import runner
     from poseidon_plugin.search.rules import FrameworkRules
 
     mixed = load_model(TINY_MOE)
@@ -319,7 +319,8 @@ def test_moe_at_tp_above_1_without_sequence_parallelism_is_tp_1_only():
 _SPEC_CHECK = r"""
 import sys, tempfile, warnings
 warnings.simplefilter("ignore")
-from poseidon_plugin.megatron import emulation, offline, profiler
+from poseidon_plugin.megatron.emulate import emulation
+from poseidon_plugin.megatron.profile import offline, profiler
 emulation.install_cpu_shims(local_rank=0, device_count=1, device_name="cpu", memory_bytes=1 << 30)
 from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.model import load_model

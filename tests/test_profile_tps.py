@@ -7,7 +7,7 @@ import pytest
 
 from poseidon_plugin import cli
 from poseidon_plugin.errors import PoseidonError
-from poseidon_plugin.megatron.profile_tps import Processes, check_tps
+from poseidon_plugin.megatron.profile.profile_tps import Processes, check_tps
 from poseidon_plugin.model import get_model
 
 ONE = Processes()

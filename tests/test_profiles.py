@@ -352,7 +352,7 @@ def test_a_measurement_the_link_model_cannot_explain_is_rated_whole():
     from poseidon_plugin.profiles import COMM_FIT, _decoder_terms, scaled_profile
     c = cluster_from_dict(METIS)
     m = v100_measured(mbs=2, tp=4)               # 20 TFLOP/s on a tiny layer: latency-bound
-    fwd, bwd, comm = _decoder_terms(c, TINY, m.key)
+    fwd, bwd, comm, _ = _decoder_terms(c, TINY, m.key)
     assert comm > COMM_FIT * m.forward_ms
     back = scaled_profile(c, TINY, m.key, [m])
     assert back.rate_tflops == pytest.approx((fwd + bwd) / (m.forward_ms + m.backward_ms))

@@ -9,9 +9,9 @@ import math
 import pytest
 
 from poseidon_plugin.cluster import load_cluster
-from poseidon_plugin.megatron import profile_gather as G
-from poseidon_plugin.megatron.profiler import Aggregate
-from poseidon_plugin.megatron.sampling import (SamplingPolicy, median_ci, reject_outliers,
+from poseidon_plugin.megatron.profile import profile_gather as G
+from poseidon_plugin.megatron.profile.profiler import Aggregate
+from poseidon_plugin.megatron.profile.sampling import (SamplingPolicy, median_ci, reject_outliers,
                                                rel_half_width, sample)
 from poseidon_plugin.model import get_model
 from poseidon_plugin.profiles import ProfileDB
@@ -86,7 +86,7 @@ def test_sample_median_ignores_an_outlier():
 
 
 def test_backward_below_forward_is_measured_again():
-    from poseidon_plugin.megatron.profiler import sample_until_plausible
+    from poseidon_plugin.megatron.profile.profiler import sample_until_plausible
 
     pol = SamplingPolicy(warmup=0, min_reps=6, max_reps=6)
     first = [(10.0, 5.0)] * 6          # backward 0.5 x forward: implausible
@@ -106,7 +106,7 @@ def test_rel_half_width_undefined_is_infinite():
 # --------------------------------------------------------------------------- turns
 
 def test_ranks_of_a_host_measure_in_turns():
-    from poseidon_plugin.megatron.profiler import Turns, _in_turns
+    from poseidon_plugin.megatron.profile.profiler import Turns, _in_turns
 
     log: list[tuple[int, str]] = []
     for local_rank in range(4):      # four ranks of one host, TP 2: two turns
@@ -121,7 +121,7 @@ def test_ranks_of_a_host_measure_in_turns():
 
 
 def test_body_runs_between_its_turns_barriers():
-    from poseidon_plugin.megatron.profiler import Turns, _in_turns
+    from poseidon_plugin.megatron.profile.profiler import Turns, _in_turns
 
     events: list[str] = []
     _in_turns(Turns(1, 2), 1, "p", events.append, lambda: events.append("body"))
@@ -204,7 +204,7 @@ def test_optimizer_ms_round_trips_and_is_optional(tmp_path):
 
 def test_main_grad_hooks_accumulate_like_megatrons_ddp():
     torch = pytest.importorskip("torch")
-    from poseidon_plugin.megatron.profiler import attach_main_grads
+    from poseidon_plugin.megatron.profile.profiler import attach_main_grads
 
     layer = torch.nn.Linear(4, 3)
     hooks = attach_main_grads(layer)
@@ -240,7 +240,7 @@ def test_tensor_parallel_ranks_stop_sampling_together():
 
 
 def test_remeasure_decision_is_shared_by_the_group():
-    from poseidon_plugin.megatron.profiler import sample_until_plausible
+    from poseidon_plugin.megatron.profile.profiler import sample_until_plausible
 
     pol = SamplingPolicy(warmup=0, min_reps=6, max_reps=6)
     plausible = [(10.0, 19.0)] * 12
@@ -254,7 +254,7 @@ def test_remeasure_decision_is_shared_by_the_group():
 
 
 def test_emulated_clock_rules():
-    from poseidon_plugin.megatron.profiler import EmulatedClock
+    from poseidon_plugin.megatron.profile.profiler import EmulatedClock
 
     # TP 1: the emulated device needs factor x the CPU time (descheduled time does not count)
     assert EmulatedClock(4.0, 1).ms(wall_s=0.009, cpu_s=0.002) == pytest.approx(8.0)
@@ -265,7 +265,7 @@ def test_emulated_clock_rules():
 
 def test_timed_step_uses_the_emulated_clock(monkeypatch):
     torch = pytest.importorskip("torch")
-    from poseidon_plugin.megatron import profiler
+    from poseidon_plugin.megatron.profile import profiler
 
     wall = iter([0.0, 0.010, 0.030])   # forward 10 ms, backward 20 ms of wall time
     cpu = iter([0.0, 0.002, 0.006])    # of which 2 ms and 4 ms on this process's CPU
@@ -290,7 +290,7 @@ def test_emulated_clock_scales_the_compute_by_the_host_share(monkeypatch):
     """Ranks profiled in turns train together: their compute shares the host's cores and takes
     ``share`` x as long; the emulation's padding is a sleep (no core needed) and is not scaled."""
     torch = pytest.importorskip("torch")
-    from poseidon_plugin.megatron import profiler
+    from poseidon_plugin.megatron.profile import profiler
 
     alone = profiler.EmulatedClock(3.0, 1)
     shared = profiler.EmulatedClock(3.0, 1, share=1.5)
@@ -353,7 +353,7 @@ def test_device_timing_runs_micro_batches_back_to_back_after_a_lead_one(monkeypa
     untimed micro-batch, synchronised once: per micro-batch forward and backward are the mean
     event gaps."""
     torch = pytest.importorskip("torch")
-    from poseidon_plugin.megatron import profiler
+    from poseidon_plugin.megatron.profile import profiler
 
     # 3 micro-batches: (fwd, bwd) = (2, 5), (3, 6), (4, 7) ms; the events are contiguous
     times = [0.0, 2.0, 7.0, 7.0, 10.0, 16.0, 16.0, 20.0, 27.0]
@@ -372,7 +372,7 @@ def test_time_layer_uses_device_events_on_a_device_and_the_clock_on_the_cpu(monk
     torch = pytest.importorskip("torch")
     from types import SimpleNamespace
 
-    from poseidon_plugin.megatron import profiler
+    from poseidon_plugin.megatron.profile import profiler
 
     seen = []
     monkeypatch.setattr(profiler, "_layer_inputs", lambda c, v, d: (
@@ -395,7 +395,7 @@ def test_time_layer_uses_device_events_on_a_device_and_the_clock_on_the_cpu(monk
 
 def test_device_event_class_is_none_on_the_cpu():
     torch = pytest.importorskip("torch")
-    from poseidon_plugin.megatron import profiler
+    from poseidon_plugin.megatron.profile import profiler
 
     assert profiler.device_event_class(torch.device("cpu")) is None
 
@@ -407,7 +407,7 @@ def test_the_optimizer_step_runs_megatrons_own_norm_clip_and_copy(monkeypatch):
     torch = pytest.importorskip("torch")
     from types import SimpleNamespace
 
-    from poseidon_plugin.megatron import profiler
+    from poseidon_plugin.megatron.profile import profiler
 
     calls = []
 
@@ -453,7 +453,7 @@ def test_an_early_megatron_copy_without_the_multi_tensor_kernel_is_not_used(monk
     pytest.importorskip("megatron.core")
     import megatron.core.optimizer.optimizer as opt_mod
 
-    from poseidon_plugin.megatron import profiler
+    from poseidon_plugin.megatron.profile import profiler
 
     assert profiler.megatron_step_functions() is not None     # 0.19: the kernel path
     monkeypatch.setattr(opt_mod, "_multi_tensor_copy_this_to_that",
@@ -463,7 +463,7 @@ def test_an_early_megatron_copy_without_the_multi_tensor_kernel_is_not_used(monk
 
 # --------------------------------------------------------------------------- device warm-up
 def test_settle_stops_when_two_consecutive_readings_agree():
-    from poseidon_plugin.megatron.sampling import settle
+    from poseidon_plugin.megatron.profile.sampling import settle
 
     # falling first readings (one-time costs), then two within 5 %: 4 untimed calls
     readings = [(9.0, 3.0), (5.0, 4.0), (3.6, 4.6), (3.5, 4.7), (3.5, 4.7)]
@@ -478,7 +478,7 @@ def test_settle_stops_when_two_consecutive_readings_agree():
 
 
 def test_settle_is_bounded_in_count_and_time():
-    from poseidon_plugin.megatron.sampling import settle
+    from poseidon_plugin.megatron.profile.sampling import settle
 
     alternating = itertools.cycle([(1.0, 2.0), (2.0, 1.0)])
     res = settle(lambda: next(alternating), 0.05, 7, 1e9, clock=FakeClock())
@@ -494,7 +494,7 @@ def test_settle_is_bounded_in_count_and_time():
 
 
 def test_the_first_configuration_gets_the_longer_device_warm_up(monkeypatch):
-    from poseidon_plugin.megatron import profiler
+    from poseidon_plugin.megatron.profile import profiler
 
     monkeypatch.setattr(profiler, "_settled_devices", set())
     never = itertools.cycle([(1.0, 2.0), (2.0, 1.0)])
@@ -506,7 +506,7 @@ def test_the_first_configuration_gets_the_longer_device_warm_up(monkeypatch):
 
 
 def test_the_first_configuration_is_measured_again_last_on_a_device():
-    from poseidon_plugin.megatron.profiler import measurement_order
+    from poseidon_plugin.megatron.profile.profiler import measurement_order
 
     assert measurement_order([1, 2], ["dense", "moe"], True) == [
         (1, "dense", False), (1, "moe", False), (2, "dense", False), (2, "moe", False),
@@ -517,7 +517,7 @@ def test_the_first_configuration_is_measured_again_last_on_a_device():
 
 
 def test_the_later_reading_of_the_first_configuration_is_kept():
-    from poseidon_plugin.megatron.profiler import LayerTiming, keep_later
+    from poseidon_plugin.megatron.profile.profiler import LayerTiming, keep_later
 
     first = LayerTiming(1, 1, 3.55, 3.28, 490, 116, optimizer_ms=3.0, samples=40,
                         converged=False, kind="dense", ep=1)
@@ -532,7 +532,7 @@ def test_no_device_warm_up_or_re_measurement_on_the_cpu(monkeypatch):
     torch = pytest.importorskip("torch")
     from types import SimpleNamespace
 
-    from poseidon_plugin.megatron import profiler
+    from poseidon_plugin.megatron.profile import profiler
 
     assert not profiler.remeasure_first(torch.device("cpu"))
     settled = []

@@ -8,6 +8,7 @@ import dataclasses
 
 import json
 import os
+import re
 
 import pytest
 
@@ -477,3 +478,29 @@ def test_the_scaled_estimate_note_names_what_is_not_measured():
     assert "profile `--micro-batch-sizes 1 2 4`" in note(1, 4)
     assert "measured only at seq 128 (planning seq 256)" in note(1, 1, seq=256)
     assert note(1, 1, seq=256).endswith("profile at seq 256 to compare measured with measured")
+
+
+def test_an_mfu_above_100_percent_gets_one_warning_naming_the_type_and_its_peak(
+        capsys, tmp_path, monkeypatch):
+    """A measured rate above the cluster file's peak (let through here by widening the record
+    check's slack) gives an MFU above 100 %: one warning line names the type and its peak,
+    in the table's run and the --json one alike; a plan under 100 % gets none."""
+    from poseidon_plugin import profile_checks
+    src = open(os.path.join(ROOT, "examples/clusters/h200-8.yaml")).read()
+    low = tmp_path / "h200-low-peak.yaml"
+    low.write_text(src.replace("NVIDIA-H200: {memory_gib: 139.8,",
+                               "NVIDIA-H200: {memory_gib: 139.8, peak_tflops: 100,"))
+    argv = ["plan", "--cluster", str(low), "--model", "llama3-8b", "--seq-length", "4096",
+            "--global-batch-size", "64", "--workers", "1", "--no-baselines", "--tp", "1",
+            "--profiles", "examples/profiles/llama3-8b-H200.json", "--attention", "unfused"]
+    monkeypatch.setattr(profile_checks, "_SLACK", 10.0)
+    for extra in ([], ["--json"]):
+        rc, out, err = run(capsys, argv + extra)
+        assert rc == 0, err
+        mfu = json.loads(out)["mfu"] if extra else float(re.search(r"MFU ([0-9.]+)%", out)[1]) / 100
+        assert mfu > 1.0
+        warnings = [ln for ln in err.splitlines() if "MFU" in ln]
+        assert len(warnings) == 1 and warnings[0].startswith("poseidon: warning: MFU ")
+        assert "NVIDIA-H200 100 TFLOP/s" in warnings[0]
+    rc, out, err = run(capsys, argv[:2] + ["examples/clusters/h200-8.yaml"] + argv[3:])
+    assert rc == 0 and "MFU" not in err

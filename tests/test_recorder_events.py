@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from poseidon_plugin.megatron import calibration, recorder
-from poseidon_plugin.megatron.recorder import OpRecorder
+from poseidon_plugin.megatron.calibrate import calibration, recorder
+from poseidon_plugin.megatron.calibrate.recorder import OpRecorder
 
 
 class DeviceClock:
@@ -109,7 +109,7 @@ def test_now_on_the_device_clock_waits_for_the_queued_work(monkeypatch):
 
 def test_the_calibration_uses_device_events_only_on_a_real_device(monkeypatch):
     torch = pytest.importorskip("torch")
-    from poseidon_plugin.megatron import emulation
+    from poseidon_plugin.megatron.emulate import emulation
 
     monkeypatch.setattr(emulation, "shims_installed", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

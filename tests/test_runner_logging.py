@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from poseidon_plugin.megatron import runner
+import pytest
+
+from poseidon_plugin.megatron.launch import runner
 
 
 def test_rank_label():
@@ -14,6 +16,7 @@ def test_rank_label():
     assert runner.rank_label(None) == ""
 
 
+@pytest.mark.integration   # torch / megatron-core
 def test_log_prefix_follows_the_renumbering(monkeypatch, capsys):
     monkeypatch.setattr(runner._setup_logging, "handler", None, raising=False)
     saved = list(runner.log.handlers)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from poseidon_plugin.errors import PoseidonError
-from poseidon_plugin.megatron.recorder import IterationRecord, timeline_from_records
+from poseidon_plugin.megatron.calibrate.recorder import IterationRecord, timeline_from_records
 from poseidon_plugin.simulator.schedules import op_orders
 from poseidon_plugin.simulator import simulate_pipeline
 from poseidon_plugin.simulator.engine import EngineCosts, simulate_engine

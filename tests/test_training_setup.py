@@ -116,7 +116,7 @@ def test_setup_from_megatron_args(kw, want):
 
 def test_setup_from_real_megatron_arguments():
     pytest.importorskip("megatron.training.arguments")
-    from poseidon_plugin.megatron.profiler import parse_megatron_args
+    from poseidon_plugin.megatron.profile.profiler import parse_megatron_args
 
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +51,21 @@ def test_table_layout():
     assert lines[-2].startswith("median |err|") and lines[-1].startswith("max |err|")
     assert "30.0%" in lines[-1] and "10.0%" in lines[-1]
     assert format_table(rows) == text   # deterministic
+
+
+def test_table_columns_align():
+    """Every '%' of an error column sits under the end of its header ('err'), rows of either
+    schedule and the summary lines alike (interleaved-1f1b once pushed its row 4 columns
+    right, the summary lines sat 2 columns left)."""
+    rows = [_row("pp2-x", 100.0, 90.0, 130.0, 101.0),
+            dataclasses.replace(_row("pp4-v2-interleaved", 200.0, 210.0, 200.0, 196.0),
+                                schedule="interleaved-1f1b", virtual_stages=2)]
+    lines = format_table(rows).splitlines()
+    ends = [m.end() - 1 for m in re.finditer(r"err", lines[0])]
+    assert len(ends) == 3
+    for ln in lines[2:4] + lines[-2:]:
+        assert [i for i, ch in enumerate(ln) if ch == "%"] == ends, ln
+        assert len(ln) == len(lines[0])
 
 
 def test_cases_are_valid_and_unique():
@@ -194,7 +210,7 @@ def test_real_validate_run_small(tmp_path):
     """A real 2-process megatron-core run (1f1b and interleaved), few iterations."""
     pytest.importorskip("torch")
     pytest.importorskip("megatron.core")
-    from poseidon_plugin.megatron.recorder import IterationRecord
+    from poseidon_plugin.megatron.calibrate.recorder import IterationRecord
     from poseidon_plugin.fidelity.cases import Emulation
     from poseidon_plugin.fidelity.harness import run_cases
 

@@ -4,7 +4,7 @@ For every case (PP degree, per-stage layer split, emulated device type per stage
 micro-batch count) the harness
 
 1. spawns ``PP x DP`` processes (``torch.multiprocessing``, gloo), installs the CPU shims of
-   ``poseidon_plugin.megatron.emulation`` and calls megatron-core's
+   ``poseidon_plugin.megatron.emulate.emulation`` and calls megatron-core's
    ``parallel_state.initialize_model_parallel(pipeline_model_parallel_size=PP, ...)``;
 2. builds a tiny real model per stage: ``layers[s]`` emulated layers, each a real ``Linear``
    (``hidden x hidden``) whose forward and backward are padded by ``sleep`` to
@@ -21,7 +21,7 @@ micro-batch count) the harness
    iterations, the first 5 discarded, the mean of the rest (``--iterations`` / ``--discard``);
    the span of an iteration is max over ranks of its end minus min over ranks of its start
    (one host, one monotonic clock); every op of every stage is recorded by
-   ``poseidon_plugin.megatron.recorder``;
+   ``poseidon_plugin.megatron.calibrate.recorder``;
 5. predicts the iteration time with (a) the paper's DAG (``simulator.simulate_pipeline``),
    (b) Eq. (1) (``simulator.static_estimate_ms``) and (c) the engine-aware model
    (``simulator.engine``), and prints a table with the relative errors, their median and max.
@@ -29,7 +29,8 @@ micro-batch count) the harness
 The per-stage tail R[s] given to (a) and (b) is the measured finalize + optimizer time of stage s
 (what the plugin would profile as the stage's all-reduce); (c) models the tail as megatron runs it.
 
-Layout (only ``harness`` imports torch and megatron-core; the rest imports without them):
+Layout (only ``harness`` and ``mcore_memory`` import torch and megatron-core; the rest imports
+without them):
 
 ===============  ==============================================================================
 ``cases``        ``Case``, ``DEFAULT_CASES`` / ``FULL_EXTRA``, ``select_cases``, ``Emulation``
@@ -39,6 +40,9 @@ Layout (only ``harness`` imports torch and megatron-core; the rest imports witho
                  ``assemble_case`` (worker results -> row), ``draw_case``, ``write_json``
 ``harness``      the spawned workers: emulated model, profiling, measurement; ``run_cases``
 ``command``      the argument parser and ``main``
+``memory_check`` the memory model held to megatron-core's layers (``python -m
+                 poseidon_plugin.fidelity.memory_check``): cells, predictions, table
+``mcore_memory`` its worker: gloo ranks build one layer, count the bytes kept for backward
 ===============  ==============================================================================
 
 ``main(argv)`` accepts a list of argv strings (or an argparse namespace from the CLI);

@@ -1,10 +1,10 @@
 """The spawned-worker harness: real megatron-core pipelines on CPU (torch, gloo, megatron-core).
 
 ``run_cases`` spawns ``PP x DP`` processes per world size (``torch.multiprocessing``, gloo); each
-worker installs the CPU shims of ``poseidon_plugin.megatron.emulation``, then for every case
+worker installs the CPU shims of ``poseidon_plugin.megatron.emulate.emulation``, then for every case
 calls ``parallel_state.initialize_model_parallel(pipeline_model_parallel_size=PP, ...)`` and runs
 a ``_StageRun``: engine overheads (the schedule with zero-time layers; the emulated model and
-the overheads' medians are ``megatron/op_overhead.py``'s, which the profilers' own op-overhead
+the overheads' medians are ``megatron/profile/op_overhead.py``'s, which the profilers' own op-overhead
 measurement uses too), a profile like the
 plugin's (compute alone, p2p ping-pong and megatron's own p2p call costs, finalize and optimizer),
 then the measured iterations with every op recorded (``megatron.recorder.OpRecorder``). Rank 0
@@ -43,12 +43,12 @@ def _median(xs: Sequence[float]) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# the emulated model (megatron/op_overhead.py: shared with the profilers' op-overhead measurement)
+# the emulated model (megatron/profile/op_overhead.py: shared with the profilers' op-overhead measurement)
 # ---------------------------------------------------------------------------------------------
 
 
 def _build(case: Case, emu: Emulation, pp_rank: int, zero_time: bool = False):
-    from ..megatron.op_overhead import emulated_chunk_class, schedule_config
+    from poseidon_plugin.megatron.profile.op_overhead import emulated_chunk_class, schedule_config
 
     v = case.virtual_stages
     config = schedule_config(emu.hidden, case.pp, v)
@@ -80,7 +80,7 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], emu_d: dict, it
     import torch
     import torch.distributed as dist
 
-    from ..megatron.emulation import install_cpu_shims
+    from poseidon_plugin.megatron.emulate.emulation import install_cpu_shims
 
     torch.set_num_threads(1)
     install_cpu_shims(local_rank=0, device_count=1)
@@ -183,7 +183,7 @@ class _StageRun:
 
     def run_iteration(self, chunks, params, rec) -> None:
         """One training iteration: megatron-core's forward/backward, then the optimizer step."""
-        from ..megatron.op_overhead import loss_forward_step, repeat_input
+        from poseidon_plugin.megatron.profile.op_overhead import loss_forward_step, repeat_input
 
         v = self.case.virtual_stages
         if rec is not None:
@@ -202,8 +202,8 @@ class _StageRun:
     def engine_overheads(self) -> dict[str, float]:
         import torch.distributed as dist
 
-        from ..megatron.op_overhead import engine_overheads
-        from ..megatron.recorder import OpRecorder
+        from poseidon_plugin.megatron.profile.op_overhead import engine_overheads
+        from poseidon_plugin.megatron.calibrate.recorder import OpRecorder
 
         config0, chunks0, params0 = self.make(zero_time=True)
         rec0 = OpRecorder(self.pp_rank)
@@ -274,7 +274,7 @@ class _StageRun:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        from ..megatron.recorder import OpRecorder
+        from poseidon_plugin.megatron.calibrate.recorder import OpRecorder
 
         rec = OpRecorder(self.pp_rank)
         rec.set_chunks(chunks)

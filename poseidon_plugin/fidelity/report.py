@@ -45,20 +45,26 @@ def error_stats(rows: Sequence[Row], which: str) -> tuple[float, float]:
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    head = (f"{'case':<18} {'sched':<12} {'PP':>2} {'M':>3} {'V':>2} {'measured':>10} "
+    """The fidelity table: one row per case, then the median and max |error| of each
+    predictor under its error column. The case and schedule columns are as wide as their
+    longest entry (``interleaved-1f1b``), so every column lines up."""
+    wc = max([len("case")] + [len(r.case) for r in rows])
+    ws = max([len("sched")] + [len(r.schedule) for r in rows])
+    head = (f"{'case':<{wc}} {'sched':<{ws}} {'PP':>2} {'M':>3} {'V':>2} {'measured':>10} "
             f"{'search':>9} {'err':>7} {'Eq.(1)':>9} {'err':>7} {'engine':>9} {'err':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r.case:<18} {r.schedule:<12} {r.pp:>2} {r.num_microbatches:>3} "
+            f"{r.case:<{wc}} {r.schedule:<{ws}} {r.pp:>2} {r.num_microbatches:>3} "
             f"{r.virtual_stages:>2} {r.measured_ms:>8.2f}ms "
             f"{r.dag_ms:>9.2f} {100 * r.error('dag'):>+6.1f}% "
             f"{r.eq1_ms:>9.2f} {100 * r.error('eq1'):>+6.1f}% "
             f"{r.engine_ms:>9.2f} {100 * r.error('engine'):>+6.1f}%")
     lines.append("-" * len(head))
+    label_w = wc + ws + 2 + 3 + 2 + 10 + 5      # up to the end of the measured column
     for label, agg in (("median |err|", 0), ("max |err|", 1)):
         vals = [error_stats(rows, w)[agg] for w in PREDICTORS]
-        lines.append(f"{label:<50} {'':>9} {100 * vals[0]:>6.1f}% {'':>9} "
+        lines.append(f"{label:<{label_w}} {'':>9} {100 * vals[0]:>6.1f}% {'':>9} "
                      f"{100 * vals[1]:>6.1f}% {'':>9} {100 * vals[2]:>6.1f}%")
     return "\n".join(lines)
 
@@ -97,7 +103,7 @@ def assemble_case(case: Case, per_rank: list[dict]) -> CaseResult:
 def draw_case(result: CaseResult, path: str) -> str:
     """Measured timeline (a late iteration) above the engine-aware and the DAG prediction."""
     from ..gantt import draw_gantt
-    from ..megatron.recorder import IterationRecord, timeline_from_records
+    from poseidon_plugin.megatron.calibrate.recorder import IterationRecord, timeline_from_records
 
     recs = [IterationRecord.from_dict(d) for d in result.measured_records]
     measured = timeline_from_records(recs, label="measured (megatron-core, CPU emulation)")

@@ -17,13 +17,21 @@ is released (:func:`release`) before the script runs, so ``pretrain`` finds Mega
 process would ("args is already initialized" otherwise), including the group leftovers
 ``destroy_model_parallel`` of megatron-core 0.12 forgets.
 
-Only module attributes of megatron are touched, through its own setters where it has them.
+Only module attributes of megatron are touched, through its own setters where it has them,
+and the data the profiled layer's forward and backward leave on the framework's modules and
+classes (:class:`DataState`), put back as they were when the profiling of a configuration ends:
+megatron-core's MoE router stores a 0-dim aux-loss scale on ``MoEAuxLossAutoScaler`` at its
+first backward (the training's own ``set_loss_scale(torch.ones(1))`` then fails to copy into
+it: "output with shape [] doesn't match the broadcast shape [1]") and fills the layer-wise
+aux-loss tracker; MindSpeed keeps its own such state.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import sys
+import types
 from typing import Any, Iterator
 
 log = logging.getLogger("poseidon")
@@ -130,3 +138,110 @@ def clear_model_parallel_leftovers() -> None:
     for name in _LEFT_BY_DESTROY:
         if getattr(ps, name, None) is not None:
             setattr(ps, name, None)
+
+
+@contextlib.contextmanager
+def untouched(what: str = "profiling") -> Iterator[None]:
+    """The framework's module and class data (:class:`DataState`) as before the block, after it
+    (an error included); the attributes put back are logged at debug level."""
+    data = DataState.capture()
+    try:
+        yield
+    finally:
+        restored = data.restore()
+        if restored:
+            log.debug("%s left framework state; put back: %s", what, ", ".join(restored))
+
+
+# the frameworks whose modules' data the profiling of a layer may change
+FRAMEWORK_PACKAGES = ("megatron", "mindspeed", "mindspeed_llm")
+_CONTAINERS = (dict, list, set)
+
+
+def _is_data(value: Any) -> bool:
+    """Whether a module or class attribute is state (tensors, numbers, containers, None), not
+    code: functions, classes, modules and descriptors are what MindSpeed's patches replace, and
+    they stay as they are."""
+    return not (callable(value) or isinstance(value, (types.ModuleType, staticmethod,
+                                                      classmethod, property)))
+
+
+def _framework_modules() -> list[tuple[str, types.ModuleType]]:
+    return [(name, mod) for name, mod in list(sys.modules.items())
+            if isinstance(mod, types.ModuleType)
+            and name.split(".", 1)[0] in FRAMEWORK_PACKAGES]
+
+
+class DataState:
+    """The data attributes of every imported framework module (``FRAMEWORK_PACKAGES``) and of
+    the classes defined there, as they are at :meth:`capture` (containers copied one level
+    deep); :meth:`restore` puts back each one that changed (rebinds it, refills a container
+    changed in place, removes a data attribute that appeared) and names them."""
+
+    def __init__(self, owners: list[tuple[str, Any, dict[str, Any]]]) -> None:
+        self._owners = owners
+
+    @classmethod
+    def capture(cls) -> "DataState":
+        owners: list[tuple[str, Any, dict[str, Any]]] = []
+        for name, mod in _framework_modules():
+            owners.append((name, mod, _data_of(vars(mod))))
+            for attr, value in list(vars(mod).items()):
+                if isinstance(value, type) and value.__module__ == name:
+                    owners.append((f"{name}.{attr}", value, _data_of(vars(value))))
+        return cls(owners)
+
+    def restore(self) -> list[str]:
+        restored: list[str] = []
+        for where, owner, before in self._owners:
+            now = vars(owner)
+            for attr in [a for a, v in list(now.items()) if a not in before and _is_data(v)
+                         and not a.startswith("__")]:
+                delattr(owner, attr)
+                restored.append(f"{where}.{attr}")
+            for attr, (value, items) in before.items():
+                current = now.get(attr, _MISSING)
+                if current is not value:
+                    setattr(owner, attr, value)
+                    restored.append(f"{where}.{attr}")
+                elif items is not None and not _same(_items(value), items):
+                    value.clear()
+                    if isinstance(value, dict):
+                        value.update(items)
+                    elif isinstance(value, list):
+                        value.extend(items)
+                    else:
+                        value.update(items)
+                    restored.append(f"{where}.{attr}")
+        return restored
+
+
+_MISSING = object()
+
+
+def _items(value: Any) -> Any:
+    if isinstance(value, dict):
+        return [(k, v) for k, v in value.items()]
+    if isinstance(value, (list, set)):
+        return list(value)
+    return None
+
+
+def _same(now: list, before: list) -> bool:
+    """The same items (a dict's as (key, value) pairs), compared by identity: a tensor's ``==``
+    is elementwise."""
+    if len(now) != len(before):
+        return False
+    pairs = zip(now, before)
+    return all(a[0] is b[0] and a[1] is b[1] if isinstance(a, tuple) and isinstance(b, tuple)
+               else a is b for a, b in pairs) or sorted(map(id, now)) == sorted(map(id, before))
+
+
+def _data_of(namespace: Any) -> dict[str, tuple[Any, Any]]:
+    """attribute -> (value, its items when a container) of the data attributes."""
+    out: dict[str, tuple[Any, Any]] = {}
+    for attr, value in list(namespace.items()):
+        if attr.startswith("__") or not _is_data(value):
+            continue
+        out[attr] = (value, _items(value) if type(value) in _CONTAINERS else None)
+    return out

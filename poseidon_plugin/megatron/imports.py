@@ -24,7 +24,7 @@ import logging
 import re
 from types import ModuleType
 
-from ..errors import PoseidonError
+from poseidon_plugin.errors import PoseidonError
 
 log = logging.getLogger("poseidon")
 
@@ -75,7 +75,7 @@ def _missing_name(e: ImportError) -> str:
 
 def _megatron_where() -> tuple[str, str, bool]:
     """(version, where, is the wheel) of the megatron.core importable here; version "" if none."""
-    from . import provenance
+    from poseidon_plugin.megatron import provenance
 
     try:
         c = provenance.megatron_core()

@@ -21,11 +21,12 @@
 Method and proofs: ``docs/search.md``.
 """
 
-from .baselines import (baseline_entries, baseline_plans, baseline_results, explain_infeasible,
+from .baselines import (baseline_entries, baseline_plans, baseline_results,
                         skipped_baseline_entries)
 from .build import build_plan
 from .configs import OuterConfig, enumerate_configs, root_bound
 from .driver import SearchDriver, SearchStats, search_plan
+from .infeasible import explain_infeasible
 from .instance import SearchContext
 from .options import SearchOptions, tp_candidates
 

@@ -20,6 +20,7 @@ cdef enum:
     MAXV = 8       # virtual stages (interleaving depth)
     MAXO = 64      # stage options (device type, TP degree)
     MAXT = 16      # device types
+    MAXK = 16      # layer kinds
 
 
 cdef enum RidgeMode:
@@ -102,6 +103,15 @@ cdef struct ConfigData:
     const double* xf               # N * O: after stage x (layers >= x + 1), one layer's
     const double* xb               # forward / backward lower bound: the minimum over the kinds
     #                                of layers [x + 1, L) (the bounds' per-layer costs)
+    # ---- layer kinds with interleaving (K > 1, V > 1): Megatron's layout is chunk-major, so
+    #      chunk c of stage x starts at ck_off[c] + (chunk-c layers of the stages before x),
+    #      ck_off[c] the layers of chunks < c; ck_tot[c] = the layers of chunk c over all stages,
+    #      fixed by the configuration (``OuterConfig.chunk_totals``). Memory: ``fitcb``, a
+    #      Python callable (o, x, chunk starts, cap) -> the most layers <= cap that fit
+    int ilv
+    int ck_tot[MAXV]
+    int ck_off[MAXV]
+    void* fitcb
     # ---- per device type
     int ndev[MAXT]
     int type_off[MAXT]             # offset of the type's devices in node_of / local_of

@@ -342,7 +342,7 @@ cdef class ConfigInstance:
                  double overhead_ms=0.0, bint sharded=False, double wpg=0.5,
                  bint overlap_grad=False, bint overlap_param=False, double gpp=4.0,
                  double bucket=0.0, kinds=None, lmax_from=None, int ep=1, xg=None,
-                 kxg=None):
+                 kxg=None, chunk_totals=None, fit=None):
         cdef ConfigData* I = &self.data
         cdef int N = structure.N, V = structure.V, O = len(opt_type), T = len(ndev), o, x, k
         if N > MAXN or V > MAXV or O > MAXO or T > MAXT:
@@ -415,13 +415,29 @@ cdef class ConfigInstance:
         I.kf = I.kb = I.kgl = I.kog = NULL
         I.kpre = I.lmax_from = NULL
         I.xf = I.xb = NULL
+        I.ilv = 0
+        I.fitcb = NULL
         if kinds is not None:
             # kinds = (kf, kb, kgl, kog: O x K, kpre: K x (L + 1)); lmax_from: O x N x (L + 1)
+            # (V = 1), or with V > 1 chunk_totals (V ints summing to L) and fit (the memory)
             kf, kb, kgl, kog, kpre = kinds
             K = len(kpre)
-            if V != 1 or ridge_mode != RIDGE_OFF or lmax_from is None:
-                raise ValueError("ConfigInstance: layer kinds need V = 1, no ridge rule and "
-                                 "lmax_from")
+            if ridge_mode != RIDGE_OFF or K > MAXK:
+                raise ValueError(f"ConfigInstance: layer kinds need no ridge rule and <= {MAXK}"
+                                 " kinds")
+            if V == 1 and lmax_from is None:
+                raise ValueError("ConfigInstance: layer kinds at V = 1 need lmax_from")
+            if V > 1:
+                if (chunk_totals is None or fit is None or len(chunk_totals) != V
+                        or sum(chunk_totals) != num_layers or min(chunk_totals) < N):
+                    raise ValueError("ConfigInstance: layer kinds at V > 1 need chunk_totals "
+                                     "(V counts >= N summing to the layers) and fit")
+                I.ilv = 1
+                I.fitcb = <void*> fit
+                for x in range(V):
+                    I.ck_tot[x] = chunk_totals[x]
+                    I.ck_off[x] = sum(chunk_totals[:x])
+                lmax_from = np.zeros(O * N * (num_layers + 1), dtype=np.int32)
             karr = tuple(np.ascontiguousarray(a, dtype=np.float64).reshape(-1)
                          for a in (kf, kb, kgl, kog))
             if any(a.shape[0] != O * K for a in karr):
@@ -438,14 +454,15 @@ cdef class ConfigInstance:
             xf = np.empty((N, O), dtype=np.float64)
             xb = np.empty((N, O), dtype=np.float64)
             for x in range(N):
-                first = min(x + 1, num_layers)
+                # V > 1: a later stage's layers may lie anywhere (chunk-major layout)
+                first = min(x + 1, num_layers) if V == 1 else 0
                 left = [k for k in range(K) if kp2[k, num_layers] - kp2[k, first] > 0]
                 for o in range(O):
                     xf[x, o] = min(kf2[o, k] for k in left) if left else f[o]
                     xb[x, o] = min(kb2[o, k] for k in left) if left else b[o]
             xf = np.ascontiguousarray(xf).reshape(-1)
             xb = np.ascontiguousarray(xb).reshape(-1)
-            self._keep = arrays + karr + (kp, lf, xf, xb)
+            self._keep = arrays + karr + (kp, lf, xf, xb, fit)
             I.xf = _dbl_ptr(xf)
             I.xb = _dbl_ptr(xb)
             I.K = K
@@ -600,28 +617,103 @@ cdef inline double _place_stage(const ConfigData* I, SearchState* S, int x, int 
     return I.inter[k]
 
 
+cdef inline void _chunk_starts(const ConfigData* I, SearchState* S, int x, int* starts
+                               ) noexcept nogil:
+    """A model of several layer kinds: the first layer of each chunk of stage x, from the
+    layers of the stages before it (``costs.stage_layer_ranges``: Megatron's chunk-major
+    layout; V = 1: the layers before it)."""
+    cdef int cc, c
+    for c in range(I.V):
+        starts[c] = I.ck_off[c] if I.ilv else 0
+        for cc in range(x):
+            starts[c] += _chunk_layers(S.st_l[cc], I.V, c)
+
+
+cdef inline int _chunk_cap(const ConfigData* I, const int* starts, int K) noexcept nogil:
+    """Interleaved, several kinds: the most layers stage x (chunks from ``starts``) may hold
+    with chunk c's layers of all stages = ck_tot[c] and K later stages holding >= 1 layer of
+    each chunk (-1: none): the largest l = V q + t with q + (c < t) <= room_c for every c."""
+    cdef int c, q = 1 << 30, room
+    for c in range(I.V):
+        room = I.ck_off[c] + I.ck_tot[c] - K - starts[c]
+        if room < q:
+            q = room
+    if q < 0:
+        return -1
+    for c in range(I.V):
+        if I.ck_off[c] + I.ck_tot[c] - K - starts[c] == q:
+            return I.V * q + c
+    return I.V * q
+
+
+cdef int _fit_layers(const ConfigData* I, int o, int x, const int* starts, int cap
+                     ) noexcept nogil:
+    """Interleaved, several kinds: the most layers <= cap that option o fits at stage x with
+    its chunks from ``starts`` (the Python memory path, ``I.fitcb``; 0 on an error)."""
+    cdef int c, got = 0
+    with gil:
+        try:
+            got = (<object> I.fitcb)(o, x, tuple([starts[c] for c in range(I.V)]), cap)
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+            got = 0
+    return got
+
+
+cdef int _stage_hi(const ConfigData* I, SearchState* S, int x, int o, int Lrem, int K
+                   ) noexcept nogil:
+    """The most layers option o may hold at stage x (memory; several kinds: from the
+    stage's own layers), K later stages, Lrem layers left."""
+    cdef int hi, starts[MAXV]
+    if I.K == 1:
+        return I.lmax[o * I.N + x]
+    if not I.ilv:      # the stage's first layer is the layers assigned before it
+        return I.lmax_from[(o * I.N + x) * (I.L + 1) + I.L - Lrem]
+    _chunk_starts(I, S, x, starts)
+    hi = _chunk_cap(I, starts, K)
+    if hi > I.lmax[o * I.N + x]:
+        hi = I.lmax[o * I.N + x]
+    if hi > Lrem:
+        hi = Lrem
+    if hi < I.V:
+        return hi
+    return _fit_layers(I, o, x, starts, hi)
+
+
 cdef void _set_stage(const ConfigData* I, SearchState* S, int x, int o, int l,
                      double ring) noexcept nogil:
     """Chunk costs, forward total and post-pipeline time (DP all-reduce + optimizer step +
     per-iteration overhead) of stage x with option o and l layers
     (the embedding on chunk 0 of stage 0, the output layer on chunk V-1 of the last stage)."""
-    cdef int V = I.V, cc, nb, a, k, c, L1 = I.L + 1
+    cdef int V = I.V, cc, nb, a, e, k, c, L1 = I.L + 1
+    cdef int starts[MAXV]
+    cdef int cnt[MAXK]
     cdef bint overlap
     cdef double G, F = 0.0, gw, pw, opt, optk = 0.0, gk, gx = 0.0, Ge = 0.0, ek, esync = 0.0
     if I.K > 1:
-        # the layers [a, a + l) the stage holds (V = 1), each kind at its own costs, as
+        # the layers each chunk holds (V = 1: [a, a + l), a the layers before it; V > 1: the
+        # chunk-major layout), each kind at its own costs, as
         # costs.stage_costs(layer_kinds="per-kind"): the embedding / output layer's optimizer
         # step at oog (the first kind's rate)
-        a = 0
-        for cc in range(x):
-            a += S.st_l[cc]
-        S.fc[x] = 0.0
-        S.bc[x] = 0.0
+        _chunk_starts(I, S, x, starts)
+        for k in range(I.K):
+            cnt[k] = 0
+        for cc in range(V):
+            S.fc[x * V + cc] = 0.0
+            S.bc[x * V + cc] = 0.0
+            a = starts[cc] if starts[cc] <= I.L else I.L
+            e = a + _chunk_layers(l, V, cc)
+            if e > I.L:          # (only a bound_parts probe past the chunk totals)
+                e = I.L
+            for k in range(I.K):
+                c = I.kpre[k * L1 + e] - I.kpre[k * L1 + a]
+                cnt[k] += c
+                S.fc[x * V + cc] += c * I.kf[o * I.K + k]
+                S.bc[x * V + cc] += c * I.kb[o * I.K + k]
         G = 0.0
         for k in range(I.K):
-            c = I.kpre[k * L1 + a + l] - I.kpre[k * L1 + a]
-            S.fc[x] += c * I.kf[o * I.K + k]
-            S.bc[x] += c * I.kb[o * I.K + k]
+            c = cnt[k]
             gk = c * I.kgl[o * I.K + k]
             G += gk
             optk += (gk * I.kog[o * I.K + k] / I.d) if I.sharded else gk * I.kog[o * I.K + k]
@@ -774,6 +866,13 @@ cdef struct Memo:
     long pool_used            # vectors handed out
     long pool_size            # vectors allocated
     long pool_max             # the pool's limit in vectors (0: MEMO_POOL)
+
+
+cdef inline int _memo_klen(const ConfigData* I) noexcept nogil:
+    """The memo key's length: 8 + one cursor per type (``Searcher.memo_key``), and with
+    several kinds interleaved the first layer of each chunk but the last after stage x (the
+    memo is off where they do not fit MEMO_MAXK)."""
+    return 8 + I.T + (I.V - 1 if I.ilv else 0)
 
 
 cdef inline unsigned long long _memo_hash(const int* key, int klen) noexcept nogil:
@@ -1240,6 +1339,7 @@ cdef class Searcher:
         cdef const ConfigData* I = self.cfg
         cdef SearchState* S = self.state
         cdef int k, used = 0
+        cdef int starts[MAXV]
         key[0] = x
         key[1] = Lrem
         key[2] = o
@@ -1252,7 +1352,13 @@ cdef class Searcher:
         key[5] = used if I.blocks else 0
         key[6] = S.st_opt[0] if I.V > 1 else 0      # (the wrap-around link's far end)
         key[7] = S.st_start[0] if I.V > 1 else 0
-        return _memo_hash(key, 8 + I.T)
+        if I.ilv:
+            # several kinds, interleaved: where the later stages' chunks start (the layers
+            # of chunks 0 .. V-2 assigned so far; chunk V-1's follow from the layers left)
+            _chunk_starts(I, S, x + 1, starts)
+            for k in range(I.V - 1):
+                key[8 + I.T + k] = starts[k]
+        return _memo_hash(key, _memo_klen(I))
 
     cdef void descend(self, int x, int Lrem, int nr, double thr_eps, const int* key,
                       unsigned long long h) noexcept nogil:
@@ -1272,7 +1378,7 @@ cdef class Searcher:
         are searched once each way that matters."""
         cdef const ConfigData* I = self.cfg
         cdef SearchState* S = self.state
-        cdef int klen = 8 + I.T, K = I.N - 1 - x
+        cdef int klen = _memo_klen(I), K = I.N - 1 - x
         cdef double vec[MEMO_W]
         cdef long long sim0
         vec[0] = S.head[x]
@@ -1313,7 +1419,8 @@ cdef class Searcher:
         cdef int key[MEMO_MAXK]
         cdef unsigned long long h = 0
         cdef int memo_on = (self.use_memo and I.ridge_mode == RIDGE_OFF and I.use_bound
-                            and S.collect_D == 0)
+                            and S.collect_D == 0
+                            and (not I.ilv or I.T + I.V - 1 <= MAXT))
         cdef int oi
         if not self.enter(x):
             return
@@ -1330,10 +1437,7 @@ cdef class Searcher:
                 self.st.cut_devices += 1
                 continue
             # layers range: memory (lmax), later stages' minimum and maximum capacity
-            if I.K > 1:      # the stage's first layer is the layers assigned before it
-                hi = I.lmax_from[(o * N + x) * (I.L + 1) + I.L - Lrem]
-            else:
-                hi = I.lmax[o * N + x]
+            hi = _stage_hi(I, S, x, o, Lrem, K)
             if K == 0:
                 if Lrem > hi or Lrem < I.V:
                     self.st.cut_memory += 1
@@ -1723,8 +1827,7 @@ def replay_assignment(ConfigInstance inst, PipelineDAG dag, opts, layers,
         for x in range(N):
             o, l = opts[x], layers[x]
             start = _aligned_start(I, S, o)
-            if start < 0 or l < I.V or l > (I.lmax_from[(o * N + x) * (I.L + 1) + I.L - Lrem]
-                                             if I.K > 1 else I.lmax[o * N + x]):
+            if start < 0 or l < I.V or l > _stage_hi(I, S, x, o, Lrem, N - 1 - x):
                 raise ValueError(f"replay_assignment: stage {x} (option {o}, {l} layers) does "
                                  f"not fit")
             ring = _place_stage(I, S, x, o, start)

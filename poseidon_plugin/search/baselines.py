@@ -1,4 +1,4 @@
-"""What the best plan is compared with, and why no plan fits.
+"""What the best plan is compared with.
 
 ``baseline_plans``: (a) ``megatron-default``, Megatron's even split over all devices (one TP,
 even layers, 1F1B, the largest feasible DP, homogeneous assumptions) timed on the real cluster;
@@ -6,8 +6,7 @@ even layers, 1F1B, the largest feasible DP, homogeneous assumptions) timed on th
 ``baseline_results`` gives, where a baseline has no plan, the one-line reason instead;
 ``baseline_entries`` is their JSON form beside a plan (``Plan.baselines``).
 
-``explain_infeasible``: when no plan fits, one line naming the candidate that comes closest and
-how much memory it lacks.
+Why no plan fits at all (``explain_infeasible``) is ``infeasible.py``.
 """
 
 from __future__ import annotations
@@ -15,12 +14,14 @@ from __future__ import annotations
 from dataclasses import replace
 from types import MappingProxyType
 
-from ..costs import CostModel, chunk_layers
+from ..costs import CostModel
 from ..errors import InfeasibleError, PoseidonError
 from ..plan import Plan
 from .build import build_plan
 from .configs import OuterConfig
+from . import driver   # driver.search_plan looked up at call time (tests spy on it)
 from .instance import SearchContext
+from .infeasible import held_kinds
 from .options import tp_candidates
 
 GIB = 1024 ** 3
@@ -192,7 +193,7 @@ def _megatron_default(ctx: SearchContext, options, deadline: float | None = None
                 mems = [cm.stage_memory_bytes(
                     layers=layers[x], stage=x, num_stages=n, tp=t, dp=d, micro_batch_size=b,
                     num_microbatches=m, schedule="1f1b", virtual_stages=1,
-                    type_index=types[x], kind_counts=_held(cm, layers, x)) for x in range(n)]
+                    type_index=types[x], kind_counts=held_kinds(cm, layers, x)) for x in range(n)]
                 if all(mems[x] <= cm.capacity_bytes[types[x]] for x in range(n)):
                     so = [opts.index((k, t)) for k in types]
                     cands.append((ctx.evaluate(cfg, so, layers), cfg.key, cfg, so, layers))
@@ -223,8 +224,6 @@ def _best_single_type(cluster, model, options, profiles=None, deadline: float | 
     """``best_single_type_plan``, or why no type has a plan (each type's one-line error)."""
     import time
 
-    from .driver import search_plan
-
     best, why, cut = None, [], []
     names = list(cluster.type_names)
     hard = _hard_end(deadline, options)
@@ -237,7 +236,7 @@ def _best_single_type(cluster, model, options, profiles=None, deadline: float | 
             left = max(0.05, (deadline - time.monotonic()) / (len(names) - at))
             opts = opts.replace(time_budget_s=left)
         try:
-            p = search_plan(single_type_cluster(cluster, name), model, opts, profiles)
+            p = driver.search_plan(single_type_cluster(cluster, name), model, opts, profiles)
         except (InfeasibleError, PoseidonError) as exc:
             why.append(f"{name}: {' '.join(str(exc).split())}")
             continue
@@ -261,136 +260,3 @@ def single_type_cluster(cluster, name: str):
                    device_types=MappingProxyType({name: cluster.device_types[name]}),
                    links=replace(cluster.links, inter_node_gbps=MappingProxyType(
                        {name: cluster.links.inter_node_gbps[name]})))
-
-
-# --------------------------------------------------------------------------- infeasibility
-
-def _stage_type_match(allowed: list[list[int]], counts: list[int]) -> list[int] | None:
-    """A type per stage among those it allows, type k serving at most counts[k] stages, or
-    None (bipartite b-matching by augmenting paths; a few dozen stages and types)."""
-    owner: list[list[int]] = [[] for _ in counts]
-
-    def augment(x: int, seen: set[int]) -> bool:
-        for k in allowed[x]:
-            if k in seen:
-                continue
-            seen.add(k)
-            if len(owner[k]) < counts[k]:
-                owner[k].append(x)
-                return True
-            for j, y in enumerate(owner[k]):
-                if augment(y, seen):
-                    owner[k][j] = x
-                    return True
-        return False
-
-    if not all(augment(x, set()) for x in range(len(allowed))):
-        return None
-    got = [0] * len(allowed)
-    for k, xs in enumerate(owner):
-        for x in xs:
-            got[x] = k
-    return got
-
-
-def _held(cm: CostModel, layers, x: int) -> tuple[int, ...] | None:
-    """The layers of each kind stage x of a one-chunk plan holds (a model of several kinds,
-    ``cm.per_kind``; None otherwise: the memory is then the same without them)."""
-    if not cm.per_kind:
-        return None
-    a = sum(layers[:x])
-    return cm.model.kind_counts_in(a, a + layers[x])
-
-
-def _shortfalls(cm: CostModel, cfg: OuterConfig, counts: dict[int, int]
-                ) -> list[dict[int, tuple[int, int]]]:
-    """short[x][k] = (memory - capacity, memory) of stage x (even layer split) on type k's
-    best option."""
-    cm = cm.at_cp(cfg.cp)
-    n = cfg.num_stages
-    base = chunk_layers(cm.model.num_layers, n)
-    short: list[dict[int, tuple[int, int]]] = []
-    for x in range(n):
-        row: dict[int, tuple[int, int]] = {}
-        for k, t in cfg.options:
-            if counts[k] <= 0:
-                continue
-            mem = cm.stage_memory_bytes(layers=base[x], stage=x, num_stages=n, tp=t,
-                                        dp=cfg.dp_cp,
-                                        micro_batch_size=cfg.micro_batch_size,
-                                        num_microbatches=cfg.num_microbatches,
-                                        schedule=cfg.schedule,
-                                        virtual_stages=cfg.virtual_stages, type_index=k,
-                                        kind_counts=(_held(cm, base, x)
-                                                     if cfg.virtual_stages == 1 else None))
-            cand = (mem - cm.capacity_bytes[k], mem)
-            if k not in row or cand < row[k]:
-                row[k] = cand
-        short.append(row)
-    return short
-
-
-def _closest_assignment(cm: CostModel, cfg: OuterConfig):
-    """(shortfall, worst stage, its type, its memory) of the assignment of types to stages
-    with the smallest worst-stage shortfall (bisection over the candidate values, each
-    checked by a matching); None when the devices cannot host the stages at all."""
-    counts: dict[int, int] = {}
-    for k, t in cfg.options:
-        counts[k] = max(counts.get(k, 0), cm.pools[k].size // (cfg.dp_cp * t))
-    short = _shortfalls(cm, cfg, counts)
-    ks = sorted(counts)
-    cnt = [counts[k] for k in ks]
-    values = sorted({v[0] for row in short for v in row.values()})
-
-    def fits(tau: int) -> list[int] | None:
-        allowed = [[i for i, k in enumerate(ks) if k in row and row[k][0] <= tau]
-                   for row in short]
-        return _stage_type_match(allowed, cnt)
-
-    if not values or fits(values[-1]) is None:
-        return None
-    lo, hi = 0, len(values) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if fits(values[mid]) is not None:
-            hi = mid
-        else:
-            lo = mid + 1
-    tau = values[lo]
-    assign = [ks[i] for i in fits(tau)]
-    x_w = max(range(cfg.num_stages), key=lambda x: (short[x][assign[x]][0], -x))
-    k_w = assign[x_w]
-    return tau, x_w, k_w, short[x_w][k_w][1]
-
-
-def explain_infeasible(cm: CostModel, configs: list[OuterConfig]) -> str:
-    """One line: the candidate that comes closest to fitting and how much memory it lacks.
-
-    Per configuration (1F1B-like schedules): layers split evenly over the stages, each stage on
-    a device type of the configuration's options with type k serving at most
-    devices_k // (dp * t) stages; the shortfall of a configuration is the smallest, over such
-    assignments, of its worst stage's (memory - capacity). The configuration with the smallest
-    shortfall is named, with its worst stage."""
-    best = None
-    for cfg in configs:
-        if cfg.schedule not in ("1f1b", "eager-1f1b", "gpipe"):
-            continue
-        if cfg.num_stages > cm.model.num_layers:
-            continue
-        got = _closest_assignment(cm, cfg)
-        if got is None:
-            continue   # the devices cannot host n stages at all
-        if best is None or (got[0], cfg.key) < (best[1][0], best[0].key):
-            best = (cfg, got)
-    if best is None:
-        return "no plan fits: no configuration could be placed on the cluster"
-    cfg, (tau, x, k, mem) = best
-    what = (f"(pp={cfg.num_stages}, tp={cfg.tp or 'per-stage'}, dp={cfg.dp}, "
-            + (f"cp={cfg.cp}, " if cfg.cp > 1 else "") + "micro-batch "
-            f"{cfg.micro_batch_size}, {cfg.schedule})")
-    if tau <= 0:
-        return (f"no plan fits: the closest {what} fits memory with an even layer split but "
-                f"its stages cannot be placed on the devices (TP groups must not span nodes)")
-    return (f"no plan fits in device memory: the closest {what} lacks {tau / GIB:.2f} GiB on "
-            f"stage {x} ({cm.type_names[k]}: needs {mem / GIB:.2f} GiB of "
-            f"{cm.capacity_bytes[k] / GIB:.2f} GiB)")

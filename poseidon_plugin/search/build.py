@@ -92,7 +92,10 @@ def build_plan(cm: CostModel, cfg: OuterConfig, opts, layers, *, global_batch_si
         training=cm.training.to_dict(), iteration_overhead=overhead_provenance(cm),
         engine_calls=cm.engine_calls(cfg.micro_batch_size).as_tuple(),
         engine_calls_source=cm.engine_calls(cfg.micro_batch_size).source,
-        ep=cfg.ep, moe=bool(getattr(cm.model, "num_experts", 0)))
+        ep=cfg.ep, moe=bool(getattr(cm.model, "num_experts", 0)),
+        mtp_num_layers=int(getattr(cm.model, "mtp_num_layers", 0)),
+        moe_token_dispatcher_type=getattr(cm.model, "moe_token_dispatcher_type", "alltoall"),
+        node_types=tuple(n.device_type for n in cm.cluster.nodes))
 
 
 def overhead_provenance(cm: CostModel) -> dict:

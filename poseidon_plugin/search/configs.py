@@ -11,14 +11,14 @@ visits configurations by it and skips those whose bound passes the incumbent);
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
 
 from ..comm import send_ms
-from ..costs import CostModel
+from ..costs import CostModel, chunk_layers
 from ..errors import PoseidonError
 from ..simulator.schedules import SCHEDULES, op_orders, validate_schedule
 from . import _roots, _search
@@ -38,6 +38,9 @@ class OuterConfig:
     options: tuple[tuple[int, int], ...]   # (type index, tp) a stage may use
     cp: int = 1                   # context parallelism: each rank holds seq / cp tokens
     ep: int = 1                   # expert-parallel degree (1: every expert on every device)
+    # a model of several layer kinds, interleaved (V > 1): the layers of each model chunk over
+    # all stages (``chunk_totals``); () otherwise
+    chunk_totals: tuple[int, ...] = ()
 
     @property
     def key(self) -> tuple:
@@ -46,7 +49,8 @@ class OuterConfig:
         configuration's key is as before."""
         return (SCHEDULES.index(self.schedule), self.virtual_stages,
                 self.micro_batch_size, self.dp, self.tp, self.num_stages) \
-            + ((self.cp, self.ep) if self.cp > 1 or self.ep > 1 else ())
+            + ((self.cp, self.ep) if self.cp > 1 or self.ep > 1 else ()) \
+            + self.chunk_totals
 
     @property
     def dp_cp(self) -> int:
@@ -98,15 +102,49 @@ def _divisors(x: int) -> list[int]:
 
 
 def ep_candidates(model, dp: int, allowed=None) -> tuple[int, ...]:
-    """Expert-parallel degrees a configuration of DP degree ``dp`` may use (Megatron's rules
-    with expert-TP = TP: a stage's TP x DP devices form the expert grid ETP x EP x expert-DP,
-    so EP divides DP, and EP divides the routed experts): (1,) for a model without experts;
-    only those in ``allowed`` when given."""
+    """Expert-parallel degrees a configuration may use, ``dp`` its DP x CP degree (Megatron's
+    rules with expert-TP = TP: a stage's TP x CP x DP devices form the expert grid
+    ETP x EP x expert-DP, megatron-core 0.19's ``initialize_model_parallel`` setting expert-DP
+    = world / (ETP x EP x PP) = DP x CP / EP, so EP divides DP x CP, and EP divides the routed
+    experts): (1,) for a model without experts; only those in ``allowed`` when given."""
     experts = int(getattr(model, "num_experts", 0) or 0)
     if experts <= 0:
         return (1,)
     return tuple(e for e in _divisors(dp)
                  if experts % e == 0 and (allowed is None or e in allowed))
+
+
+def chunk_totals_of(layers, virtual_stages: int) -> tuple[int, ...]:
+    """The layers of each model chunk over all stages of a split (``costs.chunk_layers``)."""
+    splits = [chunk_layers(l, virtual_stages) for l in layers]
+    return tuple(sum(sp[c] for sp in splits) for c in range(virtual_stages))
+
+
+@lru_cache(maxsize=256)
+def chunk_total_vectors(num_layers: int, num_stages: int, virtual_stages: int
+                        ) -> tuple[tuple[int, ...], ...]:
+    """Every (S_0, ..., S_{V-1}) a pipeline of N stages, each holding >= V layers split by
+    ``costs.chunk_layers``, can give its model chunks: S_c = sum_s l_s // V + #{s: l_s % V > c}.
+    With r_j stages of l_s % V = j (r_0 + ... + r_{V-1} = N) and Q = sum_s l_s // V >= N,
+    S_c = Q + r_{c+1} + ... + r_{V-1}, and L = V Q + sum_j j r_j fixes Q. A model of several
+    layer kinds searches one configuration per vector: its chunk-major layout places chunk c
+    of stage x after every layer of chunks < c (``docs/search.md``)."""
+    L, n, v = num_layers, num_stages, virtual_stages
+    out = set()
+
+    def rec(j: int, left: int, rs: list[int]) -> None:
+        if j == v - 1:
+            rs = rs + [left]
+            rest = L - sum(i * r for i, r in enumerate(rs))
+            if rest >= v * n and rest % v == 0:
+                q = rest // v
+                out.add(tuple(q + sum(rs[c + 1:]) for c in range(v)))
+            return
+        for r in range(left + 1):
+            rec(j + 1, left - r, rs + [r])
+
+    rec(0, n, [])
+    return tuple(sorted(out, reverse=True))
 
 
 def _option_groups(tps: list[tuple[int, ...]], tp_mode: str) -> list[tuple[int, tuple]]:
@@ -144,14 +182,6 @@ def enumerate_with_exclusions(cm: CostModel, options: SearchOptions
     uniform_groups = _option_groups(tps, "uniform")
     for sched in options.schedules:
         vs = range(2, options.max_virtual_stages + 1) if sched == "interleaved-1f1b" else (1,)
-        if sched == "interleaved-1f1b" and cm.per_kind:
-            # a stage's layer kinds then depend on every stage's layer count (chunk-major
-            # layout), not on the layers before it: the search prices one chunk per stage
-            line = ("interleaved-1f1b excluded: a model of several layer kinds is searched "
-                    "with one model chunk per stage")
-            if line not in lines:
-                lines.append(line)
-            continue
         for v in vs:
             for b in options.micro_batch_sizes:
                 for d in _divisors(G):
@@ -164,11 +194,10 @@ def enumerate_with_exclusions(cm: CostModel, options: SearchOptions
                                     _option_groups(tps, options.tp_mode)] if c == 1 else
                                    [(c, t, opts) for t, opts in _cp_option_groups(
                                        cluster, cm.type_names, uniform_groups, c)])
-                    # expert parallelism: every EP degree valid for this DP (CP 1 only: a CP
-                    # configuration keeps EP 1, ``ep_candidates``)
+                    # expert parallelism: every EP degree valid for this DP x CP
+                    # (``ep_candidates``: Megatron's expert-DP is DP x CP / EP)
                     groups = [(c, e, t, opts) for c, t, opts in groups if opts
-                              for e in (ep_candidates(model, d, options.expert_parallel)
-                                        if c == 1 else (1,))]
+                              for e in ep_candidates(model, d * c, options.expert_parallel)]
                     for c, e, t, opts in groups:
                         cap = 0
                         for k in range(len(tps)):
@@ -189,7 +218,11 @@ def enumerate_with_exclusions(cm: CostModel, options: SearchOptions
                                     if line not in lines:
                                         lines.append(line)
                                     continue
-                            out.append(cfg)
+                            if v > 1 and cm.per_kind:
+                                out += [replace(cfg, chunk_totals=ct)
+                                        for ct in chunk_total_vectors(L, n, v)]
+                            else:
+                                out.append(cfg)
     return out, lines
 
 
@@ -275,9 +308,13 @@ class OptionCosts:
         return min(f + b for f, b in zip(self.of, self.ob))
 
 
-def layer_limits_from(cm: CostModel, cfg: OuterConfig) -> np.ndarray:
+def layer_limits_from(cm: CostModel, cfg: OuterConfig, moe_free_stages: bool = True
+                      ) -> np.ndarray:
     """A model of several layer kinds (``cm.per_kind``, V = 1): lmax_from[o, x, a], the most
-    layers option o fits at stage x starting at layer a (memory; <= L - (N-1) and <= L - a)."""
+    layers option o fits at stage x starting at layer a (memory; <= L - (N-1) and <= L - a).
+    ``moe_free_stages=False`` (``SearchOptions``): no stage after the first starts at or before
+    the model's first MoE layer, so the first stage holds one (the leading dense layers never
+    make a stage of their own; 0 layers there)."""
     cm = cm.at_cp(cfg.cp)
     n, L = cfg.num_stages, cm.model.num_layers
     limit = L - (n - 1) * cfg.virtual_stages
@@ -288,19 +325,34 @@ def layer_limits_from(cm: CostModel, cfg: OuterConfig) -> np.ndarray:
                 capacity_bytes=cm.capacity_bytes[k], stage=x, num_stages=n, tp=t, dp=cfg.dp_cp,
                 micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
                 schedule=cfg.schedule, type_index=k, ep=cfg.ep)
+    if not moe_free_stages and n > 1:
+        first_moe = first_moe_layer(cm.model)
+        if first_moe is not None and first_moe > 0:
+            out[:, 1:, 1:first_moe + 1] = 0
     return np.minimum(out, max(limit, 0))
 
 
-def layer_limits(cm: CostModel, cfg: OuterConfig) -> np.ndarray:
+def first_moe_layer(model) -> int | None:
+    """The 0-based index of the model's first MoE layer; None without one."""
+    kinds = getattr(model, "layer_kinds", ())
+    for i, k in enumerate(getattr(model, "layer_kind_of", ())):
+        if kinds[k].is_moe:
+            return i
+    return None
+
+
+def layer_limits(cm: CostModel, cfg: OuterConfig, moe_free_stages: bool = True) -> np.ndarray:
     """lmax[o, x]: the most layers option o fits at stage x (memory; <= L - (N-1) V). A model
     of several layer kinds (``cm.per_kind``): the most over the first layers stage x can have
     (an upper bound; ``layer_limits_from`` is exact)."""
     cm = cm.at_cp(cfg.cp)
     n, L = cfg.num_stages, cm.model.num_layers
     limit = L - (n - 1) * cfg.virtual_stages
+    if cm.per_kind and cfg.virtual_stages > 1:
+        return _kind_limits(cm, cfg, limit)
     if cm.per_kind:
         # stage x starts at a layer a in [x V, L - (N - x) V] (every stage holds >= V layers)
-        frm = layer_limits_from(cm, cfg)
+        frm = layer_limits_from(cm, cfg, moe_free_stages)
         v = cfg.virtual_stages
         out = np.zeros((len(cfg.options), n), dtype=np.int32)
         for x in range(n):
@@ -317,6 +369,49 @@ def layer_limits(cm: CostModel, cfg: OuterConfig) -> np.ndarray:
             schedule=cfg.schedule, virtual_stages=cfg.virtual_stages, limit=limit,
             type_index=k, ep=cfg.ep)
     return out
+
+
+def stage_fits_counts(cm: CostModel, cfg: OuterConfig, o: int, x: int, counts) -> bool:
+    """Whether option o at stage x holding ``counts[k]`` layers of each kind fits its memory
+    (``CostModel.stage_memory``, as ``CostModel.stage_costs`` counts a plan's stage; ``cm``
+    at the configuration's CP)."""
+    k, t = cfg.options[o]
+    return cm.stage_memory_bytes(
+        layers=sum(counts), stage=x, num_stages=cfg.num_stages, tp=t, dp=cfg.dp_cp,
+        micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
+        schedule=cfg.schedule, virtual_stages=cfg.virtual_stages, type_index=k,
+        kind_counts=tuple(counts), ep=cfg.ep) <= cm.capacity_bytes[k]
+
+
+def _kind_limits(cm: CostModel, cfg: OuterConfig, limit: int) -> np.ndarray:
+    """lmax of a model of several kinds with interleaving (an upper bound: a stage's kinds
+    then depend on every stage's layers): per (o, x) the sum over the kinds of the most
+    layers of that kind alone that fit. Memory grows with every layer, so a stage that fits
+    holds at most that many of each kind."""
+    memo = cm.__dict__.setdefault("_kind_limits_memo", {})
+    key = (replace(cfg, chunk_totals=()), limit)
+    if key in memo:
+        return memo[key].copy()
+    totals = cm.model.kind_counts
+    out = np.zeros((len(cfg.options), cfg.num_stages), dtype=np.int32)
+    for o in range(len(cfg.options)):
+        for x in range(cfg.num_stages):
+            most = 0
+            for i, total in enumerate(totals):
+                def fits(c: int) -> bool:
+                    return stage_fits_counts(cm, cfg, o, x, [c if j == i else 0
+                                                             for j in range(len(totals))])
+                lo, hi = 0, total          # fits(lo) (0 layers: the rest of the stage)
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if fits(mid):
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                most += lo
+            out[o, x] = min(most, max(limit, 0))
+    memo[key] = out
+    return out.copy()
 
 
 # --------------------------------------------------------------------------- root bound

@@ -299,6 +299,43 @@ def _fill_layers_from(ctx: SearchContext, cfg: OuterConfig, opts: list[int]
     return best
 
 
+def _match_chunk_totals(layers: list[int], loads: list[float], totals: tuple[int, ...]
+                        ) -> list[int] | None:
+    """A split near ``layers`` whose model chunks hold ``totals`` (an interleaved
+    configuration of a model of several kinds, ``OuterConfig.chunk_totals``), or None: the
+    totals fix how many stages hold l = j (mod V) (r_j = S_{j-1} - S_j, r_0 the rest); the
+    stages of the largest remainders take the largest ones, each the nearest count of its
+    remainder, then V layers at a time move from the most loaded stage (M (f + b) per layer,
+    ``loads``) to the least until the layers add up. The exact check (memory, the totals) is
+    the replay's."""
+    v, n = len(totals), len(layers)
+    want = [totals[j - 1] - totals[j] for j in range(1, v)]
+    want = [n - sum(want)] + want
+    if min(want) < 0:
+        return None
+    rems = sorted((j for j in range(v) for _ in range(want[j])), reverse=True)
+    order = sorted(range(n), key=lambda x: (-(layers[x] % v), x))
+    out = list(layers)
+    for x, j in zip(order, rems):
+        down = layers[x] - (layers[x] - j) % v
+        out[x] = down if down >= v and layers[x] - down <= down + v - layers[x] else down + v
+    total = sum(layers)
+    for _ in range(2 * n + 2):
+        diff = sum(out) - total
+        if diff == 0:
+            return out
+        if diff > 0:
+            cand = [x for x in range(n) if out[x] - v >= v]
+            if not cand:
+                return None
+            x = max(cand, key=lambda x: (out[x] * loads[x], -x))
+            out[x] -= v
+        else:
+            x = min(range(n), key=lambda x: (out[x] * loads[x], x))
+            out[x] += v
+    return None
+
+
 def _orders(ctx: SearchContext, cfg: OuterConfig, blocks: dict[int, list[int]], mixed: bool):
     """(type order, stage options): every order of the type blocks; for a model of several
     layer kinds also each order with one stage of the type of the cheapest output layer
@@ -338,6 +375,8 @@ def _construct_with(ctx: SearchContext, cfg: OuterConfig, stages, allowed=None):
             loads = [m * (costs.f[o] + costs.b[o]) for o in opts]
             caps = [int(lmax[o, x]) for x, o in enumerate(opts)]
             layers = _fill_layers(caps, loads, L, v)
+            if layers is not None and cfg.chunk_totals:
+                layers = _match_chunk_totals(layers, loads, cfg.chunk_totals)
             if layers is None or any(layers[x] > lmax[o, x] for x, o in enumerate(opts)):
                 continue
         try:

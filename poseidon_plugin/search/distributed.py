@@ -20,7 +20,7 @@ coordinator over the merged state. Why this is sound: ``docs/search.md``, "Distr
 
 The core imports no torch: a searcher talks through a :class:`Store` (set / non-blocking get of
 bytes, atomic add of a counter). :class:`MemoryStore` is the in-process one (threads as searchers, the tests);
-``poseidon_plugin.megatron.search_transport`` wraps torch.distributed's rendezvous store.
+``poseidon_plugin.megatron.launch.search_transport`` wraps torch.distributed's rendezvous store.
 
 Liveness: every searcher writes a heartbeat every HEARTBEAT_S from its own thread (the search
 itself runs in nogil C). A searcher that never joins, or whose heartbeat stops for ``stall_s``,
@@ -42,6 +42,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Protocol
 
 from ..errors import InfeasibleError, PoseidonError
+from .incumbent import Incumbent
 
 log = logging.getLogger("poseidon")
 
@@ -589,8 +590,6 @@ class JobShare:
             first_plan_s=st.first_plan_s, rounds=st.rounds)
 
     def merge(self, q: int, res: dict) -> None:
-        from .driver import Incumbent
-
         d, st = self.d, self.d.stats
         for cfg, t, opts, layers, origin in res["found"]:
             cand = Incumbent(t, cfg.key, tuple(opts), tuple(layers), cfg, origin)

@@ -37,9 +37,11 @@ from ..costs import CostModel
 from ..errors import InfeasibleError, PoseidonError
 from ..plan import Plan
 from ..safeio import bounded_join
-from .configs import OuterConfig, enumerate_with_exclusions
+from .configs import OuterConfig, chunk_totals_of, enumerate_with_exclusions, first_moe_layer
+from .incumbent import Incumbent
 from .instance import SearchContext, dag_build_seconds
 from .progress import SearchProgress, Snapshot
+from .shared_round import RoundWork
 
 log = logging.getLogger("poseidon")
 
@@ -65,12 +67,9 @@ CONCURRENT_NODES = 100  # ... those whose last search took this many nodes; the 
                        # handed to the pool, per-stage TP settings 3 / 4 took 2.0 / 1.2 s with 2
                        # workers and 1.4 / 0.7 s with 1; now 1.1 / 0.6 s. At 5000 nodes, setting
                        # 5's round where the trees first grow ran in one thread: 6.0 s, not 2.9)
-SPLIT_AFTER_S = 0.5    # a distributed round's configuration searched whole for this long is
-                       # stopped and split over every searcher (its last search was small)
 UNITS_PER_THREAD = 4   # a shared round (distributed.py) goes out in units of about 1 / (this x
 UNIT_CONFIGS = 64      # the searchers' threads) of the last round's nodes, cut from fixed
                        # blocks of this many configurations (a claim is one store round trip)
-SPLIT_POLL_S = 0.02    # ... a searcher looks for others' split giants between units this often
 WARMUP_CONFIGS = 16  # warm-up samples come from this many configurations of lowest root bound
 WARMUP_PATIENCE = 100  # ... and end after this many draws in a row did not beat the incumbent
 CONSTRUCT_CONFIGS = 64  # constructive plans for (at least) this many configurations, by root bound
@@ -179,18 +178,6 @@ class SearchStats:
         return d
 
 
-@dataclass(frozen=True, order=True)
-class Incumbent:
-    """The best plan so far, ordered by (time, configuration key, options, layers)."""
-
-    time_ms: float
-    key: tuple
-    opts: tuple[int, ...]
-    layers: tuple[int, ...]
-    cfg: OuterConfig = field(compare=False)
-    origin: str = field(default="search", compare=False)   # what found it (SearchStats.plan_origin)
-
-
 class SearchDriver:
     """One plan search over the space ``options`` describes (see the module docstring)."""
 
@@ -202,12 +189,12 @@ class SearchDriver:
         self.cluster, self.model, self.options, self.profiles = cluster, model, options, profiles
         self.ctx = context or SearchContext(
             CostModel(cluster, model, profiles, seq_length=options.seq_length,
-                      training=options.training))
+                      training=options.training), moe_free_stages=options.moe_free_stages)
         self.configs, excluded = enumerate_with_exclusions(self.ctx.cm, options)
         if options.expert_parallel is not None and not self.configs and model.num_experts:
             eps = ", ".join(str(e) for e in options.expert_parallel)
             raise PoseidonError(f"expert parallelism (--ep / expert_parallel) {eps}: no "
-                                f"configuration allows it (EP must divide the DP degree and "
+                                f"configuration allows it (EP must divide DP x CP and "
                                 f"the {model.num_experts} experts)")
         self.deadline = (None if options.time_budget_s is None
                          else time.monotonic() + options.time_budget_s)
@@ -265,6 +252,12 @@ class SearchDriver:
         """``--pruning ridge``: the paper's rule everywhere may cut the optimum, so the rounds
         prove nothing about the stated space (``_raise_lb``: only the root bounds hold)."""
         return self.options.pruning == "ridge"
+
+    def giant_threads(self, i: int) -> int:
+        """Threads for one search of configuration ``i`` outside the rounds (the runner-up):
+        every worker where its last search was a giant (>= SPLIT_NODES nodes), else one."""
+        return (self.workers if self.workers > 1 and self.work.get(i, 0) >= SPLIT_NODES
+                else 1)
 
     def _raise_lb(self, i: int, value: float) -> None:
         """A completed search proved configuration i has no plan below ``value``; under
@@ -390,7 +383,7 @@ class SearchDriver:
         if self.best is None:
             if self.timed_out:
                 raise InfeasibleError(self._timed_out_message())
-            from .baselines import explain_infeasible
+            from .infeasible import explain_infeasible
             why = explain_infeasible(self.ctx.cm, self.configs)
             if self.stats.excluded:
                 why += f" (the training framework's rules also excluded: " \
@@ -517,10 +510,13 @@ class SearchDriver:
         want_tp = tps.pop() if len(tps) == 1 and self.options.tp_mode == "uniform" else 0
         for cfg in self.configs:
             if (cfg.schedule, cfg.virtual_stages, cfg.micro_batch_size, cfg.dp,
-                    cfg.num_stages, cfg.tp, cfg.cp) != (prev.schedule, prev.virtual_stages,
-                                                        prev.micro_batch_size, prev.dp, n,
-                                                        want_tp, prev.cp):
+                    cfg.num_stages, cfg.tp, cfg.cp, cfg.ep) != (
+                        prev.schedule, prev.virtual_stages, prev.micro_batch_size, prev.dp, n,
+                        want_tp, prev.cp, prev.ep):   # EP too: never kept at another degree
                 continue
+            if cfg.chunk_totals and cfg.chunk_totals != chunk_totals_of(
+                    [s.layers for s in prev.stages], cfg.virtual_stages):
+                continue      # (several kinds, interleaved: one configuration per totals)
             index = {(names[k], t): o for o, (k, t) in enumerate(cfg.options)}
             opts = [index.get((s.device_type, s.tp)) for s in prev.stages]
             if None in opts:
@@ -530,6 +526,12 @@ class SearchDriver:
             if sum(layers) != self.model.num_layers:
                 raise ValueError(f"its {sum(layers)} layers are not the model's "
                                  f"{self.model.num_layers}")
+            first_moe = None if self.options.moe_free_stages else first_moe_layer(self.model)
+            if first_moe and len(layers) > 1 and cfg.virtual_stages == 1 \
+                    and layers[0] <= first_moe:
+                raise ValueError(f"its stage 0 holds dense layers only (1-{layers[0]}): "
+                                 "megatron-core before 0.19 hangs on a pipeline stage without "
+                                 "MoE layers")
             for x, (o, l) in enumerate(zip(opts, layers)):
                 if l < cfg.virtual_stages:
                     raise ValueError(f"stage {x} has {l} layers, fewer than its "
@@ -542,7 +544,8 @@ class SearchDriver:
             if not self.in_space(cfg, opts):
                 break
             return cfg, opts, layers
-        raise ValueError(f"{prev.schedule} pp={n} dp={prev.dp} mbs={prev.micro_batch_size} "
+        grid = "".join(f" {name}={v}" for name, v in (("cp", prev.cp), ("ep", prev.ep)) if v > 1)
+        raise ValueError(f"{prev.schedule} pp={n} dp={prev.dp}{grid} mbs={prev.micro_batch_size} "
                          f"on {bounded_join(s.device_type for s in prev.stages)} is not in this "
                          f"search's space")
 
@@ -1003,7 +1006,6 @@ class SearchDriver:
         t_round, n_before, searched = time.perf_counter(), self.stats.nodes, 0
         self.set_phase(f"{self.pass_name + ' ' if self.pass_name else ''}round "
                        f"{self.stats.rounds}")
-        pruning = self.options.pruning
         giant = max(SPLIT_NODES, GIANT_SHARE * self._last_round_nodes)
         running: dict = {}            # future -> (configuration, threshold, DAG slot)
         free = list(range(self.workers, 0, -1))   # DAG slots (0: this thread's, the polish's)
@@ -1015,25 +1017,6 @@ class SearchDriver:
             searched += 1
             self._done_in_round = searched
             self.tick()
-
-        def run_here(run, j: int, thr_j: float, **kw):
-            # in this thread; while the construction and polish are deferred, a search that
-            # runs DEFER_S is stopped, they run, and it is searched again under the threshold
-            # they leave (the stopped search's best plan, a real one, kept)
-            d = self.pass_deadline or 0.0
-            defer = self._deferred
-            if defer:
-                d = min(d, time.monotonic() + DEFER_S) if d else time.monotonic() + DEFER_S
-            res = run(deadline=d, **kw)
-            if defer and res.timed_out and not self._past_pass_deadline():
-                self.stats.add_counters(res.counters())
-                if res.best is not None:
-                    t, opts, layers = res.best
-                    self.consider(t, self.configs[j], opts, layers)
-                self.run_deferred()
-                thr_j = thr_j if self.exact else min(thr_j, self.threshold)
-                res = run(threshold_ms=thr_j, deadline=self.pass_deadline or 0.0, **kw)
-            return res, thr_j
 
         def collect(block: bool) -> None:
             if not running:
@@ -1061,15 +1044,11 @@ class SearchDriver:
                 thr = math.inf if self.exact else min(cap, self.threshold)
                 if not self.exact and self.roots[i] > thr * (1 + 1e-9):
                     break   # order is by root bound: the rest are cut too
-                cfg = self.configs[i]
-                blocks = cfg.type_sequences_restricted(pass_type_order,
-                                                       self.options.type_sequence_limit)
-                run = partial(self.ctx.run, cfg, pruning=pruning, blocks=blocks,
-                              threshold_ms=thr, deadline=self.pass_deadline or 0.0)
+                run = self._config_run(i, thr, pass_type_order)
                 if split:
-                    finish(i, *run_here(run, i, thr, threads=self.workers))
+                    finish(i, *self._run_here(run, i, thr, threads=self.workers))
                 elif inline:
-                    finish(i, *run_here(run, i, thr))
+                    finish(i, *self._run_here(run, i, thr))
                 else:
                     slot = free.pop()
                     if running:
@@ -1081,6 +1060,34 @@ class SearchDriver:
         log.debug("pass %s: round cap %.1f, incumbent %.1f, %d configs, %d nodes, %.2f s",
                   pass_type_order, cap, self.threshold, searched, self.stats.nodes - n_before,
                   time.perf_counter() - t_round)
+
+    def _config_run(self, i: int, thr: float, pass_type_order: str):
+        """``ctx.run`` of configuration ``i`` under threshold ``thr`` in this pass (its type
+        blocks), the pass's deadline; keywords (threads, deadline, ...) may still be given."""
+        cfg = self.configs[i]
+        blocks = cfg.type_sequences_restricted(pass_type_order, self.options.type_sequence_limit)
+        return partial(self.ctx.run, cfg, pruning=self.options.pruning, blocks=blocks,
+                       threshold_ms=thr, deadline=self.pass_deadline or 0.0)
+
+    def _run_here(self, run, j: int, thr_j: float, **kw):
+        """(result, threshold used) of ``run`` in this thread. While the construction and
+        polish are deferred, a search that runs DEFER_S is stopped, they run, and it is
+        searched again under the threshold they leave (the stopped search's best plan, a real
+        one, kept)."""
+        d = self.pass_deadline or 0.0
+        defer = self._deferred
+        if defer:
+            d = min(d, time.monotonic() + DEFER_S) if d else time.monotonic() + DEFER_S
+        res = run(deadline=d, **kw)
+        if defer and res.timed_out and not self._past_pass_deadline():
+            self.stats.add_counters(res.counters())
+            if res.best is not None:
+                t, opts, layers = res.best
+                self.consider(t, self.configs[j], opts, layers)
+            self.run_deferred()
+            thr_j = thr_j if self.exact else min(thr_j, self.threshold)
+            res = run(threshold_ms=thr_j, deadline=self.pass_deadline or 0.0, **kw)
+        return res, thr_j
 
     # ------------------------------------------------------------------ distributed rounds
     def _shared_round(self, cap: float, pass_order: list[int], pass_type_order: str) -> None:
@@ -1140,209 +1147,12 @@ class SearchDriver:
 
     def _round_work(self, n: int, cap: float, pass_order: list[int], pass_type_order: str,
                     ann: dict) -> dict:
-        """One searcher's part of shared round ``n``: claim units and search their
-        configurations (as ``run_round`` does, with this searcher's threads), split the
-        giants it claims, help with every split that has chunks left; then a report of what
-        it proved for the coordinator."""
-        sh = self.share
-        t_round, n_before = time.perf_counter(), self.stats.nodes
-        self.set_phase(f"{self.pass_name + ' ' if self.pass_name else ''}round "
-                       f"{self.stats.rounds}")
-        pruning = self.options.pruning
-        (units, queues), work, giant = ann["units"], ann["work"], ann["giant"]
-        whole: list[tuple] = []      # (configuration, threshold, best, timed out, nodes)
-        parts: list[tuple] = []      # (split, chunks, best, timed out, nodes)
-        splits: list[tuple] = []     # (split, configuration, chunks, threshold, nodes)
-        running: dict = {}
-        free = list(range(self.workers, 0, -1))
-        searched = 0
-
-        def thr_now() -> float:
-            return math.inf if self.exact else min(cap, self.threshold)
-
-        def blocks_of(cfg) -> bool:
-            return cfg.type_sequences_restricted(pass_type_order,
-                                                 self.options.type_sequence_limit)
-
-        late: list[int] = []      # searched whole past SPLIT_AFTER_S: to be split
-
-        def deadline(timer: bool) -> float:
-            d = self.pass_deadline
-            if timer and sh.size > 1:
-                t = time.monotonic() + SPLIT_AFTER_S
-                return t if d is None else min(d, t)
-            return d or 0.0
-
-        def finish(j: int, res, thr_j: float, timer: bool = False) -> None:
-            nonlocal searched
-            if timer and res.timed_out and not self._past_pass_deadline():
-                # still running after SPLIT_AFTER_S: the others may be idle (its last search
-                # was small, so no one knew): its subtrees are shared instead. Its nodes so
-                # far are spent; a plan it found only lowers the threshold (the split's merge
-                # returns the configuration's plan).
-                self.stats.add_counters(res.counters())
-                if res.best is not None:
-                    self.threshold = min(self.threshold, res.best[0])
-                late.append(j)
-                return
-            self.work[j] = res.nodes
-            self.absorb(j, res, thr_j)
-            whole.append((j, thr_j, res.best, bool(res.timed_out), res.nodes))
-            searched += 1
-            self._done_in_round = searched
-            self.tick()
-
-        def collect(block: bool) -> None:
-            if not running:
-                return
-            done, _ = wait(list(running), return_when=FIRST_COMPLETED if block else ALL_COMPLETED)
-            for fut in sorted(done, key=lambda f: running[f][0]):
-                j, thr_j, slot = running.pop(fut)
-                free.append(slot)
-                finish(j, fut.result(), thr_j, timer=True)
-
-        def split_late() -> None:
-            while late:
-                split_giant(late.pop(0), thr_now())
-
-        def help_splits(k_list) -> None:
-            collect(block=False)         # every thread of this searcher on the subtrees
-            for k in k_list:
-                i, depth, _, _, thr_split, owner = sh.split_info(n, k)
-                cfg = self.configs[i]
-                got: list[int] = []
-
-                def fetch(k=k):
-                    if self._past_pass_deadline():
-                        return None
-                    c = sh.claim_chunk(n, k)
-                    if c is None:
-                        return None
-                    got.append(c[0])
-                    self.tick()
-                    sh.pass_turn()
-                    return c[1], thr_now()
-
-                res = self.ctx.run_prefixes(cfg, depth, fetch, pruning=pruning,
-                                            blocks=blocks_of(cfg), threshold_ms=thr_now(),
-                                            deadline=self.pass_deadline or 0.0,
-                                            threads=self.workers)
-                if not got:
-                    continue
-                self.stats.add_counters(res.counters())
-                if owner != sh.g.rank:
-                    self.stats.shared_chunks_helped += len(got)
-                if res.best is not None:   # (the plan itself goes to the coordinator: the
-                    self.threshold = min(self.threshold, res.best[0])  # merge picks, as
-                    self.tick()            # threads do, the smallest (time, assignment))
-                if res.timed_out:
-                    self.timed_out = True
-                parts.append((k, got, res.best, bool(res.timed_out), res.nodes))
-
-        def split_giant(i: int, thr: float) -> None:
-            cfg = self.configs[i]
-            blocks = blocks_of(cfg)
-            depth, prefixes, rc = self.ctx.split(cfg, pruning=pruning, blocks=blocks,
-                                                 threshold_ms=thr,
-                                                 deadline=self.pass_deadline or 0.0,
-                                                 threads=self.workers * sh.size)
-            if rc.timed_out or depth == -1:      # out of time, or no subtree survives
-                finish(i, rc, thr)
-                return
-            self.stats.add_counters(rc.counters())
-            if depth == 0:                       # one subtree (or too many): search it here
-                finish(i, self.ctx.run(cfg, pruning=pruning, blocks=blocks, threshold_ms=thr,
-                                       deadline=self.pass_deadline or 0.0,
-                                       threads=self.workers), thr)
-                return
-            k, nchunks = sh.publish_split(n, i, depth, prefixes, thr)
-            self.stats.shared_splits += 1
-            self.stats.configs_searched += 1
-            self.searched_ever.add(i)
-            splits.append((k, i, nchunks, thr, rc.nodes))
-            help_splits([k])
-
-        me = sh.g.rank
-        order_q = [(me + d) % len(queues) for d in range(len(queues))]   # own queue first
-        done_q: set[int] = set()
-        cut_at = math.inf            # positions from here on are cut by their root bound
-        last_poll = 0.0
-
-        def claim_unit() -> int | None:
-            for q in order_q:
-                if q in done_q:
-                    continue
-                j = sh.claim(n, f"units/{q}")
-                if j < len(queues[q]) and units[queues[q][j]][0] < cut_at:
-                    return queues[q][j]
-                done_q.add(q)      # (each queue is in the pass's order)
-            return None
-
-        try:
-            while True:
-                now = time.monotonic()
-                if now - last_poll >= SPLIT_POLL_S:
-                    last_poll = now
-                    ready, _ = sh.open_splits(n)
-                    if ready:
-                        help_splits(ready)
-                u = claim_unit()
-                if u is None:
-                    break
-                for pos in range(*units[u]):
-                    if self._past_pass_deadline():
-                        self.timed_out = True
-                        break
-                    i = pass_order[pos]
-                    w = work.get(i, 0)
-                    split = w >= giant
-                    inline = self.workers == 1 or w < CONCURRENT_NODES
-                    if split:
-                        collect(block=False)
-                    elif not inline and not free:
-                        collect(block=True)
-                    thr = thr_now()
-                    if not self.exact and self.roots[i] > thr * (1 + 1e-9):
-                        cut_at = min(cut_at, pos)   # order is by root bound: the rest too
-                        break
-                    cfg = self.configs[i]
-                    run = partial(self.ctx.run, cfg, pruning=pruning, blocks=blocks_of(cfg),
-                                  threshold_ms=thr, deadline=deadline(True))
-                    if split:
-                        split_giant(i, thr)
-                    elif inline:
-                        finish(i, run(), thr, timer=True)
-                    else:
-                        slot = free.pop()
-                        running[self._executor().submit(run, slot=slot)] = (i, thr, slot)
-                    if late:
-                        collect(block=False)
-                        split_late()
-                if self.timed_out:
-                    break
-            collect(block=False)
-            split_late()
-            sh.post_out(n)
-            idle = sh.g.round_waiter()
-            while not self._past_pass_deadline():   # help until no chunk is left anywhere
-                ready, pending = sh.open_splits(n)
-                if ready:
-                    help_splits(ready)
-                    idle = sh.g.round_waiter()
-                    continue
-                if not pending and sh.all_out(n):
-                    break
-                sh.g.check()
-                idle()
-        finally:
-            collect(block=False)
-        nodes = self.stats.nodes - n_before
-        log.debug("pass %s: shared round %d, cap %.1f, incumbent %.1f, %d configs, %d splits "
-                  "here, %d chunks, %d nodes, %.2f s", pass_type_order, n, cap, self.threshold,
-                  searched, len(splits), sum(len(p[1]) for p in parts), nodes,
-                  time.perf_counter() - t_round)
-        return dict(whole=whole, parts=parts, splits=splits, timed_out=self.timed_out,
-                    nodes=nodes)
+        """One searcher's part of shared round ``n`` (``shared_round.RoundWork``): claim units
+        and search their configurations (as ``run_round`` does, with this searcher's threads),
+        split the giants it claims, help with every split that has chunks left; then a report
+        of what it proved for the coordinator."""
+        return RoundWork(self, n, cap, pass_order, pass_type_order, ann,
+                         concurrent_nodes=CONCURRENT_NODES).run()
 
     def _merge_round(self, reports: dict[int, dict]) -> None:
         """Coordinator: every searcher's report of one shared round into this driver's state
@@ -1454,9 +1264,28 @@ class SearchDriver:
         if not [b for b in mbs if g % b == 0]:
             return (f"global batch size {g} is not divisible by any micro-batch size in "
                     f"{list(mbs)}: no batch split M = G / (dp x mbs) is an integer")
+        cp = self._cp_message()
+        if cp:
+            return cp
         return (f"no (dp, tp, pp, schedule) fits the cluster for global batch size {g} with "
                 f"micro-batch sizes {list(mbs)} (check the device counts, TP divisibility and "
                 f"that interleaving has M a multiple of pp)")
+
+    def _cp_message(self) -> str | None:
+        """The refusal's line when only CP degrees > 1 were asked for: a TP x CP group stays
+        in one node (``configs.cp_candidates``), so name CP and the nodes' sizes."""
+        cps = self.options.context_parallel
+        if not cps or 1 in cps:
+            return None
+        sizes = sorted({n.num_devices for n in self.cluster.nodes})
+        most = sizes[-1]
+        asked = f"CP {' '.join(map(str, cps))} (--cp / --context-parallel-size)"
+        if all(c > most for c in cps):
+            return (f"{asked}: no node can hold a CP group (a TP x CP group stays in one node; "
+                    f"the largest node has {most} devices): ask for CP <= {most}")
+        return (f"{asked}: no configuration fits: a TP x CP group stays in one node, so TP x CP "
+                f"must divide the device count of every node of a stage's type "
+                f"({', '.join(map(str, sizes))}), and the global batch must split over the rest")
 
 
 def _assignment_key(best) -> tuple:

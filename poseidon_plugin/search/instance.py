@@ -16,13 +16,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..comm import send_ms
-from ..costs import CostModel, simulator_arrays
+from ..costs import CostModel, chunk_layers, simulator_arrays, stage_layer_ranges
 from ..plan import TIMING_MODEL
 from .._core import DagCache, get_dag
 from ..simulator.pipeline import iteration_time_ms
 from . import _search
 from .configs import (OptionCosts, OuterConfig, bound_structure, layer_limits,
-                      layer_limits_from, min_send_ms, root_bound, stage_min_send_ms)
+                      chunk_totals_of, layer_limits_from, min_send_ms, root_bound,
+                      stage_fits_counts,
+                      stage_min_send_ms)
 
 ENGINE_TIMING = TIMING_MODEL == "engine"
 """Plans are timed as megatron-core runs them (``_core.EngineDAG``: blocking, bundled p2p
@@ -102,11 +104,13 @@ class RidgeRule:
 class SearchContext:
     """The cost model plus what the search derives from it per outer configuration."""
 
-    def __init__(self, cm: CostModel) -> None:
+    def __init__(self, cm: CostModel, moe_free_stages: bool = True) -> None:
         self.cm = cm
+        self.moe_free_stages = moe_free_stages   # SearchOptions.moe_free_stages
         self._costs: dict[OuterConfig, OptionCosts] = {}
         self._lmax: dict[OuterConfig, np.ndarray] = {}
         self._lmax_from: dict[OuterConfig, np.ndarray] = {}
+        self._fit: dict[OuterConfig, object] = {}
         self._lmax_rows: dict[OuterConfig, list[list[int]]] = {}
         self._roots: dict[OuterConfig, float] = {}
         self._instances: dict[tuple, tuple[_search.ConfigInstance, bool]] = {}
@@ -123,18 +127,19 @@ class SearchContext:
         """lmax[o, x] (read-only): the most layers option o fits at stage x."""
         hit = self._lmax.get(cfg)
         if hit is None:
-            hit = self._lmax[cfg] = layer_limits(self.cm, cfg)
+            hit = self._lmax[cfg] = layer_limits(self.cm, cfg, self.moe_free_stages)
             hit.setflags(write=False)
         return hit
 
     def lmax_from(self, cfg: OuterConfig) -> np.ndarray | None:
         """A model of several layer kinds: lmax_from[o, x, a] (read-only), the most layers
-        option o fits at stage x from first layer a; None for a uniform model."""
-        if not self.cm.per_kind:
+        option o fits at stage x from first layer a; None for a uniform model and for an
+        interleaved configuration (``fit_layers``: a stage's chunks lie apart)."""
+        if not self.cm.per_kind or cfg.virtual_stages > 1:
             return None
         hit = self._lmax_from.get(cfg)
         if hit is None:
-            hit = self._lmax_from[cfg] = layer_limits_from(self.cm, cfg)
+            hit = self._lmax_from[cfg] = layer_limits_from(self.cm, cfg, self.moe_free_stages)
             hit.setflags(write=False)
         return hit
 
@@ -142,6 +147,8 @@ class SearchContext:
         """Every stage's layers fit its memory (and hold at least V layers): ``lmax``, or for
         a model of several layer kinds the limit from the stage's first layer."""
         v = cfg.virtual_stages
+        if cfg.chunk_totals:
+            return self._fits_chunks(cfg, opts, layers)
         frm = self.lmax_from(cfg)
         if frm is None:
             lmax = self.lmax_rows(cfg)
@@ -152,6 +159,63 @@ class SearchContext:
                 return False
             a += l
         return True
+
+    def _fits_chunks(self, cfg: OuterConfig, opts, layers) -> bool:
+        """``fits`` of an interleaved configuration of a model of several kinds: the layers
+        give its chunk totals and every stage fits with the layers of its own chunks."""
+        v, n = cfg.virtual_stages, cfg.num_stages
+        if len(layers) != n or any(l < v for l in layers):
+            return False
+        if chunk_totals_of(layers, v) != cfg.chunk_totals:
+            return False
+        ranges = stage_layer_ranges(layers, v)
+        fit = self.fit_layers(cfg)
+        return all(fit(o, x, tuple(a for a, _ in ranges[x]), l) >= l
+                   for x, (o, l) in enumerate(zip(opts, layers)))
+
+    def fit_layers(self, cfg: OuterConfig):
+        """An interleaved configuration of a model of several kinds: the callable
+        (o, x, chunk starts, cap) -> the most layers l <= cap option o fits at stage x whose
+        chunk c holds layers [starts[c], starts[c] + chunk_layers(l, V)[c]) (memory from the
+        kinds those chunks hold, ``configs.stage_fits_counts``). Memory grows with l (one more
+        layer adds one layer to one chunk): a bisection, memoised."""
+        hit = self._fit.get(cfg)
+        if hit is not None:
+            return hit
+        cm, v = self.cm.at_cp(cfg.cp), cfg.virtual_stages
+        model, L = cm.model, cm.model.num_layers
+        memo: dict[tuple, tuple[int, int]] = {}
+        seen: dict[tuple, bool] = {}
+
+        def fits(o: int, x: int, starts, l: int) -> bool:
+            counts = [0] * len(model.layer_kinds)
+            for a, c in zip(starts, chunk_layers(l, v)):
+                if a + c > L:
+                    return False
+                for k, got in enumerate(model.kind_counts_in(a, a + c)):
+                    counts[k] += got
+            key = (o, x, tuple(counts))
+            if key not in seen:
+                seen[key] = stage_fits_counts(cm, cfg, o, x, counts)
+            return seen[key]
+
+        def fit(o: int, x: int, starts: tuple, cap: int) -> int:
+            key = (o, x, starts)
+            got = memo.get(key)
+            if got is not None and (cap <= got[1] or got[0] < got[1]):
+                return min(got[0], cap)
+            lo, hi = 0, cap
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if fits(o, x, starts, mid):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            memo[key] = (lo, cap)
+            return lo
+
+        self._fit[cfg] = fit
+        return fit
 
     def lmax_rows(self, cfg: OuterConfig) -> list[list[int]]:
         """``lmax`` as nested Python lists (read often from Python: no numpy scalars)."""
@@ -227,7 +291,7 @@ class SearchContext:
             prefix = np.array(cm.model._kind_prefix, dtype=np.int32)  # K x (L + 1)
             kinds = tuple(np.ascontiguousarray(kk[:, :, i]) for i in range(4)) + (prefix,)
             lmax_from = self.lmax_from(cfg)
-            if lmax is not None:     # tighter per-stage limits (the tie rule's masks)
+            if lmax is not None and lmax_from is not None:   # the tie rule's masks
                 lmax_from = np.minimum(lmax_from, np.asarray(lmax)[:, :, None])
             assert prefix.shape == (len(cm.model.layer_kinds), L + 1)
         return _search.ConfigInstance(
@@ -248,6 +312,8 @@ class SearchContext:
             ndev=[p.size for p in cm.pools], type_off=type_off, intra=list(cm.intra_gbps),
             inter=list(cm.inter_gbps), node_of=node_of, local_of=local_of, kinds=kinds,
             lmax_from=lmax_from, ep=cfg.ep, xg=costs.xg or None,
+            chunk_totals=cfg.chunk_totals or None,
+            fit=self.fit_layers(cfg) if cfg.chunk_totals else None,
             kxg=(np.ascontiguousarray(np.array(costs.kxg, dtype=np.float64))
                  if costs.kxg else None))
 

@@ -129,6 +129,9 @@ class SearchOptions:
     training: TrainingSetup = TrainingSetup()
     tie_tolerance: float = 0.0
     keep_tolerance: float = 0.0
+    # False: no pipeline stage may hold only the model's leading dense layers (megatron-core
+    # before 0.19 hangs on a stage without MoE layers: search/rules.py, MOE_FREE_STAGE_FIXED_IN)
+    moe_free_stages: bool = True
     runner_up: bool = True
     rules: FrameworkRules = FrameworkRules()
     context_parallel: tuple[int, ...] | None = None

@@ -7,7 +7,7 @@ line enter the search before it starts, so no time is spent on a plan the framew
 every outer configuration a rule refuses, and names each excluded class once
 (``interleaved-1f1b pp=2 excluded: Megatron requires pp > 2 with --no-overlap-p2p-communication``).
 A configuration the installed framework refused at launch (rank 0 runs its parse + validate on
-the rewritten command line: ``megatron/judge.py``) is added with ``FrameworkRules.refuse`` and
+the rewritten command line: ``megatron/launch/judge.py``) is added with ``FrameworkRules.refuse`` and
 the search runs again without it.
 
 The rules, with where the framework says so (Megatron-LM core_v0.12.1, core_v0.15.3 and
@@ -180,7 +180,7 @@ class FrameworkRules:
         """The rules the user's Megatron-LM / MindSpeed-LLM flags imply (the table of the module
         docstring). ``num_layers``: the model's decoder layers (default: ``--num-layers``);
         ``moe``: the model has MoE layers (also read from ``--num-experts``)."""
-        from ..megatron.argv import find_flag, flag_value
+        from poseidon_plugin.megatron.launch.argv import find_flag, flag_value
 
         argv = list(argv)
         out: list[Rule] = []
@@ -294,4 +294,68 @@ def _int_flag(flag: str, text: str) -> int:
         raise PoseidonError(f"{flag}: expected an integer, got {text!r}") from None
 
 
-__all__ = ["FrameworkRules", "Rule", "Shape", "excluded_line"]
+
+
+# ----------------------------------------------------------------------------------------------
+# a pipeline stage without MoE layers (megatron-core before 0.19)
+# ----------------------------------------------------------------------------------------------
+
+# megatron-core 0.12.1 (MindSpeed-LLM's base) builds the experts' optimizer only on ranks that
+# hold expert parameters, and ChainedOptimizer.get_grad_norm then reduces that optimizer's
+# gradient norm over the expert tensor x model x pipeline group: the ranks of a stage with
+# no MoE layer never join, and every rank waits at the first optimizer step (seen under the
+# emulation on MindSpeed-LLM v26.1.0 with the layout Et|t*3mL; megatron-core 0.19.2 trains it)
+MOE_FREE_STAGE_FIXED_IN = (0, 19)
+
+
+def stages_without_moe_layers(plan: Any, model: Any) -> list[tuple[int, list[int]]]:
+    """(stage, its 1-based decoder layers) of each pipeline stage of ``plan`` that holds no
+    MoE layer of ``model`` while another stage holds some; [] when every stage holds one, the
+    model has no MoE layer, or the plan has one stage. A stage's layers are those of all its
+    virtual chunks (one optimizer per rank)."""
+    kinds = getattr(model, "layer_kinds", ())
+    kind_of = getattr(model, "layer_kind_of", ())
+    pp = plan.pp
+    if pp <= 1 or not kinds or len(kind_of) != sum(s.layers for s in plan.stages):
+        return []
+    moe = [kinds[k].is_moe for k in kind_of]
+    if not any(moe):
+        return []
+    segs = plan.layout_segments()   # chunk-major: index c * pp + s
+    held: list[list[int]] = [[] for _ in range(pp)]
+    first = 0
+    for k, n in enumerate(segs):
+        held[k % pp].extend(range(first, first + n))
+        first += n
+    return [(s, [i + 1 for i in layers]) for s, layers in enumerate(held)
+            if not any(moe[i] for i in layers)]
+
+
+def moe_free_stage_refusal(plan: Any, model: Any, framework: str,
+                           version: tuple[int, ...] | None) -> str | None:
+    """Why ``framework`` (its megatron-core ``version``; None: unknown, judged as the old one)
+    would hang on ``plan`` (one line), or None. See ``MOE_FREE_STAGE_FIXED_IN``."""
+    if version is not None and tuple(version[:2]) >= MOE_FREE_STAGE_FIXED_IN:
+        return None
+    bare = stages_without_moe_layers(plan, model)
+    if not bare:
+        return None
+    s, layers = bare[0]
+    span = f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}-{layers[-1]}"
+    return (f"stage {s} holds no MoE layer ({span}: dense); {framework} hangs at the first "
+            "optimizer step when a pipeline stage has no expert parameters (its experts' "
+            "optimizer reduces the gradient norm over every stage)")
+
+
+def version_tuple(text: str) -> tuple[int, ...] | None:
+    """``0.12.1`` / ``0.19.2rc0`` -> (0, 12, 1) / (0, 19, 2); None when it names no version."""
+    import re
+
+    m = re.match(r"\s*(\d+)\.(\d+)(?:\.(\d+))?", str(text))
+    if not m:
+        return None
+    return tuple(int(g) for g in m.groups() if g is not None)
+
+
+__all__ = ["FrameworkRules", "Rule", "Shape", "excluded_line", "MOE_FREE_STAGE_FIXED_IN",
+           "moe_free_stage_refusal", "stages_without_moe_layers", "version_tuple"]

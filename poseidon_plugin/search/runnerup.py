@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .incumbent import Incumbent
+
 RUNNER_SHARE = 0.25   # the runner-up may take this share of the search's own time ...
 RUNNER_MIN_S = 1.0    # ... or this long, whichever is more (within a time budget)
 EPS = 1e-9
@@ -86,8 +88,6 @@ class RunnerUp:
 
     def run(self) -> RunnerUpResult:
         """The fastest plan of any other configuration."""
-        from .driver import Incumbent
-
         d = self.d
         bounds = self._bounds()
         if not bounds:
@@ -108,8 +108,6 @@ class RunnerUp:
         on at least one stage: the min over stages x of the best plan whose stage x is barred
         from the returned plan's type there (``lmax`` 0 on those options, as the tie rule
         restricts a stage), in the same rounds. ``none``: no other type fits any stage."""
-        from .driver import Incumbent
-
         d, ch = self.d, self.chosen
         mode = d.options.tp_mode
         own = [j for j, c in enumerate(d.configs) if identity(c, mode) == identity(ch.cfg, mode)]
@@ -178,12 +176,9 @@ class RunnerUp:
         """The best plan of configuration ``i`` with time <= ``threshold`` (None: there is
         none). One whose last search in the rounds was a giant is split over every worker,
         as the search's rounds do."""
-        from .driver import SPLIT_NODES
-
         d = self.d
         cfg = d.configs[i]
-        threads = (d.workers if d.workers > 1 and d.work.get(i, 0) >= SPLIT_NODES
-                   and lmax is None else 1)
+        threads = d.giant_threads(i) if lmax is None else 1
         if self.deadline is not None and time.monotonic() > self.deadline:
             raise _OutOfTime
         self.queries += 1

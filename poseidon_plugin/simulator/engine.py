@@ -122,30 +122,44 @@ def device_program(schedule: str, n: int, m: int, s: int, v: int = 1,
     ops = stage_op_order(schedule, n, m, s, v)   # this device's only (not every device's)
     snd = (lambda op: [k for k in [_send_of(n, v, s, op)] if k is not None])
     rcv = (lambda op: [k for k in [_recv_of(n, v, s, op)] if k is not None])
-    prog: list[tuple] = []
     if unbundled:
+        prog: list[tuple] = []
         for op in ops:
             prog += [("call", [], rcv(op)), ("op", op), ("call", snd(op), [])]
-        return [p for p in prog if p[0] == "op" or p[1] or p[2]]
-    if schedule in ("1f1b", "gpipe", "eager-1f1b") or v == 1:
+    elif schedule in ("1f1b", "gpipe", "eager-1f1b") or v == 1:
         if schedule != "1f1b" and not (schedule == "interleaved-1f1b" and v == 1):
             raise PoseidonError(f"engine model: schedule {schedule!r} is not run by megatron-core")
-        w = min(n - 1 - s, m)
-        r = m - w
-        fw = [o for o in ops if not o.is_backward]
-        bw = [o for o in ops if o.is_backward]
-        for i in range(w):
-            prog += [("call", [], rcv(fw[i])), ("op", fw[i]), ("call", snd(fw[i]), [])]
-        if r > 0:
-            prog.append(("call", [], rcv(fw[w])))
-        for i in range(r):
-            prog += [("op", fw[w + i]), ("call", snd(fw[w + i]), rcv(bw[i])), ("op", bw[i])]
-            nxt = rcv(fw[w + i + 1]) if i < r - 1 else []
-            prog.append(("call", snd(bw[i]), nxt))
-        for i in range(r, m):
-            prog += [("call", [], rcv(bw[i])), ("op", bw[i]), ("call", snd(bw[i]), [])]
-        return [p for p in prog if p[0] == "op" or p[1] or p[2]]
-    # interleaved: virtual micro-batch k runs F(table[k]) and B(reversed chunk)
+        prog = _one_chunk_program(ops, n, m, s, snd, rcv)
+    else:
+        prog = _interleaved_program(n, m, s, v, snd, rcv)
+    return [p for p in prog if p[0] == "op" or p[1] or p[2]]
+
+
+def _one_chunk_program(ops, n: int, m: int, s: int, snd, rcv) -> list[tuple]:
+    """megatron-core's 1F1B on device ``s``: warm-up forwards, the steady one-forward-one-
+    backward pairs (send and receive bundled in one call), the cool-down backwards."""
+    prog: list[tuple] = []
+    w = min(n - 1 - s, m)
+    r = m - w
+    fw = [o for o in ops if not o.is_backward]
+    bw = [o for o in ops if o.is_backward]
+    for i in range(w):
+        prog += [("call", [], rcv(fw[i])), ("op", fw[i]), ("call", snd(fw[i]), [])]
+    if r > 0:
+        prog.append(("call", [], rcv(fw[w])))
+    for i in range(r):
+        prog += [("op", fw[w + i]), ("call", snd(fw[w + i]), rcv(bw[i])), ("op", bw[i])]
+        nxt = rcv(fw[w + i + 1]) if i < r - 1 else []
+        prog.append(("call", snd(bw[i]), nxt))
+    for i in range(r, m):
+        prog += [("call", [], rcv(bw[i])), ("op", bw[i]), ("call", snd(bw[i]), [])]
+    return prog
+
+
+def _interleaved_program(n: int, m: int, s: int, v: int, snd, rcv) -> list[tuple]:
+    """megatron-core's interleaved 1F1B on device ``s``: virtual micro-batch k runs
+    F(table[k]) and B(reversed chunk)."""
+    prog: list[tuple] = []
     total = m * v
     table = interleaved_table(m, v, n)
     w = min(total, 2 * (n - 1 - s) + (v - 1) * n)
@@ -193,7 +207,7 @@ def device_program(schedule: str, n: int, m: int, s: int, v: int = 1,
         prog.append(("op", B[k]))
         nb = recv_b(k) if k != total - 1 else []
         prog.append(("call", snd(B[k]), nb))
-    return [p for p in prog if p[0] == "op" or p[1] or p[2]]
+    return prog
 
 
 def link_index(msg, n: int) -> int:

@@ -1,7 +1,7 @@
 """Stand-in for ``torch.npu`` / ``torch_npu.npu``: the device module, answered by ``torch.cuda``.
 
 Under Poseidon's CPU emulation ``torch.cuda`` already answers for the emulated device (the CPU
-shims of ``poseidon_plugin.megatron.emulation``: device count, names, memory statistics, events,
+shims of ``poseidon_plugin.megatron.emulate.emulation``: device count, names, memory statistics, events,
 streams, RNG state), so every query is forwarded to it, as ``transfer_to_npu`` forwards the other
 way on a real Ascend host. A name ``torch.cuda`` does not have raises ``AttributeError``."""
 

@@ -1,0 +1,1 @@
+"""Live calibration of the running job and the per-op timeline recorder."""

@@ -1,0 +1,1 @@
+"""CPU emulation of device types and host contention."""

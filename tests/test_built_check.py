@@ -1,0 +1,95 @@
+"""The layers the framework builds against the plan's model (issue 36 item 10): MindSpeed-LLM's
+own rule for which layers are MoE (its ``pretrain_gpt.py`` and block build), the profiler's
+spec of each kind built as MindSpeed-LLM builds it, and the check of the built decoder blocks
+(poseidon_plugin/megatron/launch/built_check.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from poseidon_plugin.errors import PoseidonError
+from poseidon_plugin.layers import moe_layer_pattern
+from poseidon_plugin.megatron.launch import built_check
+from poseidon_plugin.megatron.profile.profiler import mindspeed_llm_moe_pattern
+
+
+def test_mindspeed_llm_builds_every_layer_moe_without_first_k_dense():
+    # its pretrain_gpt.py: one MoE layer spec for every layer; --moe-layer-freq not read
+    assert mindspeed_llm_moe_pattern(8, 4, None, [0, 0, 1, 1, 1, 1, 1, 1]) == (1,) * 8
+    assert mindspeed_llm_moe_pattern(8, 4, None, 2) == (1,) * 8
+    assert mindspeed_llm_moe_pattern(4, None, None, 1) == (0,) * 4
+    # its block build with --first-k-dense-replace: i >= k and i % freq == 0
+    assert mindspeed_llm_moe_pattern(6, 4, 1, 1) == (0, 1, 1, 1, 1, 1)
+    assert mindspeed_llm_moe_pattern(6, 4, 1, 2) == (0, 0, 1, 0, 1, 0)
+    assert mindspeed_llm_moe_pattern(6, 4, 2, [1] * 6) is None     # its % needs an int
+    # where MindSpeed-LLM reads the flags, the planner reads them alike
+    for k, freq in ((1, 1), (2, 1), (1, 2), (3, 3)):
+        assert mindspeed_llm_moe_pattern(12, 8, k, freq) == moe_layer_pattern(12, freq, k)
+
+
+def test_a_built_layer_of_another_kind_is_one_line():
+    planned = (False, True, True, True)
+    assert built_check.mismatch([(1, False), (2, True)], planned, "MindSpeed-LLM") is None
+    line = built_check.mismatch([(1, True), (2, True)], planned, "MindSpeed-LLM")
+    assert line.startswith("MindSpeed-LLM built layer 1 as a MoE layer; the plan's model has a "
+                           "dense layer there") and "\n" not in line
+    # --num-layer-list's numbering (stage 1 of 2,6 numbered 5..10 of 8)
+    line = built_check.mismatch([(9, True)], (True,) * 8, "MindSpeed-LLM")
+    assert "built decoder layer number 9, but the model has 8 layers" in line
+    # a dense model: its layers are alike, whatever the framework numbers them (2.3.0)
+    assert built_check.mismatch([(9, False), (10, False)], (False,) * 8, "MindSpeed-LLM") is None
+
+
+class _Layer:
+    def __init__(self, number, moe):
+        self.layer_number = number
+        self.mlp = type("MoELayer" if moe else "MLP", (), {})()
+
+
+def test_built_kinds_reads_the_layers_and_their_mlp_class():
+    block = SimpleNamespace(layers=[_Layer(3, False), _Layer(4, True), SimpleNamespace()])
+    assert built_check.built_kinds(block) == [(3, False), (4, True)]
+
+
+def test_the_check_runs_when_megatron_builds_a_block(monkeypatch):
+    """Installed on megatron-core's TransformerBlock: a block whose layers differ from the plan
+    ends the rank with the line (exit code of ``fail``); the undo puts the class back."""
+    tb = pytest.importorskip("megatron.core.transformer.transformer_block")
+
+    def fake_init(self, layers):
+        self.layers = layers
+
+    monkeypatch.setattr(tb.TransformerBlock, "__init__", fake_init)
+    seen = []
+    undo = built_check.install([False, True], "Megatron", lambda e: seen.append(str(e)) or 2)
+    try:
+        tb.TransformerBlock.__new__(tb.TransformerBlock).__init__([_Layer(1, False),
+                                                                   _Layer(2, True)])
+        with pytest.raises(SystemExit) as exit_:
+            tb.TransformerBlock.__new__(tb.TransformerBlock).__init__([_Layer(1, True)])
+        assert exit_.value.code == 2
+        assert seen == ["Megatron built layer 1 as a MoE layer; the plan's model has a dense "
+                        "layer there (its layers are costed as the planner read --num-experts / "
+                        "--moe-layer-freq / --first-k-dense-replace): not launching a model other "
+                        "than the one planned"]
+    finally:
+        undo()
+    assert tb.TransformerBlock.__init__ is fake_init
+
+
+def test_mindspeed_llm_flags_it_would_not_build_are_refused():
+    from poseidon_plugin.megatron.launch.runner import _check_mindspeed_llm_layers
+    from poseidon_plugin.model import model_from_megatron_args
+
+    base = dict(num_layers=8, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                seq_length=64, max_position_embeddings=64, padded_vocab_size=256,
+                vocab_size=256, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64)
+    args = SimpleNamespace(**base, moe_layer_freq=[0] * 2 + [1] * 6, first_k_dense_replace=None)
+    model = model_from_megatron_args(args)
+    with pytest.raises(PoseidonError, match=r"MindSpeed-LLM builds the layers as \[1\]\*8 "
+                       r"\(1: MoE\), not \[0\]\*2\+\[1\]\*6"):
+        _check_mindspeed_llm_layers(args, model)
+    args = SimpleNamespace(**base, moe_layer_freq=1, first_k_dense_replace=2)
+    _check_mindspeed_llm_layers(args, model_from_megatron_args(args))    # as it builds them

@@ -1,0 +1,227 @@
+"""When the cluster changes, the job goes on (issue 37): Megatron-LM core_v0.19.0's own
+``pretrain_gpt.py`` (the unchanged tree in ``../shared/frameworks``), under the launcher and the
+CPU emulation, trained under plan A with ``--save --ckpt-format torch_dist`` and resumed under
+other plans on other devices.
+
+* plan A: 4 ranks of two emulated types (examples/emulate-2types.yaml), 8 iterations, saved at
+  iteration 4 (``--save-interval 4``): its iterations 5-8 are the uninterrupted run;
+* relaunched from iteration 4 (``--load --ckpt-step 4``) on 3 ranks (one slow device removed)
+  and on 4 ranks with the two types' speeds swapped: each time a different plan, one line
+  saying what changed, and the losses of iterations 5-8 within 1 % of plan A's;
+* a MoE (8 experts) saved at EP 2 on 4 ranks, relaunched at EP 1 on 3: Megatron cannot load
+  EP 2's optimizer state at EP 1 (one error line naming the fix); with ``--no-load-optim`` the
+  experts' weights are resharded (iteration 5's loss matches) and training goes on;
+* one shard removed from a copy of the checkpoint: the relaunch (a dry run) ends with one error
+  naming it, before any model is built.
+
+Dropout is off (``--hidden-dropout 0 --attention-dropout 0``): Megatron does not reshard the RNG
+state across a TP / PP change (the launch says so), so with dropout the masks, not the model,
+would differ from the uninterrupted run. Run by ``make test-mcore-versions`` (its side
+environment; megatron-core's checkpoint writer needs ``psutil`` there), skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import shutil
+import subprocess
+import time
+
+import pytest
+
+import frameworks as fw
+from test_launch_e2e import EMULATE4, GPT_ARGS, free_port, ok
+from test_megatron_lm_tree_launch import PYTHON, TREE, skip_reason
+from test_moe_ep_launch import EP_ARGS
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+RUN = ["--hidden-dropout", "0", "--attention-dropout", "0", "--ckpt-format", "torch_dist",
+       "--train-iters", "8", "--poseidon-tp", "1"]   # TP 1 only: less profiling (CI time)
+ARGS = [*GPT_ARGS, *RUN]
+
+
+def moe_args(ep: int) -> list[str]:
+    """The tiny MoE of tests/test_moe_ep_launch.py (2 dense + 6 MoE layers, 8 experts, top-2)
+    at the script's ``--expert-model-parallel-size ep`` (kept by the launch)."""
+    i = EP_ARGS.index("--expert-model-parallel-size")
+    return [*EP_ARGS[:i + 1], str(ep), *EP_ARGS[i + 2:], *RUN]
+
+
+# one slow device removed
+THREE = ({"emu-fast": 1.0, "emu-slow": 0.25}, ["emu-slow", "emu-fast", "emu-fast"])
+LOSS = re.compile(r"iteration +(\d+)/ +\d+ \|.*?lm loss: ([0-9.E+-]+)")
+
+
+def _skip() -> str | None:
+    reason = skip_reason()
+    if reason:
+        return reason
+    has = subprocess.run([PYTHON, "-c", "import psutil"], capture_output=True)
+    if has.returncode != 0:
+        return (f"{PYTHON} has no psutil (megatron-core's torch_dist writer needs it; make venv "
+                "installs it)")
+    return None
+
+
+def emulation(path, speeds: dict[str, float], ranks: list[str]) -> str:
+    path.write_text("device_types:\n" + "".join(
+        f"  {t}: {{speed: {s}, memory_gib: 16}}\n" for t, s in speeds.items())
+        + f"ranks: [{', '.join(ranks)}]\n")
+    return str(path)
+
+
+def launch(work, nproc: int, emulate: str, extra: list[str], tag: str,
+           base: list[str] | None = None):
+    """``nproc`` ranks of the tree's pretrain_gpt.py under the launcher: (process, log, plan).
+    ``tag`` names the profile cache (the types' speeds the same: the same cache)."""
+    plan_file = work / f"plan-{tag}-{nproc}.json"
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "-m", "poseidon_plugin.launch", os.path.join(TREE, "pretrain_gpt.py"),
+           *(base or ARGS), *extra,
+           "--poseidon-auto", "--poseidon-emulate", emulate,
+           "--poseidon-save-plan", str(plan_file)]
+    env = {**os.environ, "PYTHONPATH": fw.ROOT, "OMP_NUM_THREADS": "1",
+           "PYTHONWARNINGS": "ignore", "POSEIDON_PROFILE_DIR": str(work / f"profiles-{tag}"),
+           "POSEIDON_HELPERS_CACHE": str(work / "megatron-helpers")}
+    t0, cpu0 = time.monotonic(), _children_cpu_s()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=fw.ROOT)
+    out = proc.stdout + proc.stderr
+    print(f"{tag} on {nproc} ranks: {time.monotonic() - t0:.1f} s, "
+          f"{_children_cpu_s() - cpu0:.1f} CPU-s")
+    plan = json.loads(plan_file.read_text()) if plan_file.exists() else None
+    return proc, out, plan
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def losses(out: str) -> dict[int, float]:
+    return {int(i): float(v) for i, v in LOSS.findall(out)}
+
+
+def shape(plan: dict) -> tuple:
+    """What makes two plans different layouts of the model on the devices."""
+    return (plan["schedule"], plan["pp"], plan["tp"], plan["dp"], plan.get("ep", 1),
+            tuple(s["layers"] for s in plan["stages"]),
+            tuple(s["device_type"] for s in plan["stages"]))
+
+
+@pytest.fixture(scope="module")
+def plan_a(tmp_path_factory):
+    """Plan A: 4 ranks, 8 iterations, saved at 4 (and at 8, the end)."""
+    reason = _skip()
+    if reason:
+        pytest.skip(reason)
+    work = tmp_path_factory.mktemp("resume-replan")
+    ckpt = work / "ckpt"
+    proc, out, plan = launch(work, 4, EMULATE4, ["--save", str(ckpt), "--save-interval", "4"],
+                             "a")
+    assert proc.returncode == 0, ok(proc, out)
+    got = losses(out)
+    assert sorted(got) == list(range(1, 9)), out[-4000:]
+    return work, ckpt, plan, got
+
+
+def check_resumed(out: str, reference: dict[int, float]) -> None:
+    """Training went on from iteration 5, and iterations 5-8 match the uninterrupted run.
+
+    Megatron logs a launch's first iteration without resetting its loss accumulators (its
+    ``training_log``: ``should_reset = not is_first_iteration``), so a resumed launch's second
+    log (iteration 6) is the mean of iterations 5 and 6: the uninterrupted run's losses are
+    compared as a resumed launch logs them."""
+    got = losses(out)
+    assert sorted(got) == [5, 6, 7, 8], out[-4000:]
+    want = {**reference, 6: (reference[5] + reference[6]) / 2}
+    print("lm loss 5-8: resumed " + ", ".join(f"{got[i]:.6f}" for i in range(5, 9))
+          + "; uninterrupted " + ", ".join(f"{reference[i]:.6f}" for i in range(5, 9)))
+    for it in range(5, 9):
+        assert abs(got[it] - want[it]) <= 0.01 * want[it], (it, got, want)
+
+
+def test_save_records_the_plan_and_its_devices(plan_a):
+    _, ckpt, plan, _ = plan_a
+    record = json.loads((ckpt / "iter_0000004" / "poseidon-plan.json").read_text())
+    assert record["iteration"] == 4 and shape(record["plan"]) == shape(plan)
+    assert sorted((d["device_type"], d["count"]) for d in record["devices"]) == \
+        [("emu-fast", 2), ("emu-slow", 2)]
+    saved = sorted(n for n in os.listdir(ckpt / "iter_0000004") if n.endswith(".distcp"))
+    assert saved and all(record["files"][n]["bytes"] > 0 for n in saved)
+
+
+def test_resume_on_three_ranks_after_losing_one(plan_a, tmp_path):
+    work, ckpt, plan, reference = plan_a
+    emu = emulation(tmp_path / "three.yaml", *THREE)
+    proc, out, new = launch(work, 3, emu, ["--load", str(ckpt), "--ckpt-step", "4"], "a")
+    assert proc.returncode == 0, ok(proc, out)
+    assert shape(new) != shape(plan), (shape(new), shape(plan))
+    (line,) = [ln for ln in out.splitlines() if "resume from iteration 4: " in ln]
+    print(line)
+    assert "lost 1 x emu-slow (host " in line and " ms predicted" in line, line
+    check_resumed(out, reference)
+
+
+def test_resume_with_the_types_speeds_swapped(plan_a, tmp_path):
+    work, ckpt, plan, reference = plan_a
+    emu = emulation(tmp_path / "swapped.yaml", {"emu-fast": 0.25, "emu-slow": 1.0},
+                    ["emu-slow", "emu-slow", "emu-fast", "emu-fast"])
+    proc, out, new = launch(work, 4, emu, ["--load", str(ckpt), "--ckpt-step", "4"], "swap")
+    assert proc.returncode == 0, ok(proc, out)
+    assert shape(new) != shape(plan), (shape(new), shape(plan))
+    (line,) = [ln for ln in out.splitlines() if "resume from iteration 4: " in ln]
+    print(line)
+    assert "the same devices; plan " in line, line
+    check_resumed(out, reference)
+
+
+def test_moe_saved_at_ep_2_resumes_at_ep_1_on_three_ranks(plan_a, tmp_path):
+    """A MoE job saved at EP 2 on 4 ranks, relaunched on 3 at EP 1. Megatron cannot load EP
+    2's optimizer state at EP 1 (expert parameters in an optimizer of their own at EP > 1):
+    the launch refuses it in one line naming the fix; with --no-load-optim the experts'
+    weights are resharded from EP 2 to EP 1 (iteration 5's loss, a forward pass of the loaded
+    weights, matches the uninterrupted run) and training goes on."""
+    work = plan_a[0]
+    ckpt = work / "moe-ckpt"
+    proc, out, plan = launch(work, 4, EMULATE4, ["--save", str(ckpt), "--save-interval", "4"],
+                             "moe", base=moe_args(2))
+    assert proc.returncode == 0, ok(proc, out)
+    reference = losses(out)
+    assert sorted(reference) == list(range(1, 9)) and plan["ep"] == 2, out[-4000:]
+    emu = emulation(tmp_path / "three.yaml", *THREE)
+    load = ["--load", str(ckpt), "--ckpt-step", "4"]
+    proc, out, _ = launch(work, 3, emu, [*load, "--poseidon-dry-run"], "moe", base=moe_args(1))
+    assert proc.returncode != 0
+    (error,) = [ln for ln in out.splitlines() if "[poseidon rank 0] error:" in ln]
+    assert "saved at EP 2 and this plan runs EP 1" in error and "--no-load-optim" in error, error
+    proc, out, new = launch(work, 3, emu, [*load, "--no-load-optim"], "moe", base=moe_args(1))
+    assert proc.returncode == 0, ok(proc, out)
+    assert new["ep"] == 1 and shape(new) != shape(plan), (shape(new), shape(plan))
+    (line,) = [ln for ln in out.splitlines() if "resume from iteration 4: " in ln]
+    print(line)
+    assert "lost 1 x emu-slow (host " in line and "ep=2" in line, line
+    got = losses(out)
+    print(f"lm loss 5: resumed at EP 1 {got[5]:.6f}; uninterrupted at EP 2 {reference[5]:.6f}")
+    assert sorted(got) == [5, 6, 7, 8] and all(0 < v < 20 for v in got.values()), got
+    assert abs(got[5] - reference[5]) <= 0.01 * reference[5], (got, reference)
+
+
+def test_a_removed_shard_is_one_error_naming_it(plan_a, tmp_path):
+    work, ckpt, _, _ = plan_a
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt / "iter_0000004", copy / "iter_0000004")
+    (copy / "latest_checkpointed_iteration.txt").write_text("4")
+    (copy / "iter_0000004" / "__1_0.distcp").unlink()
+    proc, out, _ = launch(work, 4, EMULATE4, ["--load", str(copy), "--poseidon-dry-run"], "a")
+    assert proc.returncode != 0
+    errors = [ln for ln in out.splitlines() if "[poseidon rank 0] error:" in ln]
+    assert errors == [f"[poseidon rank 0] error: --load {copy}/iter_0000004: shard "
+                      "__1_0.distcp is missing (the checkpoint's .metadata lists it)"], out[-3000:]
+    # torchrun's own agent prints a traceback for any child exiting non-zero; no rank does
+    assert not re.search(r"^\[rank\d+\]: Traceback", out, re.M), out[-3000:]
+    assert "building GPT model" not in out
