@@ -94,7 +94,9 @@ def test_tracebacks_carry_one_rank_prefix_after_renumbering(monkeypatch, capsys)
 
     env = LaunchEnv.from_environ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                                   "MASTER_PORT": str(free_port())})
-    original = sys.excepthook
+    # Python's own hook: under pytest-xdist an earlier test in this worker may have left
+    # torch's prefixing hook installed (a real launch starts from a fresh interpreter)
+    original = sys.__excepthook__
     monkeypatch.setattr(sys, "excepthook", original)
     boot = Bootstrap(env, 30).start()
     try:
