@@ -442,8 +442,8 @@ def _plan(ns, search_plan) -> int:
 
 def users_dispatcher(model, text: str):
     """``model`` with the token dispatcher ``--megatron-args`` chooses (a MoE model): the plan's
-    flags keep it, its communication is priced as ``alltoall``'s (``Model.planning_note`` says
-    so); without one, the model's (``alltoall``)."""
+    flags keep it and the costs price it (``flex`` and ``alltoall_seq`` as ``alltoall``:
+    ``Model.planning_note`` says so); without one, the model's (``alltoall``)."""
     import shlex
     from dataclasses import replace
 

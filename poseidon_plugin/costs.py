@@ -78,7 +78,7 @@ import numpy as np
 
 from . import memory as memory_mod
 from .callcosts import EngineCalls, engine_calls
-from .comm import (alltoall_ms, ddp_buckets, dp_sync_ms, expert_alltoall_bytes,
+from .comm import (allreduce_ms, alltoall_ms, ddp_buckets, dp_sync_ms, expert_alltoall_bytes,
                    expert_optimizer_ms, expert_sync_ms, reduce_scatter_ms, send_ms)
 from .errors import PoseidonError
 from .placement import Pool, StagePlacement, place_stages, ring_gbps, send_link_gbps, type_pools
@@ -111,8 +111,10 @@ class LayerCosts:
     # device (reduced over the expert-DP group of dp / ep ranks; not in grad_bytes, which is
     # then the attention's, router's and shared experts' part, reduced over DP); 0 otherwise
     expert_grad_bytes: float = 0.0
-    alltoall_ms: float = 0.0       # one token all-to-all (in forward_ms 2x, backward_ms 2x;
-                                   # 4x under full recompute: the forward's re-run)
+    alltoall_ms: float = 0.0       # the EP part of one token dispatch or combine (in forward_ms
+                                   # 2x, backward_ms 2x; 4x under full recompute: the forward's
+                                   # re-run): an all-to-all, or with the allgather dispatcher half
+                                   # its TP x EP exchange (``CostModel.expert_dispatch_ms``)
     # the model's MTP layers (``CostModel.with_mtp``): their forward / backward per micro-batch
     # and gradient bytes, already in output_forward_ms / output_backward_ms / output_grad_bytes
     # (the last stage runs them after the output layer); 0 without MTP
@@ -491,7 +493,7 @@ class CostModel:
                               (dec, emb, out), og, og_source)
         dense_w, expert_w = expert_param_bytes(model, dec, tp, moe_ep,
                                                self.training.weight_bytes)
-        a2a = self.expert_alltoall_ms(type_index, tp, moe_ep, micro_batch_size, model)
+        a2a = self.expert_dispatch_ms(type_index, tp, moe_ep, micro_batch_size, model)
         # dispatch + combine each way; a full recompute re-runs the forward's two as well
         rerun = 2.0 * a2a if self.training.recompute == "full" else 0.0
         return LayerCosts(fwd + 2.0 * a2a, bwd + 2.0 * a2a + rerun, dense_w * g,
@@ -546,6 +548,31 @@ class CostModel:
         if sizes and all(s % (tp * ep) == 0 for s in sizes):
             return self.intra_gbps[type_index]
         return self.inter_gbps[type_index]
+
+    def expert_dispatch_ms(self, type_index: int, tp: int, ep: int, micro_batch_size: int,
+                           model=None) -> float:
+        """The EP part of one MoE layer's token dispatch or of its combine on one rank, ms (the
+        layer's record holds its EP-1 figures; a direction pays this twice).
+
+        ``alltoall`` (and the dispatchers priced as it): one token all-to-all
+        (``expert_alltoall_ms``). ``allgather``: the tokens are exchanged over the TP x EP group
+        in place of the record's TP group (``tp_traffic``): half of (the exchange of
+        ``ep*b*s*(h + E/2)`` values over ``tp*ep`` ranks on ``ep_link_gbps`` less the record's
+        exchange of ``b*s*(h + E/2)`` over ``tp`` on the TP link)."""
+        model = self.model if model is None else model
+        if ep <= 1 or not getattr(model, "num_experts", 0):
+            return 0.0
+        if getattr(self.model, "moe_token_dispatcher_type", "alltoall") != "allgather":
+            return self.expert_alltoall_ms(type_index, tp, ep, micro_batch_size, model)
+        per_token = float(micro_batch_size * self.seq_length) * (model.hidden_size
+                                                                 + model.num_experts / 2.0)
+        w = self.training.weight_bytes
+        group = allreduce_ms(w * ep * per_token, tp * ep, self.ep_link_gbps(type_index, tp, ep),
+                             self.latency_ms)
+        name = self.type_names[type_index]
+        record = allreduce_ms(w * per_token, tp, tp_link_gbps(self.cluster, name, tp),
+                              self.latency_ms)
+        return max(0.0, group - record) / 2.0
 
     def expert_alltoall_ms(self, type_index: int, tp: int, ep: int, micro_batch_size: int,
                            model=None) -> float:

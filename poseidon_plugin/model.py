@@ -292,12 +292,13 @@ class ModelSpec:
         """One line for what the planner does not yet cost layer by layer (None: nothing). A
         model of several layer kinds is planned exactly (each stage costs the layers it holds:
         ``CostModel(layer_kinds="per-kind")``), and MTP layers are on the last stage in its time
-        and its memory. What is left: a MoE model with another token dispatcher than
-        ``alltoall`` is priced with the ``alltoall`` dispatcher's communication (the EP
-        all-to-alls and the TP gather / scatter of the token copies; ``tp_traffic.py``), and the
-        plan keeps the user's dispatcher in its flags."""
+        and its memory; the ``alltoall`` and ``allgather`` token dispatchers each at its own
+        communication (``tp_traffic.py``). What is left: ``flex`` and ``alltoall_seq`` are
+        priced with the ``alltoall`` dispatcher's communication (the EP all-to-alls and the TP
+        gather / scatter of the token copies), and the plan keeps the user's dispatcher in its
+        flags."""
         dispatcher = getattr(self, "moe_token_dispatcher_type", "alltoall")
-        if self.is_moe and dispatcher != "alltoall":
+        if self.is_moe and dispatcher not in ("alltoall", "allgather"):
             return (f"--moe-token-dispatcher-type {dispatcher}: its communication is priced as "
                     "the alltoall dispatcher's (the EP all-to-alls and the TP gather / scatter "
                     "of the token copies); the plan keeps your dispatcher, its predicted time "

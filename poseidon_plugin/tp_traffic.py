@@ -16,6 +16,20 @@ sequence parallelism: megatron-core 0.19's ``MoELayer.forward`` refuses training
   the backward moves the same (the all-gather's gradient is a reduce-scatter and vice versa).
   Shared experts (``SharedExpertMLP``) gather and scatter the ``b*s*h`` input like a dense MLP.
   The routing probabilities gathered with the tokens (``b*s*k`` values) are left out (1/h).
+* MoE with the ``allgather`` token dispatcher (``MoEAllGatherTokenDispatcher``): the tokens
+  themselves, not their copies, are all-gathered over the TP x EP group before the experts
+  (``token_dispatch``: ``gather_from_sequence_parallel_region(hidden_states, tp_ep_group)``,
+  with the routing probabilities, ``E`` = ``num_experts`` values per token) and the experts'
+  outputs reduce-scattered back (``token_combine``); the backward the mirror (the tokens' and
+  the probabilities' gradients reduce-scattered, the outputs' all-gathered). Per direction
+  that is an all-gather and a reduce-scatter of ``ep*b*s*h`` values plus a one-way move of
+  ``ep*b*s*E``: one exchange of ``ep*b*s*(h + E/2)`` values over ``tp*ep`` ranks
+  (``allgather_dispatch_values``). At EP 1 that is a TP exchange of ``b*s*(h + E/2)`` (priced
+  here, with the layer); at EP > 1 the cost model prices the TP x EP exchange on the EP
+  group's link in place of it (``CostModel.expert_dispatch_ms``). The boolean routing map
+  gathered beside them (``E`` bytes per token, no gradient) and the probabilities' own call
+  latencies are left out.
+* ``flex`` and ``alltoall_seq`` are priced as ``alltoall`` (``Model.planning_note`` says so).
 
 An exchange of ``v`` values (an all-gather of ``v`` plus a reduce-scatter of ``v``, or one
 all-reduce of ``v``) costs a ring all-reduce of ``v`` values (``comm.allreduce_ms``: the same
@@ -29,15 +43,28 @@ from __future__ import annotations
 from .comm import allreduce_ms
 
 
-def kind_tp_exchanges(kind, micro_batch_size: int, seq_length: int) -> tuple[float, ...]:
-    """The TP exchanges of one layer of ``kind`` (``layers.LayerKind``) in one direction: the
-    values each moves (see the module docstring), attention first."""
+def allgather_dispatch_values(kind, micro_batch_size: int, seq_length: int, ep: int) -> float:
+    """The values the ``allgather`` token dispatcher's exchange over the TP x EP group moves for
+    one MoE layer of ``kind`` in one direction: every token of the group's ``ep`` sequences,
+    its hidden state both ways and its ``num_experts`` routing probabilities one way (see the
+    module docstring)."""
+    return (float(ep * micro_batch_size * seq_length)
+            * (kind.hidden_size + kind.mlp.num_experts / 2.0))
+
+
+def kind_tp_exchanges(kind, micro_batch_size: int, seq_length: int,
+                      dispatcher: str = "alltoall") -> tuple[float, ...]:
+    """The TP exchanges of one layer of ``kind`` (``layers.LayerKind``) in one direction at EP 1:
+    the values each moves (see the module docstring), attention first; ``dispatcher``: the
+    model's ``--moe-token-dispatcher-type`` (``allgather`` exchanges the tokens and their
+    routing probabilities, every other one the ``top_k`` token copies)."""
     tokens = float(micro_batch_size * seq_length) * kind.hidden_size
     mlp = kind.mlp
     if not mlp.is_moe:
         return (tokens, tokens)
-    return ((tokens,) + ((tokens,) if mlp.shared_ffn_hidden_size else ())
-            + (mlp.top_k * tokens,))
+    routed = (allgather_dispatch_values(kind, micro_batch_size, seq_length, 1)
+              if dispatcher == "allgather" else mlp.top_k * tokens)
+    return (tokens,) + ((tokens,) if mlp.shared_ffn_hidden_size else ()) + (routed,)
 
 
 def layer_tp_comm_ms(model, micro_batch_size: int, seq_length: int, tp: int, gbps: float,
@@ -51,9 +78,10 @@ def layer_tp_comm_ms(model, micro_batch_size: int, seq_length: int, tp: int, gbp
         one = allreduce_ms(bytes_per_value * micro_batch_size * seq_length * model.hidden_size,
                            tp, gbps, latency_ms)
         return 2 * one
+    dispatcher = getattr(model, "moe_token_dispatcher_type", "alltoall")
     return max(sum(allreduce_ms(bytes_per_value * v, tp, gbps, latency_ms)
-                   for v in kind_tp_exchanges(kind, micro_batch_size, seq_length))
+                   for v in kind_tp_exchanges(kind, micro_batch_size, seq_length, dispatcher))
                for kind in kinds)
 
 
-__all__ = ["kind_tp_exchanges", "layer_tp_comm_ms"]
+__all__ = ["allgather_dispatch_values", "kind_tp_exchanges", "layer_tp_comm_ms"]

@@ -1,10 +1,10 @@
 """Count what megatron-core's ``MoELayer`` moves over its process groups (gloo ranks).
 
-    python tests/moe_dispatch_probe.py TP EP SHARED PORT OUT.json
+    python tests/moe_dispatch_probe.py TP EP SHARED PORT OUT.json [DISPATCHER]
 
 Spawns TP x EP CPU ranks (the plugin's CPU shims), builds megatron-core's MoE layer with the
-``alltoall`` token dispatcher (sequence parallel at TP > 1, 4 experts top-2, a shared expert
-when SHARED is 1), runs one micro-batch forward and backward, and writes per rank every
+``alltoall`` token dispatcher (or DISPATCHER: ``allgather``; sequence parallel at TP > 1,
+4 experts top-2, a shared expert when SHARED is 1), runs one micro-batch forward and backward, and writes per rank every
 all-gather / reduce-scatter / all-to-all / all-reduce it issued: (collective, group ranks,
 values, last dimension), forward and backward apart. ``tests/test_tp_traffic.py`` compares
 the volumes with the estimator's (``poseidon_plugin.tp_traffic``).
@@ -55,7 +55,8 @@ def _wrap(dist, torch, log):
                 setattr(mod, alias, getattr(dist, name))
 
 
-def run(rank: int, world: int, tp: int, ep: int, shared: bool, port: int, out: str) -> None:
+def run(rank: int, world: int, tp: int, ep: int, shared: bool, port: int, out: str,
+        dispatcher: str = "alltoall") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
     import torch.distributed as dist
@@ -78,7 +79,7 @@ def run(rank: int, world: int, tp: int, ep: int, shared: bool, port: int, out: s
         num_layers=1, hidden_size=H, num_attention_heads=4, ffn_hidden_size=F,
         num_moe_experts=E, moe_router_topk=K, moe_ffn_hidden_size=F,
         moe_shared_expert_intermediate_size=SH if shared else None,
-        moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none",
+        moe_token_dispatcher_type=dispatcher, moe_router_load_balancing_type="none",
         tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
         sequence_parallel=tp > 1, gated_linear_unit=True, add_bias_linear=False,
         params_dtype=torch.float32, use_cpu_initialization=True)
@@ -101,7 +102,8 @@ def main(argv: list[str]) -> None:
     import torch.multiprocessing as mp
 
     tp, ep, shared, port, out = int(argv[0]), int(argv[1]), argv[2] == "1", int(argv[3]), argv[4]
-    mp.spawn(run, args=(tp * ep, tp, ep, shared, port, out), nprocs=tp * ep)
+    dispatcher = argv[5] if len(argv) > 5 else "alltoall"
+    mp.spawn(run, args=(tp * ep, tp, ep, shared, port, out, dispatcher), nprocs=tp * ep)
     ranks = []
     for r in range(tp * ep):
         with open(f"{out}.{r}") as fh:

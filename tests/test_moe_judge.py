@@ -102,12 +102,14 @@ def test_the_users_dispatcher_is_kept_and_none_chosen_is_pinned():
 
 
 def test_another_dispatcher_than_the_priced_one_is_said(capsys):
-    """A kept ``allgather`` dispatcher is priced with the alltoall one's communication: one
-    warning says so (it was silent); the priced one, and a dense model, get none."""
-    allgather = cli.users_dispatcher(MIXED_MTP, "--moe-token-dispatcher-type allgather")
-    note = allgather.planning_note()
-    assert note and "allgather" in note and "priced as the alltoall" in note, note
+    """A kept ``flex`` dispatcher is priced with the alltoall one's communication: one
+    warning says so (it was silent); the two priced ones, and a dense model, get none."""
+    flex = cli.users_dispatcher(MIXED_MTP, "--moe-token-dispatcher-type flex")
+    note = flex.planning_note()
+    assert note and "flex" in note and "priced as the alltoall" in note, note
     assert cli.users_dispatcher(MIXED_MTP, "").planning_note() is None
+    assert cli.users_dispatcher(MIXED_MTP, "--moe-token-dispatcher-type allgather") \
+        .planning_note() is None
     from types import SimpleNamespace
     dense = model_from_megatron_args(SimpleNamespace(
         num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=512,
@@ -118,11 +120,15 @@ def test_another_dispatcher_than_the_priced_one_is_said(capsys):
             "--model", os.path.join(root, "examples/models/tiny-moe.yaml"),
             "--global-batch-size", "16", "--seq-length", "128", "--no-baselines",
             "--no-runner-up", "--json"]
+    assert cli.main([*argv, "--megatron-args", "--moe-token-dispatcher-type flex"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["moe_token_dispatcher_type"] == "flex"
+    (line,) = [l for l in err.splitlines() if "dispatcher" in l]
+    assert line.startswith("poseidon: warning: --moe-token-dispatcher-type flex: "), line
     assert cli.main([*argv, "--megatron-args", "--moe-token-dispatcher-type allgather"]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["moe_token_dispatcher_type"] == "allgather"
-    (line,) = [l for l in err.splitlines() if "dispatcher" in l]
-    assert line.startswith("poseidon: warning: --moe-token-dispatcher-type allgather: "), line
+    assert not [l for l in err.splitlines() if "dispatcher" in l], err
 
 
 # --------------------------------------------------------------------------- the judge

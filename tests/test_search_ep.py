@@ -142,6 +142,49 @@ def test_layer_costs_add_the_alltoalls_and_split_the_gradients():
     assert cm2.ep_link_gbps(0, 1, 4) == 100.0 and cm2.ep_link_gbps(0, 1, 2) == 400.0
 
 
+def _ring(nbytes: float, ranks: int, gbps: float, latency: float = 0.01) -> float:
+    """A ring all-reduce (all-gather + reduce-scatter) of ``nbytes``, by hand."""
+    return 2 * (ranks - 1) * latency + 2 * (ranks - 1) / ranks * nbytes * 8 / (gbps * 1e6)
+
+
+def test_the_allgather_dispatcher_exchanges_the_tokens_over_tp_x_ep():
+    """megatron-core's ``allgather`` dispatcher gathers every token of the TP x EP group (its
+    hidden state, and one way its E routing probabilities) and reduce-scatters the experts'
+    outputs, where ``alltoall`` moves the k copies: at EP 1 the TP exchange is b*s*(h + E/2)
+    values, not k*b*s*h; at EP > 1 the layer pays the TP x EP exchange of ep*b*s*(h + E/2) on
+    the EP group's link in place of the record's TP one, and no all-to-all."""
+    cluster = _cluster()
+    a2a = model_from_dict(MOE)
+    ag = dataclasses.replace(a2a, moe_token_dispatcher_type="allgather")
+    b, s, h, e, k = 2, 128, 256, 4, 2
+    cm_a2a = CostModel(cluster, a2a, None, seq_length=s)
+    cm_ag = CostModel(cluster, ag, None, seq_length=s)
+    # EP 1, TP 2: the same compute, the routed exchange b*s*(h+E/2) against k*b*s*h (2 bytes)
+    x, y = cm_ag.layer_costs(0, 2, b, 1), cm_a2a.layer_costs(0, 2, b, 1)
+    shift = _ring(2 * b * s * (h + e / 2), 2, 400) - _ring(2 * k * b * s * h, 2, 400)
+    assert x.forward_ms - y.forward_ms == pytest.approx(shift, rel=1e-9)
+    assert x.backward_ms - y.backward_ms == pytest.approx(shift, rel=1e-9)
+    # EP 2, TP 1: the exchange of 2*b*s*(h+E/2) over the 2 EP ranks (TP x EP = 2 divides the
+    # 4-device nodes: the intra-node link), nothing of the record's to take off
+    one, two = cm_ag.layer_costs(0, 1, b, 1), cm_ag.layer_costs(0, 1, b, 2)
+    group = _ring(2 * 2 * b * s * (h + e / 2), 2, 400)
+    assert two.forward_ms == pytest.approx(one.forward_ms + group, rel=1e-9)
+    assert two.backward_ms == pytest.approx(one.backward_ms + group, rel=1e-9)
+    assert two.alltoall_ms == pytest.approx(group / 2, rel=1e-9)
+    # EP 2, TP 2: the TP x EP = 4 exchange less the record's TP-2 one
+    one, two = cm_ag.layer_costs(0, 2, b, 1), cm_ag.layer_costs(0, 2, b, 2)
+    delta = _ring(2 * 2 * b * s * (h + e / 2), 4, 400) - _ring(2 * b * s * (h + e / 2), 2, 400)
+    assert two.forward_ms == pytest.approx(one.forward_ms + delta, rel=1e-9)
+    # wider than a node (2-device nodes): the group on the inter-node link (100 Gbit/s)
+    cm_wide = CostModel(_cluster(dpn=2), ag, None, seq_length=s)
+    one, two = cm_wide.layer_costs(0, 2, b, 1), cm_wide.layer_costs(0, 2, b, 2)
+    delta = _ring(2 * 2 * b * s * (h + e / 2), 4, 100) - _ring(2 * b * s * (h + e / 2), 2, 400)
+    assert two.forward_ms == pytest.approx(one.forward_ms + delta, rel=1e-9)
+    # the alltoall dispatcher's figures are unchanged: its all-to-all, twice each way
+    assert cm_a2a.layer_costs(0, 1, b, 2).forward_ms == pytest.approx(
+        cm_a2a.layer_costs(0, 1, b, 1).forward_ms + 2 * cm_a2a.expert_alltoall_ms(0, 1, 2, b))
+
+
 def test_a_record_measured_at_the_plans_ep_wins():
     cluster = _cluster()
     model = model_from_dict(MOE)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from poseidon_plugin.layers import AttentionSpec, LayerKind, MLPSpec
-from poseidon_plugin.tp_traffic import kind_tp_exchanges
+from poseidon_plugin.tp_traffic import allgather_dispatch_values, kind_tp_exchanges
 
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
@@ -31,14 +31,15 @@ pytest.importorskip("megatron.core")
 from test_launch_e2e import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow     # 2 gloo launches (2 and 4 ranks): 37 CPU-s together
+pytestmark = pytest.mark.slow     # 3 gloo launches (2, 4 and 4 ranks): about 55 CPU-s
 
 
-def _probe(tmp_path, tp: int, ep: int, shared: bool) -> dict:
-    out = tmp_path / f"probe-{tp}-{ep}-{int(shared)}.json"
+def _probe(tmp_path, tp: int, ep: int, shared: bool, dispatcher: str = "alltoall") -> dict:
+    out = tmp_path / f"probe-{tp}-{ep}-{int(shared)}-{dispatcher}.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     run = subprocess.run([sys.executable, str(ROOT / "tests/moe_dispatch_probe.py"), str(tp),
-                          str(ep), "1" if shared else "0", str(free_port()), str(out)],
+                          str(ep), "1" if shared else "0", str(free_port()), str(out),
+                          dispatcher],
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(out.read_text())
@@ -90,3 +91,39 @@ def test_megatrons_moe_layer_moves_the_priced_tp_volumes(tmp_path, tp, ep, share
         # which leaves the rank: ``comm.expert_alltoall_bytes``)
         assert len(sent) == 2 * world
         assert sum(sent) / len(sent) == b * s / tp * k * h
+
+
+def test_megatrons_allgather_dispatcher_moves_the_priced_tp_x_ep_volumes(tmp_path):
+    """megatron-core's ``MoEAllGatherTokenDispatcher`` at TP 2 x EP 2 (shared expert): over the
+    TP x EP group each direction all-gathers and reduce-scatters the ep*b*s*h tokens and moves
+    the ep*b*s*E routing probabilities one way (forward: gathered beside the boolean routing
+    map, which is not priced; backward: their gradient reduce-scattered), which is twice
+    ``allgather_dispatch_values``; the TP group moves only the shared expert's b*s*h exchange,
+    and nothing goes all-to-all."""
+    tp, ep = 2, 2
+    got = _probe(tmp_path, tp, ep, True, "allgather")
+    shape, ranks = got["shape"], got["ranks"]
+    h, b, s, e = shape["hidden"], shape["micro_batch"], shape["seq"], shape["experts"]
+    kind = _kind(shape, True)
+    priced = allgather_dispatch_values(kind, b, s, ep)
+    shared = kind_tp_exchanges(kind, b, s, "allgather")[1:-1]
+    world = tp * ep
+    for r, rank in enumerate(ranks):
+        tp_group = tuple(range(r - r % tp, r - r % tp + tp))
+        for direction in ("forward", "backward"):
+            calls = rank[direction]
+            assert not [c for c in calls if c[0] == "all_to_all_single"], calls
+            wide = [(op, v, last) for op, group, v, last in calls if len(group) == world]
+            tokens = sorted(("ag" if op in AG else "rs", v) for op, v, last in wide if last == h)
+            assert tokens == [("ag", ep * b * s * h), ("rs", ep * b * s * h)], wide
+            probs = [(op, v) for op, v, last in wide if last == e]
+            if direction == "forward":   # the routing map and the probabilities
+                assert sorted(probs) == [("all_gather_into_tensor", ep * b * s * e)] * 2
+            else:                        # the probabilities' gradient
+                assert probs == [("reduce_scatter_tensor", ep * b * s * e)]
+            assert sum(v for _, v in tokens) + ep * b * s * e == pytest.approx(2 * priced)
+            for name, ops in (("ag", AG), ("rs", RS)):
+                mine = _tp_values(rank, direction, ops, tp_group, h)
+                # the backward re-gathers the shared expert's input for its weight gradient
+                again = [b * s * h] if (direction, name) == ("backward", "ag") else []
+                assert mine == sorted(list(shared) + again), (direction, name, mine)
