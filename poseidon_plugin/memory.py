@@ -253,28 +253,46 @@ def output_activation_bytes(model, *, micro_batch_size: int, seq_length: int, tp
     return layer_input + BYTES_FP32 * sb * model.vocab_size / tp
 
 
-def mtp_activation_bytes(model, *, micro_batch_size: int, seq_length: int, tp: int,
-                         sequence_parallel: bool = False,
-                         setup: TrainingSetup | None = None) -> float:
-    """The MTP layers' activations per micro-batch on the last stage (megatron-core's
-    ``MultiTokenPredictionLayer``, DeepSeek-V3's MTP): each keeps its decoder layer's (of
-    ``mtp_layer_kind``), the shifted tokens' embedding (its dropout mask h and the norm input
-    2h), the norm input of the hidden state (2h), the two fp32 1/rms, the 2h -> h projection's
-    input (4h), its own output norm's input and the output layer's input (2 x 2h), all /t with
-    SP, and its fp32 logits for its loss (4 V / t). 0 without MTP layers."""
-    layers = getattr(model, "mtp_num_layers", 0)
-    if not layers:
+def mtp_layer_activation_bytes(model, *, micro_batch_size: int, seq_length: int, tp: int,
+                               sequence_parallel: bool = False,
+                               setup: TrainingSetup | None = None) -> float:
+    """What one of megatron-core's ``MultiTokenPredictionLayer`` keeps per micro-batch (the
+    memory harness builds and counts it: ``fidelity.memory_check``, kind ``mtp``): its decoder
+    layer's (of ``mtp_layer_kind``); the shifted tokens' ids (int64, 8 per token on every rank,
+    and at TP > 1 the vocabulary-parallel embedding's 1-byte out-of-range mask); the embedding's
+    dropout mask (h), the inputs of the two norms before the projection (2 x 2h) and of its
+    final norm (2h), their three fp32 1/rms, the 2h -> h projection ``eh_proj``'s input (4h),
+    all /t with SP; and with SP the decoder layer's input, a slice of the gathered projection
+    output that keeps its whole [s, b, h] storage: 2h (1 - 1/t) more. 0 without MTP layers."""
+    if not getattr(model, "mtp_num_layers", 0):
         return 0.0
     sb = float(seq_length * micro_batch_size)
     h = model.hidden_size
-    around = sb * (13.0 * h + 3 * BYTES_FP32)
-    if sequence_parallel:
-        around /= tp
+    around = sb * (11.0 * h + 3 * BYTES_FP32)
+    if sequence_parallel and tp > 1:
+        around = around / tp + sb * BYTES_BF16 * h * (1.0 - 1.0 / tp)
+    ids = sb * (8.0 + (1.0 if tp > 1 else 0.0))
     kind = model.kind_model(model.mtp_layer_kind)
     layer = layer_activation_bytes(kind, micro_batch_size=micro_batch_size,
                                    seq_length=seq_length, tp=tp,
                                    sequence_parallel=sequence_parallel, setup=setup)
-    return layers * (layer + around + BYTES_FP32 * sb * model.vocab_size / tp)
+    return layer + around + ids
+
+
+def mtp_activation_bytes(model, *, micro_batch_size: int, seq_length: int, tp: int,
+                         sequence_parallel: bool = False,
+                         setup: TrainingSetup | None = None) -> float:
+    """The MTP layers' activations per micro-batch on the last stage (megatron-core's
+    ``MultiTokenPredictionBlock``, DeepSeek-V3's MTP): per layer ``mtp_layer_activation_bytes``
+    and what the model's shared output layer keeps for it after the layer (``GPTModel``): its
+    input (2h, /t with SP) and its fp32 logits for the loss (4 V / t). 0 without MTP layers."""
+    layers = getattr(model, "mtp_num_layers", 0)
+    if not layers:
+        return 0.0
+    shape = dict(micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
+                 sequence_parallel=sequence_parallel)
+    return layers * (mtp_layer_activation_bytes(model, **shape, setup=setup)
+                     + output_activation_bytes(model, **shape))
 
 
 # --------------------------------------------------------------------------- parameters

@@ -1,6 +1,6 @@
 """megatron-core's own layers as the reference for the memory model (the worker side).
 
-    python -m poseidon_plugin.fidelity.mcore_memory --tp T --ep E [--sp] [--layer I]
+    python -m poseidon_plugin.fidelity.mcore_memory --tp T --ep E [--sp] [--layer I | --mtp]
         -- <megatron args...>
 
 Runs ``T x E`` gloo ranks on the CPU (forked from this process, CPU shims as under
@@ -16,6 +16,13 @@ unfused RoPE's cos / sin tables (``[s, 1, 1, d]``; the GPU's fused RoPE keeps no
 apart. What the GPU build runs as fused kernels and the CPU build cannot is run as stand-ins
 that keep what those kernels keep (the norms, the core attention, the dropout mask: see
 ``_fuse_norms``, ``_flash_class``, ``_gpu_dropout``); everything else is megatron-core's.
+
+``--mtp``: megatron-core's first ``MultiTokenPredictionLayer`` instead (the block spec
+``get_gpt_mtp_block_spec`` builds from the decoder's layer spec, ``--mtp-num-layers`` among the
+arguments), its forward given the hidden states, the token and position ids and a
+``LanguageModelEmbedding`` as the model's embedding: what it keeps is the shifted tokens'
+embedding, its norms, the ``eh_proj`` projection and its decoder layer; the shared output layer
+and the loss run after it in ``GPTModel`` and are not in it.
 
 One JSON line per rank, rank 0 last: ``MEMPROBE {...}``. The driver (``memory_check``) reads
 them and holds ``memory.py`` to them. Torch is imported here only (a fidelity harness).
@@ -115,7 +122,7 @@ def _rank(rank: int, world: int, port: int, opts: Any, argv: list[str], out_dir:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=opts.tp,
                                                  expert_model_parallel_size=opts.ep)
         tensor_parallel.model_parallel_cuda_manual_seed(1234 + rank)
-        report.update(_measure_layer(vargs, opts.layer))
+        report.update(_measure_mtp(vargs) if opts.mtp else _measure_layer(vargs, opts.layer))
     except Exception as e:  # noqa: BLE001 - reported: the driver says which piece did not build
         report["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -367,12 +374,57 @@ def _measure_layer(vargs: Any, index: int) -> dict[str, Any]:
             **stand_ins}
 
 
+def _measure_mtp(vargs: Any) -> dict[str, Any]:
+    """The first MTP layer's kept bytes and parameters (``--mtp``; see the module docstring)."""
+    import torch
+    from megatron.core.models.common.embeddings.language_model_embedding import (
+        LanguageModelEmbedding)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
+
+    from poseidon_plugin.megatron.profile import profiler
+
+    _norms_take_sequence_parallel()
+    _gpu_dropout()
+    _uneven_collectives()
+    config, spec = profiler.layer_config_and_spec(vargs, 0)
+    block = MultiTokenPredictionBlock(
+        config=config, spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False))
+    layer = block.layers[0].to(dtype=config.params_dtype)
+    layer.train()
+    seq, mbs = int(vargs.seq_length), int(vargs.micro_batch_size)
+    step = int(vargs.make_vocab_size_divisible_by) * int(vargs.tensor_model_parallel_size)
+    vocab = -(-int(vargs.vocab_size) // step) * step    # Megatron's padding of the vocabulary
+    embedding = LanguageModelEmbedding(
+        config=config, vocab_size=vocab, max_sequence_length=seq,
+        position_embedding_type=vargs.position_embedding_type).to(dtype=config.params_dtype)
+    embedding.train()
+    stand_ins = {"fused_norms": _fuse_norms(layer),
+                 "flash_core": _install_flash(getattr(layer.mtp_model_layer, "self_attention",
+                                                      None))}
+    x, kwargs, grad = _inputs(config, vargs)
+    ids = torch.randint(0, vocab, (mbs, seq))
+    positions = torch.arange(seq).unsqueeze(0).expand(mbs, seq)
+    params = list(layer.parameters())
+    counter = _Counter({p.untyped_storage().data_ptr()
+                        for p in params + list(embedding.parameters())}, seq)
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+        out = layer(input_ids=ids, position_ids=positions, hidden_states=x, embedding=embedding,
+                    **kwargs)
+    del out, grad
+    return {"kept_bytes": counter.kept, "scores_bytes": counter.scores,
+            "rope_bytes": counter.rope, "moe": profiler.is_moe_spec(spec),
+            "param_bytes": sum(p.numel() * p.element_size() for p in params),
+            "modules": sorted({type(m).__name__ for m in layer.modules()}), **stand_ins}
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="mcore_memory")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--sp", action="store_true")
     parser.add_argument("--layer", type=int, default=0)
+    parser.add_argument("--mtp", action="store_true")
     if "--" not in argv:
         print("poseidon: error: mcore_memory: put the Megatron arguments after --", file=sys.stderr)
         return 2

@@ -57,6 +57,8 @@ KINDS = {
                                   "--moe-shared-expert-intermediate-size", "256"],
                       {**MOE, "moe_shared_expert_intermediate_size": 256}),
     "mla": (MLA_ARGS, MLA),
+    # megatron-core's MultiTokenPredictionLayer (a dense decoder layer inside): the worker's --mtp
+    "mtp": (["--mtp-num-layers", "1"], {"mtp_num_layers": 1}),
 }
 
 
@@ -75,11 +77,11 @@ class Cell:
 def grid(which: str, kinds=tuple(KINDS)) -> list[Cell]:
     """The cells: ``full`` every kind at TP 1/2/4 (SP off and on at TP > 1; MoE only with SP,
     as megatron-core requires), EP 1/2/4 (MoE), CP 1/2; ``ci`` a few that cover each
-    mechanism (TP without and with SP, EP, the two dispatchers, CP)."""
+    mechanism (TP without and with SP, EP, the two dispatchers, CP, an MTP layer under SP)."""
     if which == "ci":
         cells = [Cell("dense", 2, sp=True), Cell("moe-alltoall", 2, 2, sp=True),
                  Cell("moe-allgather", 2, 1, sp=True), Cell("mla", 2, sp=False),
-                 Cell("dense", 1, cp=2)]
+                 Cell("dense", 1, cp=2), Cell("mtp", 2, sp=True)]
         return [c for c in cells if c.kind in kinds]
     cells = []
     for kind in kinds:
@@ -98,11 +100,15 @@ def model_of(kind: str):
 
 
 def predicted(cell: Cell) -> tuple[float, float]:
-    """(activation bytes, parameter bytes) of one layer on one rank, by ``memory.py``."""
+    """(activation bytes, parameter bytes) of one layer on one rank, by ``memory.py`` (kind
+    ``mtp``: one MTP layer, ``memory.mtp_layer_activation_bytes`` and ``mtp_param_split``)."""
     model = model_of(cell.kind)
-    act = memory.layer_activation_bytes(model, micro_batch_size=MBS, seq_length=SEQ // cell.cp,
-                                        tp=cell.tp, sequence_parallel=cell.sp,
-                                        setup=TrainingSetup())
+    shape = dict(micro_batch_size=MBS, seq_length=SEQ // cell.cp, tp=cell.tp,
+                 sequence_parallel=cell.sp, setup=TrainingSetup())
+    if cell.kind == "mtp":
+        return (memory.mtp_layer_activation_bytes(model, **shape),
+                model.mtp_param_split().per_device(cell.tp, cell.ep) * 2)
+    act = memory.layer_activation_bytes(model, **shape)
     params = model.layer_param_split().per_device(cell.tp, cell.ep) * 2
     if cell.kind == "mla" and cell.tp > 1:
         params -= _local_mla_down_params(model) * (cell.tp - 1) / cell.tp * 2
@@ -128,7 +134,8 @@ def measure(cell: Cell, python: str = sys.executable, env: dict | None = None,
         i = base.index("--num-query-groups")
         del base[i:i + 2]
     argv = [python, "-m", "poseidon_plugin.fidelity.mcore_memory", "--tp", str(cell.tp),
-            "--ep", str(cell.ep), *(["--sp"] if cell.sp else []), "--",
+            "--ep", str(cell.ep), *(["--sp"] if cell.sp else []),
+            *(["--mtp"] if cell.kind == "mtp" else []), "--",
             *base, "--seq-length", str(SEQ // cell.cp), *KINDS[cell.kind][0]]
     run_env = dict(os.environ if env is None else env, OMP_NUM_THREADS="1",
                    PYTHONWARNINGS="ignore")
