@@ -1,11 +1,12 @@
 """The memory model held to megatron-core's own layers (``poseidon_plugin/fidelity/
 memory_check.py``): each cell builds the real megatron-core layer of a kind (dense, MoE with the
-all-to-all and with the allgather dispatcher, MLA) on gloo ranks at its TP / SP / EP / CP,
+all-to-all and with the allgather dispatcher, MLA, MTP) on gloo ranks at its TP / SP / EP / CP,
 counts what one micro-batch forward keeps for backward and the layer's parameters on each rank,
 and compares ``memory.layer_activation_bytes`` and the parameter split within 3 %.
 
 The CI subset covers each mechanism once (TP with SP, EP with the all-to-all dispatcher's TP
-gather, the allgather dispatcher with shared experts, MLA at TP, CP's sequence shard) on the
+gather, the allgather dispatcher with shared experts, MLA at TP, CP's sequence shard, an MTP
+layer under SP) on the
 venv's megatron-core (0.19) and, where the side environment and the Megatron-LM core_v0.12.1
 tree are at hand, two cells on 0.12.1. The full grid is
 ``python -m poseidon_plugin.fidelity.memory_check --grid full`` (docs/fidelity.md).

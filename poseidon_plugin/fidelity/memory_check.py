@@ -30,6 +30,7 @@ from ..model import model_from_dict
 from ..training import TrainingSetup
 
 TOLERANCE = 0.03
+BYTES_BF16 = 2
 SEQ = 64
 MBS = 4
 BASE = dict(num_layers=2, hidden_size=256, num_attention_heads=8, num_query_groups=4,
@@ -112,7 +113,21 @@ def predicted(cell: Cell) -> tuple[float, float]:
     params = model.layer_param_split().per_device(cell.tp, cell.ep) * 2
     if cell.kind == "mla" and cell.tp > 1:
         params -= _local_mla_down_params(model) * (cell.tp - 1) / cell.tp * 2
+        if cell.sp:
+            act += _local_mla_q_latent_view(model, cell)
     return act, params
+
+
+def _local_mla_q_latent_view(model, cell: Cell) -> float:
+    """The local spec's column-parallel Q down projection under SP: megatron-core gathers its
+    output over TP and scatters it back to the sequence shard (``MLASelfAttention.
+    _qkv_down_projection``); that shard is a slice of the gathered [s, b, q_lora] tensor, so the
+    Q norm's saved input keeps the whole storage: 2 q_lora (1 - 1/t) bytes per token more than
+    under the GPU's duplicated projection (no gather: what ``memory.py`` counts). The K/V latent
+    is split off before its scatter, which copies it. The activation check of an MLA cell at
+    TP > 1 with SP adds that known difference to the model's figure."""
+    tokens = float(MBS * SEQ // cell.cp)
+    return BYTES_BF16 * tokens * (model.attention.q_lora_rank or 0) * (1.0 - 1.0 / cell.tp)
 
 
 def _local_mla_down_params(model) -> float:
