@@ -63,7 +63,7 @@ SLOW = {
     # resume under a new plan (run by make test-mcore-versions; measured 2026-11-28, load ~30)
     "tests/test_resume_replan.py::test_save_records_the_plan_and_its_devices": 74,   # plan A
     "tests/test_resume_replan.py::test_resume_on_three_ranks_after_losing_one": 27,
-    "tests/test_resume_replan.py::test_resume_with_the_types_speeds_swapped": 42,
+    "tests/test_resume_replan.py::test_resume_with_the_types_speeds_swapped_at_tp_2": 42,
     "tests/test_resume_replan.py::test_moe_saved_at_ep_2_resumes_at_ep_1_on_three_ranks": 143,
     "tests/test_resume_replan.py::test_a_removed_shard_is_one_error_naming_it": 25,
     # issue 38 (measured 2026-11-28, same host): a real megatron-core MoE layer on the CPU; a

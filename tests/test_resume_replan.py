@@ -6,8 +6,9 @@ other plans on other devices.
 * plan A: 4 ranks of two emulated types (examples/emulate-2types.yaml), 8 iterations, saved at
   iteration 4 (``--save-interval 4``): its iterations 5-8 are the uninterrupted run;
 * relaunched from iteration 4 (``--load --ckpt-step 4``) on 3 ranks (one slow device removed)
-  and on 4 ranks with the two types' speeds swapped: each time a different plan, one line
-  saying what changed, and the losses of iterations 5-8 within 1 % of plan A's;
+  and on 4 ranks with the two types' speeds swapped and TP 2 (plan A runs TP 1): each time a
+  different plan, one line saying what changed, and the losses of iterations 5-8 within 1 % of
+  plan A's;
 * a MoE (8 experts) saved at EP 2 on 4 ranks, relaunched at EP 1 on 3: Megatron cannot load
   EP 2's optimizer state at EP 1 (one error line naming the fix); with ``--no-load-optim`` the
   experts' weights are resharded (iteration 5's loss matches) and training goes on;
@@ -33,7 +34,7 @@ import time
 import pytest
 
 import frameworks as fw
-from test_launch_e2e import EMULATE4, GPT_ARGS, free_port, ok
+from test_launch_e2e import EMULATE4, GPT_ARGS, free_port, ok, with_value
 from test_megatron_lm_tree_launch import PYTHON, TREE, skip_reason
 from test_moe_ep_launch import EP_ARGS
 
@@ -167,16 +168,23 @@ def test_resume_on_three_ranks_after_losing_one(plan_a, tmp_path):
     check_resumed(out, reference)
 
 
-def test_resume_with_the_types_speeds_swapped(plan_a, tmp_path):
+def test_resume_with_the_types_speeds_swapped_at_tp_2(plan_a, tmp_path):
+    """The same 4 devices with the two types' speeds swapped, relaunched at TP 2 (plan A ran
+    TP 1: Megatron reshards the weights and the optimizer state across the TP change): the
+    type now fast holds more layers, and iterations 5-8 match the uninterrupted run."""
     work, ckpt, plan, reference = plan_a
     emu = emulation(tmp_path / "swapped.yaml", {"emu-fast": 0.25, "emu-slow": 1.0},
                     ["emu-slow", "emu-slow", "emu-fast", "emu-fast"])
-    proc, out, new = launch(work, 4, emu, ["--load", str(ckpt), "--ckpt-step", "4"], "swap")
+    proc, out, new = launch(work, 4, emu, ["--load", str(ckpt), "--ckpt-step", "4"], "swap",
+                            base=with_value(ARGS, "--poseidon-tp", "2"))
     assert proc.returncode == 0, ok(proc, out)
-    assert shape(new) != shape(plan), (shape(new), shape(plan))
+    assert (plan["tp"], new["tp"]) == (1, 2), (shape(plan), shape(new))
+    layers = {t: sum(s["layers"] for s in new["stages"] if s["device_type"] == t)
+              for t in ("emu-fast", "emu-slow")}
+    assert layers["emu-slow"] > layers["emu-fast"], new["stages"]   # emu-slow is now the fast one
     (line,) = [ln for ln in out.splitlines() if "resume from iteration 4: " in ln]
     print(line)
-    assert "the same devices; plan " in line, line
+    assert "the same devices; plan " in line and "tp=1" in line and "tp=2" in line, line
     check_resumed(out, reference)
 
 
