@@ -335,43 +335,63 @@ def _inputs(config: Any, vargs: Any):
     return x, kwargs, grad
 
 
-def _measure_layer(vargs: Any, index: int) -> dict[str, Any]:
-    import torch
-    from megatron.core.transformer.spec_utils import build_module
-
-    from poseidon_plugin.megatron.profile import profiler
-
+def _install_stand_ins(vargs: Any) -> None:
+    """What every cell runs as the GPU build would (see the module docstring)."""
     _norms_take_sequence_parallel()
     _gpu_dropout()
     _uneven_collectives()
     if getattr(vargs, "multi_latent_attention", False):
         _core_attention_takes_mla_head_dims()
+
+
+def _config_and_spec(vargs: Any, index: int) -> tuple[Any, Any, bool]:
+    """(config, layer spec, MoE?) as the training script builds them; MoE routing balanced."""
+    from poseidon_plugin.megatron.profile import profiler
+
     config, spec = profiler.layer_config_and_spec(vargs, index)
     moe = profiler.is_moe_spec(spec)
     if moe:
         profiler.balanced_routing(config)
+    return config, spec, moe
+
+
+def _count_forward(layer: Any, attention: Any, config: Any, vargs: Any, forward: Any,
+                   also_exclude: tuple = ()) -> dict[str, Any]:
+    """``layer`` with its norms and core attention as the GPU runs them, one micro-batch
+    ``forward(x, kwargs)`` under the saved-tensor hooks: the bytes kept (parameters, and the
+    storages of ``also_exclude``, not counted), its parameters and modules."""
+    import torch
+
+    stand_ins = {"fused_norms": _fuse_norms(layer), "flash_core": _install_flash(attention)}
+    x, kwargs, grad = _inputs(config, vargs)
+    params = list(layer.parameters())
+    counter = _Counter({p.untyped_storage().data_ptr() for p in [*params, *also_exclude]},
+                       int(vargs.seq_length))
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+        out = forward(x, kwargs)
+    del out, grad
+    return {"kept_bytes": counter.kept, "scores_bytes": counter.scores,
+            "rope_bytes": counter.rope,
+            "param_bytes": sum(p.numel() * p.element_size() for p in params),
+            "modules": sorted({type(m).__name__ for m in layer.modules()}), **stand_ins}
+
+
+def _measure_layer(vargs: Any, index: int) -> dict[str, Any]:
+    from megatron.core.transformer.spec_utils import build_module
+
+    _install_stand_ins(vargs)
+    config, spec, moe = _config_and_spec(vargs, index)
     layer = build_module(spec, config=config, layer_number=index + 1)
     layer = layer.to(dtype=config.params_dtype)
     layer.train()
-    stand_ins = {"fused_norms": _fuse_norms(layer),
-                 "flash_core": _install_flash(getattr(layer, "self_attention", None))}
-    x, kwargs, grad = _inputs(config, vargs)
-    params = list(layer.parameters())
-    counter = _Counter({p.untyped_storage().data_ptr() for p in params}, int(vargs.seq_length))
-    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-        out = layer(hidden_states=x, **kwargs)
-    del out, grad
+    report = _count_forward(layer, getattr(layer, "self_attention", None), config, vargs,
+                            lambda x, kwargs: layer(hidden_states=x, **kwargs))
     expert_bytes = 0
     experts = getattr(getattr(layer, "mlp", None), "experts", None)
     if experts is not None:
         expert_bytes = sum(p.numel() * p.element_size() for p in experts.parameters())
-    return {"kept_bytes": counter.kept, "scores_bytes": counter.scores,
-            "rope_bytes": counter.rope, "moe": moe,
-            "param_bytes": sum(p.numel() * p.element_size() for p in params),
-            "expert_param_bytes": expert_bytes,
-            "modules": sorted({type(m).__name__ for m in layer.modules()}),
-            "dispatcher": getattr(config, "moe_token_dispatcher_type", None) if moe else None,
-            **stand_ins}
+    return {**report, "moe": moe, "expert_param_bytes": expert_bytes,
+            "dispatcher": getattr(config, "moe_token_dispatcher_type", None) if moe else None}
 
 
 def _measure_mtp(vargs: Any) -> dict[str, Any]:
@@ -382,12 +402,8 @@ def _measure_mtp(vargs: Any) -> dict[str, Any]:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
     from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
 
-    from poseidon_plugin.megatron.profile import profiler
-
-    _norms_take_sequence_parallel()
-    _gpu_dropout()
-    _uneven_collectives()
-    config, spec = profiler.layer_config_and_spec(vargs, 0)
+    _install_stand_ins(vargs)
+    config, spec, moe = _config_and_spec(vargs, 0)
     block = MultiTokenPredictionBlock(
         config=config, spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False))
     layer = block.layers[0].to(dtype=config.params_dtype)
@@ -399,23 +415,14 @@ def _measure_mtp(vargs: Any) -> dict[str, Any]:
         config=config, vocab_size=vocab, max_sequence_length=seq,
         position_embedding_type=vargs.position_embedding_type).to(dtype=config.params_dtype)
     embedding.train()
-    stand_ins = {"fused_norms": _fuse_norms(layer),
-                 "flash_core": _install_flash(getattr(layer.mtp_model_layer, "self_attention",
-                                                      None))}
-    x, kwargs, grad = _inputs(config, vargs)
     ids = torch.randint(0, vocab, (mbs, seq))
     positions = torch.arange(seq).unsqueeze(0).expand(mbs, seq)
-    params = list(layer.parameters())
-    counter = _Counter({p.untyped_storage().data_ptr()
-                        for p in params + list(embedding.parameters())}, seq)
-    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-        out = layer(input_ids=ids, position_ids=positions, hidden_states=x, embedding=embedding,
-                    **kwargs)
-    del out, grad
-    return {"kept_bytes": counter.kept, "scores_bytes": counter.scores,
-            "rope_bytes": counter.rope, "moe": profiler.is_moe_spec(spec),
-            "param_bytes": sum(p.numel() * p.element_size() for p in params),
-            "modules": sorted({type(m).__name__ for m in layer.modules()}), **stand_ins}
+    report = _count_forward(
+        layer, getattr(layer.mtp_model_layer, "self_attention", None), config, vargs,
+        lambda x, kwargs: layer(input_ids=ids, position_ids=positions, hidden_states=x,
+                                embedding=embedding, **kwargs),
+        also_exclude=tuple(embedding.parameters()))
+    return {**report, "moe": moe}
 
 
 def main(argv: list[str]) -> int:
