@@ -84,6 +84,7 @@ from .errors import PoseidonError
 from .placement import Pool, StagePlacement, place_stages, ring_gbps, send_link_gbps, type_pools
 from .profiles import (LayerProfile, ProfileKey, lookup_overhead, lookup_profile,
                        measured_decoders, tp_link_gbps)
+from .tp_traffic import allgather_dispatch_values
 from .training import TrainingSetup
 
 BYTES_PER_ACTIVATION = 2   # bf16
@@ -564,13 +565,16 @@ class CostModel:
             return 0.0
         if getattr(self.model, "moe_token_dispatcher_type", "alltoall") != "allgather":
             return self.expert_alltoall_ms(type_index, tp, ep, micro_batch_size, model)
-        per_token = float(micro_batch_size * self.seq_length) * (model.hidden_size
-                                                                 + model.num_experts / 2.0)
         w = self.training.weight_bytes
-        group = allreduce_ms(w * ep * per_token, tp * ep, self.ep_link_gbps(type_index, tp, ep),
+
+        def values(group_ep: int) -> float:
+            return allgather_dispatch_values(model.hidden_size, model.num_experts,
+                                             micro_batch_size, self.seq_length, group_ep)
+
+        group = allreduce_ms(w * values(ep), tp * ep, self.ep_link_gbps(type_index, tp, ep),
                              self.latency_ms)
         name = self.type_names[type_index]
-        record = allreduce_ms(w * per_token, tp, tp_link_gbps(self.cluster, name, tp),
+        record = allreduce_ms(w * values(1), tp, tp_link_gbps(self.cluster, name, tp),
                               self.latency_ms)
         return max(0.0, group - record) / 2.0
 

@@ -43,13 +43,13 @@ from __future__ import annotations
 from .comm import allreduce_ms
 
 
-def allgather_dispatch_values(kind, micro_batch_size: int, seq_length: int, ep: int) -> float:
+def allgather_dispatch_values(hidden_size: int, num_experts: int, micro_batch_size: int,
+                              seq_length: int, ep: int) -> float:
     """The values the ``allgather`` token dispatcher's exchange over the TP x EP group moves for
-    one MoE layer of ``kind`` in one direction: every token of the group's ``ep`` sequences,
-    its hidden state both ways and its ``num_experts`` routing probabilities one way (see the
-    module docstring)."""
-    return (float(ep * micro_batch_size * seq_length)
-            * (kind.hidden_size + kind.mlp.num_experts / 2.0))
+    one MoE layer in one direction: every token of the group's ``ep`` sequences, its hidden
+    state both ways and its ``num_experts`` routing probabilities one way (see the module
+    docstring)."""
+    return float(ep * micro_batch_size * seq_length) * (hidden_size + num_experts / 2.0)
 
 
 def kind_tp_exchanges(kind, micro_batch_size: int, seq_length: int,
@@ -62,7 +62,8 @@ def kind_tp_exchanges(kind, micro_batch_size: int, seq_length: int,
     mlp = kind.mlp
     if not mlp.is_moe:
         return (tokens, tokens)
-    routed = (allgather_dispatch_values(kind, micro_batch_size, seq_length, 1)
+    routed = (allgather_dispatch_values(kind.hidden_size, mlp.num_experts, micro_batch_size,
+                                        seq_length, 1)
               if dispatcher == "allgather" else mlp.top_k * tokens)
     return (tokens,) + ((tokens,) if mlp.shared_ffn_hidden_size else ()) + (routed,)
 

@@ -105,7 +105,7 @@ def test_megatrons_allgather_dispatcher_moves_the_priced_tp_x_ep_volumes(tmp_pat
     shape, ranks = got["shape"], got["ranks"]
     h, b, s, e = shape["hidden"], shape["micro_batch"], shape["seq"], shape["experts"]
     kind = _kind(shape, True)
-    priced = allgather_dispatch_values(kind, b, s, ep)
+    priced = allgather_dispatch_values(h, e, b, s, ep)
     shared = kind_tp_exchanges(kind, b, s, "allgather")[1:-1]
     world = tp * ep
     for r, rank in enumerate(ranks):
