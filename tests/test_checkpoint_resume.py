@@ -162,6 +162,17 @@ cq.put(0)
 fa.FileSystemWriterAsync.write_preloaded_data(tl, 0, (fn, "key", ([(item, io.BytesIO(b"abcdef"))], [])), q, cq, False)
 idx, res = q.get(timeout=30)
 print("RESULT", type(res).__name__, os.path.getsize(fn), res if isinstance(res, Exception) else "")
+if "core_v0.12.1" in sys.argv[1]:
+    # MindSpeed-LLM's caller spawns the writer: a fresh interpreter imports the writer module
+    torch.distributed.get_rank = lambda: 0   # what the save function's arguments name
+    w.write_buckets = [(os.path.join(d, "s.distcp"), "key", ([(item, io.BytesIO(b"abcdef"))], []))]
+    w.results_queue = mp.get_context("spawn").Queue()
+    fn_, _, args = w.get_save_function_and_args()
+    args[0] = 0
+    p = mp.get_context("spawn").Process(target=fn_, args=args)
+    p.start(); p.join(120)
+    res = w.results_queue.get(timeout=30)
+    print("SPAWNED", type(res).__name__, os.path.getsize(os.path.join(d, "s.distcp")))
 """
 
 
@@ -170,7 +181,8 @@ def test_megatron_core_0_12_1s_writer_gets_torchs_serialization_format(tmp_path)
     """megatron-core 0.12.1's FileSystemWriterAsync.write_preloaded_data calls torch's private
     _write_item without serialization_format, which this torch requires: every rank of a
     MindSpeed-LLM save failed with a TypeError. With the launch's hook the writer's own
-    function writes the bucket; megatron-core 0.19.2 (installed) is left alone."""
+    function writes the bucket, in a forked writer process and in a spawned one (MindSpeed-LLM
+    spawns it: a fresh interpreter); megatron-core 0.19.2 (installed) is left alone."""
     tree = os.environ.get("POSEIDON_FRAMEWORKS") or os.path.join(ROOT, "..", "shared",
                                                                  "frameworks")
     old = os.path.join(tree, "megatron-lm-core_v0.12.1")
@@ -191,6 +203,9 @@ def test_megatron_core_0_12_1s_writer_gets_torchs_serialization_format(tmp_path)
     fixed = probe(old, hook=True)
     assert fixed["PATCHED"] == "True" and fixed["RESULT"].startswith("list 6"), fixed
     assert "calls torch's _write_item without the serialization_format" in fixed["NOTE"]
+    # a spawned writer process (MindSpeed-LLM's caller) binds it too
+    assert bare["SPAWNED"].startswith("TypeError 0"), bare
+    assert fixed["SPAWNED"] == "dict 6", fixed
     current = probe(str(tmp_path), hook=True)   # the installed megatron-core 0.19.2
     assert current["PATCHED"] == "False" and current["RESULT"].startswith("list 6"), current
     assert "_write_item" not in current["NOTE"]
@@ -276,3 +291,26 @@ def test_rng_not_resharded_is_said():
     notes = resume.resume_notes(_info(), PLAN_PP3, [])
     assert len(notes) == 1 and "RNG state not resumed" in notes[0]
     assert resume.resume_notes(_info(), PLAN_PP2, []) == []
+
+
+def test_a_tp_or_pp_change_adds_no_load_rng(tmp_path, monkeypatch):
+    """megatron-core 0.12.1 says "RNG state will be ignored" at a load across a TP / PP
+    change, then reads the saved RNG state anyway and ends with sys.exit() (status 0, no
+    training): every rank adds --no-load-rng there, and only there."""
+    seen = []
+    monkeypatch.setattr(ck, "read_checkpoint",
+                        lambda load_dir, step: seen.append((load_dir, step)) or _info())
+    load = ["--load", str(tmp_path)]
+    assert resume.rng_flag(load, PLAN_PP3) == "--no-load-rng"
+    assert seen == [(str(tmp_path), None)]
+    assert resume.rng_flag([*load, "--ckpt-step", "4"], PLAN_PP3) == "--no-load-rng"
+    assert seen[-1] == (str(tmp_path), 4)
+    assert resume.rng_flag(load, PLAN_PP2) is None                      # the same TP and PP
+    assert resume.rng_flag(load, SimpleNamespace(tp=2, pp=2)) == "--no-load-rng"
+    for given in ("--no-load-rng", "--finetune"):
+        assert resume.rng_flag([*load, given], PLAN_PP3) is None
+    assert resume.rng_flag(["--load", str(tmp_path / "absent")], PLAN_PP3) is None
+    assert resume.rng_flag([], PLAN_PP3) is None
+    monkeypatch.setattr(ck, "read_checkpoint", lambda load_dir, step: ck.CheckpointInfo(
+        load_dir, -1))
+    assert resume.rng_flag(load, PLAN_PP3) is None                      # nothing saved there

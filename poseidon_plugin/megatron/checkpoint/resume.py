@@ -80,18 +80,16 @@ def install_write_item_format() -> str | None:
     MindSpeed-LLM launch on it failed its first save with a ``TypeError``. Where the importable
     megatron-core's writer makes that call without it and the installed torch requires it,
     the writer's own ``_write_item`` name is bound, when that module is imported (MindSpeed's
-    adaptor imports megatron first), to one that passes torch's default (``TORCH_SAVE``); its
-    forked writer processes inherit it. The line to log, else None."""
-    import inspect
+    adaptor imports megatron first), to :func:`_write_item_torch_default`, which passes torch's
+    default (``TORCH_SAVE``).
 
-    try:
-        from torch.distributed.checkpoint import filesystem as tfs
-    except ImportError:
-        return None
-    real = getattr(tfs, "_write_item", None)
-    fmt = getattr(tfs, "SerializationFormat", None)
-    if real is None or fmt is None or \
-            "serialization_format" not in inspect.signature(real).parameters:
+    The writer runs in a process of its own. megatron-core forks it, and the fork inherits
+    the binding; MindSpeed-LLM *spawns* it (its ``temporal_async_caller_schedule_async_call``),
+    and a spawned interpreter imports the writer afresh. So the save function the writer hands
+    to its caller (``get_save_function_and_args``) is wrapped in
+    :class:`_BoundInWriterProcess`, which pickles with it and binds the name again in whatever
+    process runs it. The line to log, else None."""
+    if _torch_write_item() is None:
         return None
     folder = _megatron_dist_checkpointing()
     path = os.path.join(folder, "strategies", "filesystem_async.py") if folder else ""
@@ -102,17 +100,78 @@ def install_write_item_format() -> str | None:
         return None
     if "_write_item(" not in text or "serialization_format" in text:
         return None
-
-    def write_item(*args: Any, **kwargs: Any) -> Any:
-        if len(args) == 5 and "serialization_format" not in kwargs:
-            kwargs["serialization_format"] = fmt.TORCH_SAVE
-        return real(*args, **kwargs)
-
-    write_item.poseidon_wraps = real  # type: ignore[attr-defined]
-    _after_import(FILESYSTEM_ASYNC, lambda module: setattr(module, "_write_item", write_item))
+    _after_import(FILESYSTEM_ASYNC, _bind_write_item)
     return (f"megatron-core's checkpoint writer ({path}) calls torch's _write_item without the "
             f"serialization_format torch {getattr(__import__('torch'), '__version__', '?')} "
             "requires: it passes torch's default")
+
+
+def _torch_write_item() -> Any:
+    """torch's ``_write_item`` where it requires ``serialization_format``, else None."""
+    import inspect
+
+    try:
+        from torch.distributed.checkpoint import filesystem as tfs
+    except ImportError:
+        return None
+    real = getattr(tfs, "_write_item", None)
+    if real is None or getattr(tfs, "SerializationFormat", None) is None or \
+            "serialization_format" not in inspect.signature(real).parameters:
+        return None
+    return real
+
+
+def _write_item_torch_default(*args: Any, **kwargs: Any) -> Any:
+    """torch's ``_write_item``, given its default ``serialization_format`` where the five
+    arguments of megatron-core 0.12.1's call come without it."""
+    from torch.distributed.checkpoint import filesystem as tfs
+
+    if len(args) == 5 and "serialization_format" not in kwargs:
+        kwargs["serialization_format"] = tfs.SerializationFormat.TORCH_SAVE
+    return tfs._write_item(*args, **kwargs)
+
+
+_write_item_torch_default.poseidon_wraps = True  # type: ignore[attr-defined]
+
+
+def _bind_write_item(module: Any) -> None:
+    """Bind the writer module's ``_write_item`` (and wrap the save function its writer hands
+    out, once) in this process."""
+    module._write_item = _write_item_torch_default
+    writer = getattr(module, "FileSystemWriterAsync", None)
+    get = getattr(writer, SAVE_FUNCTION, None)
+    if get is None or getattr(get, "poseidon_wraps", False):
+        return
+
+    def get_save_function_and_args(self: Any, *args: Any, **kwargs: Any) -> Any:
+        got = get(self, *args, **kwargs)
+        if isinstance(got, tuple) and got and callable(got[0]):
+            got = (_BoundInWriterProcess(got[0]), *got[1:])
+        return got
+
+    get_save_function_and_args.poseidon_wraps = True  # type: ignore[attr-defined]
+    setattr(writer, SAVE_FUNCTION, get_save_function_and_args)
+
+
+# the method of megatron-core 0.12.1's FileSystemWriterAsync that hands out (save function,
+# preload function, arguments) to the async caller
+SAVE_FUNCTION = "get_save_function_and_args"
+
+
+class _BoundInWriterProcess:
+    """The writer's save function, which binds :func:`_write_item_torch_default` in the
+    process that calls it (pickled to a spawned writer process with the function; unpickling
+    the function imports the writer module there)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = sys.modules.get(FILESYSTEM_ASYNC)
+        if module is not None and getattr(module, "_write_item", None) \
+                is not _write_item_torch_default:
+            module._write_item = _write_item_torch_default
+        return self.fn(*args, **kwargs)
 
 
 def _after_import(name: str, patch: Any) -> None:
@@ -284,8 +343,31 @@ def resume_notes(info: ck.CheckpointInfo, plan: "Plan", argv: Sequence[str]) -> 
         notes.append(f"RNG state not resumed: Megatron reshards it only at the same TP and PP "
                      f"(saved tp={saved[0]} pp={saved[1]}, now tp={plan.tp} pp={plan.pp}); "
                      "every rank re-seeds from --seed, so dropout masks differ from an "
-                     "uninterrupted run")
+                     "uninterrupted run (the launch adds --no-load-rng)")
     return notes
+
+
+def rng_flag(argv: Sequence[str], plan: "Plan") -> str | None:
+    """``--no-load-rng`` where the ``--load`` checkpoint was saved at another TP or PP than
+    ``plan``'s (and neither ``--no-load-rng`` nor ``--finetune`` is given), else None; every
+    rank adds it. Megatron says "RNG state will be ignored" at such a load, but megatron-core
+    0.12.1 (MindSpeed-LLM's base) then still reads the saved RNG state, finds none and ends
+    the process with ``sys.exit()``, exit status 0, before any training: a relaunch that
+    changed TP or PP would stop without training and without an error."""
+    load_dir = flag_value(argv, "--load")
+    if not load_dir or not os.path.isdir(load_dir) or any(
+            _has(argv, f) for f in ("--no-load-rng", "--finetune", "--ckpt-convert-format")):
+        return None
+    step_text = flag_value(argv, "--ckpt-step")
+    try:
+        info = ck.read_checkpoint(load_dir, int(step_text) if step_text is not None else None)
+    except (PoseidonError, ValueError, OSError):
+        return None   # rank 0's check has said why
+    if info.iteration < 0:
+        return None
+    saved = (int(info.saved("tensor_model_parallel_size", 1)),
+             int(info.saved("pipeline_model_parallel_size", 1)))
+    return "--no-load-rng" if saved != (plan.tp, plan.pp) else None
 
 
 def rank0_check_resume(argv: Sequence[str], plan: "Plan",

@@ -1068,6 +1068,9 @@ def _all_ranks_apply(ctx: LaunchContext) -> AutoResult:
     os.environ["RANK"] = str(new_rank)
     os.environ["WORLD_SIZE"] = str(renum.world_size)
     patch_dataset_helpers()
+    rng = checkpoint_hooks.rng_flag(ctx.new_argv, plan)   # a TP / PP change: see rng_flag
+    if rng:
+        ctx.new_argv = [*ctx.new_argv, rng]
     if ctx.backend == "mindspeed-llm":
         sys.argv = [ctx.script, *ctx.new_argv]  # MindSpeed-LLM reads sys.argv
         argvmod.apply_mindspeed_llm(ctx.new_argv)
