@@ -87,6 +87,8 @@ def test_dry_run_prints_the_plan_and_exits_0(release):
 
 def test_training_reaches_lm_loss(release):
     name, tmp = release
+    if name == "26.1.0":
+        pytest.skip("v26.1.0 trains 8 iterations under plan A of tests/test_mindspeed_llm_resume.py")
     args = [*ARGS, "--train-iters", str(TRAIN_ITERS), "--poseidon-auto",
             "--poseidon-emulate", EMULATE4, "--poseidon-backend", "mindspeed-llm",
             "--poseidon-tp", "1"]
