@@ -311,6 +311,11 @@ def test_a_tp_or_pp_change_adds_no_load_rng(tmp_path, monkeypatch):
         assert resume.rng_flag([*load, given], PLAN_PP3) is None
     assert resume.rng_flag(["--load", str(tmp_path / "absent")], PLAN_PP3) is None
     assert resume.rng_flag([], PLAN_PP3) is None
+    # a --ckpt-step that is no integer: rank 0's check names it, and no rank adds the flag
+    bad = [*load, "--ckpt-step", "four"]
+    assert resume.rng_flag(bad, PLAN_PP3) is None
+    with pytest.raises(PoseidonError, match=r"--ckpt-step: expected an integer, got 'four'"):
+        resume.rank0_check_resume(bad, PLAN_PP3, [])
     monkeypatch.setattr(ck, "read_checkpoint", lambda load_dir, step: ck.CheckpointInfo(
         load_dir, -1))
     assert resume.rng_flag(load, PLAN_PP3) is None                      # nothing saved there

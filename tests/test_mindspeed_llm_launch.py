@@ -26,8 +26,9 @@ ARGS = ("--num-layers 8 --hidden-size 128 --num-attention-heads 4 --seq-length 1
 TRAIN_ITERS = 3
 
 
-def launch(release: str, args: list[str], env: dict[str, str], timeout: float = 420):
-    cmd = [fw.msllm_python(), "-m", "torch.distributed.run", "--nproc-per-node", "4",
+def launch(release: str, args: list[str], env: dict[str, str], timeout: float = 420,
+           nproc: int = 4):
+    cmd = [fw.msllm_python(), "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            "-m", "poseidon_plugin.launch", fw.script(release), *args]
     t0 = time.monotonic()

@@ -16,14 +16,13 @@ training run (``test_mindspeed_llm_launch.py::test_training_reaches_lm_loss`` ru
 from __future__ import annotations
 
 import json
-import re
-import time
 
 import pytest
 
 import frameworks as fw
-from test_launch_e2e import EMULATE4, free_port, ok, run_tree
-from test_mindspeed_llm_launch import ARGS as MSLLM_ARGS
+from test_launch_e2e import EMULATE4, ok
+from test_mindspeed_llm_launch import ARGS as MSLLM_ARGS, launch as msllm_launch
+from test_resume_replan import THREE, emulation, losses, shape
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -31,32 +30,19 @@ RELEASE = "26.1.0"
 ARGS = [*MSLLM_ARGS, "--hidden-dropout", "0", "--attention-dropout", "0",
         "--ckpt-format", "torch_dist", "--train-iters", "8", "--poseidon-auto",
         "--poseidon-backend", "mindspeed-llm", "--poseidon-tp", "1"]
-LOSS = re.compile(r"iteration +(\d+)/ +\d+ \|.*?lm loss: ([0-9.E+-]+)")
 
 
 def launch(work, nproc: int, emulate: str, extra: list[str]):
+    """``nproc`` ranks of v26.1.0's pretrain_gpt.py: (process, log, plan); one profile cache."""
     plan_file = work / f"plan-{nproc}.json"
-    cmd = [fw.msllm_python(), "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "-m", "poseidon_plugin.launch", fw.script(RELEASE), *ARGS, *extra,
-           "--poseidon-emulate", emulate, "--poseidon-save-plan", str(plan_file)]
     env = {"POSEIDON_PROFILE_DIR": str(work / "profiles"),
            "POSEIDON_HELPERS_CACHE": str(work / "megatron-helpers")}
-    t0 = time.monotonic()
-    proc = run_tree(cmd, 420, env=fw.mindspeed_llm_env(RELEASE, env), cwd=fw.ROOT)
-    print(f"{nproc} ranks: {time.monotonic() - t0:.1f} s")
+    proc, out, took = msllm_launch(RELEASE, [*ARGS, *extra, "--poseidon-emulate", emulate,
+                                             "--poseidon-save-plan", str(plan_file)],
+                                   env, nproc=nproc)
+    print(f"{nproc} ranks: {took:.1f} s")
     plan = json.loads(plan_file.read_text()) if plan_file.exists() else None
-    return proc, proc.stdout + proc.stderr, plan
-
-
-def losses(out: str) -> dict[int, float]:
-    return {int(i): float(v) for i, v in LOSS.findall(out)}
-
-
-def shape(plan: dict) -> tuple:
-    return (plan["schedule"], plan["pp"], plan["tp"], plan["dp"],
-            tuple(s["layers"] for s in plan["stages"]),
-            tuple(s["device_type"] for s in plan["stages"]))
+    return proc, out, plan
 
 
 def test_saved_under_plan_a_resumes_on_three_ranks(tmp_path):
@@ -74,11 +60,8 @@ def test_saved_under_plan_a_resumes_on_three_ranks(tmp_path):
     record = json.loads((ckpt / "iter_0000004" / "poseidon-plan.json").read_text())
     assert record["iteration"] == 4 and shape(record["plan"]) == shape(plan)
 
-    three = tmp_path / "three.yaml"
-    three.write_text("device_types:\n  emu-fast: {speed: 1.0, memory_gib: 16}\n"
-                     "  emu-slow: {speed: 0.25, memory_gib: 16}\n"
-                     "ranks: [emu-slow, emu-fast, emu-fast]\n")
-    proc, out, new = launch(tmp_path, 3, str(three), ["--load", str(ckpt), "--ckpt-step", "4"])
+    three = emulation(tmp_path / "three.yaml", *THREE)   # one emu-slow removed
+    proc, out, new = launch(tmp_path, 3, three, ["--load", str(ckpt), "--ckpt-step", "4"])
     assert proc.returncode == 0, ok(proc, out)
     assert shape(new) != shape(plan), (shape(new), shape(plan))
     (line,) = [ln for ln in out.splitlines() if "resume from iteration 4: " in ln]

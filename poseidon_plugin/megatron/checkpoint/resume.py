@@ -89,7 +89,7 @@ def install_write_item_format() -> str | None:
     to its caller (``get_save_function_and_args``) is wrapped in
     :class:`_BoundInWriterProcess`, which pickles with it and binds the name again in whatever
     process runs it. The line to log, else None."""
-    if _torch_write_item() is None:
+    if not _torch_requires_serialization_format():
         return None
     folder = _megatron_dist_checkpointing()
     path = os.path.join(folder, "strategies", "filesystem_async.py") if folder else ""
@@ -106,19 +106,17 @@ def install_write_item_format() -> str | None:
             "requires: it passes torch's default")
 
 
-def _torch_write_item() -> Any:
-    """torch's ``_write_item`` where it requires ``serialization_format``, else None."""
+def _torch_requires_serialization_format() -> bool:
+    """Whether the installed torch's ``_write_item`` requires ``serialization_format``."""
     import inspect
 
     try:
         from torch.distributed.checkpoint import filesystem as tfs
     except ImportError:
-        return None
+        return False
     real = getattr(tfs, "_write_item", None)
-    if real is None or getattr(tfs, "SerializationFormat", None) is None or \
-            "serialization_format" not in inspect.signature(real).parameters:
-        return None
-    return real
+    return real is not None and getattr(tfs, "SerializationFormat", None) is not None and \
+        "serialization_format" in inspect.signature(real).parameters
 
 
 def _write_item_torch_default(*args: Any, **kwargs: Any) -> Any:
@@ -168,9 +166,8 @@ class _BoundInWriterProcess:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = sys.modules.get(FILESYSTEM_ASYNC)
-        if module is not None and getattr(module, "_write_item", None) \
-                is not _write_item_torch_default:
-            module._write_item = _write_item_torch_default
+        if module is not None:
+            _bind_write_item(module)
         return self.fn(*args, **kwargs)
 
 
@@ -337,8 +334,7 @@ def _expert_optimizer_refusal(info: ck.CheckpointInfo, plan: "Plan", where: str)
 def resume_notes(info: ck.CheckpointInfo, plan: "Plan", argv: Sequence[str]) -> list[str]:
     """What Megatron will not carry over (said before training, not found in the losses)."""
     notes = []
-    saved = (int(info.saved("tensor_model_parallel_size", 1)),
-             int(info.saved("pipeline_model_parallel_size", 1)))
+    saved = _saved_tp_pp(info)
     if saved != (plan.tp, plan.pp) and not _has(argv, "--no-load-rng"):
         notes.append(f"RNG state not resumed: Megatron reshards it only at the same TP and PP "
                      f"(saved tp={saved[0]} pp={saved[1]}, now tp={plan.tp} pp={plan.pp}); "
@@ -358,16 +354,27 @@ def rng_flag(argv: Sequence[str], plan: "Plan") -> str | None:
     if not load_dir or not os.path.isdir(load_dir) or any(
             _has(argv, f) for f in ("--no-load-rng", "--finetune", "--ckpt-convert-format")):
         return None
-    step_text = flag_value(argv, "--ckpt-step")
     try:
-        info = ck.read_checkpoint(load_dir, int(step_text) if step_text is not None else None)
-    except (PoseidonError, ValueError, OSError):
+        info = ck.read_checkpoint(load_dir, _ckpt_step(argv))
+    except (PoseidonError, OSError):
         return None   # rank 0's check has said why
     if info.iteration < 0:
         return None
-    saved = (int(info.saved("tensor_model_parallel_size", 1)),
-             int(info.saved("pipeline_model_parallel_size", 1)))
-    return "--no-load-rng" if saved != (plan.tp, plan.pp) else None
+    return "--no-load-rng" if _saved_tp_pp(info) != (plan.tp, plan.pp) else None
+
+
+def _saved_tp_pp(info: ck.CheckpointInfo) -> tuple[int, int]:
+    return (int(info.saved("tensor_model_parallel_size", 1)),
+            int(info.saved("pipeline_model_parallel_size", 1)))
+
+
+def _ckpt_step(argv: Sequence[str]) -> int | None:
+    """``--ckpt-step`` as an integer (None when not given); a PoseidonError when it is not."""
+    step_text = flag_value(argv, "--ckpt-step")
+    try:
+        return int(step_text) if step_text is not None else None
+    except ValueError:
+        raise PoseidonError(f"--ckpt-step: expected an integer, got {step_text!r}") from None
 
 
 def rank0_check_resume(argv: Sequence[str], plan: "Plan",
@@ -376,11 +383,7 @@ def rank0_check_resume(argv: Sequence[str], plan: "Plan",
     load_dir = flag_value(argv, "--load")
     if not load_dir or _has(argv, "--ckpt-convert-format"):
         return
-    step_text = flag_value(argv, "--ckpt-step")
-    try:
-        step = int(step_text) if step_text is not None else None
-    except ValueError:
-        raise PoseidonError(f"--ckpt-step: expected an integer, got {step_text!r}") from None
+    step = _ckpt_step(argv)
     if not os.path.isdir(load_dir):
         log.info("resume: --load %s does not exist: training starts at iteration 0", load_dir)
         return
