@@ -151,3 +151,52 @@ def test_the_dispatchers_split_sizes_reach_gloo_as_from_a_device(monkeypatch):
     assert isinstance(out, np.ndarray) and out.tolist() == [58, 60]
     assert dispatcher.maybe_move_tensor_to_cpu(splits) is splits   # no numpy asked: as before
     assert dispatcher.maybe_move_tensor_to_cpu(None, as_numpy=True) is None
+
+
+_SUBCLASS_SCRIPT = textwrap.dedent("""
+    import json, torch
+    from megatron.core.transformer import transformer_layer
+    from poseidon_plugin.megatron.emulate import emulation
+    pads = []
+    emulation._pad = lambda s: pads.append(s)
+    emulation.install_slowdown(2.0)
+
+    # as MindSpeed-LLM v26.1.0 does after the emulation is installed: its own subclass in
+    # megatron-core's place, with a forward that never calls megatron-core's
+    class FrameworkLayer(transformer_layer.TransformerLayer):
+        def forward(self, hidden_states=None, **kwargs):
+            return hidden_states * 2, None
+
+    class Inner(FrameworkLayer):     # a forward that calls its parent's: padded once, not twice
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    transformer_layer.TransformerLayer = FrameworkLayer
+    x = torch.ones(2, requires_grad=True)
+    layer, inner = FrameworkLayer.__new__(FrameworkLayer), Inner.__new__(Inner)   # no __init__
+    FrameworkLayer.forward(layer, hidden_states=x)
+    before = len(pads)                  # not wrapped yet
+    wrapped = emulation.pad_transformer_layers()
+    out, _ = FrameworkLayer.forward(layer, hidden_states=x)
+    after_one = len(pads)
+    out.sum().backward()                # its backward: padded between the two gradient hooks
+    after_backward = len(pads)
+    Inner.forward(inner, hidden_states=x)
+    print(json.dumps({"before": before, "wrapped": wrapped, "one": after_one,
+                      "backward": after_backward, "inner": len(pads),
+                      "again": emulation.pad_transformer_layers()}))
+""")
+
+
+@pytest.mark.integration
+def test_a_frameworks_own_layer_class_is_padded_once():
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _SUBCLASS_SCRIPT], capture_output=True,
+                          text=True, timeout=240, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["before"] == 0               # megatron-core's wrapped forward is not called
+    assert got["wrapped"] == 2              # FrameworkLayer, Inner
+    assert got["one"] == 1 and got["backward"] == 2
+    assert got["inner"] == 3                # Inner -> FrameworkLayer: one pad
+    assert got["again"] == 0

@@ -16,13 +16,16 @@ training run (``test_mindspeed_llm_launch.py::test_training_reaches_lm_loss`` ru
 from __future__ import annotations
 
 import json
+import re
+import shutil
 
 import pytest
 
 import frameworks as fw
-from test_launch_e2e import EMULATE4, ok
+from test_launch_e2e import EMULATE4, free_port, ok
 from test_mindspeed_llm_launch import ARGS as MSLLM_ARGS, launch as msllm_launch
 from test_resume_replan import THREE, emulation, losses, shape
+from test_straggler_launch import LINE, STATUS, check_restart, run_slowed
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -45,12 +48,15 @@ def launch(work, nproc: int, emulate: str, extra: list[str]):
     return proc, out, plan
 
 
-def test_saved_under_plan_a_resumes_on_three_ranks(tmp_path):
+@pytest.fixture(scope="module")
+def plan_a(tmp_path_factory):
+    """Plan A: 4 ranks, 8 iterations, saved at 4 (and at 8): (work folder, plan, losses)."""
     reason = fw.mindspeed_llm_skip_reason(RELEASE)
     if reason:
         pytest.skip(reason)
-    ckpt = tmp_path / "ckpt"
-    proc, out, plan = launch(tmp_path, 4, EMULATE4, ["--save", str(ckpt), "--save-interval", "4"])
+    work = tmp_path_factory.mktemp("msllm-resume")
+    ckpt = work / "ckpt"
+    proc, out, plan = launch(work, 4, EMULATE4, ["--save", str(ckpt), "--save-interval", "4"])
     assert proc.returncode == 0, ok(proc, out)
     reference = losses(out)
     assert sorted(reference) == list(range(1, 9)), out[-4000:]
@@ -59,6 +65,14 @@ def test_saved_under_plan_a_resumes_on_three_ranks(tmp_path):
     assert "--num-layer-list" not in flags, flags   # v26.1.0 takes the layout
     record = json.loads((ckpt / "iter_0000004" / "poseidon-plan.json").read_text())
     assert record["iteration"] == 4 and shape(record["plan"]) == shape(plan)
+    # its plan and losses, and the profile cache as it was (the tests below change it)
+    shutil.copytree(work / "profiles", work / "profiles-plan-a")
+    return work, plan, reference
+
+
+def test_saved_under_plan_a_resumes_on_three_ranks(plan_a):
+    tmp_path, plan, reference = plan_a
+    ckpt = tmp_path / "ckpt"
 
     three = emulation(tmp_path / "three.yaml", *THREE)   # one emu-slow removed
     proc, out, new = launch(tmp_path, 3, three, ["--load", str(ckpt), "--ckpt-step", "4"])
@@ -75,3 +89,57 @@ def test_saved_under_plan_a_resumes_on_three_ranks(tmp_path):
     assert sorted(got) == [5, 6, 7, 8], out[-4000:]
     for it in range(5, 9):
         assert abs(got[it] - reference[it]) <= 0.01 * reference[it], (it, got, reference)
+
+
+def test_a_straggler_restarts_under_torchrun_and_resumes_under_the_measured_speed(plan_a):
+    """Issue 37 items 2 and 3 on MindSpeed-LLM: plan A's launch again (its profile cache, and
+    its plan kept), one emu-fast device slowed 6x after iteration 2; rank 0 names it, MindSpeed-LLM's
+    own loop saves at that iteration (``exit_interval``) and every rank exits with 75;
+    torchrun's restart (``--max-restarts 1``) plans with the measured speed -- another plan,
+    the types' speeds changed -- loads the checkpoint and trains to 8, its losses within 1 %
+    of plan A's uninterrupted run."""
+    work, plan, reference = plan_a
+    run = work / "straggler"
+    run.mkdir()
+    shutil.copytree(work / "profiles-plan-a", run / "profiles")
+    slow_file, ckpt = run / "slowdown", run / "ckpt"
+    plan_file = run / "plan.json"
+    cmd = [fw.msllm_python(), "-m", "torch.distributed.run", "--nproc-per-node", "4",
+           "--max-restarts", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "--no-python", "bash", "-c", STATUS, fw.msllm_python(), fw.script(RELEASE), *ARGS,
+           "--poseidon-emulate", EMULATE4, "--poseidon-save-plan", str(plan_file),
+           "--poseidon-straggler-pct", "200", "--poseidon-straggler-iters", "2",
+           "--poseidon-replan-on-straggler", "--save", str(ckpt), "--load", str(ckpt),
+           "--save-interval", "100", "--poseidon-keep-plan-within", "10"]
+    env = fw.mindspeed_llm_env(RELEASE, {
+        "POSEIDON_PROFILE_DIR": str(run / "profiles"),
+        "POSEIDON_HELPERS_CACHE": str(work / "megatron-helpers"),
+        "POSEIDON_EMULATE_SLOWDOWN_FILE": str(slow_file)})
+    rc, out = run_slowed(cmd, env, slow_file, 8, "3 6", timeout=900, cwd=fw.ROOT)
+    found = list(LINE.finditer(out))
+    assert len(found) == 1, out[-6000:]          # named once; the relaunch's plan fits it
+    it, rank, launch_rank, dtype, _, measured, planned = found[0].groups()
+    # the slowed device first (slowest first); its DP partner on the last stage may follow:
+    # MindSpeed-LLM's loss_func all-reduces each micro-batch's loss over the DP group inside
+    # forward_step, so the partner's measured compute includes its wait
+    assert (launch_rank or rank) == "3" and dtype == "emu-fast", found[0].group(0)
+    assert float(measured) > 3 * float(planned)
+    it = int(it)
+    assert 4 <= it < 8                           # slowed after 2, named after K=2 slow ones
+    relaunch = check_restart(out, it, 4, 8)
+    assert rc == 0, out[-6000:]
+    # the first group trained plan A (plan A's calibration moved the costs a little: the 10 %
+    # window keeps its plan, so iterations 1..it are plan A's), the relaunch another plan
+    first = out.partition(f"checkpoint at iteration {it}, then every rank exits")[0]
+    assert re.search(r"the previous launch's plan \(.*\) is .* ms: kept \(window 10%", first), \
+        first[-6000:]
+    new = json.loads(plan_file.read_text())      # the relaunch's (it overwrote plan A's)
+    assert shape(new) != shape(plan), (shape(new), shape(plan))
+    # the first group logs iteration `it` after the straggler line: the relaunch's own losses
+    got = losses(relaunch.partition(f"resume from iteration {it}: ")[2])
+    print(f"lm loss {it + 1}-8: resumed " + ", ".join(f"{got.get(i, float('nan')):.6f}"
+                                                      for i in range(it + 1, 9))
+          + "; uninterrupted " + ", ".join(f"{reference[i]:.6f}" for i in range(it + 1, 9)))
+    assert sorted(got) == list(range(it + 1, 9)), relaunch[-4000:]
+    for i in range(it + 1, 9):
+        assert abs(got[i] - reference[i]) <= 0.01 * reference[i], (i, got, reference)

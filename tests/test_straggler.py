@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -79,9 +80,14 @@ def test_the_watch_logs_once_per_launch():
 
 
 @pytest.mark.integration   # torch / megatron-core
-def test_the_monitor_times_each_iteration_through_megatron_core_schedules(monkeypatch):
+@pytest.mark.parametrize("loop", ["megatron", "framework"])
+def test_the_monitor_times_each_iteration_through_megatron_core_schedules(monkeypatch, loop):
     """Installed on megatron's own train_step / schedules functions: the ops timed by the
-    recorder (a fake clock: every op takes what the test says) give the named compute."""
+    recorder (a fake clock: every op takes what the test says) give the named compute. The
+    ``framework`` loop calls the train_step its own module bound at import (as MindSpeed-LLM's
+    ``mindspeed_llm.training.training`` does), before the monitor was installed."""
+    import types
+
     from megatron.core.pipeline_parallel import schedules
     from megatron.training import training
 
@@ -106,6 +112,10 @@ def test_the_monitor_times_each_iteration_through_megatron_core_schedules(monkey
     monkeypatch.setattr(schedules, "forward_step", forward_step)
     monkeypatch.setattr(schedules, "backward_step", backward_step)
     monkeypatch.setattr(training, "train_step", train_step)
+    framework = types.ModuleType("fake_framework_training")
+    framework.train_step = train_step              # its `from ... import train_step`
+    monkeypatch.setitem(sys.modules, framework.__name__, framework)
+    caller = training if loop == "megatron" else framework
     monkeypatch.setenv("POSEIDON_DEVICE_TYPE", "emu-slow")
     plan = SimpleNamespace(stages=[SimpleNamespace(forward_ms=10.0, backward_ms=20.0)])
     lines: list[str] = []
@@ -113,10 +123,11 @@ def test_the_monitor_times_each_iteration_through_megatron_core_schedules(monkey
     try:
         for ms in (10.0, 10.0, 20.0, 20.0, 20.0):   # slowed from the third iteration on
             op_s[0] = ms / 1e3
-            assert training.train_step() == "stepped"
+            assert caller.train_step() == "stepped"
     finally:
         mon.uninstall()
     assert training.train_step is train_step and schedules.forward_step is forward_step
+    assert framework.train_step is train_step
     assert len(lines) == 1
     assert lines[0].startswith("straggler: iteration 4: rank 0 (emu-slow on ")
     assert "computes 60.0 ms per micro-batch, planned 30.0 ms (+100%)" in lines[0]

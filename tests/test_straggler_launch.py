@@ -32,6 +32,57 @@ LINE = re.compile(r"straggler: iteration (\d+): rank (\d+)(?: = launch rank (\d+
                   r"planned ([0-9.]+) ms")
 
 
+def run_slowed(cmd: list[str], env: dict[str, str], slow_file, iters: int, slowdown: str,
+               at: int = 2, timeout: float = 900, cwd: str = ROOT) -> tuple[int, str]:
+    """Runs the torchrun ``cmd``; once Megatron logs iteration ``at`` writes ``slowdown``
+    ("<launch rank> <factor>") into the emulation's live slowdown file. (returncode, log)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=cwd)
+    lines, deadline = [], time.monotonic() + timeout
+    try:
+        for line in proc.stdout:   # type: ignore[union-attr]
+            lines.append(line)
+            if not slow_file.exists() and re.search(rf"iteration +{at}/ +{iters} \|", line):
+                tmp = slow_file.parent / (slow_file.name + ".tmp")
+                tmp.write_text(slowdown + "\n")
+                os.replace(tmp, slow_file)
+            if time.monotonic() > deadline:
+                break
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    out = "".join(lines)
+    (slow_file.parent / "launch.log").write_text(out)
+    sys.stdout.write(out[-4000:])
+    print("\n".join(ln for ln in out.splitlines()
+                    if "straggler: iteration" in ln or "resume from iteration" in ln
+                    or "exitcode" in ln or re.search(r"lm loss", ln)))
+    assert slow_file.exists(), f"Megatron never logged iteration {at}\n" + out[-5000:]
+    return proc.returncode, out
+
+
+def check_restart(out: str, it: int, nranks: int, iters: int) -> str:
+    """The straggler's exit (75 from every rank torchrun did not stop first), torchrun's
+    relaunch (0 from all ``nranks``), its resume line, Megatron's load at ``it`` and the
+    iterations after it: returns the relaunch's log."""
+    assert f"checkpoint at iteration {it}, then every rank exits with 75" in out, out[-6000:]
+    first, _, relaunch = out.partition(f"checkpoint at iteration {it}, then every rank exits")
+    # the first group's exit: 75 from every rank that was not stopped by torchrun (SIGTERM
+    # kills the shell too, which then prints nothing); the relaunch's: 0 from every rank
+    statuses = re.findall(r"\[launch rank (\d)\] exit status (-?\d+)", out)
+    first_group = statuses[:len(statuses) - nranks]
+    assert first_group and {c for _, c in first_group} == {"75"}, statuses
+    assert statuses[-nranks:] and {c for _, c in statuses[-nranks:]} == {"0"}, statuses
+    assert re.search(rf"resume from iteration {it}: ", relaunch), relaunch[-6000:]
+    assert re.search(rf"successfully loaded checkpoint from .* at iteration {it}\b", relaunch), \
+        relaunch[-6000:]
+    for i in range(it + 1, iters + 1):
+        assert re.search(rf"iteration +{i}/ +{iters} \|", relaunch), (i, relaunch[-6000:])
+    assert not re.search(rf"iteration +{it + 1}/ +{iters} \|", first)   # nothing past it
+    return relaunch
+
+
 def test_the_restart_after_a_straggler_exit_plans_with_the_measured_speed_and_resumes(tmp_path):
     """Issue 37 item 3 end to end: torchrun's own restart (``--max-restarts 1``) relaunches the
     group after the straggler exit (75); the relaunch plans with the measured speed rank 0 wrote
@@ -50,28 +101,7 @@ def test_the_restart_after_a_straggler_exit_plans_with_the_measured_speed_and_re
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "POSEIDON_PROFILE_DIR": str(tmp_path / "profiles"),
            "POSEIDON_EMULATE_SLOWDOWN_FILE": str(slow_file)}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, cwd=ROOT)
-    lines, deadline = [], time.monotonic() + 900
-    try:
-        for line in proc.stdout:   # type: ignore[union-attr]
-            lines.append(line)
-            if not slow_file.exists() and re.search(rf"iteration +2/ +{ITERS} \|", line):
-                tmp = tmp_path / "slowdown.tmp"
-                tmp.write_text("1 6\n")           # launch rank 1 (emu-fast): 6x slower
-                os.replace(tmp, slow_file)
-            if time.monotonic() > deadline:
-                break
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-    out = "".join(lines)
-    sys.stdout.write(out[-4000:])
-    print("\n".join(ln for ln in out.splitlines()
-                    if "straggler: iteration" in ln or "resume from iteration" in ln
-                    or "exitcode" in ln or re.search(r"lm loss", ln)))
-    assert slow_file.exists(), "Megatron never logged iteration 2\n" + out[-5000:]
+    rc, out = run_slowed(cmd, env, slow_file, ITERS, "1 6")
     found = [m for m in LINE.finditer(out)]
     assert len(found) == 1, out[-6000:]          # named once; the relaunch's plan fits it
     it, rank, launch_rank, dtype, _, measured, planned = found[0].groups()
@@ -79,19 +109,5 @@ def test_the_restart_after_a_straggler_exit_plans_with_the_measured_speed_and_re
     assert float(measured) > 3 * float(planned)
     it = int(it)
     assert 4 <= it < ITERS                       # slowed after 2, named after K=2 slow ones
-    assert f"checkpoint at iteration {it}, then every rank exits with 75" in out, out[-6000:]
-    first, _, relaunch = out.partition(f"checkpoint at iteration {it}, then every rank exits")
-    # the first group's exit: 75 from every rank that was not stopped by torchrun (SIGTERM
-    # kills the shell too, which then prints nothing); the relaunch's: 0 from both
-    statuses = re.findall(r"\[launch rank (\d)\] exit status (-?\d+)", out)
-    first_group = statuses[:len(statuses) - 2]
-    assert first_group and {c for _, c in first_group} == {"75"}, statuses
-    assert statuses[-2:] and {c for _, c in statuses[-2:]} == {"0"}, statuses
-    # the relaunch: a plan, the resume line, Megatron's load, the iterations after it
-    assert re.search(rf"resume from iteration {it}: ", relaunch), relaunch[-6000:]
-    assert re.search(rf"successfully loaded checkpoint from .* at iteration {it}\b", relaunch), \
-        relaunch[-6000:]
-    for i in range(it + 1, ITERS + 1):
-        assert re.search(rf"iteration +{i}/ +{ITERS} \|", relaunch), (i, relaunch[-6000:])
-    assert not re.search(rf"iteration +{it + 1}/ +{ITERS} \|", first)   # nothing past it
-    assert proc.returncode == 0, out[-6000:]
+    check_restart(out, it, 2, ITERS)
+    assert rc == 0, out[-6000:]

@@ -14,7 +14,8 @@ API (the ``--poseidon-auto`` runner installs it after the plan is applied, befor
         warmup_iterations=1, calibrate_iterations=3, measure_iterations=3)
 
 ``install_calibration`` wraps ``megatron.training.training.train_step`` (looked up as a module
-global by ``train()`` in megatron-core 0.19, so the wrapper is used) and installs an
+global by ``train()`` in megatron-core 0.19, so the wrapper is used; a framework loop that bound
+it under its own module, MindSpeed-LLM's, is wrapped there too: :mod:`.train_step_hook`) and installs an
 :class:`~poseidon_plugin.megatron.calibrate.recorder.OpRecorder` around megatron-core's ``forward_step`` /
 ``backward_step``. For a loop that calls megatron-core's ``get_forward_backward_func()`` itself,
 call ``cal.begin_iteration()`` / ``cal.end_iteration()`` around each iteration instead (after
@@ -442,20 +443,9 @@ class LiveCalibration:
         self._rec_ctx.__enter__()
         self._undo.append(lambda: self._rec_ctx.__exit__(None, None, None))
         if wrap_train_step:
-            from megatron.training import training
+            from poseidon_plugin.megatron.calibrate.train_step_hook import wrap_train_step as wrap
 
-            orig = training.train_step
-
-            def train_step(*args, **kwargs):
-                self.begin_iteration()
-                try:
-                    return orig(*args, **kwargs)
-                finally:
-                    self.end_iteration()
-
-            train_step.__wrapped__ = orig  # type: ignore[attr-defined]
-            training.train_step = train_step
-            self._undo.append(lambda: setattr(training, "train_step", orig))
+            self._undo.append(wrap(self.begin_iteration, lambda _: self.end_iteration()))
         return self
 
     def uninstall(self) -> None:

@@ -226,28 +226,15 @@ class StragglerMonitor:
         self.lines: list[str] = []
 
     def install(self) -> "StragglerMonitor":
-        from megatron.training import training
-
         from poseidon_plugin.megatron.calibrate.calibration import _device_event_class
         from poseidon_plugin.megatron.calibrate.recorder import OpRecorder
+        from poseidon_plugin.megatron.calibrate.train_step_hook import wrap_train_step
 
         self.recorder = OpRecorder(0, event_class=_device_event_class())
         ctx = self.recorder.installed(None)
         ctx.__enter__()
         self._undo.append(lambda: ctx.__exit__(None, None, None))
-        orig = training.train_step
-
-        def train_step(*args, **kwargs):
-            began = self._begin()
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                if began:
-                    self._end()
-
-        train_step.__wrapped__ = orig  # type: ignore[attr-defined]
-        training.train_step = train_step
-        self._undo.append(lambda: setattr(training, "train_step", orig))
+        self._undo.append(wrap_train_step(self._begin, lambda began: began and self._end()))
         return self
 
     def uninstall(self) -> None:

@@ -39,7 +39,7 @@ import threading
 import time
 import types
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from poseidon_plugin.errors import SpecError
 
@@ -465,21 +465,86 @@ def install_slowdown(factor: float) -> None:
 
     Forward: timed around the call. Backward: a gradient hook on the layer's output marks the start
     of the layer's backward, one on its input marks the end (no extra autograd nodes or views, so
-    Megatron's pipeline schedule can still free the output tensors).
+    Megatron's pipeline schedule can still free the output tensors). The layer class and each
+    subclass with a ``forward`` of its own are wrapped (:func:`pad_transformer_layers`), now and
+    after every TransformerBlock is built: a framework that puts its own subclass in
+    megatron-core's place (MindSpeed-LLM v26.1.0 does, after this is installed, with a
+    ``forward`` that never calls megatron-core's) is padded as well.
     """
     global _SLOWDOWN_INSTALLED
     _SLOWDOWN["factor"] = float(factor)
     _EMULATED["on"] = True
     if _SLOWDOWN_INSTALLED or (factor <= 1.0 and not os.environ.get(SLOWDOWN_FILE_ENV)):
         return
-    from megatron.core.transformer.transformer_layer import TransformerLayer
+    _SLOWDOWN_INSTALLED = True
+    pad_transformer_layers()
+    _pad_when_blocks_are_built()
 
-    orig_forward = TransformerLayer.forward
 
+def _pad_when_blocks_are_built() -> None:
+    """:func:`pad_transformer_layers` after every TransformerBlock is built: the classes its
+    layers are made of are all loaded by then, whoever imported them (the training script, a
+    framework's patches after the launch's), and none has run a forward yet."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    original = TransformerBlock.__init__
+    if getattr(original, "_poseidon_padded", False):
+        return
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        pad_transformer_layers()
+
+    init.__wrapped__ = original  # type: ignore[attr-defined]
+    init._poseidon_padded = True  # type: ignore[attr-defined]
+    TransformerBlock.__init__ = init
+
+
+def _layer_classes() -> list[type]:
+    """megatron-core's TransformerLayer (the one it defines, wherever a framework's patch has
+    moved its module attribute) and every loaded subclass of it."""
+    from megatron.core.transformer import transformer_layer
+
+    current = transformer_layer.TransformerLayer
+    base = next((c for c in current.__mro__ if c.__module__ == transformer_layer.__name__
+                 and c.__name__ == "TransformerLayer"), current)
+    found, todo = [], [base]
+    while todo:
+        cls = todo.pop()
+        if cls not in found:
+            found.append(cls)
+            todo.extend(cls.__subclasses__())
+    return found
+
+
+def pad_transformer_layers() -> int:
+    """Wraps the ``forward`` of every TransformerLayer class not yet wrapped (:func:`_layer_classes`;
+    only a class's own ``forward``). A layer whose ``forward`` calls its parent's is padded once:
+    the outermost wrapped call pads, the calls inside it do not. Returns how many were wrapped
+    now; nothing before :func:`install_slowdown`."""
+    if not _SLOWDOWN_INSTALLED:
+        return 0
+    wrapped = 0
+    for cls in _layer_classes():
+        fwd = cls.__dict__.get("forward")
+        if fwd is None or getattr(fwd, "_poseidon_padded", False):
+            continue
+        cls.forward = _padded_forward(fwd)
+        wrapped += 1
+    return wrapped
+
+
+def _padded_forward(orig_forward: Callable) -> Callable:
     def forward(self, *args: Any, **kwargs: Any):
+        if getattr(_TLS, "in_layer", False):   # a parent's forward inside a padded one
+            return orig_forward(self, *args, **kwargs)
         hs = args[0] if args else kwargs.get("hidden_states")
         t0 = _clock()
-        out = orig_forward(self, *args, **kwargs)
+        _TLS.in_layer = True
+        try:
+            out = orig_forward(self, *args, **kwargs)
+        finally:
+            _TLS.in_layer = False
         _pad(_work_s(t0))
         out0 = out[0] if isinstance(out, tuple) else out
         if getattr(out0, "requires_grad", False) and getattr(hs, "requires_grad", False):
@@ -501,9 +566,8 @@ def install_slowdown(factor: float) -> None:
         return out
 
     forward.__wrapped__ = orig_forward  # type: ignore[attr-defined]
-    TransformerLayer.forward = forward
-    _SLOWDOWN_INSTALLED = True
-
+    forward._poseidon_padded = True     # type: ignore[attr-defined]
+    return forward
 
 
 # ----------------------------------------------------------------------------------------------
