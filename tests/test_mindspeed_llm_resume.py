@@ -25,7 +25,7 @@ import frameworks as fw
 from test_launch_e2e import EMULATE4, free_port, ok
 from test_mindspeed_llm_launch import ARGS as MSLLM_ARGS, launch as msllm_launch
 from test_resume_replan import THREE, emulation, losses, shape
-from test_straggler_launch import LINE, STATUS, check_restart, run_slowed
+from straggler_run import LINE, STATUS, check_restart, run_slowed
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

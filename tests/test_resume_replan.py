@@ -37,6 +37,7 @@ import frameworks as fw
 from test_launch_e2e import EMULATE4, GPT_ARGS, free_port, ok, with_value
 from test_megatron_lm_tree_launch import PYTHON, TREE, skip_reason
 from test_moe_ep_launch import EP_ARGS
+from straggler_run import LINE, STATUS, check_restart, run_slowed
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -127,22 +128,26 @@ def plan_a(tmp_path_factory):
     assert proc.returncode == 0, ok(proc, out)
     got = losses(out)
     assert sorted(got) == list(range(1, 9)), out[-4000:]
+    shutil.copytree(work / "profiles-a", work / "profiles-plan-a")   # as plan A left it
     return work, ckpt, plan, got
 
 
-def check_resumed(out: str, reference: dict[int, float]) -> None:
-    """Training went on from iteration 5, and iterations 5-8 match the uninterrupted run.
+def check_resumed(out: str, reference: dict[int, float], start: int = 4) -> None:
+    """Training went on from iteration ``start`` + 1 to 8, matching the uninterrupted run.
 
     Megatron logs a launch's first iteration without resetting its loss accumulators (its
     ``training_log``: ``should_reset = not is_first_iteration``), so a resumed launch's second
-    log (iteration 6) is the mean of iterations 5 and 6: the uninterrupted run's losses are
-    compared as a resumed launch logs them."""
+    log is the mean of its first two iterations: the uninterrupted run's losses are compared
+    as a resumed launch logs them."""
     got = losses(out)
-    assert sorted(got) == [5, 6, 7, 8], out[-4000:]
-    want = {**reference, 6: (reference[5] + reference[6]) / 2}
-    print("lm loss 5-8: resumed " + ", ".join(f"{got[i]:.6f}" for i in range(5, 9))
-          + "; uninterrupted " + ", ".join(f"{reference[i]:.6f}" for i in range(5, 9)))
-    for it in range(5, 9):
+    span = list(range(start + 1, 9))
+    assert sorted(got) == span, out[-4000:]
+    want = dict(reference)
+    if len(span) > 1:
+        want[start + 2] = (reference[start + 1] + reference[start + 2]) / 2
+    print(f"lm loss {start + 1}-8: resumed " + ", ".join(f"{got[i]:.6f}" for i in span)
+          + "; uninterrupted " + ", ".join(f"{reference[i]:.6f}" for i in span))
+    for it in span:
         assert abs(got[it] - want[it]) <= 0.01 * want[it], (it, got, want)
 
 
@@ -233,3 +238,48 @@ def test_a_removed_shard_is_one_error_naming_it(plan_a, tmp_path):
     # torchrun's own agent prints a traceback for any child exiting non-zero; no rank does
     assert not re.search(r"^\[rank\d+\]: Traceback", out, re.M), out[-3000:]
     assert "building GPT model" not in out
+
+
+def test_a_straggler_restarts_under_torchrun_and_resumes_under_the_measured_speed(plan_a):
+    """Issue 37 item 3 on the tree's own script: plan A's launch again under torchrun's
+    ``--max-restarts 1`` (its profile cache, its plan kept), one emu-fast device slowed 6x after
+    iteration 2 (the emulation's live slowdown file); rank 0 names it, Megatron saves at that
+    iteration (``exit_interval``), every rank exits with 75, torchrun relaunches the group, the
+    relaunch plans with the measured speed rank 0 wrote into the profile cache (another plan:
+    the device stays slow), loads the checkpoint and trains to 8, its losses within 1 % of
+    plan A's uninterrupted run; no straggler is named in the relaunch."""
+    work, _, plan, reference = plan_a
+    run = work / "straggler"
+    run.mkdir()
+    shutil.copytree(work / "profiles-plan-a", run / "profiles")
+    slow_file, ckpt, plan_file = run / "slowdown", run / "ckpt", run / "plan.json"
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--max-restarts",
+           "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "--no-python", "bash", "-c", STATUS, PYTHON, os.path.join(TREE, "pretrain_gpt.py"),
+           *ARGS, "--poseidon-auto", "--poseidon-emulate", EMULATE4,
+           "--poseidon-save-plan", str(plan_file), "--poseidon-keep-plan-within", "10",
+           "--poseidon-straggler-pct", "200", "--poseidon-straggler-iters", "2",
+           "--poseidon-replan-on-straggler", "--save", str(ckpt), "--load", str(ckpt),
+           "--save-interval", "100"]
+    env = {**os.environ, "PYTHONPATH": fw.ROOT, "OMP_NUM_THREADS": "1",
+           "PYTHONWARNINGS": "ignore", "POSEIDON_PROFILE_DIR": str(run / "profiles"),
+           "POSEIDON_HELPERS_CACHE": str(work / "megatron-helpers"),
+           "POSEIDON_EMULATE_SLOWDOWN_FILE": str(slow_file)}
+    rc, out = run_slowed(cmd, env, slow_file, 8, "3 6", cwd=fw.ROOT)
+    found = list(LINE.finditer(out))
+    assert len(found) == 1, out[-6000:]          # named once; the relaunch's plan fits it
+    it, rank, launch_rank, dtype, _, measured, planned = found[0].groups()
+    assert (launch_rank or rank) == "3" and dtype == "emu-fast", found[0].group(0)
+    assert float(measured) > 3 * float(planned)
+    it = int(it)
+    assert 4 <= it < 8                           # slowed after 2, named after K=2 slow ones
+    relaunch = check_restart(out, it, 4, 8)
+    assert rc == 0, out[-6000:]
+    # the first group trained plan A (plan A's calibration moved the costs a little: the 10 %
+    # window keeps its plan, so iterations 1..it are plan A's); the relaunch another plan
+    first = out.partition(f"checkpoint at iteration {it}, then every rank exits")[0]
+    assert re.search(r"the previous launch's plan \(.*\) is .* ms: kept \(window 10%", first), \
+        first[-6000:]
+    new = json.loads(plan_file.read_text())      # the relaunch's (it overwrote the first's)
+    assert shape(new) != shape(plan), (shape(new), shape(plan))
+    check_resumed(relaunch.partition(f"resume from iteration {it}: ")[2], reference, it)
