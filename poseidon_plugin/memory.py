@@ -237,10 +237,14 @@ def layer_input_bytes(model, *, micro_batch_size: int, seq_length: int, tp: int,
 
 def embedding_activation_bytes(model, *, micro_batch_size: int, seq_length: int, tp: int,
                                sequence_parallel: bool = False) -> float:
-    """Token ids (int64, 8*s*b) and the embedding dropout mask (s*b*h); /t with SP."""
+    """The token ids (int64, 8*s*b, whole on every rank: the vocabulary-parallel embedding keeps
+    its shifted copy for backward, and at TP > 1 its 1-byte out-of-range mask) and the
+    embedding's dropout mask (s*b*h; /t with SP, where the dropout runs on the sequence shard),
+    as the memory harness counts them for the MTP layer's own embedding."""
     sb = float(seq_length * micro_batch_size)
-    value = 8.0 * sb + sb * model.hidden_size
-    return value / tp if sequence_parallel else value
+    ids = sb * (8.0 + (1.0 if tp > 1 else 0.0))
+    mask = sb * model.hidden_size
+    return ids + (mask / tp if sequence_parallel else mask)
 
 
 def output_activation_bytes(model, *, micro_batch_size: int, seq_length: int, tp: int,

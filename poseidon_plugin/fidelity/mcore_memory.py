@@ -20,7 +20,9 @@ that keep what those kernels keep (the norms, the core attention, the dropout ma
 ``--mtp``: megatron-core's first ``MultiTokenPredictionLayer`` instead (the block spec
 ``get_gpt_mtp_block_spec`` builds from the decoder's layer spec, ``--mtp-num-layers`` among the
 arguments), its forward given the hidden states, the token and position ids and a
-``LanguageModelEmbedding`` as the model's embedding: what it keeps is the shifted tokens'
+``LanguageModelEmbedding`` as the model's embedding (megatron-core 0.12's layer takes the
+embedded, shifted tokens instead, as its block hands them over: the worker rolls and embeds
+them the same way under the same hooks): what it keeps is the shifted tokens'
 embedding, its norms, the ``eh_proj`` projection and its decoder layer; the shared output layer
 and the loss run after it in ``GPTModel`` and are not in it.
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import copy
 import contextlib
+import inspect
 import io
 import json
 import os
@@ -417,11 +420,23 @@ def _measure_mtp(vargs: Any) -> dict[str, Any]:
     embedding.train()
     ids = torch.randint(0, vocab, (mbs, seq))
     positions = torch.arange(seq).unsqueeze(0).expand(mbs, seq)
-    report = _count_forward(
-        layer, getattr(layer.mtp_model_layer, "self_attention", None), config, vargs,
-        lambda x, kwargs: layer(input_ids=ids, position_ids=positions, hidden_states=x,
-                                embedding=embedding, **kwargs),
-        also_exclude=tuple(embedding.parameters()))
+    inner = getattr(layer, "mtp_model_layer", None) or getattr(layer, "transformer_layer", None)
+    if "decoder_input" in inspect.signature(layer.forward).parameters:
+        # megatron-core 0.12: the block rolls the ids and embeds them, the layer takes the
+        # embedded input (``decoder_input``); both run inside the block's forward, so the
+        # embedding's kept tensors are the MTP's as in 0.19, where the layer embeds itself
+        from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+        def forward(x, kwargs):
+            rolled, _ = roll_tensor(ids.clone(), shifts=-1, dims=-1)
+            return layer(decoder_input=embedding(input_ids=rolled, position_ids=positions),
+                         hidden_states=x, **kwargs)
+    else:
+        def forward(x, kwargs):
+            return layer(input_ids=ids, position_ids=positions, hidden_states=x,
+                         embedding=embedding, **kwargs)
+    report = _count_forward(layer, getattr(inner, "self_attention", None), config, vargs,
+                            forward, also_exclude=tuple(embedding.parameters()))
     return {**report, "moe": moe}
 
 
