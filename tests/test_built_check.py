@@ -93,3 +93,34 @@ def test_mindspeed_llm_flags_it_would_not_build_are_refused():
         _check_mindspeed_llm_layers(args, model)
     args = SimpleNamespace(**base, moe_layer_freq=1, first_k_dense_replace=2)
     _check_mindspeed_llm_layers(args, model_from_megatron_args(args))    # as it builds them
+
+
+def test_attention_of_another_kind_is_one_line():
+    """MindSpeed-LLM's pretrain_gpt.py builds plain self-attention for --multi-latent-attention
+    without --spec: the plan priced MLA, so the launch stops, naming the spec its recipes use."""
+    class SelfAttention:
+        pass
+
+    class MLASelfAttention:
+        pass
+
+    class CustomMLASelfAttention(MLASelfAttention):
+        pass
+
+    class IdentityOp:
+        pass
+
+    def block(*attentions):
+        return SimpleNamespace(layers=[SimpleNamespace(layer_number=i + 1, self_attention=a())
+                                       for i, a in enumerate(attentions)])
+
+    assert built_check.attention_mismatch(block(CustomMLASelfAttention), True, "MindSpeed-LLM") \
+        is None
+    assert built_check.attention_mismatch(block(SelfAttention), False, "Megatron") is None
+    assert built_check.attention_mismatch(block(IdentityOp, SelfAttention), False, "x") is None
+    line = built_check.attention_mismatch(block(SelfAttention), True, "MindSpeed-LLM")
+    assert line.startswith("MindSpeed-LLM built layer 1's attention as SelfAttention, but the "
+                           "plan's model has multi-latent attention") and "\n" not in line
+    assert "--spec mindspeed_llm.tasks.models.spec.deepseek_spec layer_spec" in line
+    line = built_check.attention_mismatch(block(MLASelfAttention), False, "Megatron")
+    assert "has no multi-latent attention" in line and "--spec" not in line

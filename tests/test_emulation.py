@@ -153,6 +153,45 @@ def test_the_dispatchers_split_sizes_reach_gloo_as_from_a_device(monkeypatch):
     assert dispatcher.maybe_move_tensor_to_cpu(None, as_numpy=True) is None
 
 
+_WRAPPED_A2A_SCRIPT = textwrap.dedent("""
+    import functools, json, os, torch
+    import torch.distributed as dist
+    from poseidon_plugin.megatron.emulate import emulation
+    emulation.install_cpu_shims()
+    original = dist.all_to_all_single
+
+    @functools.wraps(original)        # as MindSpeed-LLM's communication patch wraps it, later
+    def wrapped(*args, **kwargs):
+        return original(*args, **kwargs)
+
+    # MindSpeed's patch manager rebinds the name wherever it is bound: torch.distributed's
+    # own dispatch to the torch-function mode then names the wrapper
+    dist.all_to_all_single = dist.distributed_c10d.all_to_all_single = wrapped
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    out, x = torch.empty(3, 2), torch.arange(6.0).view(3, 2)
+    dist.all_to_all_single(out, x, torch.tensor([3]), torch.tensor([3]))   # splits as tensors
+    print(json.dumps(out.tolist()))
+""")
+
+
+@pytest.mark.integration   # torch
+def test_split_sizes_reach_gloo_as_lists_through_a_later_wrapper():
+    """The emulation hands gloo's ``all_to_all_single`` its tensor split sizes as lists also
+    when a framework wraps torch.distributed's function after the shims are installed
+    (MindSpeed-LLM v26.1.0's ``high_availability`` communication patch): before, its all-to-all
+    dispatcher at EP 2 on megatron-core 0.12.1 failed in gloo's binding ("incompatible function
+    arguments")."""
+    pytest.importorskip("torch")
+    from test_launch_e2e import free_port
+
+    env = {**os.environ, "PYTHONPATH": ROOT, "PORT": str(free_port())}
+    proc = subprocess.run([sys.executable, "-c", _WRAPPED_A2A_SCRIPT], capture_output=True,
+                          text=True, timeout=240, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+
+
 _SUBCLASS_SCRIPT = textwrap.dedent("""
     import json, torch
     from megatron.core.transformer import transformer_layer

@@ -49,3 +49,24 @@ def test_memory_model_holds_on_megatron_core_012(cell):
     row = mc.check(cell, python=MCORE_PYTHON, env=env)
     assert not row.error, row.error
     assert row.holds, mc.table([row])
+
+
+@pytest.mark.parametrize("cell", [mc.Cell("moe-alltoall", 2, 2, sp=True),
+                                  mc.Cell("mla", 2, sp=True)],
+                         ids=lambda c: c.name().replace(" ", "-"))
+def test_memory_model_holds_on_mindspeed_llm_over_megatron_core_012(cell):
+    """The same layers as MindSpeed-LLM v26.1.0 builds them (its adaptor and MindSpeed 26.1.0
+    patch megatron-core 0.12.1 first, as in a launch; the NPU stand-ins of tests/npu_fakes
+    keep what the NPU kernels keep): the all-to-all dispatcher across EP under MindSpeed-LLM's
+    communication wrappers, and MLA from the ``--spec`` its DeepSeek recipes name (its down
+    projections duplicated on every TP rank, as ``memory.py`` counts them: no local-spec
+    correction)."""
+    import frameworks as fw
+
+    reason = fw.mindspeed_llm_skip_reason("26.1.0")
+    if reason:
+        pytest.skip(reason)
+    row = mc.check(cell, python=fw.msllm_python(), env=fw.mindspeed_llm_env("26.1.0"),
+                   mindspeed_llm=True)
+    assert not row.error, row.error
+    assert row.holds, mc.table([row])

@@ -74,6 +74,10 @@ class _Counter:
             self.rope += storage.nbytes()     # the unfused RoPE's cos / sin tables
         else:
             self.kept += storage.nbytes()
+            if os.environ.get("POSEIDON_MEMPROBE_DUMP"):
+                print("KEPT", tuple(t.shape), t.dtype, storage.nbytes(),
+                      type(t.grad_fn).__name__ if t.grad_fn is not None else None,
+                      file=sys.stderr)
         return t
 
     @staticmethod
@@ -81,8 +85,12 @@ class _Counter:
         return t
 
 
-def _args_at(args: Any, tp: int, ep: int, sp: bool, world: int, rank: int) -> Any:
-    """A validated copy of Megatron's ``args`` at TP ``tp``, EP ``ep``, PP 1, CP 1."""
+def _args_at(args: Any, tp: int, ep: int, sp: bool, world: int, rank: int,
+             framework: bool = False) -> Any:
+    """A validated copy of Megatron's ``args`` at TP ``tp``, EP ``ep``, PP 1, CP 1;
+    ``framework``: validated by the installed ``validate_args`` with its wrappers (MindSpeed-LLM's
+    adds the arguments its own modules read, as a launch's validation does), else by
+    Megatron's own."""
     from poseidon_plugin.megatron.profile import profiler
 
     a = copy.deepcopy(args)
@@ -98,8 +106,11 @@ def _args_at(args: Any, tp: int, ep: int, sp: bool, world: int, rank: int) -> An
     a.global_batch_size = a.micro_batch_size * (world // tp)
     a.rampup_batch_size = None
     a.yaml_cfg = None
+    import megatron.training.arguments as margs
+
+    validate = margs.validate_args if framework else profiler._unwrapped_validate_args()
     with contextlib.redirect_stdout(io.StringIO()):
-        profiler._unwrapped_validate_args()(a, {})
+        validate(a, {})
     return a
 
 
@@ -115,18 +126,29 @@ def _rank(rank: int, world: int, port: int, opts: Any, argv: list[str], out_dir:
     torch.set_num_threads(1)
     emulation.install_cpu_shims(local_rank=rank, device_count=world, device_name="memprobe",
                                 memory_bytes=1 << 34)
+    if opts.mindspeed_llm:   # its patches applied before anything is parsed or built, as in a launch
+        from poseidon_plugin.megatron.launch import argv as argvmod
+
+        argvmod.import_mindspeed_llm("pretrain_gpt.py", argv)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from megatron.core import parallel_state, tensor_parallel
 
     args = profiler.parse_megatron_args("pretrain_gpt.py", argv)
     report: dict[str, Any] = {"rank": rank}
     try:
-        vargs = _args_at(args, opts.tp, opts.ep, opts.sp, world, rank)
+        vargs = _args_at(args, opts.tp, opts.ep, opts.sp, world, rank, opts.mindspeed_llm)
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=opts.tp,
                                                  expert_model_parallel_size=opts.ep)
         tensor_parallel.model_parallel_cuda_manual_seed(1234 + rank)
-        report.update(_measure_mtp(vargs) if opts.mtp else _measure_layer(vargs, opts.layer))
+        from poseidon_plugin.megatron import framework_state
+
+        with framework_state.profiling(vargs, world // opts.tp):   # the globals a build reads
+            report.update(_measure_mtp(vargs) if opts.mtp else _measure_layer(vargs, opts.layer))
     except Exception as e:  # noqa: BLE001 - reported: the driver says which piece did not build
+        if os.environ.get("POSEIDON_MEMPROBE_DUMP"):
+            import traceback
+
+            traceback.print_exc()
         report["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
@@ -184,13 +206,20 @@ def _fused_norm_class():
 
 
 def _fuse_norms(layer: Any) -> int:
-    """Every torch norm of ``layer`` runs as :func:`_fused_norm_class`; how many."""
+    """Every torch norm of ``layer`` runs as :func:`_fused_norm_class`; how many. The RMSNorm
+    MindSpeed-LLM builds (megatron-core's legacy ``RMSNorm``, its ``forward`` patched by
+    MindSpeed-LLM: ``torch_npu.npu_rms_norm`` under ``--use-fused-rmsnorm``, which keeps what
+    the stand-in keeps; the fp32 fallback runs only without that flag) and MindSpeed's own are
+    norms too."""
     import torch
 
     fused = _fused_norm_class()
     count = 0
     for module in layer.modules():
-        rms = isinstance(module, getattr(torch.nn, "RMSNorm", ()))
+        rms = isinstance(module, getattr(torch.nn, "RMSNorm", ())) or (
+            type(module).__name__ == "RMSNorm" and hasattr(module, "weight")
+            and hasattr(module, "eps")
+            and type(module).__module__.startswith(("mindspeed", "megatron.legacy")))
         if not (rms or isinstance(module, torch.nn.LayerNorm)):
             continue
         eps = module.eps if module.eps is not None else 1e-6
@@ -376,7 +405,9 @@ def _count_forward(layer: Any, attention: Any, config: Any, vargs: Any, forward:
     return {"kept_bytes": counter.kept, "scores_bytes": counter.scores,
             "rope_bytes": counter.rope,
             "param_bytes": sum(p.numel() * p.element_size() for p in params),
-            "modules": sorted({type(m).__name__ for m in layer.modules()}), **stand_ins}
+            "modules": sorted({type(m).__name__ for m in layer.modules()}),
+            "norms": sorted({f"{type(m).__module__}.{type(m).__name__}" for m in layer.modules()
+                             if "Norm" in type(m).__name__}), **stand_ins}
 
 
 def _measure_layer(vargs: Any, index: int) -> dict[str, Any]:
@@ -435,9 +466,22 @@ def _measure_mtp(vargs: Any) -> dict[str, Any]:
         def forward(x, kwargs):
             return layer(input_ids=ids, position_ids=positions, hidden_states=x,
                          embedding=embedding, **kwargs)
-    report = _count_forward(layer, getattr(inner, "self_attention", None), config, vargs,
+    piece = layer
+    moved = getattr(block, "final_layernorms", None)
+    if moved is not None and getattr(layer, "final_layernorm", None) is None:
+        # MindSpeed-LLM moves the layer's final norm into the block (``final_layernorms``,
+        # applied to the layer's output before the shared head): the same piece of the model,
+        # counted where megatron-core counts it
+        norm = moved[0].to(dtype=config.params_dtype)
+        piece = torch.nn.ModuleList([layer, norm])
+        unnormed = forward
+
+        def forward(x, kwargs):
+            out = unnormed(x, kwargs)
+            return norm(out[0] if isinstance(out, tuple) else out)
+    report = _count_forward(piece, getattr(inner, "self_attention", None), config, vargs,
                             forward, also_exclude=tuple(embedding.parameters()))
-    return {**report, "moe": moe}
+    return {**report, "moe": moe, "final_norm_in_block": piece is not layer}
 
 
 def main(argv: list[str]) -> int:
@@ -447,6 +491,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--sp", action="store_true")
     parser.add_argument("--layer", type=int, default=0)
     parser.add_argument("--mtp", action="store_true")
+    parser.add_argument("--mindspeed-llm", action="store_true")
     if "--" not in argv:
         print("poseidon: error: mcore_memory: put the Megatron arguments after --", file=sys.stderr)
         return 2

@@ -50,6 +50,10 @@ MOE = dict(num_experts=8, moe_top_k=2, moe_ffn_hidden_size=128)
 MLA = dict(num_query_groups=8, multi_latent_attention=True, qk_layernorm=True, q_lora_rank=64, kv_lora_rank=64, qk_head_dim=32,
            qk_pos_emb_head_dim=16, v_head_dim=32)
 
+# MindSpeed-LLM's pretrain_gpt.py builds megatron-core's plain GPT layer spec unless --spec
+# names another: its MLA models (the DeepSeek recipes) name this one
+MINDSPEED_LLM_MLA_SPEC = ["--spec", "mindspeed_llm.tasks.models.spec.deepseek_spec", "layer_spec"]
+
 # kind -> (Megatron arguments, ModelSpec fields)
 KINDS = {
     "dense": ([], {}),
@@ -100,9 +104,12 @@ def model_of(kind: str):
                                 normalization="RMSNorm", **{**BASE, **KINDS[kind][1]}))
 
 
-def predicted(cell: Cell) -> tuple[float, float]:
+def predicted(cell: Cell, local_spec: bool = True) -> tuple[float, float]:
     """(activation bytes, parameter bytes) of one layer on one rank, by ``memory.py`` (kind
-    ``mtp``: one MTP layer, ``memory.mtp_layer_activation_bytes`` and ``mtp_param_split``)."""
+    ``mtp``: one MTP layer, ``memory.mtp_layer_activation_bytes`` and ``mtp_param_split``).
+    ``local_spec``: the layer is megatron-core's local spec, whose MLA down projections are
+    column-parallel (the known differences below are added); MindSpeed-LLM's MLA spec builds
+    them duplicated on every TP rank (``LinearNoTP``), as the GPU's TE spec and ``memory.py``."""
     model = model_of(cell.kind)
     shape = dict(micro_batch_size=MBS, seq_length=SEQ // cell.cp, tp=cell.tp,
                  sequence_parallel=cell.sp, setup=TrainingSetup())
@@ -111,7 +118,7 @@ def predicted(cell: Cell) -> tuple[float, float]:
                 model.mtp_param_split().per_device(cell.tp, cell.ep) * 2)
     act = memory.layer_activation_bytes(model, **shape)
     params = model.layer_param_split().per_device(cell.tp, cell.ep) * 2
-    if cell.kind == "mla" and cell.tp > 1:
+    if cell.kind == "mla" and cell.tp > 1 and local_spec:
         params -= _local_mla_down_params(model) * (cell.tp - 1) / cell.tp * 2
         if cell.sp:
             act += _local_mla_q_latent_view(model, cell)
@@ -141,8 +148,10 @@ def _local_mla_down_params(model) -> float:
 
 
 def measure(cell: Cell, python: str = sys.executable, env: dict | None = None,
-            timeout: float = 900) -> list[dict]:
-    """The worker's per-rank reports for ``cell``."""
+            timeout: float = 900, mindspeed_llm: bool = False) -> list[dict]:
+    """The worker's per-rank reports for ``cell`` (``mindspeed_llm``: with MindSpeed-LLM's
+    adaptor imported first, its patches and MindSpeed's on megatron-core, as in a launch; its
+    trees and the NPU stand-ins on the ``env``'s ``PYTHONPATH``)."""
     base = list(BASE_ARGS)
     if cell.kind == "mla":   # MLA: heads, no query groups
         base = [a for a in base if a != "--group-query-attention"]
@@ -150,8 +159,10 @@ def measure(cell: Cell, python: str = sys.executable, env: dict | None = None,
         del base[i:i + 2]
     argv = [python, "-m", "poseidon_plugin.fidelity.mcore_memory", "--tp", str(cell.tp),
             "--ep", str(cell.ep), *(["--sp"] if cell.sp else []),
-            *(["--mtp"] if cell.kind == "mtp" else []), "--",
-            *base, "--seq-length", str(SEQ // cell.cp), *KINDS[cell.kind][0]]
+            *(["--mtp"] if cell.kind == "mtp" else []),
+            *(["--mindspeed-llm"] if mindspeed_llm else []), "--",
+            *base, "--seq-length", str(SEQ // cell.cp), *KINDS[cell.kind][0],
+            *(MINDSPEED_LLM_MLA_SPEC if mindspeed_llm and cell.kind == "mla" else [])]
     run_env = dict(os.environ if env is None else env, OMP_NUM_THREADS="1",
                    PYTHONWARNINGS="ignore")
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=run_env)
@@ -188,7 +199,7 @@ class Row:
 
 def check(cell: Cell, **kw) -> Row:
     reports = measure(cell, **kw)
-    act, params = predicted(cell)
+    act, params = predicted(cell, local_spec=not kw.get("mindspeed_llm", False))
     errors = sorted({r["error"] for r in reports if "error" in r})
     if errors:
         return Row(cell, 0.0, act, 0.0, params, error="; ".join(errors))
@@ -216,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--python", default=sys.executable,
                         help="the interpreter whose megatron-core builds the layers")
+    parser.add_argument("--mindspeed-llm", action="store_true",
+                        help="import MindSpeed-LLM's adaptor first in every worker rank (its "
+                        "patches and MindSpeed's; the trees, and tests/npu_fakes off an NPU, "
+                        "on PYTHONPATH, TRAINING_BACKEND=mcore)")
     opts = parser.parse_args(argv)
     kinds = tuple(k for k in opts.kinds.split(",") if k)
     unknown = [k for k in kinds if k not in KINDS]
@@ -225,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = []
     for cell in grid(opts.grid, kinds):
-        rows.append(check(cell, python=opts.python))
+        rows.append(check(cell, python=opts.python, mindspeed_llm=opts.mindspeed_llm))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
     print(table(rows))
     return 0 if all(r.holds for r in rows) else 1

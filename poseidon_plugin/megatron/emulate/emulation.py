@@ -212,10 +212,15 @@ def _make_mode():
                 return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
             if func is tensor_to:
                 args = tuple(cpu if (i > 0 and _is_accel(a)) else a for i, a in enumerate(args))
-            if func is all_to_all_single:
+            if func is all_to_all_single or (
+                    getattr(func, "__name__", None) == "all_to_all_single"
+                    and (getattr(func, "__module__", None) or "").startswith(("torch.distributed",
+                                                                    "mindspeed"))):
                 # megatron-core's alltoall MoE dispatcher moves its split sizes to the host only
                 # from a CUDA tensor (moe_utils.maybe_move_tensor_to_cpu): on the CPU they stay
-                # tensors, which gloo's binding does not take; lists are what it would pass
+                # tensors, which gloo's binding does not take; lists are what it would pass.
+                # By name too: MindSpeed-LLM wraps torch.distributed's function after the shims
+                # are installed (its high_availability communication patch, functools.wraps)
                 args = tuple(a.tolist() if i in (2, 3) and torch.is_tensor(a) else a
                              for i, a in enumerate(args))
                 for k in ("output_split_sizes", "input_split_sizes"):

@@ -37,6 +37,34 @@ def built_kinds(block: Any) -> list[tuple[int, bool]]:
     return out
 
 
+def is_mla_module(attention: Any) -> bool:
+    """Whether a built layer's self-attention is multi-latent (a class named ``*MLA*`` in its
+    MRO: megatron-core's ``MLASelfAttention``, MindSpeed-LLM's ``CustomMLASelfAttention``)."""
+    return attention is not None and any("MLA" in c.__name__ for c in type(attention).__mro__)
+
+
+def attention_mismatch(block: Any, planned_mla: bool, framework: str) -> str | None:
+    """One line where a built layer's attention is not the kind the plan priced, or None.
+    MindSpeed-LLM's ``pretrain_gpt.py`` builds megatron-core's plain GPT layer spec unless
+    ``--spec`` names another, so ``--multi-latent-attention`` alone trains ordinary attention."""
+    for layer in getattr(block, "layers", ()):
+        attention = getattr(layer, "self_attention", None)
+        if attention is None or type(attention).__name__ in ("IdentityOp", "IdentityFuncOp"):
+            continue
+        mla = is_mla_module(attention)
+        if mla == planned_mla:
+            continue
+        fix = (" (its DeepSeek recipes name --spec mindspeed_llm.tasks.models.spec."
+               "deepseek_spec layer_spec)" if planned_mla and framework == "MindSpeed-LLM"
+               else "")
+        return (f"{framework} built layer {getattr(layer, 'layer_number', '?')}'s attention as "
+                f"{type(attention).__name__}, but the plan's model "
+                f"{'has' if planned_mla else 'has no'} multi-latent attention "
+                f"(--multi-latent-attention){fix}: not launching a model other than the one "
+                "planned")
+    return None
+
+
 def mismatch(built: Sequence[tuple[int, bool]], planned_moe: Sequence[bool],
              framework: str) -> str | None:
     """The first difference between the built layers and the plan's model, as one line, or None."""
@@ -62,9 +90,11 @@ def mismatch(built: Sequence[tuple[int, bool]], planned_moe: Sequence[bool],
 
 
 def install(planned_moe: Sequence[bool], framework: str,
-            fail: Callable[[PoseidonError], int]) -> Callable[[], None]:
-    """Check every TransformerBlock built from now on (:func:`mismatch`); on a difference,
-    ``fail(error)`` (prints the line) and exit with its code. Returns the undo."""
+            fail: Callable[[PoseidonError], int],
+            planned_mla: bool | None = None) -> Callable[[], None]:
+    """Check every TransformerBlock built from now on (:func:`mismatch`, and with
+    ``planned_mla`` :func:`attention_mismatch`); on a difference, ``fail(error)`` (prints the
+    line) and exit with its code. Returns the undo."""
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     planned = tuple(bool(m) for m in planned_moe)
@@ -74,6 +104,8 @@ def install(planned_moe: Sequence[bool], framework: str,
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         line = mismatch(built_kinds(self), planned, framework)
+        if line is None and planned_mla is not None:
+            line = attention_mismatch(self, planned_mla, framework)
         if line is not None:
             raise SystemExit(fail(PoseidonError(line)))
 

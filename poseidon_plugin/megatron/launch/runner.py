@@ -1080,7 +1080,8 @@ def _all_ranks_apply(ctx: LaunchContext) -> AutoResult:
     from poseidon_plugin.megatron.launch import built_check
 
     built_check.install([bool(v) for v in ctx.model.moe_pattern],
-                        "MindSpeed-LLM" if ctx.backend == "mindspeed-llm" else "Megatron", _fail)
+                        "MindSpeed-LLM" if ctx.backend == "mindspeed-llm" else "Megatron", _fail,
+                        planned_mla=bool(ctx.model.multi_latent_attention))
     _install_straggler_monitor(ctx, plan)   # before the calibration (see straggler.py)
     _install_calibration(plan, ctx.model, ctx.cache_path, ctx.cluster.type_names,
                          getattr(ctx.args, "train_iters", None))

@@ -327,7 +327,12 @@ def mindspeed_llm_layer_spec(vargs: Any, layer_index: int) -> Any:
              else specs.get_gpt_layer_local_spec)
     experts = getattr(vargs, "num_experts", None)
     grouped = getattr(vargs, "moe_grouped_gemm", False)
-    spec = copy.deepcopy(maker(experts, grouped))
+    if getattr(vargs, "spec", None):   # --spec MODULE NAME, as its pretrain_gpt.py imports it
+        from megatron.core.transformer.spec_utils import import_module
+
+        spec = copy.deepcopy(import_module(list(vargs.spec)))
+    else:
+        spec = copy.deepcopy(maker(experts, grouped))
     first_k = getattr(vargs, "first_k_dense_replace", None)
     freq = getattr(vargs, "moe_layer_freq", None)
     if experts and first_k and freq:

@@ -27,7 +27,28 @@ def npu_rotary_mul(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return x * cos + rot * sin
 
 
+class _SwiGLU(torch.autograd.Function):
+    """Keeps what the NPU kernel keeps for backward: its input alone (``npu_swiglu_backward``
+    takes the gradient and ``x``), so the memory harness counts a MindSpeed build's MLP as the
+    device holds it, not as the two unfused ops would."""
+
+    @staticmethod
+    def forward(ctx, x, dim):
+        ctx.save_for_backward(x)
+        ctx.dim = dim
+        a, b = x.chunk(2, dim=dim)
+        return torch.nn.functional.silu(a) * b
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            xx = x.detach().requires_grad_(True)
+            a, b = xx.chunk(2, dim=ctx.dim)
+            (gx,) = torch.autograd.grad(torch.nn.functional.silu(a) * b, xx, grad)
+        return gx, None
+
+
 def npu_swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """silu(a) * b for (a, b) = x split in two along ``dim``."""
-    a, b = x.chunk(2, dim=dim)
-    return torch.nn.functional.silu(a) * b
+    return _SwiGLU.apply(x, dim)
