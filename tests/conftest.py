@@ -73,9 +73,6 @@ SLOW = {
     # three processes importing torch and megatron-core 0.12.1's writer (2026-12-02, beside a
     # CI run: 37 CPU-s, 38 s wall)
     "tests/test_checkpoint_resume.py::test_megatron_core_0_12_1s_writer_gets_torchs_serialization_format": 37,
-    # two torchrun agents (a node killed, the other restarted on what is left): 287 s wall beside
-    # a CI run on the 2-core host, 2026-12-01; CPU seconds not measured
-    "tests/test_dead_rank_launch.py::test_a_dead_node_is_replanned_around_and_the_job_resumes": None,
 }
 
 

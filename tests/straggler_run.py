@@ -1,9 +1,15 @@
-"""A straggler run under torchrun's restart, shared by the framework trees' tests
+"""Runs under torchrun's restart, shared by the framework trees' tests
 (tests/test_resume_replan.py: Megatron-LM core_v0.19.0; tests/test_mindspeed_llm_resume.py:
-MindSpeed-LLM v26.1.0): each rank under a shell that prints its exit status, the launch's log
-streamed while the test slows one emulated rank through the emulation's live slowdown file
-(``POSEIDON_EMULATE_SLOWDOWN_FILE``) once Megatron has logged a given iteration, and the checks
-of the straggler's exit (75), torchrun's relaunch and its resume."""
+MindSpeed-LLM v26.1.0), each rank under a shell that prints its exit status:
+
+* a straggler: the launch's log streamed while the test slows one emulated rank through the
+  emulation's live slowdown file (``POSEIDON_EMULATE_SLOWDOWN_FILE``) once Megatron has logged a
+  given iteration, and the checks of the straggler's exit (75), torchrun's relaunch and its
+  resume;
+* a dead node: two torchrun agents stand for two nodes (``--nnodes 1:2``, c10d rendezvous, 2
+  ranks each, ``--max-restarts 1``); once Megatron has saved a checkpoint the second agent and
+  its ranks are killed (SIGKILL), and the first agent restarts its ranks in a new rendezvous
+  with the one node left."""
 
 from __future__ import annotations
 
@@ -12,6 +18,8 @@ import re
 import subprocess
 import sys
 import threading
+import time
+from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -92,3 +100,107 @@ def check_restart(out: str, it: int, nranks: int, iters: int) -> str:
     assert not re.search(rf"iteration +{it + 1}/ +{iters} \|", first)   # nothing past it
     return relaunch
 
+
+
+def dead_node_agent(python: str, port: int, launch: list[str]) -> list[str]:
+    """One of the two agents of a dead-node run: torchrun, 2 ranks, ``launch`` (the script and
+    its arguments) under :data:`STATUS`."""
+    return [python, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+            "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"127.0.0.1:{port}", "--rdzv-id", "poseidon-dead-node", "--rdzv-conf",
+            "last_call_timeout=30", "--no-python", "bash", "-c", STATUS, python, *launch]
+
+
+def run_dead_node(agent: Callable[[int], list[str]], env: dict[str, str], log_dir,
+                  saved_at: int = 2, timeout: float = 900,
+                  cwd: str = ROOT) -> tuple[int, str, str]:
+    """Starts ``agent(port)`` twice (the first hosts the rendezvous store: the node that dies
+    must not be the one holding it; the second joins within ``last_call_timeout``, so both are
+    in the first round), kills the second once Megatron has saved at ``saved_at``, waits for the
+    first. (the first agent's returncode, its log, the second's log); both are written under
+    ``log_dir``."""
+    from test_launch_e2e import free_port
+
+    port = free_port()
+    logs: tuple[list[str], list[str]] = ([], [])
+    procs: list[subprocess.Popen] = []
+    readers = []
+    killed = False
+    try:
+        for i in range(2):
+            procs.append(subprocess.Popen(agent(port), stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd,
+                                          start_new_session=True))
+            readers.append(_drain(procs[-1], logs[i]))
+            if i == 0:
+                _wait_listening(port, procs[0])
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and procs[0].poll() is None:
+            both = "".join(logs[0] + logs[1])
+            if "is not used by the plan" in both:
+                break      # the first plan left a node out: no restart would follow
+            if not killed and re.search(rf"successfully saved checkpoint from iteration +"
+                                        rf"{saved_at}\b", both):
+                _kill_tree(procs[1].pid)   # the node: its agent and its ranks
+                killed = True
+            time.sleep(0.5)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                _kill_tree(proc.pid)
+            proc.wait()
+        for t in readers:
+            t.join(5)
+    out = "".join(logs[0])
+    (log_dir / "node-a.log").write_text(out)
+    (log_dir / "node-b.log").write_text("".join(logs[1]))
+    sys.stdout.write(out[-4000:])
+    print("\n".join(ln for ln in out.splitlines()
+                    if "resume from iteration" in ln or "lm loss" in ln or "exitcode" in ln))
+    assert "is not used by the plan" not in "".join(logs[0] + logs[1]), \
+        "the first plan left devices unused\n" + out[-6000:]
+    assert killed, f"Megatron never saved at iteration {saved_at}\n" + out[-6000:]
+    return procs[0].returncode, out, "".join(logs[1])
+
+
+def check_dead_node_resume(out: str, saved_at: int, iters: int,
+                           lost: str = "2 x emu-slow") -> tuple[int, str]:
+    """The surviving node's relaunch: one line naming the lost devices, Megatron's load of the
+    last checkpoint (``saved_at`` or a later one saved before the kill), every iteration after
+    it: (that iteration, the relaunch's log)."""
+    found = re.search(r"resume from iteration (\d+): ", out)
+    assert found, out[-6000:]
+    saved_at = max(saved_at, int(found.group(1)))
+    assert int(found.group(1)) == saved_at, found.group(0)
+    relaunch = out[found.end():]
+    line = found.group(0) + relaunch.splitlines()[0]
+    print(line)
+    assert f"lost {lost} (host " in line and " ms predicted" in line, line
+    assert re.search(rf"successfully loaded checkpoint from .* at iteration {saved_at}\b",
+                     relaunch), relaunch[-6000:]
+    for i in range(saved_at + 1, iters + 1):
+        assert re.search(rf"iteration +{i}/ +{iters} \|", relaunch), (i, relaunch[-6000:])
+    statuses = re.findall(r"\[launch rank (\d)\] exit status (-?\d+)", out)
+    assert statuses[-2:] and {c for _, c in statuses[-2:]} == {"0"}, statuses
+    return saved_at, relaunch
+
+
+def _drain(proc: subprocess.Popen, into: list[str]) -> threading.Thread:
+    def run():
+        for line in proc.stdout:   # type: ignore[union-attr]
+            into.append(line)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _wait_listening(port: int, agent: subprocess.Popen, timeout: float = 300) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and agent.poll() is None:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"the first agent's rendezvous store never listened on port {port}")

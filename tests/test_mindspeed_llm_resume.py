@@ -25,7 +25,8 @@ import frameworks as fw
 from test_launch_e2e import EMULATE4, free_port, ok
 from test_mindspeed_llm_launch import ARGS as MSLLM_ARGS, launch as msllm_launch
 from test_resume_replan import THREE, emulation, losses, shape
-from straggler_run import LINE, STATUS, check_restart, run_slowed
+from straggler_run import (LINE, STATUS, check_dead_node_resume, check_restart,
+                           dead_node_agent, run_dead_node, run_slowed)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -137,6 +138,45 @@ def test_a_straggler_restarts_under_torchrun_and_resumes_under_the_measured_spee
     assert shape(new) != shape(plan), (shape(new), shape(plan))
     # the first group logs iteration `it` after the straggler line: the relaunch's own losses
     got = losses(relaunch.partition(f"resume from iteration {it}: ")[2])
+    print(f"lm loss {it + 1}-8: resumed " + ", ".join(f"{got.get(i, float('nan')):.6f}"
+                                                      for i in range(it + 1, 9))
+          + "; uninterrupted " + ", ".join(f"{reference[i]:.6f}" for i in range(it + 1, 9)))
+    assert sorted(got) == list(range(it + 1, 9)), relaunch[-4000:]
+    for i in range(it + 1, 9):
+        assert abs(got[i] - reference[i]) <= 0.01 * reference[i], (i, got, reference)
+
+
+def test_a_dead_node_is_replanned_around_and_the_job_resumes(plan_a):
+    """Issue 37 item 4 on MindSpeed-LLM: plan A's launch again on two torchrun agents standing
+    for two nodes (2 ranks each; its profile cache, its plan kept), saving every 2 iterations;
+    once MindSpeed-LLM has saved at 2 the second node (agent and ranks) is killed, the first
+    agent restarts its ranks with the one node left, and the relaunch plans for its 2 devices
+    (one line saying what was lost), loads the last checkpoint and trains to 8, its losses
+    within 1 % of plan A's uninterrupted run; the agent exits 0."""
+    work, plan, reference = plan_a
+    assert plan["pp"] * plan["tp"] * plan["dp"] == 4, plan   # every device used (else the
+    # unused node's ranks exit 0 and nothing is restarted)
+    run = work / "dead-node"
+    run.mkdir()
+    shutil.copytree(work / "profiles-plan-a", run / "profiles")
+    ckpt = run / "ckpt"
+    # plan A's types and speeds, the fast pair first: the relaunch's ranks 0, 1 (the node
+    # left) are the fast pair, the slow pair is the one lost (CI time)
+    emu = emulation(run / "emu.yaml", {"emu-fast": 1.0, "emu-slow": 0.25},
+                    ["emu-fast", "emu-fast", "emu-slow", "emu-slow"])
+    script = [fw.script(RELEASE), *ARGS, "--poseidon-emulate", emu,
+              "--poseidon-keep-plan-within", "10", "--save", str(ckpt), "--load", str(ckpt),
+              "--save-interval", "2"]
+    env = fw.mindspeed_llm_env(RELEASE, {
+        "POSEIDON_PROFILE_DIR": str(run / "profiles"),
+        "POSEIDON_HELPERS_CACHE": str(work / "megatron-helpers"), "POSEIDON_STRAGGLER": "0"})
+    rc, out, node_b = run_dead_node(
+        lambda port: dead_node_agent(fw.msllm_python(), port, script), env, run, cwd=fw.ROOT)
+    assert re.search(r"the previous launch's plan \(.*\) is .* ms: kept \(window 10%",
+                     out + node_b), out[-6000:]      # the first group trained plan A
+    it, relaunch = check_dead_node_resume(out, 2, 8, lost="2 x emu-slow")
+    assert rc == 0, out[-6000:]
+    got = losses(relaunch)   # MindSpeed-LLM logs each iteration's own loss
     print(f"lm loss {it + 1}-8: resumed " + ", ".join(f"{got.get(i, float('nan')):.6f}"
                                                       for i in range(it + 1, 9))
           + "; uninterrupted " + ", ".join(f"{reference[i]:.6f}" for i in range(it + 1, 9)))

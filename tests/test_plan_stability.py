@@ -138,14 +138,15 @@ def test_off_returns_the_fastest_and_says_nothing():
 
 # --------------------------------------------------------------------------- stability
 
-TWO_BY_TWO = cluster_from_dict({
+_TWO_BY_TWO = {
     "name": "emu", "device_types": {
         "fast": {"memory_gib": 16, "peak_tflops": 1, "intra_node_gbps": 100},
         "slow": {"memory_gib": 16, "peak_tflops": 1, "intra_node_gbps": 100}},
     "nodes": [{"device_type": "fast", "devices_per_node": 2, "count": 1},
               {"device_type": "slow", "devices_per_node": 2, "count": 1}],
     "links": {"inter_node_gbps": {"fast": 100, "slow": 100}, "cross_type_gbps": 100,
-              "latency_ms": 0.05}})
+              "latency_ms": 0.05}}
+TWO_BY_TWO = cluster_from_dict(_TWO_BY_TWO)
 """Four ranks of two device types, as in the emulated demo."""
 
 
@@ -248,6 +249,13 @@ def test_previous_plan_path_is_named_by_the_inputs_not_the_costs(tmp_path, caplo
     assert a != previous_plan_path(cache, TWO_BY_TWO, model, opts.replace(global_batch_size=32))
     assert a != previous_plan_path(str(tmp_path / "profiles-xyz.json"), TWO_BY_TWO, model, opts)
     assert os.path.dirname(a) == str(tmp_path)
+    # the same devices in another order (the other type's ranks first): the same plan file
+    swapped = cluster_from_dict({**_TWO_BY_TWO, "nodes": _TWO_BY_TWO["nodes"][::-1]})
+    assert swapped.type_names != TWO_BY_TWO.type_names
+    assert a == previous_plan_path(cache, swapped, model, opts)
+    one_fewer = {**_TWO_BY_TWO, "nodes": [dict(_TWO_BY_TWO["nodes"][0], devices_per_node=1),
+                                          _TWO_BY_TWO["nodes"][1]]}
+    assert a != previous_plan_path(cache, cluster_from_dict(one_fewer), model, opts)
     assert _load_previous(a) is None                  # none yet: nothing said
     with open(a, "w") as f:
         f.write("{not json")

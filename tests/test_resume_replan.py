@@ -37,7 +37,8 @@ import frameworks as fw
 from test_launch_e2e import EMULATE4, GPT_ARGS, free_port, ok, with_value
 from test_megatron_lm_tree_launch import PYTHON, TREE, skip_reason
 from test_moe_ep_launch import EP_ARGS
-from straggler_run import LINE, STATUS, check_restart, run_slowed
+from straggler_run import (LINE, STATUS, check_dead_node_resume, check_restart,
+                           dead_node_agent, run_dead_node, run_slowed)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -283,3 +284,39 @@ def test_a_straggler_restarts_under_torchrun_and_resumes_under_the_measured_spee
     new = json.loads(plan_file.read_text())      # the relaunch's (it overwrote the first's)
     assert shape(new) != shape(plan), (shape(new), shape(plan))
     check_resumed(relaunch.partition(f"resume from iteration {it}: ")[2], reference, it)
+
+
+def test_a_dead_node_is_replanned_around_and_the_job_resumes(plan_a):
+    """Issue 37 item 4 on the tree's own script: plan A's launch again on two torchrun agents
+    standing for two nodes (2 ranks each; plan A's profile cache, its plan kept), saving every 2
+    iterations. Once Megatron has saved at 2 the second node (its agent and its ranks) is
+    killed; the first node's ranks fail on their next collective, its agent restarts them in a
+    new rendezvous with the one node left, and the relaunch discovers 2 devices, plans for them
+    (one line saying what was lost), loads the last checkpoint and trains to 8, its losses
+    within 1 % of plan A's uninterrupted run; the agent exits 0."""
+    work, _, plan, reference = plan_a
+    assert plan["pp"] * plan["tp"] * plan["dp"] == 4, plan   # every device used: a node's
+    # ranks left out of the plan exit 0, and nothing would be left to restart
+    run = work / "dead-node"
+    run.mkdir()
+    shutil.copytree(work / "profiles-plan-a", run / "profiles")
+    ckpt = run / "ckpt"
+    # plan A's two types and speeds (its profiles, its plan), the fast pair on launch ranks 0, 1:
+    # the relaunch's ranks 0, 1 are the node left, so the slow pair is the one lost (the
+    # relaunch trains on the fast pair: CI time)
+    emu = emulation(run / "emu.yaml", {"emu-fast": 1.0, "emu-slow": 0.25},
+                    ["emu-fast", "emu-fast", "emu-slow", "emu-slow"])
+    script = [os.path.join(TREE, "pretrain_gpt.py"), *ARGS, "--poseidon-auto",
+              "--poseidon-emulate", emu, "--poseidon-keep-plan-within", "10",
+              "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "2"]
+    env = {**os.environ, "PYTHONPATH": fw.ROOT, "OMP_NUM_THREADS": "1",
+           "PYTHONWARNINGS": "ignore", "POSEIDON_PROFILE_DIR": str(run / "profiles"),
+           "POSEIDON_HELPERS_CACHE": str(work / "megatron-helpers"), "POSEIDON_STRAGGLER": "0"}
+    rc, out, node_b = run_dead_node(lambda port: dead_node_agent(PYTHON, port, script), env,
+                                    run, cwd=fw.ROOT)
+    # the first group trained plan A (its rank 0 on either node)
+    assert re.search(r"the previous launch's plan \(.*\) is .* ms: kept \(window 10%",
+                     out + node_b), out[-6000:]
+    it, relaunch = check_dead_node_resume(out, 2, 8, lost="2 x emu-slow")
+    assert rc == 0, out[-6000:]
+    check_resumed(relaunch, reference, it)

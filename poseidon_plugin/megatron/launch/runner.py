@@ -893,13 +893,15 @@ def previous_plan_path(cache_path: str, cluster: Cluster, model: ModelSpec,
     """Where a launch keeps its plan for the next identical launch: beside the profile cache,
     named by a hash of what the plan depends on (the cache's name: versions and emulation;
     model, sequence, batch, training setup, the cluster's device types and nodes, the search
-    space), not of the measured costs."""
+    space), not of the measured costs. The devices as a set: the same devices in another rank
+    order (a relaunch whose ranks came up in another order) keep their plan, which names
+    device types, not ranks."""
     o = options
     key = repr((os.path.basename(cache_path), model.signature(), model.num_layers,
                 o.global_batch_size, o.seq_length, o.training, o.schedules, o.pruning,
                 o.tp_mode, o.tp_degrees, o.micro_batch_sizes, o.max_virtual_stages, o.type_order,
-                [(t, cluster.devices_of_type(t)) for t in cluster.type_names],
-                [(n.device_type, n.num_devices) for n in cluster.nodes]))
+                sorted((t, cluster.devices_of_type(t)) for t in cluster.type_names),
+                sorted((n.device_type, n.num_devices) for n in cluster.nodes)))
     ep = getattr(o, "expert_parallel", (1,))
     if ep != (1,):   # EP kept at 1 (the default): the key dense launches always had
         key += f"|ep={ep}"
