@@ -387,6 +387,10 @@ def _plan(ns, search_plan) -> int:
     options = options.replace(rules=framework_rules(ns.megatron_args, model.num_layers,
                                                     moe=model.is_moe))
     model = users_dispatcher(model, ns.megatron_args)
+    if ns.megatron_args and model.is_moe:   # judged by the installed Megatron: its rule too
+        from poseidon_plugin.megatron.launch import judge
+
+        options = options.replace(moe_free_stages=judge.installed_trains_moe_free_stages())
     model_note = model.planning_note()   # what is not yet costed (the user's dispatcher)
     if model_note:
         sys.stderr.write(f"poseidon: warning: {bound_line(model_note)}\n")

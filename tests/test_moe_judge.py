@@ -226,6 +226,35 @@ def test_plan_megatron_args_keep_the_users_dispatcher_and_are_judged(capsys, tmp
         == "allgather"
 
 
+@pytest.mark.parametrize("version,allowed", [("0.12.1", False), ("0.19.2", True)])
+def test_plan_megatron_args_search_under_the_installed_megatrons_moe_free_stage_rule(
+        capsys, tmp_path, monkeypatch, version, allowed):
+    """``poseidon plan --megatron-args`` is judged by the installed Megatron, so its search
+    follows that megatron-core's rule as a launch's does: before 0.19 no pipeline stage may
+    hold only the leading dense layers (it hangs at the first optimizer step); the plan has
+    none such. Before, the offline search always allowed them."""
+    from poseidon_plugin import search as search_pkg
+    from poseidon_plugin.megatron import provenance
+    from poseidon_plugin.search import rules
+
+    monkeypatch.setattr(provenance, "megatron_core",
+                        lambda module=None: provenance.Component("megatron-core", version))
+    seen = []
+    real = search_pkg.search_plan
+
+    def recording(cluster, model, options, *args, **kwargs):
+        seen.append(options.moe_free_stages)
+        return real(cluster, model, options, *args, **kwargs)
+
+    monkeypatch.setattr(search_pkg, "search_plan", recording)
+    rc, out, err = _plan_cli(capsys, tmp_path, "--moe-token-dispatcher-type alltoall")
+    assert rc == 0, err
+    assert seen and set(seen) == {allowed}, seen
+    plan = Plan.from_json(out)
+    if not allowed:
+        assert rules.stages_without_moe_layers(plan, MIXED_MTP) == [], plan.stages
+
+
 def test_plan_megatron_args_refused_whatever_the_plan_is_a_warning(capsys, tmp_path, caplog):
     """Megatron builds no config with the shared-expert overlap on the allgather dispatcher
     (TransformerConfig.__post_init__; validate_args lets it through) whatever the plan: not the

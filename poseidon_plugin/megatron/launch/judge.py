@@ -293,3 +293,15 @@ def search_accepted(search: Callable[[SearchOptions], Plan], options: SearchOpti
 
 __all__ = ["framework_refusal", "plan_refusal", "model_argv", "answered_device_queries",
            "search_accepted", "JudgeError", "MAX_RESEARCHES"]
+
+
+def installed_trains_moe_free_stages() -> bool:
+    """Whether the installed megatron-core trains a pipeline stage that holds no MoE layer
+    (0.19 on; 0.12.1, MindSpeed-LLM's, hangs at the first optimizer step:
+    ``search/rules.py``, ``MOE_FREE_STAGE_FIXED_IN``); not installed or unknown: no. The launch
+    and ``poseidon plan --megatron-args`` (judged by the installed Megatron) search with it."""
+    from poseidon_plugin.megatron import provenance
+    from poseidon_plugin.search import rules
+
+    version = rules.version_tuple(provenance.megatron_core().version)
+    return version is not None and version[:2] >= rules.MOE_FREE_STAGE_FIXED_IN

@@ -994,12 +994,10 @@ def _search_options(ctx: LaunchContext) -> SearchOptions:
 
 def _moe_free_stages_train() -> bool:
     """Whether the megatron-core the script imports trains a pipeline stage that holds no MoE
-    layer (0.19 on; 0.12.1, MindSpeed-LLM's, hangs: ``search/rules.py``); unknown: no."""
-    from poseidon_plugin.megatron import provenance
-    from poseidon_plugin.search import rules
+    layer (:func:`.judge.installed_trains_moe_free_stages`)."""
+    from poseidon_plugin.megatron.launch import judge
 
-    version = rules.version_tuple(provenance.megatron_core().version)
-    return version is not None and version[:2] >= rules.MOE_FREE_STAGE_FIXED_IN
+    return judge.installed_trains_moe_free_stages()
 
 
 def _ep_option(expert_parallel: tuple[int, ...] | None) -> dict[str, Any]:
