@@ -108,7 +108,7 @@ def dead_node_agent(python: str, port: int, launch: list[str]) -> list[str]:
     return [python, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
             "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
             f"127.0.0.1:{port}", "--rdzv-id", "poseidon-dead-node", "--rdzv-conf",
-            "last_call_timeout=30", "--no-python", "bash", "-c", STATUS, python, *launch]
+            "last_call_timeout=20", "--no-python", "bash", "-c", STATUS, python, *launch]
 
 
 def run_dead_node(agent: Callable[[int], list[str]], env: dict[str, str], log_dir,
@@ -163,11 +163,12 @@ def run_dead_node(agent: Callable[[int], list[str]], env: dict[str, str], log_di
     return procs[0].returncode, out, "".join(logs[1])
 
 
-def check_dead_node_resume(out: str, saved_at: int, iters: int,
-                           lost: str = "2 x emu-slow") -> tuple[int, str]:
+def check_dead_node_resume(out: str, saved_at: int, iters: int, lost: str = "2 x emu-slow",
+                           until: int | None = None) -> tuple[int, str]:
     """The surviving node's relaunch: one line naming the lost devices, Megatron's load of the
     last checkpoint (``saved_at`` or a later one saved before the kill), every iteration after
-    it: (that iteration, the relaunch's log)."""
+    it up to ``until`` (``--exit-interval``; default ``iters``), none after it: (that
+    iteration, the relaunch's log)."""
     found = re.search(r"resume from iteration (\d+): ", out)
     assert found, out[-6000:]
     saved_at = max(saved_at, int(found.group(1)))
@@ -178,8 +179,10 @@ def check_dead_node_resume(out: str, saved_at: int, iters: int,
     assert f"lost {lost} (host " in line and " ms predicted" in line, line
     assert re.search(rf"successfully loaded checkpoint from .* at iteration {saved_at}\b",
                      relaunch), relaunch[-6000:]
-    for i in range(saved_at + 1, iters + 1):
+    until = until or iters
+    for i in range(saved_at + 1, until + 1):
         assert re.search(rf"iteration +{i}/ +{iters} \|", relaunch), (i, relaunch[-6000:])
+    assert not re.search(rf"iteration +{until + 1}/ +{iters} \|", relaunch)
     statuses = re.findall(r"\[launch rank (\d)\] exit status (-?\d+)", out)
     assert statuses[-2:] and {c for _, c in statuses[-2:]} == {"0"}, statuses
     return saved_at, relaunch
