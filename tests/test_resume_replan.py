@@ -184,6 +184,13 @@ def test_resume_with_the_types_speeds_swapped_at_tp_2(plan_a, tmp_path):
     proc, out, new = launch(work, 4, emu, ["--load", str(ckpt), "--ckpt-step", "4"], "swap",
                             base=with_value(ARGS, "--poseidon-tp", "2"))
     assert proc.returncode == 0, ok(proc, out)
+    check_swapped_at_tp_2(plan, new, out)
+    check_resumed(out, reference)
+
+
+def check_swapped_at_tp_2(plan: dict, new: dict, out: str) -> None:
+    """The relaunch with the types' speeds swapped runs TP 2 where plan A ran TP 1, gives the
+    type now fast (emu-slow) more layers and says what changed on the same devices."""
     assert (plan["tp"], new["tp"]) == (1, 2), (shape(plan), shape(new))
     layers = {t: sum(s["layers"] for s in new["stages"] if s["device_type"] == t)
               for t in ("emu-fast", "emu-slow")}
@@ -191,7 +198,6 @@ def test_resume_with_the_types_speeds_swapped_at_tp_2(plan_a, tmp_path):
     (line,) = [ln for ln in out.splitlines() if "resume from iteration 4: " in ln]
     print(line)
     assert "the same devices; plan " in line and "tp=1" in line and "tp=2" in line, line
-    check_resumed(out, reference)
 
 
 def test_moe_saved_at_ep_2_resumes_at_ep_1_on_three_ranks(plan_a, tmp_path):
