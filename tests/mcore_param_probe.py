@@ -7,6 +7,9 @@ One gloo process (world 1, TP 1, PP 1, CPU shims as under --poseidon-emulate); M
 validate_args (the profiler's validated copy) and its own model builder, as ``pretrain_gpt.py``
 builds the model. Used by tests/test_model_layers.py to hold the per-kind counts of model.py to
 what megatron-core actually allocates (MLA, shared experts, dense/MoE patterns, MTP).
+``PROBE_STAGE=last``: the model as a pipeline's last stage (no pre-processing) is built instead
+and its ``sharded_state_dict()`` called, as a distributed save does (tests/test_framework_rules.py:
+an MTP model with tied embeddings cannot be saved there).
 """
 
 from __future__ import annotations
@@ -58,8 +61,19 @@ def main(argv: list[str]) -> None:
 
     _core_attention_takes_mla_head_dims()
     cfg = gpt_config_from_args(vargs)
+    last_only = os.environ.get("PROBE_STAGE") == "last"
     model = GPTModelBuilder(cfg).build_model(ProcessGroupCollection.use_mpu_process_groups(),
-                                             pre_process=True, post_process=True)
+                                             pre_process=not last_only, post_process=True)
+    if last_only:
+        # the last stage of a pipeline (no pre-processing): can Megatron checkpoint it?
+        try:
+            model.sharded_state_dict()
+            saved = "ok"
+        except AssertionError as exc:
+            saved = f"AssertionError: {str(exc)[:200]}"
+        print("PROBE " + json.dumps({"mtp": _count(getattr(model, "mtp", None)),
+                                     "sharded_state_dict": saved}), flush=True)
+        return
     decoder = model.decoder
     report = {
         "layers": [_count(layer) for layer in decoder.layers],

@@ -95,6 +95,32 @@ def test_mindspeed_llm_flags_it_would_not_build_are_refused():
     _check_mindspeed_llm_layers(args, model_from_megatron_args(args))    # as it builds them
 
 
+@pytest.mark.parametrize("fmt,save,refused", [
+    ("torch_dist", "ckpt", True), (None, "ckpt", True), ("torch", "ckpt", False),
+    ("torch_dist", None, False)])
+def test_a_mindspeed_llm_first_k_dense_save_it_cannot_write_is_refused(fmt, save, refused):
+    """MindSpeed-LLM v26.1.0's torch_dist save of a --first-k-dense-replace model died on every
+    rank (CheckpointingException, seen under the launch); refused in one line before anything
+    runs, where it would save in that format. An all-MoE model saves (no refusal)."""
+    from poseidon_plugin.megatron.launch.runner import _check_mindspeed_llm_layers
+    from poseidon_plugin.model import model_from_megatron_args
+
+    base = dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                seq_length=64, max_position_embeddings=64, padded_vocab_size=256,
+                vocab_size=256, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64,
+                moe_layer_freq=1, save=save, ckpt_format=fmt)
+    args = SimpleNamespace(**base, first_k_dense_replace=1)
+    model = model_from_megatron_args(args)
+    if refused:
+        with pytest.raises(PoseidonError, match=r"MindSpeed-LLM cannot save this model with "
+                           r"--ckpt-format torch_dist: .*--ckpt-format torch"):
+            _check_mindspeed_llm_layers(args, model)
+    else:
+        _check_mindspeed_llm_layers(args, model)
+    all_moe = SimpleNamespace(**base, first_k_dense_replace=None)
+    _check_mindspeed_llm_layers(all_moe, model_from_megatron_args(all_moe))
+
+
 def test_attention_of_another_kind_is_one_line():
     """MindSpeed-LLM's pretrain_gpt.py builds plain self-attention for --multi-latent-attention
     without --spec: the plan priced MLA, so the launch stops, naming the spec its recipes use."""

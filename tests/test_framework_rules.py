@@ -121,6 +121,12 @@ def test_no_flags_no_rules():
     (["--recompute-in-advance"], {("no_interleaving", 1)}),
     (["--optimize-send-recv-comm"], {("no_interleaving", 1)}),
     (["--num-layers", "12", "--first-k-dense-replace", "3"], {("max_pp", 3)}),
+    (["--mtp-num-layers", "1", "--save", "ckpt"], {("max_pp", 1)}),
+    (["--mtp-num-layers", "1", "--save", "ckpt", "--ckpt-format", "torch_dist"], {("max_pp", 1)}),
+    (["--mtp-num-layers", "1", "--save", "ckpt", "--untie-embeddings-and-output-weights"], set()),
+    (["--mtp-num-layers", "1", "--save", "ckpt", "--ckpt-format", "torch"], set()),
+    (["--mtp-num-layers", "1"], set()),                  # nothing saved
+    (["--mtp-num-layers", "0", "--save", "ckpt"], set()),
 ])
 def test_rules_from_the_users_flags(flags, kinds):
     rules = FrameworkRules.from_argv(flags)
@@ -483,3 +489,42 @@ def test_the_refused_plan_case_of_the_issue_launches_a_plan_megatron_accepts(tmp
     assert not (m.group(1) == "interleaved-1f1b" and int(m.group(3)) <= 2), m.group(0)
     assert P2P_LINE in out
     assert "searching again" not in out and "validate_args:" not in out
+
+
+# --------------------------------------------------------------------------- against megatron-core
+
+MTP_MODEL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 "
+             "--vocab-size 512 --position-embedding-type rope --mtp-num-layers 1")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
+def test_the_mtp_save_rule_is_where_megatron_core_cannot_save(untie):
+    """megatron-core's own GPT model with an MTP layer, built as a pipeline's last stage by its
+    model builder (tests/mcore_param_probe.py, PROBE_STAGE=last), and its sharded_state_dict
+    taken as a distributed save takes it: with tied embeddings it asserts (on MindSpeed-LLM
+    v26.1.0 over core_v0.12.1 the same assertion killed the first save of a pp=2 plan on every
+    last-stage rank), untied it saves. The rule excludes pp > 1 exactly in the first case."""
+    pytest.importorskip("megatron.core")
+    import subprocess
+    import sys
+
+    from test_launch_e2e import free_port
+    from test_model_layers import _CPU_FLAGS
+
+    argv = (MTP_MODEL + " " + _CPU_FLAGS).split()
+    if untie:
+        argv.append("--untie-embeddings-and-output-weights")
+    env = dict(os.environ, PYTHONPATH=ROOT, PROBE_PORT=str(free_port()), PROBE_STAGE="last")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "mcore_param_probe.py"),
+                          *argv], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("PROBE ")]
+    assert lines, out.stdout[-2000:] + out.stderr[-4000:]
+    built = json.loads(lines[-1][len("PROBE "):])
+    assert built["mtp"] > 0, built                  # the last stage holds the MTP block
+    saves = built["sharded_state_dict"] == "ok"
+    assert saves == untie, built
+    rules = FrameworkRules.from_argv([*argv, "--save", "ckpt"])
+    pp2 = Shape("1f1b", 1, 2, 1, 1, 1, 4)
+    assert rules.allows(pp2) == saves, rules.rules
+    assert rules.allows(pp2._replace(pp=1))

@@ -38,6 +38,10 @@ flag                                     excluded
 ``--optimize-send-recv-comm``            interleaved (MindSpeed's layout feature)
 ``--first-k-dense-replace K``            pp with num_layers // pp <= K (MindSpeed-LLM: no pp
                                          stage of dense layers only)
+``--mtp-num-layers N``, ``--save``,      pp > 1 (megatron-core 0.12.1 / 0.15.3 / 0.19.0
+tied embeddings, a distributed           allocate the last stage's output weight next to
+``--ckpt-format``                        MTP's embedding copy, and its sharded_state_dict
+                                         asserts there is none: the first save dies)
 MoE layers without                       tp > 1 (megatron-core's MoE layer at TP > 1 needs
 ``--sequence-parallel``                  sequence parallelism in training; ``moe``: the
                                          model has MoE layers, or ``--num-experts`` > 0)
@@ -240,6 +244,15 @@ class FrameworkRules:
                 add("max_pp", layers // (k + 1), f"MindSpeed-LLM refuses a pp stage of dense "
                     f"layers only (--first-k-dense-replace {k}: num_layers // pp must exceed "
                     f"{k})")
+        mtp = flag_value(argv, "--mtp-num-layers")
+        if (mtp is not None and _int_flag("--mtp-num-layers", mtp) > 0
+                and find_flag(argv, "--save")
+                and not find_flag(argv, "--untie-embeddings-and-output-weights")
+                and flag_value(argv, "--ckpt-format", "torch_dist") != "torch"):
+            add("max_pp", 1, "megatron-core cannot save an MTP model with tied embeddings at "
+                "pp > 1 (LanguageModule.tie_embeddings_and_output_weights_state_dict asserts on "
+                "the last stage's output weight at the first save): add --untie-embeddings-"
+                "and-output-weights to plan pp > 1")
         experts = flag_value(argv, "--num-experts")
         if experts is not None and _int_flag("--num-experts", experts) > 0:
             moe = True
