@@ -9,12 +9,23 @@ children) measured on 2026-11-27 on the 2-core AMD EPYC host: on a quiet 2-core 
 wall time is about its CPU time (a multi-rank launch's, about half of it). Add a test here when
 it costs that much; docs/testing.md says what each tier costs."""
 
+import os
+import tempfile
+
 import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile("poseidon", deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("poseidon")
+
+# Launches share one bytecode cache: the framework trees in FRAMEWORKS are read-only and the CI
+# host sets PYTHONDONTWRITEBYTECODE, so every rank of every launch compiled MindSpeed-LLM's and
+# Megatron's ~1,500 sources afresh (about 1.3 CPU-s a rank, measured 2026-12-04). The tests'
+# subprocesses inherit this; the cache lives outside the repository.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+os.environ.setdefault("PYTHONPYCACHEPREFIX",
+                      os.path.join(tempfile.gettempdir(), f"poseidon-pycache-{os.getuid()}"))
 
 # "file::test" (every parametrization) -> CPU seconds measured (all of its parametrizations)
 SLOW = {
