@@ -35,7 +35,7 @@ NOT_AN_OPT_IN = {
     # read to check that the code under test restores it (test_moe_judge)
     "CUDA_DEVICE_MAX_CONNECTIONS": "",
     # passed through to / set for child processes
-    "PYTHONPATH": "", "PATH": "", "RANK": "", "WORLD_SIZE": "", "PROBE_PORT": "",
+    "PYTHONPATH": "", "PATH": "", "RANK": "", "WORLD_SIZE": "", "PROBE_PORT": "", "PROBE_STAGE": "",
     "FAIL_RANK": "", "POSEIDON_SEARCH_SPLIT_NODES": "",
 }
 
