@@ -317,7 +317,9 @@ def _expert_optimizer_refusal(info: ck.CheckpointInfo, plan: "Plan", where: str)
     """A MoE's optimizer state across EP 1 <-> EP > 1: Megatron keeps the expert parameters in an
     optimizer of their own at EP > 1 (a ChainedOptimizer of two), and loading that state into
     EP 1's single optimizer fails (megatron-core 0.19: 'Could not find parameter group ... in
-    loaded checkpoint', seen on the core_v0.19.0 tree, EP 2 -> EP 1)."""
+    loaded checkpoint', seen on the core_v0.19.0 tree, EP 2 -> EP 1; megatron-core 0.12.1 under
+    MindSpeed-LLM v26.1.0: a KeyError, 'optimizer.state.exp_avg.decoder.layers... from model not
+    in state dict', the saved keys being chained_0 / chained_1's, seen with this check bypassed)."""
     if not info.saved("num_experts"):
         return None
     saved_ep = int(info.saved("expert_model_parallel_size", 1) or 1)
