@@ -113,12 +113,15 @@ def dead_node_agent(python: str, port: int, launch: list[str]) -> list[str]:
 
 def run_dead_node(agent: Callable[[int], list[str]], env: dict[str, str], log_dir,
                   saved_at: int = 2, timeout: float = 900,
-                  cwd: str = ROOT) -> tuple[int, str, str]:
+                  cwd: str = ROOT, record=None) -> tuple[int, str, str]:
     """Starts ``agent(port)`` twice (the first hosts the rendezvous store: the node that dies
     must not be the one holding it; the second joins within ``last_call_timeout``, so both are
     in the first round), kills the second once Megatron has saved at ``saved_at``, waits for the
     first. (the first agent's returncode, its log, the second's log); both are written under
-    ``log_dir``."""
+    ``log_dir``. ``record``: Poseidon's record of that save (a path) must exist too before the
+    kill -- rank 0 writes it after Megatron's closing barrier, and rank 0 may sit on the node
+    that dies (torchrun's rendezvous orders the nodes as they join): killed in between, the
+    relaunch resumes without knowing what changed (seen once in CI)."""
     from test_launch_e2e import free_port
 
     port = free_port()
@@ -140,7 +143,8 @@ def run_dead_node(agent: Callable[[int], list[str]], env: dict[str, str], log_di
             if "is not used by the plan" in both:
                 break      # the first plan left a node out: no restart would follow
             if not killed and re.search(rf"successfully saved checkpoint from iteration +"
-                                        rf"{saved_at}\b", both):
+                                        rf"{saved_at}\b", both) and (
+                                            record is None or os.path.exists(record)):
                 _kill_tree(procs[1].pid)   # the node: its agent and its ranks
                 killed = True
             time.sleep(0.5)
