@@ -235,10 +235,11 @@ def test_a_dead_node_is_replanned_around_and_the_job_resumes(plan_a):
     # left) are the fast pair, the slow pair is the one lost (CI time)
     emu = emulation(run / "emu.yaml", {"emu-fast": 1.0, "emu-slow": 0.25},
                     ["emu-fast", "emu-fast", "emu-slow", "emu-slow"])
-    # window 50 %: plan A's first launch plans on uncalibrated costs, and its calibration once
-    # put plan A's plan 23.5 % over the fastest (MindSpeed-LLM's, by hand); the first group must train plan A's
+    # window 20 % (the most the flag takes): plan A's first launch plans on uncalibrated costs,
+    # and its calibration once put plan A's plan 23.5 % over the fastest, so the first group may
+    # re-plan; the losses match across plans within 1 % all the same (the resume tests)
     script = [fw.script(RELEASE), *ARGS, "--poseidon-emulate", emu,
-              "--poseidon-keep-plan-within", "50", "--save", str(ckpt), "--load", str(ckpt),
+              "--poseidon-keep-plan-within", "20", "--save", str(ckpt), "--load", str(ckpt),
               "--save-interval", "2", "--exit-interval", "4"]
     env = fw.mindspeed_llm_env(RELEASE, {
         "POSEIDON_PROFILE_DIR": str(run / "profiles"),
@@ -246,8 +247,8 @@ def test_a_dead_node_is_replanned_around_and_the_job_resumes(plan_a):
     rc, out, node_b = run_dead_node(
         lambda port: dead_node_agent(fw.msllm_python(), port, script), env, run, cwd=fw.ROOT,
         record=ckpt / "iter_0000002" / "poseidon-plan.json")
-    assert re.search(r"the previous launch's plan \(.*\) is .* ms: kept \(window 50%",
-                     out + node_b), out[-6000:]      # the first group trained plan A
+    assert re.search(r"the previous launch's plan \(.*\) is .* ms: (kept|replaced) \(window 20%",
+                     out + node_b), out[-6000:]      # the first group planned from plan A's cache
     it, relaunch = check_dead_node_resume(out, 2, 8, lost="2 x emu-slow", until=4)
     assert rc == 0, out[-6000:]
     check_losses(losses(relaunch), reference, it + 1, 4)
