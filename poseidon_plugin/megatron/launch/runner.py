@@ -457,15 +457,15 @@ def _check_mindspeed_llm_layers(args: Any, model: ModelSpec) -> None:
             f"not {pattern_expression(tuple(model.moe_pattern))} as the flags read: its "
             "pretrain_gpt.py makes every layer MoE and reads --moe-layer-freq only with "
             "--first-k-dense-replace K (the first K layers dense); use that to plan dense layers")
-    if (0 in built and 1 in built and getattr(args, "save", None)
-            and (getattr(args, "ckpt_format", None) or "torch_dist") != "torch"):
+    fmt = getattr(args, "ckpt_format", None) or "torch_dist"
+    if 0 in built and 1 in built and getattr(args, "save", None) and fmt != "torch":
         # MindSpeed-LLM swaps the dense layers' MLP spec in its own block build and leaves
         # megatron-core's moe_layer_freq at 1, so TransformerBlock.sharded_state_dict stacks
         # every layer's MLP under one key with a layer axis the dense layers cover only in
         # part: the first save dies on every rank (v26.1.0 on core_v0.12.1, seen)
         raise PoseidonError(
-            f"MindSpeed-LLM cannot save this model with --ckpt-format "
-            f"{getattr(args, 'ckpt_format', None) or 'torch_dist'}: its --first-k-dense-replace "
+            f"MindSpeed-LLM cannot save this model with --ckpt-format {fmt}: its "
+            "--first-k-dense-replace "
             "builds dense and MoE layers that megatron-core's distributed checkpoint keys as one "
             "stacked layer list, and the first save fails on every rank (CheckpointingException: "
             "Invalid access pattern for decoder.layers.mlp.linear_fc1.weight); save with "
